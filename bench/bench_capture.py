@@ -1,0 +1,96 @@
+"""Capture of a long document vs a plain prefill of the same tokens, in the same run.
+
+    python bench/bench_capture.py --device cuda --tokens 16384            # H200, Qwen3.5-0.8B shape, bf16
+    python bench/bench_capture.py --device cpu --tokens 1024 --small      # CPU smoke
+
+Prints one JSON line per measurement: plain prefill (model.model, no cache, no logits), the naive 256-token
+loop through DynamicCache with state snapshots, gdnviz's capture (segmented run + per-boundary spectra + key
+statistics), and the ratios. ``--parts`` also times the capture's pieces (scan only, spectra only).
+"""
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+
+import torch
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+from bench.common import device_name, emit, qwen35_08b_config, random_model, sync, timeit  # noqa: E402
+
+
+def main():
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
+    ap.add_argument("--tokens", type=int, default=16384)
+    ap.add_argument("--segment-len", type=int, default=256)
+    ap.add_argument("--dtype", default=None)
+    ap.add_argument("--small", action="store_true", help="4 layers / 4 heads: a CPU smoke run")
+    ap.add_argument("--naive", action="store_true", help="also time the naive DynamicCache segment loop")
+    ap.add_argument("--repeats", type=int, default=3)
+    args = ap.parse_args()
+
+    from gdnviz import runner
+    from gdnviz.capture import capture_document
+    from gdnviz.models import from_model
+
+    dev = torch.device(args.device)
+    dtype = {"bf16": torch.bfloat16, "fp32": torch.float32}.get(args.dtype or ("bf16" if dev.type == "cuda" else "fp32"))
+    cfg = qwen35_08b_config()
+    if args.small:
+        cfg.num_hidden_layers, cfg.layer_types = 4, ["linear_attention"] * 3 + ["full_attention"]
+        cfg.linear_num_key_heads = cfg.linear_num_value_heads = 4
+        cfg.vocab_size = 32000
+    model = random_model(cfg, dev, dtype)
+    lm = from_model(model, "qwen3.5-0.8b-shape-random")
+    T, L = args.tokens, args.segment_len
+    ids = torch.randint(0, cfg.vocab_size - 1, (1, T), generator=torch.Generator().manual_seed(0)).to(dev)
+    base = dict(device=device_name(dev), tokens=T, segment_len=L, dtype=str(dtype), gdn_layers=len(lm.info.gdn_layers),
+                heads=lm.info.num_heads, kernel_path=lm.info.kernel_path)
+
+    def plain():
+        with torch.inference_mode():
+            model.model(input_ids=ids, use_cache=False)
+
+    t_plain = timeit(plain, dev, repeats=args.repeats)
+    emit(what="plain_prefill", seconds=t_plain, **base)
+
+    def scan_only():
+        runner.forward(lm, ids, segment_len=L, keep_hidden=False)
+
+    t_scan = timeit(scan_only, dev, repeats=args.repeats)
+    emit(what="segmented_run_no_callbacks", seconds=t_scan, baseline="plain_prefill", ratio=t_scan / t_plain, **base)
+
+    holder = {}
+
+    def cap():
+        holder["c"] = capture_document(lm, ids[0].cpu(), L)
+
+    t_cap = timeit(cap, dev, repeats=args.repeats)
+    c = holder["c"]
+    emit(what="capture", seconds=t_cap, baseline="plain_prefill", ratio=t_cap / t_plain,
+         stored_mb=len(c.to_bytes()) / 2**20, boundaries=len(c.positions), backends=c.meta["backends"], **base)
+
+    if args.naive:
+        from transformers import DynamicCache
+
+        gdn = list(lm.info.gdn_layers)
+
+        def naive():
+            cache = DynamicCache(config=model.config)
+            snaps = []
+            with torch.inference_mode():
+                for s in range(0, T, L):
+                    model.model(input_ids=ids[:, s:s + L], past_key_values=cache, use_cache=True)
+                    snaps.append(torch.stack([cache.layers[i].recurrent_states[0] for i in gdn]).clone())
+            return snaps
+
+        t_naive = timeit(naive, dev, repeats=1)
+        emit(what="naive_dynamiccache_loop_with_snapshots", seconds=t_naive, baseline="plain_prefill",
+             ratio=t_naive / t_plain, **base)
+    if dev.type == "cuda":
+        emit(what="peak_gpu_memory_gib", value=torch.cuda.max_memory_allocated() / 2**30, **base)
+
+
+if __name__ == "__main__":
+    main()

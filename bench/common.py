@@ -1,0 +1,63 @@
+"""Shared helpers for benchmarks: a Qwen3.5-0.8B-shaped random model, timing, JSON lines."""
+from __future__ import annotations
+
+import json
+import platform
+import sys
+import time
+
+import torch
+
+
+def qwen35_08b_config(vocab_size: int = 248320):
+    """Qwen3.5-0.8B's text config (24 layers: 18 GDN with 16 heads of 128x128, 6 full attention)."""
+    from transformers import Qwen3_5TextConfig
+
+    return Qwen3_5TextConfig(
+        vocab_size=vocab_size, hidden_size=1024, intermediate_size=3584, num_hidden_layers=24,
+        num_attention_heads=8, num_key_value_heads=2, head_dim=256, linear_num_key_heads=16,
+        linear_num_value_heads=16, linear_key_head_dim=128, linear_value_head_dim=128, linear_conv_kernel_dim=4,
+        tie_word_embeddings=True, max_position_embeddings=262144)
+
+
+def random_model(cfg, device, dtype, seed=0):
+    from transformers import Qwen3_5ForCausalLM
+
+    torch.manual_seed(seed)
+    with torch.device(device):
+        m = Qwen3_5ForCausalLM(cfg)
+    return m.to(dtype=dtype).eval()
+
+
+def sync(device):
+    if torch.device(device).type == "cuda":
+        torch.cuda.synchronize()
+
+
+def timeit(fn, device, repeats=3, warmup=1):
+    """Median wall time in seconds over ``repeats`` after ``warmup`` calls (device synchronised)."""
+    for _ in range(warmup):
+        fn()
+    sync(device)
+    times = []
+    for _ in range(repeats):
+        sync(device)
+        t = time.perf_counter()
+        fn()
+        sync(device)
+        times.append(time.perf_counter() - t)
+    times.sort()
+    return times[len(times) // 2]
+
+
+def device_name(device) -> str:
+    dev = torch.device(device)
+    if dev.type == "cuda":
+        return torch.cuda.get_device_name(dev)
+    return f"cpu ({platform.processor() or platform.machine()}, {torch.get_num_threads()} threads)"
+
+
+def emit(**row):
+    row.setdefault("torch", torch.__version__)
+    print(json.dumps(row, default=str), flush=True)
+    sys.stdout.flush()

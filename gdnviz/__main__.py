@@ -1,0 +1,5 @@
+import sys
+
+from gdnviz.cli import main
+
+sys.exit(main())

@@ -1,0 +1,199 @@
+"""Capture: what one document does to every GDN head, recorded along the document within a memory budget.
+
+``capture_document(lm, input_ids, segment_len=256)`` runs the document once (``gdnviz.runner``) and keeps, per
+GDN layer l (ordinal among GDN layers) and value head h:
+
+=====================  ==========================  ======================================================
+field                  shape / dtype               meaning
+=====================  ==========================  ======================================================
+positions              [NB] int64                  token positions of the recorded states: L, 2L, ... and
+                                                   the document end T when T is not a multiple of L
+sv                     [NB, NL, H, n] float32      singular values (descending, n = min(d_k, d_v)) of the
+                                                   carried state after ``positions[b]`` tokens (float64 SVD)
+final_state            [NL, H, d_k, d_v] float32   the carried state after the whole document
+g                      [NL, H, T] float32          log-decay per token (alpha = exp(g))
+beta                   [NL, H, T] float16          write strength per token
+key_mean               [NL, H, d_k] float32        mean of the unit keys over the document
+keycone                dict of [NL, H] float64     mean_key_norm, key_cov_erank, decayed_P_erank_sqrt,
+                                                   decayed_P_erank_eig, horizon (gdnviz.analysis.keycone)
+key_sample             [NL, H, S, d_k] float16     S <= 256 unit keys at evenly spaced positions
+key_sample_pos         [S] int64                   their token positions
+=====================  ==========================  ======================================================
+
+Nothing else is kept: no per-token keys, no activations, no logits. For a Qwen3.5-0.8B-sized model (18 GDN layers,
+16 heads of 128x128) and 16,384 tokens that is about 9.4 MB of spectra + 18.9 MB final states + 18.9 MB g +
+9.4 MB beta + 9.4 MB key samples ≈ 66 MB on disk (``save``), and the GPU holds at most one layer's boundary
+states at a time.
+"""
+from __future__ import annotations
+
+import io
+import json
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Callable
+
+import numpy as np
+import torch
+
+from gdnviz import runner
+from gdnviz.errors import EmptyDocument, JobCancelled
+
+CAPTURE_VERSION = "capture-v1"
+KEY_SAMPLE = 256
+
+
+@dataclass
+class CaptureResult:
+    """One document's capture; see the module docstring for every field's shape and meaning."""
+
+    meta: dict
+    positions: np.ndarray
+    sv: np.ndarray
+    final_state: np.ndarray
+    g: np.ndarray
+    beta: np.ndarray
+    key_mean: np.ndarray
+    keycone: dict
+    key_sample: np.ndarray
+    key_sample_pos: np.ndarray
+
+    # -- convenience -------------------------------------------------------------------------------
+    @property
+    def gdn_layers(self) -> list:
+        return list(self.meta["gdn_layers"])
+
+    def layer_ordinal(self, layer: int) -> int:
+        return self.gdn_layers.index(layer)
+
+    @property
+    def n_tokens(self) -> int:
+        return int(self.meta["n_tokens"])
+
+    def nbytes(self) -> int:
+        arrays = [self.positions, self.sv, self.final_state, self.g, self.beta, self.key_mean, self.key_sample,
+                  self.key_sample_pos] + list(self.keycone.values())
+        return int(sum(a.nbytes for a in arrays))
+
+    # -- persistence -------------------------------------------------------------------------------
+    def to_bytes(self) -> bytes:
+        buf = io.BytesIO()
+        np.savez(buf, meta=np.frombuffer(json.dumps(self.meta).encode(), dtype=np.uint8), positions=self.positions,
+                 sv=self.sv, final_state=self.final_state, g=self.g, beta=self.beta, key_mean=self.key_mean,
+                 key_sample=self.key_sample, key_sample_pos=self.key_sample_pos,
+                 **{f"keycone__{k}": v for k, v in self.keycone.items()})
+        return buf.getvalue()
+
+    @classmethod
+    def from_bytes(cls, data: bytes) -> "CaptureResult":
+        z = np.load(io.BytesIO(data), allow_pickle=False)
+        meta = json.loads(bytes(z["meta"]).decode())
+        kc = {k.split("__", 1)[1]: z[k] for k in z.files if k.startswith("keycone__")}
+        return cls(meta=meta, positions=z["positions"], sv=z["sv"], final_state=z["final_state"], g=z["g"],
+                   beta=z["beta"], key_mean=z["key_mean"], keycone=kc, key_sample=z["key_sample"],
+                   key_sample_pos=z["key_sample_pos"])
+
+    def save(self, path) -> Path:
+        path = Path(path)
+        path.write_bytes(self.to_bytes())
+        return path
+
+    @classmethod
+    def load(cls, path) -> "CaptureResult":
+        return cls.from_bytes(Path(path).read_bytes())
+
+
+class CaptureCallback:
+    """Boundary callback that records states, gates and key statistics (batch size 1)."""
+
+    def __init__(self, info, n_tokens: int, segment_len: int, progress: Callable | None = None,
+                 cancel: Callable | None = None):
+        from gdnviz.analysis import keycone as kc
+
+        self._kc = kc
+        self.info = info
+        self.T = n_tokens
+        self.L = segment_len
+        self.layers = list(info.gdn_layers)
+        self.progress = progress
+        self.cancel = cancel
+        self.positions = [p for p in range(segment_len, n_tokens + 1, segment_len)]
+        if not self.positions or self.positions[-1] != n_tokens:
+            self.positions.append(n_tokens)
+        NL, H, K, V = len(self.layers), info.num_heads, info.d_k, info.d_v
+        self.n = min(K, V)
+        self.sv = np.zeros((len(self.positions), NL, H, self.n), np.float32)
+        self.final_state = np.zeros((NL, H, K, V), np.float32)
+        self.g = np.zeros((NL, H, n_tokens), np.float32)
+        self.beta = np.zeros((NL, H, n_tokens), np.float16)
+        self.key_mean = np.zeros((NL, H, K), np.float32)
+        self.keycone: dict = {}
+        S = min(KEY_SAMPLE, n_tokens)
+        self.key_sample_pos = np.unique(np.linspace(0, n_tokens - 1, S).round().astype(np.int64))
+        self.key_sample = np.zeros((NL, H, len(self.key_sample_pos), K), np.float16)
+        self._states: list = []
+        self._done = 0
+
+    def on_layer_input(self, layer, offset, keys, g, beta):
+        if offset != 0 or keys.shape[0] != 1 or keys.shape[1] != self.T:
+            raise RuntimeError("capture expects one whole document (batch 1) in one call per layer")
+        li = self.layers.index(layer)
+        k0, g0 = keys[0], g[0]  # [T, H, K], [T, H]
+        self.g[li] = g0.float().T.cpu().numpy()
+        self.beta[li] = beta[0].float().T.cpu().numpy().astype(np.float16)
+        self.key_mean[li] = k0.mean(0).float().cpu().numpy()
+        pos = torch.as_tensor(self.key_sample_pos, device=k0.device)
+        self.key_sample[li] = k0[pos].transpose(0, 1).float().cpu().numpy().astype(np.float16)
+        summary = self._kc.keycone_summary(k0, g0)
+        for name, val in summary.items():
+            arr = val.detach().cpu().numpy() if torch.is_tensor(val) else np.asarray(val)
+            self.keycone.setdefault(name, np.zeros((len(self.layers), self.info.num_heads), np.float64))[li] = arr
+        self._states = []
+
+    def on_boundary(self, layer, position, state):
+        self._states.append(state[0].detach().clone())
+        return None
+
+    def on_layer_end(self, layer, position, state):
+        li = self.layers.index(layer)
+        if position % self.L != 0:
+            self._states.append(state[0].detach().clone())
+        stack = torch.stack(self._states)  # [NB, H, K, V]
+        self._states = []
+        sv = torch.linalg.svdvals(stack.double())
+        self.sv[:, li] = sv.float().cpu().numpy()
+        self.final_state[li] = state[0].float().cpu().numpy()
+        self._done += 1
+        if self.progress is not None:
+            self.progress(self._done, len(self.layers))
+        if self.cancel is not None and self.cancel():
+            raise JobCancelled("capture cancelled")
+
+    def result(self, meta: dict) -> CaptureResult:
+        return CaptureResult(meta=meta, positions=np.asarray(self.positions, np.int64), sv=self.sv,
+                             final_state=self.final_state, g=self.g, beta=self.beta, key_mean=self.key_mean,
+                             keycone=self.keycone, key_sample=self.key_sample, key_sample_pos=self.key_sample_pos)
+
+
+def capture_document(lm, input_ids, segment_len: int = runner.DEFAULT_SEGMENT_LEN, *, name: str = "",
+                     progress: Callable | None = None, cancel: Callable | None = None) -> CaptureResult:
+    """Run one document (``input_ids``: list[int] or [T] / [1, T] tensor) and capture every GDN head.
+
+    progress(done_layers, n_layers) is called after each GDN layer; cancel() -> True aborts with JobCancelled.
+    """
+    runner.check_segment_len(segment_len)
+    ids = torch.as_tensor(input_ids, dtype=torch.long)
+    if ids.ndim == 1:
+        ids = ids[None]
+    if ids.numel() == 0:
+        raise EmptyDocument("the document has no tokens")
+    T = ids.shape[1]
+    cb = CaptureCallback(lm.info, T, segment_len, progress=progress, cancel=cancel)
+    t0 = time.perf_counter()
+    out = runner.forward(lm, ids, segment_len=segment_len, callbacks=[cb], keep_hidden=False)
+    meta = dict(version=CAPTURE_VERSION, name=name, n_tokens=T, segment_len=segment_len,
+                model=lm.info.to_dict(), gdn_layers=list(lm.info.gdn_layers), num_heads=lm.info.num_heads,
+                d_k=lm.info.d_k, d_v=lm.info.d_v, backends=sorted(out.backends),
+                seconds=round(time.perf_counter() - t0, 4))
+    return cb.result(meta)

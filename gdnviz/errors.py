@@ -1,0 +1,75 @@
+"""Specific exceptions of the gdnviz library. Pages turn them into ``st.error`` with what to do next.
+
+Every exception carries a message written for the user: what went wrong and what to do about it.
+"""
+
+
+class GDNVizError(Exception):
+    """Base class of every error gdnviz raises on purpose."""
+
+
+# --- loading -------------------------------------------------------------------------------------
+class ModelNotFound(GDNVizError):
+    """The name is neither a local directory, the bundled demo, nor a model in the local HF cache."""
+
+
+class NotAModelDirectory(GDNVizError):
+    """A local path exists but holds no ``config.json``."""
+
+
+class WeightsMissing(GDNVizError):
+    """A config was found but no weight files (``*.safetensors`` / ``*.bin``) beside it."""
+
+
+class UnsupportedFamily(GDNVizError):
+    """The config's ``model_type`` is none of the families gdnviz has an adapter for."""
+
+
+class NotAGDNModel(GDNVizError):
+    """The config declares no Gated DeltaNet (``linear_attention``) layers."""
+
+
+# --- inputs --------------------------------------------------------------------------------------
+class EmptyDocument(GDNVizError):
+    """A document is empty or whitespace only."""
+
+
+class NotText(GDNVizError):
+    """An upload is binary or not valid UTF-8."""
+
+
+class DocumentTooLong(GDNVizError):
+    """A document has more tokens than the configured limit."""
+
+
+class RankOutOfRange(GDNVizError):
+    """A truncation rank is outside 1..min(d_k, d_v)."""
+
+
+class BadSegmentLength(GDNVizError):
+    """A segment length is not a positive integer."""
+
+
+class UnknownTask(GDNVizError):
+    """A probe task name is not one gdnviz generates."""
+
+
+class TaskTooShort(GDNVizError):
+    """A target length is below what a task needs."""
+
+
+class EmptyDocumentSet(GDNVizError):
+    """A probe was asked to run over no documents."""
+
+
+# --- running -------------------------------------------------------------------------------------
+class GPUOutOfMemory(GDNVizError):
+    """The device ran out of memory; the message says how much was asked and what to reduce."""
+
+
+class WorkerCrashed(GDNVizError):
+    """The worker process died while running a job."""
+
+
+class JobCancelled(GDNVizError):
+    """The user cancelled a running job."""

@@ -1,0 +1,99 @@
+"""Truncated runs: chosen heads cut to rank r at every segment boundary, compounding along the document.
+
+A ``TruncationSpec`` maps (layer, head) -> r (the model's own layer index, value-head index); heads not in it are
+untouched, and attention layers are never touched. ``TruncateCallback`` applies it inside a ``gdnviz.runner``
+run: at every boundary (absolute positions L, 2L, ...) the state the next segment reads is replaced by its
+projection onto its top-r left singular directions (``gdnviz.truncate.truncate_states``), so the cut compounds:
+the truncated state is what the next segment reads and writes into.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Iterable
+
+import torch
+
+from gdnviz.errors import RankOutOfRange
+
+
+@dataclass(frozen=True)
+class TruncationSpec:
+    """Ranks per head: ``ranks`` is a tuple of ((layer, head), r) pairs (hashable, JSON-friendly via to_dict)."""
+
+    ranks: tuple = field(default_factory=tuple)
+
+    @classmethod
+    def from_dict(cls, mapping: dict) -> "TruncationSpec":
+        return cls(tuple(sorted(((int(l), int(h)), int(r)) for (l, h), r in mapping.items())))
+
+    @classmethod
+    def uniform(cls, heads: Iterable, r: int) -> "TruncationSpec":
+        return cls.from_dict({(l, h): r for l, h in heads})
+
+    @classmethod
+    def all_heads(cls, info, r: int) -> "TruncationSpec":
+        return cls.uniform([(l, h) for l in info.gdn_layers for h in range(info.num_heads)], r)
+
+    @classmethod
+    def layers(cls, info, layers: Iterable[int], r: int) -> "TruncationSpec":
+        return cls.uniform([(l, h) for l in layers for h in range(info.num_heads)], r)
+
+    def as_dict(self) -> dict:
+        return {lh: r for lh, r in self.ranks}
+
+    def to_list(self) -> list:
+        return [[l, h, r] for (l, h), r in self.ranks]
+
+    def __len__(self) -> int:
+        return len(self.ranks)
+
+    def validate(self, info) -> None:
+        """Raise RankOutOfRange / ValueError naming the first bad entry."""
+        rmax = min(info.d_k, info.d_v)
+        for (l, h), r in self.ranks:
+            if l not in info.gdn_layers:
+                raise ValueError(f"layer {l} is not a Gated DeltaNet layer (GDN layers: {list(info.gdn_layers)})")
+            if not 0 <= h < info.num_heads:
+                raise ValueError(f"head {h} out of range: GDN layers have {info.num_heads} heads (0..{info.num_heads - 1})")
+            if not 1 <= r <= rmax:
+                raise RankOutOfRange(f"rank {r} for layer {l} head {h} is outside 1..{rmax} (min(d_k, d_v)); "
+                                     f"r = {rmax} keeps the state untouched")
+
+
+class TruncateCallback:
+    """Runner callback that projects the chosen heads onto their top-r directions at every boundary."""
+
+    def __init__(self, info, spec: TruncationSpec, warm_start: bool = True):
+        spec.validate(info)
+        self.rmax = min(info.d_k, info.d_v)
+        per_layer: dict = {}
+        for (l, h), r in spec.ranks:
+            if r < self.rmax:  # r = min(d_k, d_v) is the identity: skip the work
+                per_layer.setdefault(l, []).append((h, r))
+        self.per_layer = {l: (torch.tensor([h for h, _ in v]), torch.tensor([r for _, r in v]))
+                          for l, v in per_layer.items()}
+        self.warm_start = warm_start
+        self._basis: dict = {}
+        self.n_calls = 0
+
+    def on_boundary(self, layer, position, state):
+        sel = self.per_layer.get(layer)
+        if sel is None:
+            return None
+        from gdnviz.truncate import truncate_states
+
+        heads, ranks = sel
+        B = state.shape[0]
+        heads_d = heads.to(state.device)
+        x = state[:, heads_d].reshape(-1, *state.shape[-2:])  # [B * h, K, V]
+        r = ranks.to(state.device).repeat(B)
+        warm = self._basis.get(layer) if self.warm_start else None
+        if warm is not None and warm.shape[0] != x.shape[0]:
+            warm = None
+        y, basis = truncate_states(x, r, warm_start=warm, return_basis=True)
+        if self.warm_start:
+            self._basis[layer] = basis
+        out = state.clone()
+        out[:, heads_d] = y.reshape(B, len(heads), *state.shape[-2:]).to(state.dtype)
+        self.n_calls += 1
+        return out

@@ -1,0 +1,402 @@
+"""Jobs: small frozen specs (what to run) → pure functions calling the library (how) → results (what pages draw).
+
+A spec is a frozen dataclass of plain values (texts, ints, tuples), so it pickles into the queue, hashes into a
+cache key and round-trips through ``spec_to_dict`` / ``spec_from_dict``. ``run(spec, ctx)`` executes one spec with
+a ``JobContext`` that provides the loaded model, progress reporting (which raises ``JobCancelled`` when the user
+cancelled) and the store for memoised results. The worker (``python -m gdnviz.worker``) is the only caller in the
+app; the CLI and tests can call ``run`` directly.
+
+=====================  ==========================================================================================
+spec                   result (a JSON-able dict; big arrays live in the memo)
+=====================  ==========================================================================================
+InspectModelJob        what ``gdnviz.models.inspect_model`` finds + fingerprint, resolved device/dtype, kernel path
+CaptureJob             ``run_id`` of a "previous runs" entry; one memo entry per document (CaptureResult bytes)
+TruncateCompareJob     untouched vs truncated greedy answers, RULER scores, next-token loss change on documents
+LossJob                ``loss_vs_rank`` table (records) for a document set
+=====================  ==========================================================================================
+
+Memo keys (``cache_key``) hash what determines a result: the computation version, the model fingerprint, the
+token ids, the segment length, the resolved dtype and device type, and the job's parameters.
+"""
+from __future__ import annotations
+
+import hashlib
+import time
+from dataclasses import asdict, dataclass, fields
+from typing import Any, ClassVar
+
+import numpy as np
+
+from gdnviz.documents import check_length, check_text, tokenize
+from gdnviz.errors import EmptyDocumentSet, GDNVizError, JobCancelled
+from gdnviz.store import Store, content_hash
+
+#: Version strings of the computations; bump one to invalidate its memo entries.
+VERSIONS = {
+    "capture": "capture-v1/jobs-1",
+    "truncate": "truncate-compare-v1",
+    "loss": "loss-vs-rank-v1",
+}
+
+
+# --- specs ---------------------------------------------------------------------------------------------------
+@dataclass(frozen=True)
+class InspectModelJob:
+    """Describe a checkpoint without loading its weights (family, layers, heads, widths, kernel path)."""
+
+    kind: ClassVar[str] = "inspect"
+    model: str = "demo"
+    device: str = "auto"
+    dtype: str = "auto"
+
+
+@dataclass(frozen=True)
+class CaptureJob:
+    """Capture every GDN head along each document of a set. ``documents``: ((name, text), ...)."""
+
+    kind: ClassVar[str] = "capture"
+    model: str
+    documents: tuple
+    segment_len: int = 256
+    device: str = "auto"
+    dtype: str = "auto"
+    max_tokens: int = 32768
+
+
+@dataclass(frozen=True)
+class TruncateCompareJob:
+    """Greedy answers of the untouched and the truncated model, and the loss change on documents.
+
+    ranks: ((layer, head, r), ...). The prompt is ``prompt`` (typed text) unless ``task`` names a RULER task, in
+    which case a sample of ``target_len`` tokens with ``seed`` is generated with the model's tokenizer.
+    loss_documents: ((name, text), ...) whose mean next-token loss is measured both ways (empty: the prompt).
+    """
+
+    kind: ClassVar[str] = "truncate"
+    model: str
+    ranks: tuple
+    prompt: str = ""
+    task: str = ""
+    target_len: int = 1024
+    seed: int = 0
+    max_new_tokens: int = 32
+    segment_len: int = 256
+    loss_documents: tuple = ()
+    chat_template: bool = True
+    device: str = "auto"
+    dtype: str = "auto"
+
+
+@dataclass(frozen=True)
+class LossJob:
+    """Mean next-token loss of a document set vs r (all GDN heads, or ``heads`` = ((layer, head), ...))."""
+
+    kind: ClassVar[str] = "loss"
+    model: str
+    documents: tuple
+    ranks: tuple = (1, 4, 12, 32)
+    heads: tuple = ()
+    segment_len: int = 256
+    device: str = "auto"
+    dtype: str = "auto"
+
+
+SPECS = {c.kind: c for c in (InspectModelJob, CaptureJob, TruncateCompareJob, LossJob)}
+
+
+def _tuplify(x):
+    if isinstance(x, (list, tuple)):
+        return tuple(_tuplify(v) for v in x)
+    return x
+
+
+def spec_to_dict(spec) -> dict:
+    d = asdict(spec)
+    d["kind"] = spec.kind
+    return d
+
+
+def spec_from_dict(d: dict):
+    d = dict(d)
+    kind = d.pop("kind")
+    cls = SPECS[kind]
+    names = {f.name for f in fields(cls)}
+    return cls(**{k: _tuplify(v) for k, v in d.items() if k in names})
+
+
+# --- keys ----------------------------------------------------------------------------------------------------
+def ids_hash(ids) -> str:
+    return hashlib.sha256(np.asarray(list(ids), dtype=np.int64).tobytes()).hexdigest()[:32]
+
+
+def cache_key(kind: str, fingerprint: str, params: dict | None = None, token_ids=()) -> str:
+    """Memo key of a result: ``<kind>:<hash>`` of the version, model fingerprint, parameters and token ids."""
+    payload = dict(version=VERSIONS[kind], fingerprint=fingerprint, params=params or {},
+                   ids=[ids_hash(t) for t in token_ids])
+    return f"{kind}:{content_hash(payload)}"
+
+
+def capture_key(fingerprint: str, ids, segment_len: int, dtype: str, device_type: str) -> str:
+    return cache_key("capture", fingerprint, dict(segment_len=int(segment_len), dtype=dtype, device=device_type),
+                     [ids])
+
+
+def run_id_for(fingerprint: str, doc_keys, segment_len: int, dtype: str, device_type: str) -> str:
+    return "run-" + content_hash(dict(fp=fingerprint, docs=list(doc_keys), L=segment_len, dtype=dtype,
+                                      device=device_type))[:16]
+
+
+# --- context -------------------------------------------------------------------------------------------------
+class JobContext:
+    """What a job function may use: the store, a model loader, progress (raises JobCancelled on cancel)."""
+
+    def __init__(self, store: Store, job_id: str = "", model_loader=None, progress=None, cancelled=None):
+        self.store = store
+        self.job_id = job_id
+        self._loader = model_loader
+        self._progress = progress
+        self._cancelled = cancelled
+
+    def model(self, name: str, device: str, dtype: str):
+        if self._loader is not None:
+            return self._loader(name, device, dtype)
+        from gdnviz.models import load
+
+        return load(name, device=device, dtype=dtype)
+
+    def cancelled(self) -> bool:
+        return bool(self._cancelled and self._cancelled())
+
+    def progress(self, done: float, total: float, text: str = "") -> None:
+        if self._progress is not None:
+            self._progress(done, total, text)
+        if self.cancelled():
+            raise JobCancelled("cancelled by the user")
+
+
+# --- runners -------------------------------------------------------------------------------------------------
+def run(spec, ctx: JobContext) -> dict:
+    """Execute one job spec; returns its JSON-able result dict."""
+    fn = {"inspect": run_inspect, "capture": run_capture, "truncate": run_truncate, "loss": run_loss}[spec.kind]
+    return fn(spec, ctx)
+
+
+def run_inspect(spec: InspectModelJob, ctx: JobContext) -> dict:
+    from pathlib import Path
+
+    from gdnviz.gdn.kernels import backend_for
+    from gdnviz.models import inspect_model
+    from gdnviz.models.loader import fingerprint, parse_device, parse_dtype, weight_files
+    import torch
+
+    desc = inspect_model(spec.model)
+    path = Path(desc["path"])
+    dev = parse_device(spec.device)
+    dt = parse_dtype(spec.dtype, dev)
+    wf = weight_files(path)
+    out = dict(desc)
+    out.update(
+        name=spec.model, requested_device=spec.device, requested_dtype=spec.dtype,
+        device=str(dev), device_type=dev.type, dtype=str(dt).replace("torch.", ""),
+        kernel_path=backend_for(dev), cuda_available=bool(torch.cuda.is_available()),
+        fingerprint=fingerprint(path), has_tokenizer_json=(path / "tokenizer.json").exists(),
+        weight_bytes=int(sum(f.stat().st_size for f in wf)), weight_files=[f.name for f in wf],
+    )
+    out["gdn_layers"], out["attn_layers"] = list(out["gdn_layers"]), list(out["attn_layers"])
+    return out
+
+
+def _tokenize_docs(lm, documents, max_tokens: int | None) -> list:
+    if lm.tokenizer is None:
+        raise GDNVizError(f"{lm.info.path or lm.info.name} has no tokenizer files beside its weights "
+                          "(tokenizer.json / tokenizer_config.json): save the model's tokenizer into that folder")
+    out = []
+    for name, text in documents:
+        ids = tokenize(lm.tokenizer, check_text(name, text))
+        if max_tokens:
+            check_length(name, len(ids), int(max_tokens))
+        out.append((name, ids))
+    return out
+
+
+def run_capture(spec: CaptureJob, ctx: JobContext) -> dict:
+    from gdnviz.capture import capture_document
+
+    if not spec.documents:
+        raise EmptyDocumentSet("no documents to capture: paste text, upload files or pick a sample document")
+    ctx.progress(0, 1, "loading the model")
+    lm = ctx.model(spec.model, spec.device, spec.dtype)
+    info = lm.info
+    docs = _tokenize_docs(lm, spec.documents, spec.max_tokens)
+    dev_type = info.device.split(":")[0]
+    keys = [capture_key(info.fingerprint, ids, spec.segment_len, info.dtype, dev_type) for _, ids in docs]
+    todo = [i for i, k in enumerate(keys) if not ctx.store.memo_has(k)]
+    n_layers = len(info.gdn_layers)
+    total = max(1, len(todo) * n_layers)
+    backends: set = set()
+    seconds = 0.0
+    for j, i in enumerate(todo):
+        name, ids = docs[i]
+        base = j * n_layers
+
+        def prog(done, n, _base=base, _name=name, _j=j):
+            ctx.progress(_base + done, total, f"document {_j + 1}/{len(todo)} '{_name}' ({len(docs[i][1]):,} "
+                                              f"tokens): GDN layer {done}/{n}")
+
+        ctx.progress(base, total, f"document {j + 1}/{len(todo)} '{name}' ({len(ids):,} tokens)")
+        cap = capture_document(lm, ids, spec.segment_len, name=name, progress=prog, cancel=ctx.cancelled)
+        backends |= set(cap.meta.get("backends", []))
+        seconds += float(cap.meta.get("seconds", 0.0))
+        ctx.store.memo_put(keys[i], cap.to_bytes())
+    rid = run_id_for(info.fingerprint, keys, spec.segment_len, info.dtype, dev_type)
+    entry = dict(
+        run_id=rid, created=time.time(), model=info.to_dict(), model_name=spec.model, segment_len=spec.segment_len,
+        dtype=info.dtype, device=info.device, kernel_path=info.kernel_path, backends=sorted(backends),
+        documents=[dict(name=n, n_tokens=len(ids), key=k) for (n, ids), k in zip(docs, keys)],
+        spec=spec_to_dict(spec), seconds=round(seconds, 3),
+    )
+    old = ctx.store.run(rid)
+    if old is not None:
+        entry["created"] = old.get("created", entry["created"])
+        entry["backends"] = sorted(set(old.get("backends", [])) | backends)
+    ctx.store.add_run(entry)
+    ctx.progress(total, total, "done")
+    return dict(run_id=rid, computed=len(todo), reused=len(docs) - len(todo), n_documents=len(docs),
+                n_tokens=[len(ids) for _, ids in docs])
+
+
+def _summary_nll(nll0: np.ndarray, nll1: np.ndarray, max_points: int = 2048) -> dict:
+    """Mean losses and a block-averaged per-token difference (at most ``max_points`` points) for plotting."""
+    d = nll1 - nll0
+    n = len(d)
+    block = max(1, int(np.ceil(n / max_points)))
+    m = (n // block) * block
+    pos = (np.arange(0, m, block) + block / 2.0 + 1).tolist()
+    avg = d[:m].reshape(-1, block).mean(1).tolist() if m else []
+    if m < n:
+        pos.append(float(m + (n - m) / 2.0 + 1))
+        avg.append(float(d[m:].mean()))
+    return dict(loss_untouched=float(nll0.mean()), loss_truncated=float(nll1.mean()),
+                delta=float(nll1.mean() - nll0.mean()), n_predictions=int(n), block=block,
+                positions=pos, delta_along=avg)
+
+
+def run_truncate(spec: TruncateCompareJob, ctx: JobContext) -> dict:
+    from gdnviz.generate import greedy_generate
+    from gdnviz.intervene import TruncationSpec
+    from gdnviz.probes import ruler
+    from gdnviz.probes.loss import token_nll
+
+    ctx.progress(0, 1, "loading the model")
+    lm = ctx.model(spec.model, spec.device, spec.dtype)
+    info = lm.info
+    tspec = TruncationSpec.from_dict({(int(l), int(h)): int(r) for l, h, r in spec.ranks})
+    if not len(tspec):
+        raise GDNVizError("no heads chosen: pick heads on the heatmap, whole layers, a horizon filter, or all heads")
+    tspec.validate(info)
+    if lm.tokenizer is None:
+        raise GDNVizError(f"{info.path or info.name} has no tokenizer: save the model's tokenizer beside it")
+    refs: list = []
+    if spec.task:
+        ctx.progress(0, 1, f"generating a {spec.task} sample of {spec.target_len} tokens")
+        sample = ruler.generate(spec.task, lm.tokenizer, int(spec.target_len), int(spec.seed),
+                                chat_template="auto" if spec.chat_template else False)
+        prompt_ids, prompt_text, refs = list(sample.input_ids), sample.prompt, list(sample.answers)
+        max_new = int(spec.max_new_tokens) or int(sample.tokens_to_generate)
+    else:
+        prompt_text = check_text("the prompt", spec.prompt)
+        prompt_ids = tokenize(lm.tokenizer, prompt_text)
+        max_new = int(spec.max_new_tokens)
+    loss_docs = _tokenize_docs(lm, spec.loss_documents, None) if spec.loss_documents else [("prompt", prompt_ids)]
+    dev_type = info.device.split(":")[0]
+    params = dict(ranks=[list(x) for x in tspec.to_list()], max_new=max_new, L=spec.segment_len, dtype=info.dtype,
+                  device=dev_type, task=spec.task, refs=refs, loss_docs=[n for n, _ in loss_docs])
+    key = cache_key("truncate", info.fingerprint, params, [prompt_ids] + [ids for _, ids in loss_docs])
+    hit = ctx.store.memo_get_json(key)
+    if hit is not None:
+        hit["memo_hit"] = True
+        return hit
+    steps = 2 + 2 * len(loss_docs)
+    ctx.progress(0, steps, "untouched model: generating")
+    g0 = greedy_generate(lm, prompt_ids, max_new, segment_len=spec.segment_len, spec=None)
+    ctx.progress(1, steps, f"truncated model ({len(tspec)} heads): generating")
+    g1 = greedy_generate(lm, prompt_ids, max_new, segment_len=spec.segment_len, spec=tspec)
+    losses = []
+    for j, (name, ids) in enumerate(loss_docs):
+        ctx.progress(2 + 2 * j, steps, f"loss on '{name}' ({len(ids):,} tokens): untouched")
+        nll0 = token_nll(lm, ids, segment_len=spec.segment_len)
+        ctx.progress(3 + 2 * j, steps, f"loss on '{name}' ({len(ids):,} tokens): truncated")
+        nll1 = token_nll(lm, ids, segment_len=spec.segment_len, spec=tspec)
+        losses.append(dict(document=name, n_tokens=len(ids), **_summary_nll(nll0, nll1)))
+    scores = {}
+    if refs:
+        scores = dict(untouched=ruler.score(spec.task, [g0.text], [refs]),
+                      truncated=ruler.score(spec.task, [g1.text], [refs]))
+    n_pred = sum(l["n_predictions"] for l in losses)
+    tot0 = sum(l["loss_untouched"] * l["n_predictions"] for l in losses) / max(1, n_pred)
+    tot1 = sum(l["loss_truncated"] * l["n_predictions"] for l in losses) / max(1, n_pred)
+    result = dict(
+        prompt=prompt_text, prompt_tokens=len(prompt_ids), task=spec.task, references=refs,
+        untouched=dict(text=g0.text, tokens=g0.tokens), truncated=dict(text=g1.text, tokens=g1.tokens),
+        scores=scores, losses=losses,
+        loss=dict(untouched=tot0, truncated=tot1, delta=tot1 - tot0, n_predictions=n_pred),
+        n_heads=len(tspec), ranks=tspec.to_list(), segment_len=spec.segment_len, max_new_tokens=max_new,
+        boundaries_in_prompt=len(prompt_ids) // spec.segment_len, model=info.name, fingerprint=info.fingerprint,
+        dtype=info.dtype, device=info.device, kernel_path=info.kernel_path, memo_key=key,
+    )
+    ctx.store.memo_put_json(key, result)
+    ctx.progress(steps, steps, "done")
+    result["memo_hit"] = False
+    return result
+
+
+def run_loss(spec: LossJob, ctx: JobContext) -> dict:
+    from gdnviz.probes.loss import loss_vs_rank
+
+    ctx.progress(0, 1, "loading the model")
+    lm = ctx.model(spec.model, spec.device, spec.dtype)
+    info = lm.info
+    docs = _tokenize_docs(lm, spec.documents, None)
+    heads = [tuple(h) for h in spec.heads] or None
+    dev_type = info.device.split(":")[0]
+    key = cache_key("loss", info.fingerprint, dict(ranks=sorted(spec.ranks), heads=spec.heads, L=spec.segment_len,
+                                                   dtype=info.dtype, device=dev_type), [ids for _, ids in docs])
+    hit = ctx.store.memo_get_json(key)
+    if hit is not None:
+        return dict(hit, memo_hit=True)
+    df = loss_vs_rank(lm, [ids for _, ids in docs], spec.ranks, heads=heads, segment_len=spec.segment_len,
+                      progress=lambda d, n: ctx.progress(d, n, f"loss vs r: run {d}/{n}"))
+    result = dict(table=df.to_dict(orient="records"), memo_key=key, n_documents=len(docs))
+    ctx.store.memo_put_json(key, result)
+    return dict(result, memo_hit=False)
+
+
+# --- reading results back (app side, no torch) -----------------------------------------------------------------
+class MissingResult(GDNVizError):
+    """A stored result is missing or failed its checksum (it was deleted and must be recomputed)."""
+
+    def __init__(self, message: str, missing: list | None = None):
+        super().__init__(message)
+        self.missing = missing or []
+
+
+def load_run_captures(store: Store, run: dict) -> list:
+    """CaptureResults of a run's documents, in order; ``MissingResult`` naming the documents whose stored capture
+    is gone or corrupt (the corrupt entries are deleted by the store)."""
+    from gdnviz.capture import CaptureResult
+
+    caps, missing = [], []
+    for d in run["documents"]:
+        data = store.memo_get(d["key"])
+        if data is None:
+            missing.append(d["name"])
+            continue
+        try:
+            caps.append(CaptureResult.from_bytes(data))
+        except Exception:
+            store._drop(d["key"])
+            missing.append(d["name"])
+    if missing:
+        raise MissingResult(f"the stored capture of {', '.join(repr(m) for m in missing)} is missing or corrupt",
+                            missing)
+    return caps

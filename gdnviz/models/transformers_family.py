@@ -1,0 +1,153 @@
+"""Adapter for transformers' GDN hybrids: Qwen3.5 (dense), Qwen3.5-MoE and Qwen3-Next.
+
+All three call module-level kernel functions ``torch_chunk_gated_delta_rule`` / ``torch_recurrent_gated_delta_rule``
+from their layer's ``forward`` (each modeling file has its own copies). ``install()`` replaces those module
+globals, once per process, with a dispatcher:
+
+- inside a gdnviz run (``gdnviz.runner.active()``): ``gdnviz.runner.gdn_scan`` (segment scan + callbacks);
+- otherwise the original: fla's kernel on CUDA when fla imports, the decorated function's PyTorch body on CPU
+  (transformers decides fla-vs-torch at import time without a device check, so on a CPU host with fla
+  installed the undecorated call would send CPU tensors to Triton).
+
+The carried state lives in ``cache.layers[i].recurrent_states[0]`` as ``[B, H, d_k, d_v]`` float32: already the
+canonical layout, no transpose.
+"""
+from __future__ import annotations
+
+import functools
+import importlib
+import inspect
+
+import torch
+
+from gdnviz import runner
+
+MODULES = {
+    "qwen3_5": "transformers.models.qwen3_5.modeling_qwen3_5",
+    "qwen3_5_moe": "transformers.models.qwen3_5_moe.modeling_qwen3_5_moe",
+    "qwen3_next": "transformers.models.qwen3_next.modeling_qwen3_next",
+}
+_INSTALLED: set = set()
+
+
+def _dispatcher(orig):
+    torch_body = inspect.unwrap(orig)
+
+    @functools.wraps(orig)
+    def dispatch(query, key, value, g=None, beta=None, *args, initial_state=None, output_final_state=False,
+                 use_qk_l2norm_in_kernel=False, **kwargs):
+        ctx = runner.active()
+        if ctx is not None and ctx.current_layer is not None:
+            if not use_qk_l2norm_in_kernel:  # every supported layer asks the kernel to normalise q and k
+                raise RuntimeError("gdnviz expects use_qk_l2norm_in_kernel=True from the GDN layer")
+            if kwargs.get("cu_seqlens") is not None:
+                raise RuntimeError("gdnviz runs do not support packed sequences (cu_seqlens)")
+            q_hat, k_hat = runner.prepare_core_inputs(query, key, value.shape[2])
+            out, state = runner.gdn_scan(ctx, ctx.current_layer, q_hat, k_hat, value, g, beta, initial_state)
+            return out, (state if output_final_state else None)
+        fn = orig if query.device.type == "cuda" else torch_body
+        return fn(query, key, value, g, beta, *args, initial_state=initial_state,
+                  output_final_state=output_final_state, use_qk_l2norm_in_kernel=use_qk_l2norm_in_kernel, **kwargs)
+
+    dispatch.__gdnviz_original__ = orig
+    return dispatch
+
+
+def install(family: str) -> None:
+    """Patch the family's modeling module once per process (idempotent)."""
+    if family in _INSTALLED:
+        return
+    mod = importlib.import_module(MODULES[family])
+    for name in ("torch_chunk_gated_delta_rule", "torch_recurrent_gated_delta_rule"):
+        fn = getattr(mod, name)
+        if not hasattr(fn, "__gdnviz_original__"):
+            setattr(mod, name, _dispatcher(fn))
+    _INSTALLED.add(family)
+
+
+class TransformersGDNAdapter:
+    """Reads and writes GDN states of a transformers Qwen3.5 / Qwen3.5-MoE / Qwen3-Next model."""
+
+    def __init__(self, family: str):
+        self.family = family
+
+    # -- structure ---------------------------------------------------------------------------------
+    @staticmethod
+    def text_config(config):
+        return config.get_text_config() if hasattr(config, "get_text_config") else config
+
+    def layer_types(self, config) -> list:
+        return list(self.text_config(config).layer_types)
+
+    def gdn_modules(self, model) -> dict:
+        return {i: layer.linear_attn for i, layer in enumerate(model.model.layers) if hasattr(layer, "linear_attn")}
+
+    def describe(self, config) -> dict:
+        c = self.text_config(config)
+        types = self.layer_types(config)
+        return dict(
+            model_type=c.model_type,
+            num_layers=len(types),
+            gdn_layers=tuple(i for i, t in enumerate(types) if t == "linear_attention"),
+            attn_layers=tuple(i for i, t in enumerate(types) if t == "full_attention"),
+            num_heads=c.linear_num_value_heads,
+            num_key_heads=c.linear_num_key_heads,
+            d_k=c.linear_key_head_dim,
+            d_v=c.linear_value_head_dim,
+            conv_kernel=c.linear_conv_kernel_dim,
+            hidden_size=c.hidden_size,
+            vocab_size=c.vocab_size,
+            attn_kv_heads=c.num_key_value_heads,
+            attn_head_dim=getattr(c, "head_dim", None) or c.hidden_size // c.num_attention_heads,
+        )
+
+    def prepare(self, model) -> None:
+        """Install the kernel dispatcher and the hooks that tell the scan which layer is running."""
+        install(self.family)
+        for idx, mod in self.gdn_modules(model).items():
+            if getattr(mod, "_gdnviz_hooked", False):
+                continue
+
+            def pre_hook(module, args, _idx=idx):
+                ctx = runner.active()
+                if ctx is not None:
+                    ctx.current_layer = _idx
+
+            def post_hook(module, args, output):
+                ctx = runner.active()
+                if ctx is not None:
+                    ctx.current_layer = None
+
+            mod.register_forward_pre_hook(pre_hook)
+            mod.register_forward_hook(post_hook)
+            mod._gdnviz_hooked = True
+
+    # -- running -----------------------------------------------------------------------------------
+    def new_cache(self, model, batch_size: int = 1):
+        from transformers import DynamicCache
+
+        return DynamicCache(config=model.config)
+
+    @staticmethod
+    @functools.lru_cache(maxsize=8)
+    def _cache_kw(cls) -> str:
+        params = inspect.signature(cls.forward).parameters
+        return "past_key_values" if "past_key_values" in params else "cache"
+
+    def base_forward(self, model, input_ids, cache=None, use_cache=False):
+        """Final hidden states [B, T, hidden] of the decoder (no LM head)."""
+        base = model.model
+        kw = {self._cache_kw(type(base)): cache} if cache is not None else {}
+        out = base(input_ids=input_ids, use_cache=use_cache, **kw)
+        return out.last_hidden_state
+
+    def lm_head(self, model, hidden):
+        return model.lm_head(hidden)
+
+    # -- state -------------------------------------------------------------------------------------
+    def get_state(self, cache, layer: int) -> torch.Tensor:
+        """[B, H, d_k, d_v] float32 carried state of GDN layer ``layer`` (canonical layout)."""
+        return cache.layers[layer].recurrent_states[0]
+
+    def set_state(self, cache, layer: int, state: torch.Tensor) -> None:
+        cache.layers[layer].recurrent_states[0].copy_(state)

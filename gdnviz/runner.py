@@ -1,0 +1,204 @@
+"""Run token ids through a GDN hybrid in segments of L tokens, with boundary callbacks.
+
+Semantics (seed 000 §3): the document goes through the model in segments of ``segment_len`` tokens; at every
+segment boundary (absolute token positions L, 2L, 3L, ...) each GDN head's carried state can be read (capture)
+or replaced (truncation) before the next segment reads it.
+
+Design: one model forward, not a loop of forwards over a cache. Layer l+1 only reads layer l's outputs, so each
+GDN layer can scan its own segments inside its kernel call and call the boundary callbacks between them; the
+full-attention layers, MLPs and short convolutions see the whole sequence, exactly as they would through a
+cache. ``cache_loop`` (below) is the plain segment-by-segment loop through the model's cache; tests pin the
+two together, with and without truncation.
+
+The adapters (``gdnviz.models``) route every GDN kernel call of a loaded model to ``gdn_scan`` while a
+``RunContext`` is active; outside a run the model behaves exactly as without gdnviz.
+
+Callbacks are objects with any of these methods (all optional):
+
+- ``on_layer_input(layer, offset, keys, g, beta)``: before the scan of one GDN layer's call. ``keys`` are the
+  L2-normalised keys each value head writes with, ``[B, T, H, K]`` float32 (key heads repeated to value heads);
+  ``g`` log-decay ``[B, T, H]`` float32; ``beta`` ``[B, T, H]``; ``offset`` = tokens this layer had already seen.
+- ``on_boundary(layer, position, state) -> state | None``: ``state`` ``[B, H, K, V]`` float32 after ``position``
+  tokens (a multiple of L); return a replacement (same shape) or None to keep it.
+- ``on_layer_end(layer, position, state)``: after the call, with the carried state at its end.
+"""
+from __future__ import annotations
+
+import contextlib
+import contextvars
+from dataclasses import dataclass, field
+from typing import Any, Iterable
+
+import torch
+
+from gdnviz.errors import BadSegmentLength
+from gdnviz.gdn import kernels
+
+DEFAULT_SEGMENT_LEN = 256
+
+
+@dataclass
+class RunContext:
+    """State of one segmented run; lives in a context variable while the model forward runs."""
+
+    segment_len: int
+    callbacks: list = field(default_factory=list)
+    offsets: dict = field(default_factory=dict)  # GDN layer index -> tokens that layer has consumed
+    current_layer: int | None = None
+    backends: set = field(default_factory=set)  # kernel paths that ran: {"fla", "torch"}
+
+
+_ACTIVE: contextvars.ContextVar[RunContext | None] = contextvars.ContextVar("gdnviz_run", default=None)
+
+
+def active() -> RunContext | None:
+    """The RunContext of the run in progress, or None outside a run."""
+    return _ACTIVE.get()
+
+
+@contextlib.contextmanager
+def run_context(ctx: RunContext):
+    token = _ACTIVE.set(ctx)
+    try:
+        yield ctx
+    finally:
+        _ACTIVE.reset(token)
+
+
+def check_segment_len(segment_len: Any) -> int:
+    if isinstance(segment_len, bool) or not isinstance(segment_len, int) or segment_len < 1:
+        raise BadSegmentLength(f"segment length must be a positive integer number of tokens, got {segment_len!r}")
+    return segment_len
+
+
+def boundary_cuts(offset: int, length: int, segment_len: int) -> list[int]:
+    """Local indices c in (0, length] where offset + c is a multiple of segment_len."""
+    first = (offset // segment_len + 1) * segment_len
+    return list(range(first - offset, length + 1, segment_len))
+
+
+def prepare_core_inputs(query, key, num_value_heads: int):
+    """L2-normalise q and k (fp32, eps 1e-6) and repeat key heads to value heads (repeat_interleave)."""
+    q_hat, k_hat = kernels.l2norm(query), kernels.l2norm(key)
+    if k_hat.shape[2] != num_value_heads:
+        rep = num_value_heads // k_hat.shape[2]
+        q_hat = q_hat.repeat_interleave(rep, dim=2)
+        k_hat = k_hat.repeat_interleave(rep, dim=2)
+    return q_hat, k_hat
+
+
+def gdn_scan(ctx: RunContext, layer: int, q_hat, k_hat, v, g, beta, initial_state):
+    """Scan one GDN layer's call segment by segment, calling the boundary callbacks between segments.
+
+    q_hat, k_hat: [B, T, H, K] unit rows (queries unscaled); v: [B, T, H, V]; g, beta: [B, T, H];
+    initial_state: [B, H, K, V] or None (zeros). Returns (out [B, T, H, V] in v.dtype, final [B, H, K, V] fp32).
+    """
+    B, T, H, _ = v.shape
+    K, V = k_hat.shape[-1], v.shape[-1]
+    offset = ctx.offsets.get(layer, 0)
+    g = g.float()
+    state = (torch.zeros(B, H, K, V, device=v.device, dtype=torch.float32)
+             if initial_state is None else initial_state.float())
+    for cb in ctx.callbacks:
+        fn = getattr(cb, "on_layer_input", None)
+        if fn is not None:
+            fn(layer, offset, k_hat, g, beta)
+    ctx.backends.add(kernels.backend_for(v.device))
+    q_in = q_hat.to(v.dtype) if v.dtype != torch.float32 else q_hat
+    k_in = k_hat.to(v.dtype) if v.dtype != torch.float32 else k_hat
+    cuts = boundary_cuts(offset, T, ctx.segment_len)
+    edges = sorted(set(cuts) | {T})
+    outs, start = [], 0
+    for end in edges:
+        if end > start:
+            o, state = kernels.core(q_in[:, start:end], k_in[:, start:end], v[:, start:end],
+                                    g[:, start:end], beta[:, start:end], state)
+            outs.append(o)
+        if (offset + end) % ctx.segment_len == 0 and end > 0:
+            for cb in ctx.callbacks:
+                fn = getattr(cb, "on_boundary", None)
+                if fn is not None:
+                    new = fn(layer, offset + end, state)
+                    if new is not None:
+                        state = new.to(torch.float32)
+        start = end
+    ctx.offsets[layer] = offset + T
+    for cb in ctx.callbacks:
+        fn = getattr(cb, "on_layer_end", None)
+        if fn is not None:
+            fn(layer, offset + T, state)
+    out = torch.cat(outs, dim=1) if len(outs) > 1 else outs[0]
+    return out.to(v.dtype), state
+
+
+@dataclass
+class RunOutput:
+    """What a segmented forward returns.
+
+    hidden: [B, T, hidden] final hidden states (after the final norm) or None;
+    logits: [B, P, vocab] float32 at ``logits_positions`` (P positions) or None;
+    cache: the model cache when ``use_cache`` was set; backends: kernel paths that ran.
+    """
+
+    hidden: torch.Tensor | None
+    logits: torch.Tensor | None
+    cache: Any
+    backends: set
+
+
+def forward(lm, input_ids: torch.Tensor, *, segment_len: int = DEFAULT_SEGMENT_LEN, callbacks: Iterable = (),
+            cache=None, use_cache: bool = False, logits_positions=None, keep_hidden: bool = True,
+            ctx: RunContext | None = None) -> RunOutput:
+    """One segmented forward of ``input_ids`` ([B, T] long) through ``lm`` (a ``gdnviz.models.LoadedModel``).
+
+    logits_positions: None (no logits), "last", "all", or a list/tensor of positions: logits are computed only
+    there, so a 128K-token document never materialises [T, vocab].
+    ctx: pass an existing RunContext to continue a run (decoding after a prefill): offsets carry over.
+    """
+    check_segment_len(segment_len)
+    if ctx is None:
+        ctx = RunContext(segment_len=segment_len, callbacks=list(callbacks))
+    input_ids = input_ids.to(lm.device)
+    with torch.inference_mode(), run_context(ctx):
+        if use_cache and cache is None:
+            cache = lm.adapter.new_cache(lm.model, batch_size=input_ids.shape[0])
+        hidden = lm.adapter.base_forward(lm.model, input_ids, cache=cache, use_cache=use_cache)
+        logits = None
+        if logits_positions is not None:
+            if isinstance(logits_positions, str) and logits_positions == "last":
+                h = hidden[:, -1:]
+            elif isinstance(logits_positions, str) and logits_positions == "all":
+                h = hidden
+            else:
+                h = hidden[:, torch.as_tensor(logits_positions, device=hidden.device)]
+            logits = lm.adapter.lm_head(lm.model, h).float()
+    return RunOutput(hidden=hidden if keep_hidden else None, logits=logits, cache=cache, backends=set(ctx.backends))
+
+
+def cache_loop(lm, input_ids: torch.Tensor, *, segment_len: int = DEFAULT_SEGMENT_LEN, on_boundary=None,
+               logits: bool = True):
+    """The plain reference: the model called once per segment through its own cache.
+
+    After each segment call, for every GDN layer, ``on_boundary(layer, position, state [B,H,K,V])`` may return a
+    replacement state that is written back into the cache (only when ``position`` is a multiple of L).
+    Returns (logits [B, T, vocab] float32 or None, {layer: final state [B, H, K, V]}, cache).
+    """
+    check_segment_len(segment_len)
+    input_ids = input_ids.to(lm.device)
+    ad = lm.adapter
+    cache = ad.new_cache(lm.model, batch_size=input_ids.shape[0])
+    T = input_ids.shape[1]
+    outs = []
+    with torch.inference_mode():
+        for s in range(0, T, segment_len):
+            h = ad.base_forward(lm.model, input_ids[:, s:s + segment_len], cache=cache, use_cache=True)
+            if logits:
+                outs.append(ad.lm_head(lm.model, h).float())
+            end = min(s + segment_len, T)
+            if on_boundary is not None and end % segment_len == 0:
+                for layer in lm.info.gdn_layers:
+                    new = on_boundary(layer, end, ad.get_state(cache, layer).clone())
+                    if new is not None:
+                        ad.set_state(cache, layer, new)
+        states = {layer: ad.get_state(cache, layer).clone() for layer in lm.info.gdn_layers}
+    return (torch.cat(outs, dim=1) if logits else None), states, cache

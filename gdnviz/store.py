@@ -1,0 +1,336 @@
+"""The on-disk meeting point of the app, the worker and the CLI: a job queue, job records, a memo of results, the
+"previous runs" index and worker heartbeats, all in one diskcache directory.
+
+Layout under the cache directory (``cache/`` at the repository root, or ``$GDNVIZ_CACHE_DIR``)::
+
+    queue/    diskcache.Deque of job ids (FIFO; popleft is atomic across processes)
+    jobs/     diskcache.Cache, eviction 'none': "job:<id>" record, "progress:<id>", "cancel:<id>"
+    memo/     diskcache.Cache (size-limited): content-hash key -> b"GDNV1" + sha256(payload) + payload
+    runs/     diskcache.Index: run id -> run entry (what a capture of a document set produced)
+    workers/  diskcache.Cache, eviction 'none': "hb:<pid>" heartbeats, "running:<pid>" -> job id
+    worker.log
+
+A memo entry carries the sha256 of its payload; ``memo_get`` verifies it and treats a mismatch (or an unreadable
+entry) as a miss and deletes it, so a corrupt result is recomputed, never shown.
+
+Job statuses: queued → running → done | failed | cancelled. A job record is a dict:
+``id, kind, spec, label, status, created, started, finished, worker_pid, error, error_type, result``.
+Only the worker writes a running job's record; the app writes a record only to submit it, to cancel it while it
+is still queued, and to mark it failed when its worker died (``reap_worker``).
+"""
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import signal
+import socket
+import time
+import uuid
+from pathlib import Path
+from typing import Any, Iterable
+
+import diskcache
+
+ROOT = Path(__file__).resolve().parent.parent
+MEMO_MAGIC = b"GDNV1"
+#: A worker whose heartbeat is older than this (seconds) is considered gone (its pid is checked too).
+HEARTBEAT_STALE = 30.0
+HEARTBEAT_EVERY = 1.0
+TERMINAL = ("done", "failed", "cancelled")
+
+
+def default_cache_dir() -> Path:
+    """``$GDNVIZ_CACHE_DIR`` if set, else ``cache/`` at the repository root."""
+    env = os.environ.get("GDNVIZ_CACHE_DIR")
+    return Path(env).expanduser().resolve() if env else ROOT / "cache"
+
+
+def content_hash(obj: Any) -> str:
+    """sha256 (hex, 32 chars) of the canonical JSON of ``obj`` (sorted keys; tuples as lists)."""
+    data = json.dumps(obj, sort_keys=True, separators=(",", ":"), default=_json_default).encode()
+    return hashlib.sha256(data).hexdigest()[:32]
+
+
+def _json_default(o):
+    if hasattr(o, "tolist"):
+        return o.tolist()
+    if isinstance(o, (set, frozenset)):
+        return sorted(o)
+    if isinstance(o, bytes):
+        return hashlib.sha256(o).hexdigest()
+    raise TypeError(f"not JSON-serialisable: {type(o).__name__}")
+
+
+def pid_alive(pid: int | None) -> bool:
+    if not pid:
+        return False
+    try:
+        os.kill(int(pid), 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True
+    # a zombie (exited child not yet reaped) still answers kill(0): look at /proc where we can
+    try:
+        with open(f"/proc/{int(pid)}/stat") as fh:
+            return fh.read().split(") ", 1)[1][:1] != "Z"
+    except OSError:
+        return True
+
+
+def describe_exit(code: int | None) -> str:
+    """'exit code 3', 'exit code -9 (killed by SIGKILL)', or 'exit code unknown'."""
+    if code is None:
+        return "exit code unknown"
+    if code < 0:
+        try:
+            return f"exit code {code} (killed by {signal.Signals(-code).name})"
+        except ValueError:
+            return f"exit code {code}"
+    return f"exit code {code}"
+
+
+class Store:
+    """All of gdnviz's shared on-disk state for one cache directory. Cheap to create; one per process is enough."""
+
+    def __init__(self, directory: str | os.PathLike | None = None, memo_size_gb: float | None = None):
+        self.dir = Path(directory).expanduser().resolve() if directory else default_cache_dir()
+        self.dir.mkdir(parents=True, exist_ok=True)
+        if memo_size_gb is None:
+            memo_size_gb = float(os.environ.get("GDNVIZ_MEMO_GB", "20"))
+        self.queue = diskcache.Deque(directory=str(self.dir / "queue"))
+        self.jobs = diskcache.Cache(str(self.dir / "jobs"), eviction_policy="none", timeout=60)
+        self.memo = diskcache.Cache(str(self.dir / "memo"), size_limit=int(memo_size_gb * 2 ** 30),
+                                    eviction_policy="least-recently-stored", timeout=60)
+        self.runs = diskcache.Index(str(self.dir / "runs"))
+        self.workers = diskcache.Cache(str(self.dir / "workers"), eviction_policy="none", timeout=60)
+
+    @property
+    def log_path(self) -> Path:
+        return self.dir / "worker.log"
+
+    def close(self) -> None:
+        for c in (self.jobs, self.memo, self.workers):
+            c.close()
+
+    # -- jobs ------------------------------------------------------------------------------------------------
+    def submit(self, kind: str, spec: dict, label: str = "") -> str:
+        """Queue a job; returns its id. ``spec`` must be picklable (plain dicts/lists/tuples/str/int)."""
+        jid = uuid.uuid4().hex[:16]
+        rec = dict(id=jid, kind=kind, spec=spec, label=label or kind, status="queued", created=time.time(),
+                   started=None, finished=None, worker_pid=None, error=None, error_type=None, result=None)
+        self.jobs.set(f"job:{jid}", rec)
+        self.queue.append(jid)
+        return jid
+
+    def job(self, jid: str) -> dict | None:
+        """The job record with ``progress`` (dict or None) and ``cancel_requested`` merged in."""
+        rec = self.jobs.get(f"job:{jid}")
+        if rec is None:
+            return None
+        rec = dict(rec)
+        rec["progress"] = self.jobs.get(f"progress:{jid}")
+        rec["cancel_requested"] = bool(self.jobs.get(f"cancel:{jid}", False))
+        return rec
+
+    def update_job(self, jid: str, **fields) -> dict:
+        with self.jobs.transact():
+            rec = dict(self.jobs.get(f"job:{jid}") or {"id": jid})
+            rec.update(fields)
+            self.jobs.set(f"job:{jid}", rec)
+        return rec
+
+    def set_progress(self, jid: str, done: float, total: float, text: str = "") -> None:
+        frac = 0.0 if not total else max(0.0, min(1.0, float(done) / float(total)))
+        self.jobs.set(f"progress:{jid}", dict(done=done, total=total, fraction=frac, text=text, time=time.time()))
+
+    def cancel(self, jid: str) -> None:
+        """Ask for a job to stop. A queued job is cancelled at once; a running one at its next progress step."""
+        self.jobs.set(f"cancel:{jid}", True)
+        with self.jobs.transact():
+            rec = self.jobs.get(f"job:{jid}")
+            if rec is not None and rec.get("status") == "queued":
+                rec = dict(rec, status="cancelled", finished=time.time(), error="cancelled before it started")
+                self.jobs.set(f"job:{jid}", rec)
+
+    def cancel_requested(self, jid: str) -> bool:
+        return bool(self.jobs.get(f"cancel:{jid}", False))
+
+    def pop_job(self) -> str | None:
+        """The next queued job id, or None when the queue is empty."""
+        try:
+            return self.queue.popleft()
+        except IndexError:
+            return None
+
+    def queued_count(self) -> int:
+        return len(self.queue)
+
+    def wait(self, jid: str, timeout: float = 600.0, poll: float = 0.1) -> dict:
+        """Block until the job is done/failed/cancelled (for the CLI and tests); returns its record."""
+        t0 = time.time()
+        while True:
+            rec = self.job(jid)
+            if rec is not None and rec["status"] in TERMINAL:
+                return rec
+            if time.time() - t0 > timeout:
+                raise TimeoutError(f"job {jid} still {rec and rec['status']} after {timeout:.0f} s")
+            time.sleep(poll)
+
+    # -- workers ---------------------------------------------------------------------------------------------
+    def heartbeat(self, pid: int, **info) -> None:
+        prev = self.workers.get(f"hb:{pid}") or {}
+        rec = dict(prev, pid=pid, host=socket.gethostname(), time=time.time(), **info)
+        rec.setdefault("started", time.time())
+        self.workers.set(f"hb:{pid}", rec)
+
+    def worker_gone(self, pid: int) -> None:
+        self.workers.delete(f"hb:{pid}")
+        self.workers.delete(f"running:{pid}")
+
+    def set_running(self, pid: int, jid: str | None) -> None:
+        if jid is None:
+            self.workers.delete(f"running:{pid}")
+        else:
+            self.workers.set(f"running:{pid}", jid)
+
+    def heartbeats(self) -> list[dict]:
+        out = []
+        for k in list(self.workers.iterkeys()):
+            if isinstance(k, str) and k.startswith("hb:"):
+                v = self.workers.get(k)
+                if v:
+                    out.append(v)
+        return sorted(out, key=lambda r: -r.get("time", 0))
+
+    def live_workers(self, stale: float = HEARTBEAT_STALE) -> list[dict]:
+        """Heartbeats of workers on this host whose process exists and that beat within ``stale`` seconds."""
+        now, host = time.time(), socket.gethostname()
+        return [h for h in self.heartbeats()
+                if now - h.get("time", 0) < stale and (h.get("host") != host or pid_alive(h.get("pid")))]
+
+    def reap_worker(self, pid: int, exit_code: int | None = None, restarted: bool = True) -> list[str]:
+        """A worker process is gone: fail the job it was running (with the exit code) and forget it.
+
+        Returns the ids of the jobs marked failed.
+        """
+        failed = []
+        jid = self.workers.get(f"running:{pid}")
+        candidates = [jid] if jid else []
+        for j in candidates:
+            rec = self.jobs.get(f"job:{j}")
+            if rec is not None and rec.get("status") == "running" and rec.get("worker_pid") in (pid, None):
+                msg = f"the worker process died while running this job ({describe_exit(exit_code)})"
+                msg += "; it has been restarted" if restarted else ""
+                self.update_job(j, status="failed", finished=time.time(), error=msg, error_type="WorkerCrashed")
+                failed.append(j)
+        self.worker_gone(pid)
+        return failed
+
+    def reap_dead(self, restarted: bool = False) -> list[str]:
+        """Reap every worker of this host whose process no longer exists (its exit code is unknown)."""
+        failed, host = [], socket.gethostname()
+        for h in self.heartbeats():
+            pid = h.get("pid")
+            if h.get("host") == host and not pid_alive(pid):
+                failed += self.reap_worker(pid, None, restarted=restarted)
+        for k in list(self.workers.iterkeys()):
+            if isinstance(k, str) and k.startswith("running:"):
+                pid = int(k.split(":", 1)[1])
+                if not pid_alive(pid):
+                    failed += self.reap_worker(pid, None, restarted=restarted)
+        return failed
+
+    # -- memo ------------------------------------------------------------------------------------------------
+    def memo_put(self, key: str, payload: bytes) -> None:
+        if not isinstance(payload, (bytes, bytearray, memoryview)):
+            raise TypeError("memo payloads are bytes (serialise results first)")
+        payload = bytes(payload)
+        self.memo.set(key, MEMO_MAGIC + hashlib.sha256(payload).digest() + payload)
+
+    def memo_get(self, key: str) -> bytes | None:
+        """The payload, or None when absent or corrupt (a corrupt entry is deleted so that it is recomputed)."""
+        try:
+            raw = self.memo.get(key)
+        except Exception:  # unreadable file / unpicklable value
+            self._drop(key)
+            return None
+        if raw is None:
+            return None
+        if not isinstance(raw, (bytes, bytearray)) or len(raw) < len(MEMO_MAGIC) + 32 \
+                or not bytes(raw[:len(MEMO_MAGIC)]) == MEMO_MAGIC:
+            self._drop(key)
+            return None
+        raw = bytes(raw)
+        digest, payload = raw[len(MEMO_MAGIC):len(MEMO_MAGIC) + 32], raw[len(MEMO_MAGIC) + 32:]
+        if hashlib.sha256(payload).digest() != digest:
+            self._drop(key)
+            return None
+        return payload
+
+    def memo_has(self, key: str) -> bool:
+        """True when an intact entry exists (verifies the checksum)."""
+        return self.memo_get(key) is not None
+
+    def memo_put_json(self, key: str, obj: Any) -> None:
+        self.memo_put(key, json.dumps(obj, default=_json_default).encode())
+
+    def memo_get_json(self, key: str) -> Any:
+        data = self.memo_get(key)
+        if data is None:
+            return None
+        try:
+            return json.loads(data)
+        except ValueError:
+            self._drop(key)
+            return None
+
+    def _drop(self, key: str) -> None:
+        try:
+            self.memo.delete(key)
+        except Exception:
+            pass
+
+    # -- previous runs ---------------------------------------------------------------------------------------
+    def add_run(self, entry: dict) -> str:
+        """Record a run (``entry['run_id']`` required); re-adding an id moves it to the end (most recent)."""
+        rid = entry["run_id"]
+        entry = dict(entry, opened=time.time())
+        self.runs.pop(rid, None)
+        self.runs[rid] = entry
+        return rid
+
+    def run(self, rid: str) -> dict | None:
+        return self.runs.get(rid)
+
+    def list_runs(self) -> list[dict]:
+        """Runs, most recent first."""
+        return list(reversed([v for v in self.runs.values()]))
+
+    def latest_run(self) -> dict | None:
+        try:
+            return self.runs.peekitem(last=True)[1]
+        except KeyError:
+            return None
+
+    def delete_run(self, rid: str) -> None:
+        self.runs.pop(rid, None)
+
+
+def corrupt_memo_entry(store: Store, key: str) -> None:
+    """Test helper: flip one payload byte of a memo entry in place (keeping its stored checksum)."""
+    raw = store.memo.get(key)
+    if raw is None:
+        raise KeyError(key)
+    raw = bytearray(raw)
+    raw[-1] ^= 0xFF
+    store.memo.set(key, bytes(raw))
+
+
+def iter_jobs(store: Store) -> Iterable[dict]:
+    for k in list(store.jobs.iterkeys()):
+        if isinstance(k, str) and k.startswith("job:"):
+            rec = store.jobs.get(k)
+            if rec:
+                yield rec

@@ -1,0 +1,106 @@
+"""Capture: recorded spectra, gates and keys against the plain cache loop and the layer's own projections."""
+import numpy as np
+import pytest
+import torch
+
+import tiny_models
+from gdnviz import runner, summary
+from gdnviz.capture import CaptureCallback, CaptureResult, capture_document
+from gdnviz.models import from_model
+from gdnviz.models.info import ModelInfo
+
+
+@pytest.fixture(scope="module")
+def lm():
+    return from_model(tiny_models.qwen3_5(), "tiny")
+
+
+def doc(T, seed=0):
+    return torch.randint(0, 97, (T,), generator=torch.Generator().manual_seed(seed))
+
+
+def test_capture_matches_cache_loop(lm):
+    x = doc(64 * 5 + 17)
+    cap = capture_document(lm, x, 64)
+    assert list(cap.positions) == [64, 128, 192, 256, 320, 337]
+    NL, H, n = len(lm.info.gdn_layers), lm.info.num_heads, min(lm.info.d_k, lm.info.d_v)
+    assert cap.sv.shape == (6, NL, H, n) and cap.g.shape == (NL, H, 337) and cap.beta.shape == (NL, H, 337)
+    seen = {}
+
+    def look(layer, pos, state):
+        seen[(layer, pos)] = state[0].double()
+
+    _, finals, _ = runner.cache_loop(lm, x[None], segment_len=64, on_boundary=look, logits=False)
+    for li, layer in enumerate(lm.info.gdn_layers):
+        for b, pos in enumerate(cap.positions[:-1]):
+            ref = torch.linalg.svdvals(seen[(layer, int(pos))]).numpy()
+            np.testing.assert_allclose(cap.sv[b, li], ref, rtol=1e-4, atol=1e-7)
+        np.testing.assert_allclose(cap.final_state[li], finals[layer][0].numpy(), rtol=1e-4, atol=1e-7)
+        np.testing.assert_allclose(cap.sv[-1, li], torch.linalg.svdvals(finals[layer][0].double()).numpy(),
+                                   rtol=1e-4, atol=1e-7)
+
+
+def test_captured_gates_and_keys_match_layer_projections(lm):
+    """g = -exp(A_log)·softplus(a + dt_bias), beta = sigmoid(b): recomputed from the layer's own projections."""
+    x = doc(150, seed=1)
+    grabbed = {}
+    hooks = []
+    for layer, mod in lm.adapter.gdn_modules(lm.model).items():
+        hooks.append(mod.in_proj_a.register_forward_hook(lambda m, i, o, l=layer: grabbed.__setitem__(("a", l), o)))
+        hooks.append(mod.in_proj_b.register_forward_hook(lambda m, i, o, l=layer: grabbed.__setitem__(("b", l), o)))
+    try:
+        cap = capture_document(lm, x, 64)
+    finally:
+        for h in hooks:
+            h.remove()
+    for li, (layer, mod) in enumerate(lm.adapter.gdn_modules(lm.model).items()):
+        a, b = grabbed[("a", layer)][0].detach().float(), grabbed[("b", layer)][0].detach().float()
+        g = (-mod.A_log.float().exp() * torch.nn.functional.softplus(a + mod.dt_bias.float())).detach()
+        np.testing.assert_allclose(cap.g[li], g.T.numpy(), rtol=1e-5, atol=1e-6)
+        np.testing.assert_allclose(cap.beta[li].astype(np.float32), torch.sigmoid(b).T.numpy(), atol=1e-3)
+    # keys as the kernel writes them: x * rsqrt(|x|^2 + 1e-6), so |k| <= 1 (slightly below 1 for tiny raw keys)
+    norms = np.linalg.norm(cap.key_sample.astype(np.float32), axis=-1)
+    assert (norms <= 1 + 2e-3).all() and (norms > 0.5).all()
+    assert cap.key_sample.shape[2] == len(cap.key_sample_pos) == 150
+
+
+def test_save_load_roundtrip(lm, tmp_path):
+    cap = capture_document(lm, doc(100, seed=2), 64, name="d")
+    p = cap.save(tmp_path / "c.npz")
+    back = CaptureResult.load(p)
+    assert back.meta == cap.meta
+    for f in ("positions", "sv", "final_state", "g", "beta", "key_mean", "key_sample", "key_sample_pos"):
+        assert np.array_equal(getattr(back, f), getattr(cap, f)), f
+    assert back.keycone.keys() == cap.keycone.keys()
+
+
+def test_document_set_table_median_and_spread(lm):
+    caps = [capture_document(lm, doc(200, seed=s), 64) for s in range(3)]
+    tables = [summary.head_table(c) for c in caps]
+    ds = summary.document_set_table(caps)
+    er = np.stack([t["erank"].to_numpy() for t in tables])
+    np.testing.assert_allclose(ds["erank"], np.median(er, 0))
+    np.testing.assert_allclose(ds["erank_min"], er.min(0))
+    np.testing.assert_allclose(ds["erank_max"], er.max(0))
+    assert (ds["n_docs"] == 3).all() and len(ds) == len(lm.info.gdn_layers) * lm.info.num_heads
+
+
+def test_storage_budget_for_16k_qwen35_08b():
+    """What a 16K-token capture of a Qwen3.5-0.8B-sized model stores (the arrays the capture allocates)."""
+    info = ModelInfo(name="x", path="", family="qwen3_5", model_type="qwen3_5_text", num_layers=24,
+                     gdn_layers=tuple(i for i in range(24) if (i + 1) % 4), attn_layers=tuple(range(3, 24, 4)),
+                     num_heads=16, num_key_heads=16, d_k=128, d_v=128, conv_kernel=4, hidden_size=1024,
+                     vocab_size=248320, attn_kv_heads=2, attn_head_dim=256, dtype="bfloat16", device="cuda",
+                     kernel_path="fla", fingerprint="0")
+    cb = CaptureCallback(info, 16384, 256)
+    cb.keycone = {k: np.zeros((18, 16)) for k in ("mean_key_norm", "key_cov_erank", "decayed_P_erank_sqrt",
+                                                   "decayed_P_erank_eig", "horizon")}
+    size = len(cb.result({"n": 1}).to_bytes())
+    assert size <= 150 * 2**20, size / 2**20
+
+
+def test_empty_document(lm):
+    from gdnviz.errors import EmptyDocument
+
+    with pytest.raises(EmptyDocument):
+        capture_document(lm, [], 64)
