@@ -41,6 +41,20 @@ from gdnviz import runner
 from gdnviz.errors import EmptyDocument, JobCancelled
 
 CAPTURE_VERSION = "capture-v1"
+
+
+def batched_svdvals(states: torch.Tensor) -> torch.Tensor:
+    """Singular values [..., min(K, V)] float64 of states [..., K, V]: the Triton kernels of gdnviz.gpu.symeig on
+    CUDA (torch's batched SVD loops over the batch there), float64 ``torch.linalg.svdvals`` on CPU."""
+    shape = states.shape
+    flat = states.reshape(-1, *shape[-2:])
+    if flat.is_cuda:
+        from gdnviz.gpu import symeig
+
+        sv = symeig.svdvals(flat)
+    else:
+        sv = torch.linalg.svdvals(flat.double())
+    return sv.reshape(*shape[:-2], sv.shape[-1])
 KEY_SAMPLE = 256
 
 
@@ -161,7 +175,7 @@ class CaptureCallback:
             self._states.append(state[0].detach().clone())
         stack = torch.stack(self._states)  # [NB, H, K, V]
         self._states = []
-        sv = torch.linalg.svdvals(stack.double())
+        sv = batched_svdvals(stack)
         self.sv[:, li] = sv.float().cpu().numpy()
         self.final_state[li] = state[0].float().cpu().numpy()
         self._done += 1

@@ -277,7 +277,7 @@ def _short_conv(x, conv, cache, use_cache):
     xt = x.transpose(1, 2)
     if cache is None:
         cache = x.new_zeros(B, D, W)
-    full = torch.cat([cache.to(x.dtype), xt], dim=-1)  # [B, D, W + T]; column W-1+t is token t
+    full = torch.cat([cache.to(x.dtype), xt], dim=-1)  # [B, D, W + T]; column W + t is token t
     y = F.conv1d(full[..., 1:].float(), conv.weight.float(), None if conv.bias is None else conv.bias.float(),
                  groups=D)  # [B, D, T]: output t reads columns t+1 .. t+W, i.e. tokens t-W+1 .. t
     if conv.activation in ("silu", "swish"):

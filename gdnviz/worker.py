@@ -1,0 +1,283 @@
+"""The worker: one process that owns the model(s) and the GPU, pops jobs from the store and writes results back.
+
+    python -m gdnviz.worker [--cache-dir DIR] [--parent-pid PID] [--exit-when-idle] [--poll 0.2]
+
+- Keeps the last loaded model; reloads when a job names another model, device or dtype.
+- Writes progress (per document and per GDN layer), honours cancel flags (a cancelled job ends "cancelled").
+- Library errors (``gdnviz.errors``, ``ValueError``) end a job "failed" with their user message; out-of-memory
+  ends it "failed" with a message that says what to reduce; anything else fails with the exception named and the
+  traceback in the record and in ``<cache>/worker.log``.
+- A heartbeat thread writes ``hb:<pid>`` every second (state, current job, loaded model) so the app can tell the
+  worker is alive; with ``--parent-pid`` the worker exits when that process is gone.
+- At start it fails the jobs of dead workers of this host (``Store.reap_dead``), so no job is lost silently.
+
+Test-only hooks (environment variables, read at every progress step of a job other than ``inspect``):
+``GDNVIZ_TEST_OOM=1`` raises ``torch.cuda.OutOfMemoryError`` inside the job; ``GDNVIZ_TEST_CRASH=<code>`` exits
+the process with that code mid-job (``os._exit``); ``GDNVIZ_TEST_JOB_DELAY=<seconds>`` sleeps at every step.
+"""
+from __future__ import annotations
+
+import argparse
+import gc
+import logging
+import os
+import signal
+import sys
+import threading
+import time
+import traceback
+
+from gdnviz.store import HEARTBEAT_EVERY, Store, pid_alive
+
+log = logging.getLogger("gdnviz.worker")
+
+
+def _is_oom(e: BaseException) -> bool:
+    try:
+        import torch
+
+        if isinstance(e, torch.OutOfMemoryError):
+            return True
+    except Exception:
+        pass
+    return isinstance(e, MemoryError) or "out of memory" in str(e).lower()
+
+
+def oom_message(kind: str, spec: dict, e: BaseException) -> str:
+    """What ran out, with what, and what to reduce."""
+    model = spec.get("model", "?")
+    where = f"model '{model}', dtype {spec.get('dtype', 'auto')}, device {spec.get('device', 'auto')}"
+    if kind == "capture":
+        docs = spec.get("documents") or []
+        longest = max((len(t) for _, t in docs), default=0)
+        what = (f"capturing {len(docs)} document(s) (longest {longest:,} characters) with segment length "
+                f"{spec.get('segment_len')}")
+        reduce = ("Reduce the document length (lower the token limit or split long documents), capture fewer "
+                  "documents per run, or use a smaller segment length")
+    elif kind == "truncate":
+        what = f"running the truncation comparison (max {spec.get('max_new_tokens')} new tokens)"
+        reduce = ("Reduce the prompt / retrieval sample length (target tokens), the number of loss documents, or "
+                  "the number of new tokens")
+    elif kind == "loss":
+        what = f"measuring loss vs rank on {len(spec.get('documents') or [])} document(s)"
+        reduce = "Reduce the document length or the number of documents"
+    else:
+        what = f"running a {kind} job"
+        reduce = "Reduce the input size"
+    return (f"The GPU ran out of memory while {what} ({where}). {reduce}; or load the model in bfloat16, pick a "
+            f"smaller model, or free GPU memory held by other processes. ({type(e).__name__}: "
+            f"{str(e).splitlines()[0][:200] if str(e) else 'out of memory'})")
+
+
+class Worker:
+    """Owns the loaded model; ``process(job_id)`` runs one job; ``serve()`` loops over the queue."""
+
+    def __init__(self, store: Store, parent_pid: int | None = None, poll: float = 0.2):
+        self.store = store
+        self.pid = os.getpid()
+        self.parent_pid = parent_pid
+        self.poll = poll
+        self.state = "starting"
+        self.current: str | None = None
+        self._lm = None
+        self._lm_key = None
+        self._stop = threading.Event()
+
+    # -- model pool ------------------------------------------------------------------------------------------
+    def model(self, name: str, device: str, dtype: str):
+        key = (str(name), str(device), str(dtype))
+        if self._lm is not None and self._lm_key == key:
+            return self._lm
+        from gdnviz.models import load
+
+        self._lm, self._lm_key = None, None
+        gc.collect()
+        self._empty_cuda_cache()
+        self.state = f"loading {name}"
+        self._lm = load(name, device=device, dtype=dtype)
+        self._lm_key = key
+        return self._lm
+
+    def loaded_model(self) -> dict | None:
+        if self._lm is None:
+            return None
+        i = self._lm.info
+        return dict(name=i.name, device=i.device, dtype=i.dtype, kernel_path=i.kernel_path, family=i.family)
+
+    @staticmethod
+    def _empty_cuda_cache() -> None:
+        try:
+            import torch
+
+            if torch.cuda.is_available():
+                torch.cuda.empty_cache()
+        except Exception:
+            pass
+
+    # -- heartbeat -------------------------------------------------------------------------------------------
+    def beat(self) -> None:
+        self.store.heartbeat(self.pid, state=self.state, job=self.current, model=self.loaded_model(),
+                             queued=self.store.queued_count())
+
+    def _heartbeat_loop(self) -> None:
+        while not self._stop.wait(HEARTBEAT_EVERY):
+            try:
+                self.beat()
+            except Exception:  # a locked database for a moment is not fatal
+                log.exception("heartbeat failed")
+            if self.parent_pid and not pid_alive(self.parent_pid):
+                log.warning("parent process %s is gone: exiting", self.parent_pid)
+                os._exit(0)
+
+    # -- jobs ------------------------------------------------------------------------------------------------
+    def _hooks(self, kind: str) -> None:
+        """Test-only fault injection (see the module docstring)."""
+        if kind == "inspect":
+            return
+        delay = os.environ.get("GDNVIZ_TEST_JOB_DELAY")
+        if delay:
+            time.sleep(float(delay))
+        code = os.environ.get("GDNVIZ_TEST_CRASH")
+        if code:
+            log.warning("GDNVIZ_TEST_CRASH: exiting with code %s mid-job", code)
+            logging.shutdown()
+            os._exit(int(code))
+        if os.environ.get("GDNVIZ_TEST_OOM"):
+            import torch
+
+            raise torch.cuda.OutOfMemoryError(
+                "CUDA out of memory. Tried to allocate 20.00 GiB (GDNVIZ_TEST_OOM: simulated by a test hook)")
+
+    def process(self, jid: str) -> dict | None:
+        """Run one job by id; returns its final record (None when the record is gone)."""
+        from gdnviz import jobs
+
+        rec = self.store.job(jid)
+        if rec is None:
+            return None
+        if rec["status"] != "queued":  # cancelled while queued, or already handled
+            return rec
+        if self.store.cancel_requested(jid):
+            return self.store.update_job(jid, status="cancelled", finished=time.time(),
+                                         error="cancelled before it started")
+        kind, spec_d = rec["kind"], rec["spec"]
+        self.current = jid
+        self.state = f"running {kind}"
+        self.store.update_job(jid, status="running", started=time.time(), worker_pid=self.pid)
+        self.store.set_running(self.pid, jid)
+        self.beat()
+
+        def progress(done, total, text=""):
+            self.store.set_progress(jid, done, total, text)
+            self._hooks(kind)
+
+        ctx = jobs.JobContext(self.store, jid, model_loader=self.model, progress=progress,
+                              cancelled=lambda: self.store.cancel_requested(jid))
+        t0 = time.time()
+        try:
+            spec = jobs.spec_from_dict(dict(spec_d, kind=kind))
+            result = jobs.run(spec, ctx)
+            final = dict(status="done", result=result)
+        except jobs.JobCancelled:
+            final = dict(status="cancelled", error="cancelled by the user")
+        except Exception as e:  # noqa: BLE001 - every failure becomes a message, never a silent loss
+            final = self._failure(kind, spec_d, e)
+        except BaseException:  # SystemExit (SIGTERM), KeyboardInterrupt: record it, then stop
+            self.store.update_job(jid, status="failed", finished=time.time(), error_type="WorkerStopped",
+                                  error="the worker was stopped while running this job; run it again")
+            self.store.set_running(self.pid, None)
+            self.current = None
+            raise
+        self.current = None
+        self.state = "idle"
+        self.store.set_running(self.pid, None)
+        final.update(finished=time.time(), seconds=round(time.time() - t0, 3))
+        rec = self.store.update_job(jid, **final)
+        log.info("job %s (%s) %s in %.2f s%s", jid, kind, final["status"], final["seconds"],
+                 f": {final.get('error')}" if final.get("error") else "")
+        self.beat()
+        return rec
+
+    def _failure(self, kind: str, spec: dict, e: BaseException) -> dict:
+        from gdnviz.errors import GDNVizError
+
+        if _is_oom(e):
+            self._lm, self._lm_key = None, None  # free everything; the next job reloads
+            gc.collect()
+            self._empty_cuda_cache()
+            return dict(status="failed", error=oom_message(kind, spec, e), error_type="GPUOutOfMemory")
+        if isinstance(e, GDNVizError):
+            return dict(status="failed", error=str(e), error_type=type(e).__name__)
+        if isinstance(e, (ValueError, FileNotFoundError)):
+            return dict(status="failed", error=str(e), error_type=type(e).__name__)
+        tb = traceback.format_exc()
+        log.error("job failed with an unexpected error:\n%s", tb)
+        return dict(status="failed", error=f"internal error ({type(e).__name__}: {e}); the traceback is in "
+                                           f"{self.store.log_path}", error_type=type(e).__name__, traceback=tb)
+
+    def run_pending(self, max_jobs: int | None = None) -> int:
+        """Process queued jobs until the queue is empty (in this process; tests and batch use)."""
+        n = 0
+        while max_jobs is None or n < max_jobs:
+            jid = self.store.pop_job()
+            if jid is None:
+                break
+            self.process(jid)
+            n += 1
+        return n
+
+    def serve(self, exit_when_idle: bool = False) -> None:
+        self.beat()
+        self.store.reap_dead(restarted=False)
+        hb = threading.Thread(target=self._heartbeat_loop, name="heartbeat", daemon=True)
+        hb.start()
+        self.state = "starting (importing PyTorch)"
+        self.beat()
+        import gdnviz.jobs  # noqa: F401  (pays the torch import before the first job)
+        import torch  # noqa: F401
+
+        self.state = "idle"
+        self.beat()
+        log.info("worker %s ready on %s", self.pid, self.store.dir)
+        try:
+            while not self._stop.is_set():
+                jid = self.store.pop_job()
+                if jid is None:
+                    if exit_when_idle:
+                        break
+                    time.sleep(self.poll)
+                    continue
+                self.process(jid)
+        finally:
+            self._stop.set()
+            if self.current:
+                self.store.update_job(self.current, status="failed", finished=time.time(),
+                                      error="the worker was stopped while running this job", error_type="WorkerStopped")
+            self.store.worker_gone(self.pid)
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(prog="python -m gdnviz.worker", description=__doc__.split("\n\n")[0])
+    ap.add_argument("--cache-dir", default=None, help="diskcache directory (default: $GDNVIZ_CACHE_DIR or ./cache)")
+    ap.add_argument("--parent-pid", type=int, default=None, help="exit when this process is gone")
+    ap.add_argument("--exit-when-idle", action="store_true", help="exit once the queue is empty (batch use)")
+    ap.add_argument("--poll", type=float, default=0.2, help="seconds between queue polls when idle")
+    args = ap.parse_args(argv)
+    store = Store(args.cache_dir)
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s worker[%(process)d] %(levelname)s %(message)s",
+                        handlers=[logging.FileHandler(store.log_path), logging.StreamHandler(sys.stderr)])
+    w = Worker(store, parent_pid=args.parent_pid, poll=args.poll)
+
+    def _term(signum, frame):
+        raise SystemExit(128 + signum)
+
+    signal.signal(signal.SIGTERM, _term)
+    try:
+        w.serve(exit_when_idle=args.exit_when_idle)
+    except (SystemExit, KeyboardInterrupt):
+        pass
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,47 @@
+"""A tiny real checkpoint directory (Qwen3.5 config, random weights, a small byte-level BPE tokenizer) for the app,
+worker and browser tests; built once per test session (``build_checkpoint(dir)``)."""
+from __future__ import annotations
+
+import json
+import os
+import sys
+from pathlib import Path
+
+HERE = Path(__file__).resolve().parent
+sys.path.insert(0, str(HERE))
+sys.path.insert(0, str(HERE.parent))
+
+
+def build_checkpoint(root: str | os.PathLike) -> Path:
+    """``root/tiny-qwen3_5``: config.json + model.safetensors + tokenizer files; returns the folder."""
+    import torch
+
+    import tiny_models
+    import tokenizers_for_tests
+
+    root = Path(root)
+    out = root / "tiny-qwen3_5"
+    if (out / "config.json").exists() and (out / "tokenizer.json").exists():
+        return out
+    plain, _chat = tokenizers_for_tests.build(root / "tok", vocab_size=1200)
+    tok = tokenizers_for_tests.load(_chat)
+    torch.set_num_threads(min(2, os.cpu_count() or 1))
+    m = tiny_models.qwen3_5(vocab=len(tok) + 16)
+    m.save_pretrained(out)
+    tok.save_pretrained(out)
+    return out
+
+
+def build_not_gdn(root: str | os.PathLike) -> Path:
+    """A checkpoint folder whose config declares no Gated DeltaNet layers (a plain Qwen3 config)."""
+    out = Path(root) / "plain-qwen3"
+    out.mkdir(parents=True, exist_ok=True)
+    (out / "config.json").write_text(json.dumps({
+        "model_type": "qwen3", "architectures": ["Qwen3ForCausalLM"], "num_hidden_layers": 2, "hidden_size": 64,
+        "num_attention_heads": 4, "num_key_value_heads": 2, "intermediate_size": 128, "vocab_size": 97}))
+    (out / "model.safetensors").write_bytes(b"")
+    return out
+
+
+if __name__ == "__main__":
+    print(build_checkpoint(sys.argv[1]))
