@@ -1,0 +1,61 @@
+"""Singular values of many 128×128 head states: gdnviz's Triton kernels vs torch.linalg on the same states.
+
+    python bench/bench_spectra.py --device cuda
+
+One JSON line per measurement. The capture of a 16K-token document on a Qwen3.5-0.8B shape needs the spectra of
+64 boundaries × 288 heads = 18,432 states.
+"""
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+
+import torch
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+from bench.common import device_name, emit, timeit  # noqa: E402
+
+
+def gdn_like_states(n, k=128, v=128, device="cuda", seed=0):
+    g = torch.Generator(device="cpu").manual_seed(seed)
+    U = torch.linalg.qr(torch.randn(n, k, k, generator=g, dtype=torch.float64))[0]
+    W = torch.linalg.qr(torch.randn(n, v, v, generator=g, dtype=torch.float64))[0]
+    rate = torch.rand(n, 1, generator=g, dtype=torch.float64) * 0.3 + 0.02
+    s = torch.exp(-rate * torch.arange(min(k, v), dtype=torch.float64))
+    return ((U[:, :, :min(k, v)] * s[:, None, :]) @ W[:, :, :min(k, v)].transpose(-1, -2)).float().to(device)
+
+
+def main():
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--device", default="cuda")
+    ap.add_argument("--big", type=int, default=18432)
+    args = ap.parse_args()
+    from gdnviz.gpu import symeig
+
+    dev = torch.device(args.device)
+    S = gdn_like_states(288, device=dev)
+    ref = torch.linalg.svdvals(S.double())
+    t_svd = timeit(lambda: torch.linalg.svdvals(S.double()), dev, repeats=3)
+    t_eigh = timeit(lambda: torch.linalg.eigvalsh(symeig.gram(S)), dev, repeats=3)
+    t_ours = timeit(lambda: symeig.svdvals(S), dev, repeats=5)
+    err = ((symeig.svdvals(S) - ref).abs() / ref[:, :1]).max().item()
+    base = dict(device=device_name(dev), k=128, v=128)
+    emit(what="svdvals_288", n=288, baseline="torch.linalg.svdvals(float64)", baseline_ms=t_svd * 1e3,
+         ours_ms=t_ours * 1e3, ratio=t_svd / t_ours, eigvalsh_f64_ms=t_eigh * 1e3, max_abs_err_rel_sigma_max=err, **base)
+    if args.big:
+        B = gdn_like_states(args.big, device=dev, seed=1)
+        t_big = timeit(lambda: symeig.svdvals(B), dev, repeats=3)
+        G = symeig.gram(B)
+        t_gram = timeit(lambda: symeig.gram(B), dev, repeats=3)
+        D = torch.empty(args.big, 128, dtype=torch.float64, device=dev)
+        E, W = torch.empty_like(D), torch.empty_like(D)
+        t_tri = timeit(lambda: symeig._tridiag_kernel[(args.big,)](G, D, E, N=128, num_warps=16), dev, repeats=3)
+        emit(what=f"svdvals_{args.big}", n=args.big, ours_ms=t_big * 1e3, gram_ms=t_gram * 1e3,
+             tridiag_ms=t_tri * 1e3, bisect_ms=(t_big - t_gram - t_tri) * 1e3,
+             baseline="torch.linalg.svdvals(float64), extrapolated from 288", baseline_ms=t_svd * 1e3 * args.big / 288,
+             ratio=t_svd * args.big / 288 / t_big, **base)
+
+
+if __name__ == "__main__":
+    main()
