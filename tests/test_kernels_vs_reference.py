@@ -109,10 +109,14 @@ def _cpu_case(name):
 
 
 def _torch_kernels():
+    import inspect
+
     mod = pytest.importorskip("transformers.models.qwen3_5.modeling_qwen3_5")
+    # inspect.unwrap follows __wrapped__ to the torch body, through gdnviz's dispatcher too (other tests load
+    # models, which installs gdnviz's dispatcher over these module globals).
     return {
-        "chunk": mod.torch_chunk_gated_delta_rule.__wrapped__,
-        "recurrent": mod.torch_recurrent_gated_delta_rule.__wrapped__,
+        "chunk": inspect.unwrap(mod.torch_chunk_gated_delta_rule),
+        "recurrent": inspect.unwrap(mod.torch_recurrent_gated_delta_rule),
     }
 
 
