@@ -6,7 +6,7 @@ with ``use_gate_in_kernel=True, use_beta_sigmoid_in_kernel=True, use_qk_l2norm_i
 state_v_first=True``). The blocks' ``RMSNorm`` (``fuse_norm``), the MLP's SwiGLU (Triton even with
 ``fuse_swiglu=False``) and the hybrid attention layers' rotary embedding are Triton too. So:
 
-* **CUDA** (fla's real kernels): ``prepare`` leaves every module as fla wrote it and only replaces the two core
+* **CUDA** (fla's real kernels): every module runs fla's own forward; ``prepare`` only replaces the two core
   functions, as module globals of ``fla.layers.gated_deltanet``, with a dispatcher. Inside a gdnviz run it
   recomputes what the kernel would have computed in-kernel (``g = -exp(A_log) * softplus(a + dt_bias)``,
   ``beta = sigmoid(b)`` (x2 with ``allow_neg_eigval``), L2-normalised q/k, key heads repeated to value heads),
@@ -20,6 +20,8 @@ state_v_first=True``). The blocks' ``RMSNorm`` (``fuse_norm``), the MLP's SwiGLU
   ``RMSNorm(o) * act(g_proj(x))`` (act = swish or sigmoid, fp32, eps = ``norm_eps``); ``o_proj``.
   ``adjust_config`` also sets ``fuse_norm = fuse_swiglu = fuse_cross_entropy = False`` on CPU so the blocks
   are built from torch modules (``nn.RMSNorm``; parameter names are unchanged, checkpoints load as saved).
+  Checked on an H200 (tests/test_fla_adapter.py, gpu): with fp32 weights, fla's CUDA layers through the cache
+  loop (64-token calls, fused_recurrent) and this torch path agree to ~1e-6 relative (logits and states).
 
 State layout: fla 0.6 caches ``cache[i]['recurrent_state']`` value-first, ``[B, HV, V, K]`` fp32. ``get_state``
 / ``set_state`` (and the CUDA dispatcher / CPU forward, at the kernel boundary) transpose to and from the
