@@ -41,21 +41,23 @@ from gdnviz import runner
 from gdnviz.errors import EmptyDocument, JobCancelled
 
 CAPTURE_VERSION = "capture-v1"
+KEY_SAMPLE = 256
 
 
 def batched_svdvals(states: torch.Tensor) -> torch.Tensor:
-    """Singular values [..., min(K, V)] float64 of states [..., K, V]: the Triton kernels of gdnviz.gpu.symeig on
-    CUDA (torch's batched SVD loops over the batch there), float64 ``torch.linalg.svdvals`` on CPU."""
+    """Singular values [..., min(K, V)] float64, descending, of states [..., K, V], as the square roots of the
+    eigenvalues of the float64 Gram matrix: Triton kernels (gdnviz.gpu.symeig) on CUDA, LAPACK ``eigvalsh`` on CPU
+    (both 8-200× faster than ``torch.linalg.svdvals``, which tests keep as the reference; absolute error on σ
+    ≈ sqrt(ε_f64)·σ_max, far below the numerical-rank threshold σ_max·128·ε_f32)."""
+    from gdnviz.gpu import symeig
+
     shape = states.shape
     flat = states.reshape(-1, *shape[-2:])
     if flat.is_cuda:
-        from gdnviz.gpu import symeig
-
         sv = symeig.svdvals(flat)
     else:
-        sv = torch.linalg.svdvals(flat.double())
+        sv = torch.linalg.eigvalsh(symeig.gram(flat)).clamp_min(0).sqrt().flip(-1)
     return sv.reshape(*shape[:-2], sv.shape[-1])
-KEY_SAMPLE = 256
 
 
 @dataclass

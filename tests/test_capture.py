@@ -104,3 +104,19 @@ def test_empty_document(lm):
 
     with pytest.raises(EmptyDocument):
         capture_document(lm, [], 64)
+
+
+def test_batched_svdvals_cpu_matches_svd_reference():
+    """The Gram-eigenvalue route used by capture on CPU against float64 torch.linalg.svdvals."""
+    from gdnviz.analysis import spectra
+    from gdnviz.capture import batched_svdvals
+
+    g = torch.Generator().manual_seed(0)
+    U = torch.linalg.qr(torch.randn(20, 64, 64, generator=g, dtype=torch.float64))[0]
+    s = torch.exp(-torch.arange(64, dtype=torch.float64) * torch.linspace(0.05, 0.5, 20, dtype=torch.float64)[:, None])
+    S = ((U * s[:, None, :]) @ U.transpose(-1, -2)).float()
+    ours = batched_svdvals(S.reshape(4, 5, 64, 64)).reshape(20, 64)
+    ref = torch.linalg.svdvals(S.double())
+    assert ((ours - ref).abs() / ref[:, :1]).max() < 1e-7
+    np.testing.assert_array_equal(spectra.numerical_rank(ours.numpy()), spectra.numerical_rank(ref.numpy()))
+    np.testing.assert_allclose(spectra.effective_rank(ours.numpy()), spectra.effective_rank(ref.numpy()), rtol=1e-6)
