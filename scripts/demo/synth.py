@@ -117,7 +117,8 @@ class Renderer:
             these = names[i * (hops + 1):(i + 1) * (hops + 1)]
             variables.append(these)
             value = "12345" if is_icl else str(rng.randint(10000, 99998))
-            chains.append([f"VAR {these[0]} = {value}"] + [f"VAR {these[j + 1]} = VAR {these[j]} " for j in range(hops)])
+            chains.append([f"VAR {these[0]} = {value}"]
+                          + [f"VAR {these[j + 1]} = VAR {these[j]} " for j in range(hops)])
         value = chains[0][0].split("=")[-1].strip()
         sentences = [R.NOISE] * n
         for chain in chains:
@@ -258,7 +259,8 @@ class Sampler:
 
     def min_tokens(self, task: str, target: int = 1024) -> int:
         slope, icpt = self._coef(task, target)
-        return int(icpt + slope * MIN_UNITS[task]) + 48
+        floor = 330 if task == "fwe" else 0  # fwe needs >= 4 coded words ((target - 50) // 50) and a clear top 3
+        return max(floor, int(icpt + slope * MIN_UNITS[task]) + 48)
 
     def sample(self, task: str, budget: int, rng: random.Random):
         target = self.regime_target(task, budget)

@@ -9,8 +9,11 @@ Recipe (after shared/probes/demo_calibration2.py, which learned single-needle re
   EOS, plus slices of English text (the corpus). Every sample starts with BOS.
 - Loss = mean next-token loss over all tokens + mean loss over answer tokens (the reference answer after the
   answer prefix, up to and including EOS).
-- Curriculum over sample length: the longest sample grows from ``--min-len`` to ``--max-len`` over the first
-  ``--curriculum-frac`` of the steps; rows grow 1024 -> 2048 -> 4096 tokens; tokens per step stay fixed.
+- Curriculum over sample length (``--curriculum``, piecewise linear in the fraction of planned steps): the
+  longest sample starts at ~200 tokens (a needle and one noise line: rows packed with ~15 samples each, as in
+  the calibration), reaches 1K at 40%, 2K at 55% and ``--max-len`` (4K) at 70% of the steps; sample lengths
+  are uniform up to that bound (``--long-frac`` of them at the bound); rows grow 1024 -> 2048 -> 4096 tokens;
+  tokens per step stay fixed, so early steps carry many short samples (dense answer signal) and are cheap.
 - AdamW(0.9, 0.95), wd 0.01, lr 1e-3, linear warm-up, linear decay to 0.1x over the last ``--decay-frac``;
   bf16 autocast; grad clip 1.0; fixed seed. transformers' own PyTorch GDN kernels (fla is never used).
 - Data of step s is a pure function of (seed, s): DataLoader workers build whole batches, so resuming at step s
@@ -55,8 +58,9 @@ PRESETS = {
     "smoke": dict(hidden_size=128, intermediate_size=384, num_hidden_layers=4, num_attention_heads=2,
                   num_key_value_heads=1, head_dim=64, linear_num_key_heads=1, linear_num_value_heads=1),
 }
-TASK_WEIGHTS = {"niah_single_1": 0.22, "niah_multikey_2": 0.28, "niah_multikey_3": 0.08, "vt": 0.22, "cwe": 0.10,
-                "fwe": 0.10}
+TASK_WEIGHTS = {"niah_single_1": 0.30, "niah_multikey_2": 0.25, "niah_multikey_3": 0.05, "vt": 0.18, "cwe": 0.11,
+                "fwe": 0.11}
+TASK_IDS = {t: i + 1 for i, t in enumerate(TASK_WEIGHTS)}  # answer-mask values (0: not an answer token)
 EVAL_TASKS = ("niah_single_1", "niah_multikey_2", "niah_multikey_3", "vt", "cwe", "fwe")
 EVAL_SEED0 = 500_000  # in-training eval seeds; evaluate.py uses 1_000_000+; training draws 62-bit random seeds
 SHARD_BYTES = 15 * 2 ** 20
@@ -76,22 +80,26 @@ def parse_args(argv=None):
     ap.add_argument("--smoke", action="store_true", help="CPU smoke test: small model, 1K rows, frequent evals")
     ap.add_argument("--preset", choices=sorted(PRESETS), default=None)
     ap.add_argument("--minutes", type=float, default=8.0, help="wall-clock budget of this run's training loop")
-    ap.add_argument("--total-steps", type=int, default=None, help="planned steps (schedules); default 1000")
-    ap.add_argument("--tokens-per-step", type=int, default=None, help="default 65536 (smoke 4096)")
-    ap.add_argument("--min-len", type=int, default=512, help="curriculum: longest sample at step 0")
+    ap.add_argument("--total-steps", default=None,
+                    help="planned steps (curriculum, lr decay), or 'auto': fit them into --minutes from a short "
+                         "throughput benchmark of each row length (default auto; smoke 40; a resumed run keeps "
+                         "the checkpoint's)")
+    ap.add_argument("--tokens-per-step", type=int, default=None, help="default 65536 (smoke 2048)")
     ap.add_argument("--max-len", type=int, default=None, help="curriculum: longest sample at the end (4096)")
-    ap.add_argument("--curriculum-frac", type=float, default=0.5)
-    ap.add_argument("--long-frac", type=float, default=0.35, help="share of samples at the current max length")
+    ap.add_argument("--curriculum", default=None,
+                    help="knots 'frac:len,...' of the longest sample vs fraction of --total-steps (lengths are "
+                         "capped at --max-len); default 0:200,0.4:1024,0.55:2048,0.7:4096 (smoke 0:200,0.6:1024)")
+    ap.add_argument("--long-frac", type=float, default=0.15, help="share of samples at the current max length")
     ap.add_argument("--text-frac", type=float, default=0.15, help="chance that a segment is corpus text")
     ap.add_argument("--lr", type=float, default=1e-3)
-    ap.add_argument("--warmup", type=int, default=None, help="default 200 (smoke 10)")
+    ap.add_argument("--warmup", type=int, default=None, help="default 200 (smoke 5)")
     ap.add_argument("--decay-frac", type=float, default=0.25)
     ap.add_argument("--weight-decay", type=float, default=0.01)
-    ap.add_argument("--eval-every", type=int, default=None, help="default 100 (smoke 20)")
-    ap.add_argument("--eval-n", type=int, default=None, help="prompts per task x length (default 16, smoke 3)")
+    ap.add_argument("--eval-every", type=int, default=None, help="default 100 (smoke 25)")
+    ap.add_argument("--eval-n", type=int, default=None, help="prompts per task x length (default 16, smoke 2)")
     ap.add_argument("--eval-lens", default=None, help="default 1024,2048,4096 (smoke 1024)")
-    ap.add_argument("--early-stop-step", type=int, default=None, help="default 40%% of --total-steps")
-    ap.add_argument("--early-stop-min", type=float, default=10.0,
+    ap.add_argument("--early-stop-step", type=int, default=None, help="default 50%% of --total-steps")
+    ap.add_argument("--early-stop-min", type=float, default=5.0,
                     help="stop if niah_single_1 (best eval length) scores below this at --early-stop-step")
     ap.add_argument("--ckpt-minutes", type=float, default=3.0)
     ap.add_argument("--ckpt-momentum", action="store_true", help="also keep Adam's first moment (+50%% size)")
@@ -104,18 +112,20 @@ def parse_args(argv=None):
     ap.add_argument("--log-every", type=int, default=10)
     a = ap.parse_args(argv)
     sm = a.smoke
-    dflt = dict(preset="smoke" if sm else "full", total_steps=60 if sm else 1000, tokens_per_step=4096 if sm else 65536,
-                max_len=1024 if sm else 4096, warmup=10 if sm else 200, eval_every=20 if sm else 100,
-                eval_n=3 if sm else 16, eval_lens="1024" if sm else "1024,2048,4096")
+    dflt = dict(preset="smoke" if sm else "full", total_steps="40" if sm else "auto",
+                tokens_per_step=2048 if sm else 65536,
+                max_len=1024 if sm else 4096, warmup=5 if sm else 200, eval_every=25 if sm else 100,
+                eval_n=2 if sm else 16, eval_lens="1024" if sm else "1024,2048,4096")
     for k, v in dflt.items():
         if getattr(a, k) is None:
             setattr(a, k, v)
-    if sm and a.min_len == 512:
-        a.min_len = 384
-    if a.early_stop_step is None:
-        a.early_stop_step = int(0.4 * a.total_steps)
+    if a.curriculum is None:
+        a.curriculum = "0:200,0.6:1024" if sm else "0:200,0.4:1024,0.55:2048,0.7:4096"
+    knots = sorted((float(f), int(n)) for f, n in (k.split(":") for k in a.curriculum.split(",")))
+    a.knots = [(f, min(n, a.max_len)) for f, n in knots]
+    a.total_steps = int(a.total_steps) if str(a.total_steps).isdigit() else "auto"
     a.eval_lens = [int(x) for x in str(a.eval_lens).split(",") if x]
-    if a.resume == "__out__":
+    if a.resume == "__out__" or (a.export_only and not a.resume):
         a.resume = a.out
     return a
 
@@ -131,8 +141,16 @@ def row_lengths(a) -> list[int]:
 
 def shape_at(step: int, a) -> tuple[int, int, int]:
     """(longest sample, row length T, rows B) at ``step``."""
-    f = min(1.0, step / max(1.0, a.curriculum_frac * a.total_steps))
-    cur = int(a.min_len + (a.max_len - a.min_len) * f)
+    f = step / max(1.0, float(a.total_steps))
+    k = a.knots
+    if f <= k[0][0]:
+        cur = k[0][1]
+    elif f >= k[-1][0]:
+        cur = k[-1][1]
+    else:
+        j = next(i for i in range(1, len(k)) if f < k[i][0])
+        (f0, n0), (f1, n1) = k[j - 1], k[j]
+        cur = int(n0 + (n1 - n0) * (f - f0) / max(1e-9, f1 - f0))
     T = next(t for t in row_lengths(a) if t >= cur)
     return cur, T, max(1, a.tokens_per_step // T)
 
@@ -199,7 +217,7 @@ class Batches:
         rng = random.Random(a.seed * 1_000_003 + int(step))
         cur, T, B = shape_at(int(step), a)
         X = np.zeros((B, T + 1), dtype=np.int64)
-        M = np.zeros((B, T + 1), dtype=bool)
+        M = np.zeros((B, T + 1), dtype=np.int8)
         st = {"text": 0, "task": 0, "answer": 0, "samples": 0}
         tasks, weights = list(TASK_WEIGHTS), list(TASK_WEIGHTS.values())
         for b in range(B):
@@ -221,7 +239,7 @@ class Batches:
                             p_ids, ans_ids, _ = r
                             seg = [bos] + p_ids + ans_ids + [eos]
                             X[b, pos:pos + len(seg)] = seg
-                            M[b, pos + 1 + len(p_ids):pos + len(seg)] = True
+                            M[b, pos + 1 + len(p_ids):pos + len(seg)] = TASK_IDS[task]
                             st["task"] += len(seg)
                             st["answer"] += len(ans_ids) + 1
                             st["samples"] += 1
@@ -276,6 +294,46 @@ def ship_dtype(t):
     import torch
 
     return torch.bfloat16 if t.dim() >= 2 else torch.float32
+
+
+def benchmark(model, opt, a, dev, vocab: int) -> dict[int, float]:
+    """Seconds per optimizer step at each row length (random tokens, same shapes as training)."""
+    import torch
+
+    out = {}
+    for T in row_lengths(a):
+        B = max(1, a.tokens_per_step // T)
+        x = torch.randint(0, vocab, (B, T + 1), device=dev)
+        times = []
+        for i in range(5):
+            if dev.type == "cuda":
+                torch.cuda.synchronize()
+            t = time.time()
+            with torch.autocast(dev.type, dtype=torch.bfloat16, enabled=dev.type == "cuda"):
+                logits = model(input_ids=x[:, :-1], use_cache=False).logits
+            loss = torch.nn.functional.cross_entropy(logits.float().reshape(-1, vocab), x[:, 1:].reshape(-1))
+            opt.zero_grad(set_to_none=True)
+            loss.backward()
+            opt.step()
+            if dev.type == "cuda":
+                torch.cuda.synchronize()
+            times.append(time.time() - t)
+        out[T] = sorted(times[2:])[1]
+        del logits, loss, x
+    return out
+
+
+def plan_total_steps(a, sec_per_step: dict[int, float], eval_s: float, budget_s: float) -> int:
+    """Largest step count whose curriculum (its share of steps at each row length) + evals fit ``budget_s``."""
+    best = 10
+    for total in range(10, 100000, 10):
+        probe = argparse.Namespace(**{**vars(a), "total_steps": total})
+        t = sum(sec_per_step[shape_at(s, probe)[1]] for s in range(0, total, 5)) * 5
+        t += (total // a.eval_every) * eval_s
+        if t > budget_s:
+            break
+        best = total
+    return best
 
 
 # --- checkpoints --------------------------------------------------------------------------------------------------
@@ -358,6 +416,7 @@ def export_hf(model, cfg, tok_dir: Path, dst: Path, metrics: dict, loss_rows: li
     sd = {k: v for k, v in model.state_dict().items() if k != "lm_head.weight"}
     tensors = {k: v.detach().to(ship_dtype(v)).cpu().contiguous() for k, v in sd.items()}
     save_file(tensors, str(dst / "model.safetensors"), metadata={"format": "pt"})
+    os.chmod(dst / "model.safetensors", 0o644)
     cfg = type(cfg).from_dict(cfg.to_dict())
     cfg.dtype = "bfloat16"
     cfg.use_cache = True
@@ -412,8 +471,9 @@ def build_evalset(hf_tok, a, ids) -> list[dict]:
 
 
 def eval_teacher_forced(model, items, hf_tok, dev, ids, max_tokens=65536) -> dict:
-    """Greedy answer under teacher forcing: argmax at every answer position, decoded up to the first EOS, scored
-    with ruler.score. Equals free greedy decoding whenever the answer is right; a lower bound otherwise."""
+    """Greedy answer under teacher forcing, scored with ruler.score: the reference answer up to the first position
+    where the argmax differs, plus that argmax token, i.e. exactly what free greedy decoding emits up to its first
+    divergence. Equals the free-greedy score when the whole answer is right (niah); a lower bound otherwise."""
     import torch
 
     from gdnviz.probes import ruler
@@ -444,10 +504,12 @@ def eval_teacher_forced(model, items, hf_tok, dev, ids, max_tokens=65536) -> dic
                 tgt = torch.tensor(it["answer_ids"], device=dev)
                 ans_nll += torch.nn.functional.cross_entropy(lg, tgt, reduction="sum").item()
                 ans_n += n
-                am = lg.argmax(-1).tolist()
-                if ids["eos"] in am:
-                    am = am[:am.index(ids["eos"])]
-                preds.setdefault((it["task"], it["len"]), []).append((hf_tok.decode(am), it["answers"]))
+                am, ref = lg.argmax(-1).tolist(), it["answer_ids"]
+                k = next((q for q in range(n) if am[q] != ref[q]), n)
+                got = ref[:k] + am[k:k + 1]  # what free greedy decoding emits up to its first divergence
+                if ids["eos"] in got:
+                    got = got[:got.index(ids["eos"])]
+                preds.setdefault((it["task"], it["len"]), []).append((hf_tok.decode(got), it["answers"]))
     model.train()
     scores: dict[str, dict[str, float]] = {}
     for (task, L), pr in sorted(preds.items()):
@@ -536,9 +598,15 @@ def main(argv=None) -> int:
                 "device": torch.cuda.get_device_name(0) if dev.type == "cuda" else "cpu"}
 
     cfg = make_config(a.preset, len(hf_tok), ids)
-    model = Qwen3_5ForCausalLM(cfg).to(dev)
+
+    def fresh():
+        torch.manual_seed(a.seed)
+        m = Qwen3_5ForCausalLM(cfg).to(dev)
+        o = torch.optim.AdamW(m.parameters(), lr=a.lr, betas=(0.9, 0.95), weight_decay=a.weight_decay)
+        return m, o
+
+    model, opt = fresh()
     n_params = sum(p.numel() for p in model.parameters())
-    opt = torch.optim.AdamW(model.parameters(), lr=a.lr, betas=(0.9, 0.95), weight_decay=a.weight_decay)
 
     start_step, tokens_seen, train_s, opt_steps = 0, 0, 0.0, 0
     loss_rows, eval_rows = [], []
@@ -546,6 +614,8 @@ def main(argv=None) -> int:
         src = Path(a.resume)
         meta, tensors = load_checkpoint(src)
         start_step, tokens_seen = meta["step"], meta["tokens_seen"]
+        if a.total_steps == "auto":
+            a.total_steps = int(meta["args"]["total_steps"])
         train_s, opt_steps = meta["train_seconds"], meta["opt_steps"]
         restore(model, None if a.export_only else opt, tensors, opt_steps)
         if "cpu_rng" in meta:
@@ -580,9 +650,18 @@ def main(argv=None) -> int:
     if not held_file.exists():
         np.save(held_file, tokenize_stream(tk, read_docs(Path(a.corpus) / "heldout.jsonl.gz"), ids["bos"], ids["eos"]))
     heldout_ids = np.load(held_file)
+    tokenize_s = round(time.time() - t0, 1)
+    bench = None
+    if a.total_steps == "auto" and not a.export_only:
+        t0 = time.time()
+        bench = benchmark(model, opt, a, dev, len(hf_tok))
+        model, opt = fresh()  # the benchmark's updates are thrown away: training starts from the seeded init
+        print(json.dumps({"event": "benchmark", "sec_per_step": bench, "tokens_per_step": a.tokens_per_step,
+                          "bench_s": round(time.time() - t0, 1)}), flush=True)
     print(json.dumps({"event": "start", "params": n_params, "preset": a.preset, "vocab": len(hf_tok),
-                      "layer_types": cfg.layer_types, "train_text_tokens": int(np.load(text_file, mmap_mode="r").shape[0]),
-                      "heldout_tokens": int(heldout_ids.shape[0]), "tokenize_s": round(time.time() - t0, 1),
+                      "layer_types": cfg.layer_types,
+                      "train_text_tokens": int(np.load(text_file, mmap_mode="r").shape[0]),
+                      "heldout_tokens": int(heldout_ids.shape[0]), "tokenize_s": tokenize_s,
                       "device": str(dev), **versions}), flush=True)
 
     bad = synth.check_against_ruler(hf_tok, [("niah_single_1", 9, 3, 2048), ("vt", 12, 4, 2048),
@@ -592,13 +671,6 @@ def main(argv=None) -> int:
     t0 = time.time()
     evalset = build_evalset(hf_tok, a, ids)
     print(json.dumps({"event": "evalset", "n": len(evalset), "build_s": round(time.time() - t0, 1)}), flush=True)
-
-    workers = a.workers if a.workers is not None else max(1, min(12, (os.cpu_count() or 2) - 2))
-    ds = Batches(a, str(tok_dir / "tokenizer.json"), str(text_file), ids)
-    end_step = max(a.total_steps, start_step) + 100000
-    loader = torch.utils.data.DataLoader(ds, batch_size=None, sampler=StepSampler(start_step, end_step),
-                                         num_workers=workers, prefetch_factor=4 if workers else None,
-                                         pin_memory=dev.type == "cuda", persistent_workers=False)
 
     def run_eval(step):
         t = time.time()
@@ -626,9 +698,28 @@ def main(argv=None) -> int:
     stop_reason = "minutes"
     acc = {"loss": 0.0, "tok": 0.0, "ans": 0.0, "n": 0, "text": 0, "task": 0, "answer": 0, "samples": 0}
     t_log = time.time()
+    task_sum = torch.zeros(len(TASK_IDS) + 1, device=dev)
+    task_cnt = torch.zeros(len(TASK_IDS) + 1, device=dev)
     if start_step == 0:
-        run_eval(0)
+        r0 = run_eval(0)
+    if a.total_steps == "auto":
+        eval_s = r0["eval_s"] if start_step == 0 else 10.0
+        budget = a.minutes * 60 - 10 - (time.time() - t_run)
+        a.total_steps = plan_total_steps(a, bench, eval_s, budget)
+        print(json.dumps({"event": "plan", "total_steps": a.total_steps, "budget_s": round(budget),
+                          "eval_s": eval_s, "tokens": a.total_steps * a.tokens_per_step}), flush=True)
+    if a.early_stop_step is None:  # smoke runs are far too short to learn anything: never stop them early
+        a.early_stop_step = 1 << 30 if a.smoke else int(0.5 * a.total_steps)
+    workers = a.workers if a.workers is not None else max(1, min(12, (os.cpu_count() or 2) - 2))
+    ds = Batches(a, str(tok_dir / "tokenizer.json"), str(text_file), ids)
+    end_step = max(a.total_steps, start_step) + 100000
+    loader = torch.utils.data.DataLoader(ds, batch_size=None, sampler=StepSampler(start_step, end_step),
+                                         num_workers=workers, prefetch_factor=4 if workers else None,
+                                         pin_memory=dev.type == "cuda", persistent_workers=False)
     for x, y, m, st in loader:
+        if step >= a.total_steps:
+            stop_reason = "done"
+            break
         if time.time() - t_run > a.minutes * 60:
             break
         ts = time.time()
@@ -640,8 +731,13 @@ def main(argv=None) -> int:
         ce = torch.nn.functional.cross_entropy(logits.float().reshape(-1, logits.shape[-1]), y.reshape(-1),
                                                reduction="none")
         tok_loss = ce.mean()
-        mf = m.reshape(-1)
+        mt = m.reshape(-1).long()
+        mf = mt > 0
         ans_loss = ce[mf].mean() if bool(mf.any()) else torch.zeros((), device=dev)
+        with torch.no_grad():
+            oh = torch.nn.functional.one_hot(mt, len(TASK_IDS) + 1).float()
+            task_sum += (ce.detach()[:, None] * oh).sum(0)
+            task_cnt += oh.sum(0)
         loss = tok_loss + ans_loss
         opt.zero_grad(set_to_none=True)
         loss.backward()
@@ -670,10 +766,14 @@ def main(argv=None) -> int:
                    "answer_loss": round(acc["ans"] / n, 4), "grad_norm": round(float(gn), 3), "max_len": cur,
                    "row_len": T, "rows": B, "text_share": round(acc["text"] / max(1, acc["text"] + acc["task"]), 3),
                    "samples_per_step": round(acc["samples"] / n, 1),
+                   "answer_loss_by_task": {t: round(float(task_sum[i] / task_cnt[i]), 3)
+                                           for t, i in TASK_IDS.items() if task_cnt[i] > 0},
                    "tok_per_s": round(n * T * B / max(dt, 1e-9)), "elapsed_s": round(time.time() - t_run, 1)}
             loss_rows.append(row)
             print(json.dumps({"event": "train", **row}), flush=True)
             acc = {k: 0 for k in acc}
+            task_sum.zero_()
+            task_cnt.zero_()
             t_log = time.time()
         if step % a.eval_every == 0:
             r = run_eval(step)

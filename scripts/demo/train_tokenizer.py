@@ -53,7 +53,8 @@ def synthetic_texts(n_per_task: int, seed: int) -> list[str]:
     words = list(r.adjs) + list(r.nouns)
     rng.shuffle(words)
     for i in range(0, len(words) - 1, 2):
-        out.append(f"One of the special magic numbers for {words[i]}-{words[i + 1]} is: {rng.randint(10**6, 10**7 - 1)}.")
+        value = rng.randint(10 ** 6, 10 ** 7 - 1)
+        out.append(f"One of the special magic numbers for {words[i]}-{words[i + 1]} is: {value}.")
     return out
 
 
