@@ -2,6 +2,13 @@
 
     gdnviz inspect MODEL
     gdnviz capture MODEL DOC.txt [DOC2.txt ...] --out runs/ [--segment-len 256] [--device auto] [--dtype auto]
+    gdnviz sweep MODEL --tasks niah_single_1,vt --lengths 1024,2048 [--ranks 1,4,12,32,128] [--n 20] --out DIR
+                 [--heads all|L:H,...|layers:0,1] [--batch 8] [--segment-len 256] [--device] [--dtype]
+    gdnviz loss MODEL DOC.txt [DOC2.txt ...] [--ranks 1,4,12,32,128] --out DIR [--heads ...] [--segment-len 256]
+
+``sweep`` (``gdnviz.probes.sweep``) writes rows.csv, table.csv, figure.png and settings.json and memoises every
+sample in DIR/cache, so running it again resumes where it stopped; ``loss`` (``gdnviz.probes.loss.loss_vs_rank``)
+writes loss.csv and settings.json.
 
 ``capture`` writes one ``<doc>.capture.npz`` per document (``gdnviz.capture.CaptureResult.save``) and a
 ``summary.csv`` with every head's statistics (median and min–max over the documents), with a progress bar.
@@ -74,6 +81,91 @@ def cmd_capture(args) -> int:
     return 0
 
 
+def _int_list(text: str, what: str) -> list[int]:
+    try:
+        return [int(x) for x in text.split(",") if x.strip()]
+    except ValueError:
+        raise GDNVizError(f"--{what} must be comma-separated integers, got {text!r}") from None
+
+
+def _load_for_probe(args):
+    from gdnviz.models import load
+
+    lm = load(args.model, device=args.device, dtype=args.dtype, trust_remote_code=args.trust_remote_code)
+    if lm.tokenizer is None:
+        raise GDNVizError(f"{lm.info.path} has no tokenizer files: gdnviz needs one to build prompts")
+    return lm
+
+
+def cmd_sweep(args) -> int:
+    from tqdm import tqdm
+
+    from gdnviz.probes import sweep
+
+    out = Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)
+    rank_maps = []
+    for item in args.rank_map or []:
+        name, _, body = item.partition("=")
+        try:
+            rank_maps.append((name, {(int(l), int(h)): int(r) for l, h, r in (x.split(":") for x in body.split(","))}))
+        except ValueError:
+            raise GDNVizError(f"--rank-map {item!r}: expected NAME=layer:head:r,layer:head:r") from None
+    try:
+        chat_kwargs = tuple(sorted(json.loads(args.chat_kwargs).items())) if args.chat_kwargs else ()
+    except (ValueError, AttributeError):
+        raise GDNVizError(f"--chat-kwargs must be a JSON object, got {args.chat_kwargs!r}") from None
+    lm = _load_for_probe(args)
+    spec = sweep.SweepSpec(
+        model=args.model, fingerprint=lm.info.fingerprint, tasks=tuple(t for t in args.tasks.split(",") if t),
+        lengths=tuple(_int_list(args.lengths, "lengths")),
+        ranks=tuple(_int_list(args.ranks, "ranks")) if args.ranks else None, n=args.n, seed0=args.seed0,
+        heads=args.heads, rank_maps=tuple(rank_maps), segment_len=args.segment_len, batch_size=args.batch,
+        max_new_tokens=args.max_new_tokens or None,
+        chat_template={"auto": "auto", "on": True, "off": False}[args.chat],
+        chat_template_kwargs=chat_kwargs)
+    (out / "settings.json").write_text(json.dumps(dict(spec=spec.to_dict(), model=lm.info.to_dict(),
+                                                       version=sweep.VERSION), indent=2, default=str))
+    bar = tqdm(total=1, desc="sweep", unit="sample", file=sys.stderr)
+
+    def progress(done, total):
+        bar.total, bar.n = total, done
+        bar.refresh()
+
+    try:
+        rows = sweep.run_sweep(lm, spec, store=out / "cache", progress=progress)
+    finally:
+        bar.close()
+    table = sweep.sweep_table(rows, rmax=min(lm.info.d_k, lm.info.d_v))
+    sweep.to_csv(rows, out / "rows.csv")
+    sweep.to_csv(table, out / "table.csv")
+    sweep.sweep_figure(table, title=f"{lm.info.name}: RULER score vs rank").save(str(out / "figure.png"))
+    print(table.to_string(index=False))
+    return 0
+
+
+def cmd_loss(args) -> int:
+    from gdnviz.documents_io import read_text_file
+    from gdnviz.probes import sweep
+    from gdnviz.probes.loss import loss_vs_rank
+
+    out = Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)
+    lm = _load_for_probe(args)
+    rmax = min(lm.info.d_k, lm.info.d_v)
+    ranks = sweep.resolve_ranks(_int_list(args.ranks, "ranks") if args.ranks else None, rmax)
+    heads = sweep.resolve_heads(args.heads, lm.info)
+    docs = [lm.tokenizer(read_text_file(d), add_special_tokens=False)["input_ids"] for d in args.documents]
+    df = loss_vs_rank(lm, docs, ranks, heads=heads, segment_len=args.segment_len, min_distance=args.min_distance,
+                      progress=_progress("loss (document x rank)", len(ranks) * len(docs)))
+    df.to_csv(out / "loss.csv", index=False)
+    (out / "settings.json").write_text(json.dumps(dict(
+        model=lm.info.to_dict(), documents=[str(d) for d in args.documents], ranks=ranks, heads=args.heads,
+        segment_len=args.segment_len, min_distance=args.min_distance), indent=2, default=str))
+    print(df.to_string(index=False))
+    return 0
+
+
 def main(argv=None) -> int:
     p = argparse.ArgumentParser(prog="gdnviz", description="Look inside the Gated DeltaNet heads of hybrid LMs.")
     sub = p.add_subparsers(dest="cmd", required=True)
@@ -90,6 +182,33 @@ def main(argv=None) -> int:
     sp.add_argument("--dtype", default="auto")
     sp.add_argument("--max-tokens", type=int, default=0, help="refuse documents longer than this (0 = no limit)")
     sp.set_defaults(fn=cmd_capture)
+    sp = sub.add_parser("sweep", parents=[common], help="RULER score vs truncation rank (memoised, resumable)")
+    sp.add_argument("--tasks", required=True, help="comma-separated RULER tasks, e.g. niah_single_1,vt")
+    sp.add_argument("--lengths", required=True, help="comma-separated target lengths in tokens, e.g. 1024,2048")
+    sp.add_argument("--ranks", default="", help="comma-separated ranks (default 1,4,12,32,128 up to d_k)")
+    sp.add_argument("--n", type=int, default=20, help="samples per task and length")
+    sp.add_argument("--seed0", type=int, default=0)
+    sp.add_argument("--heads", default="all", help="all | layer:head,... | layers:0,1")
+    sp.add_argument("--rank-map", action="append", help="extra setting NAME=layer:head:r,... (repeatable)")
+    sp.add_argument("--batch", type=int, default=8, help="samples per forward")
+    sp.add_argument("--max-new-tokens", type=int, default=0, help="0 = RULER's per task")
+    sp.add_argument("--chat", choices=["auto", "on", "off"], default="auto", help="wrap prompts in the chat template")
+    sp.add_argument("--chat-kwargs", default="", help='JSON for apply_chat_template, e.g. {"enable_thinking": false}')
+    sp.add_argument("--out", required=True, help="output folder (its cache/ makes a rerun resume)")
+    sp.add_argument("--segment-len", type=int, default=256)
+    sp.add_argument("--device", default="auto")
+    sp.add_argument("--dtype", default="auto")
+    sp.set_defaults(fn=cmd_sweep)
+    sp = sub.add_parser("loss", parents=[common], help="next-token loss vs truncation rank over documents")
+    sp.add_argument("documents", nargs="+", help="UTF-8 text files")
+    sp.add_argument("--ranks", default="", help="comma-separated ranks (default 1,4,12,32,128 up to d_k)")
+    sp.add_argument("--heads", default="all", help="all | layer:head,... | layers:0,1")
+    sp.add_argument("--min-distance", type=int, default=512, help="copy subset: bigram seen more than this earlier")
+    sp.add_argument("--out", required=True, help="output folder")
+    sp.add_argument("--segment-len", type=int, default=256)
+    sp.add_argument("--device", default="auto")
+    sp.add_argument("--dtype", default="auto")
+    sp.set_defaults(fn=cmd_loss)
     args = p.parse_args(argv)
     try:
         return args.fn(args)

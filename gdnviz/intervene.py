@@ -76,7 +76,9 @@ class TruncateCallback:
         self._basis: dict = {}
         self.n_calls = 0
 
-    def on_boundary(self, layer, position, state):
+    def on_boundary(self, layer, position, state, rows=None):
+        """``rows``: batch indices of ``state``'s rows in a left-padded batch (``gdnviz.runner`` passes them when
+        rows reach their own boundaries at different times); the warm start is then kept per row."""
         sel = self.per_layer.get(layer)
         if sel is None:
             return None
@@ -87,12 +89,20 @@ class TruncateCallback:
         heads_d = heads.to(state.device)
         x = state[:, heads_d].reshape(-1, *state.shape[-2:])  # [B * h, K, V]
         r = ranks.to(state.device).repeat(B)
-        warm = self._basis.get(layer) if self.warm_start else None
+        warm = None
+        if self.warm_start and rows is None:
+            warm = self._basis.get(layer)
+        elif self.warm_start:
+            parts = [self._basis.get((layer, int(b))) for b in rows.tolist()]
+            warm = None if any(w is None for w in parts) or len({w.shape for w in parts}) != 1 else torch.cat(parts)
         if warm is not None and warm.shape[0] != x.shape[0]:
             warm = None
         y, basis = truncate_states(x, r, warm_start=warm, return_basis=True)
-        if self.warm_start:
+        if self.warm_start and rows is None:
             self._basis[layer] = basis
+        elif self.warm_start:
+            for b, part in zip(rows.tolist(), basis.split(len(heads))):
+                self._basis[(layer, int(b))] = part
         out = state.clone()
         out[:, heads_d] = y.reshape(B, len(heads), *state.shape[-2:]).to(state.dtype)
         self.n_calls += 1

@@ -21,11 +21,19 @@ Callbacks are objects with any of these methods (all optional):
 - ``on_boundary(layer, position, state) -> state | None``: ``state`` ``[B, H, K, V]`` float32 after ``position``
   tokens (a multiple of L); return a replacement (same shape) or None to keep it.
 - ``on_layer_end(layer, position, state)``: after the call, with the carried state at its end.
+
+Left-padded batches (``gdnviz.probes.batch``): ``RunContext.row_starts`` gives each row's number of leading pad
+tokens. Then every pad position is the exact core no-op (g = 0 i.e. alpha = 1, beta = 0, q = k = v = 0), each row's
+positions count from its own first real token, and boundaries fall at each row's own multiples of L: the scan cuts
+at the union of the rows' boundaries and calls ``on_boundary`` once per distinct position with the sub-batch
+``state[rows]`` of the rows that reached it (a callback whose ``on_boundary`` has a ``rows`` parameter also gets
+their batch indices). ``row_starts=None`` (the default) is the plain behaviour above.
 """
 from __future__ import annotations
 
 import contextlib
 import contextvars
+import inspect
 from dataclasses import dataclass, field
 from typing import Any, Iterable
 
@@ -46,6 +54,7 @@ class RunContext:
     offsets: dict = field(default_factory=dict)  # GDN layer index -> tokens that layer has consumed
     current_layer: int | None = None
     backends: set = field(default_factory=set)  # kernel paths that ran: {"fla", "torch"}
+    row_starts: list | None = None  # left-padded batch: leading pad tokens per row (see the module docstring)
 
 
 _ACTIVE: contextvars.ContextVar[RunContext | None] = contextvars.ContextVar("gdnviz_run", default=None)
@@ -87,6 +96,37 @@ def prepare_core_inputs(query, key, num_value_heads: int):
     return q_hat, k_hat
 
 
+def _wants_rows(fn) -> bool:
+    try:
+        return "rows" in inspect.signature(fn).parameters
+    except (TypeError, ValueError):
+        return False
+
+
+def _row_boundaries(ctx: RunContext, offset: int, end: int) -> dict:
+    """{position: [rows]} of the rows whose own position after local index ``end`` is a positive multiple of L."""
+    groups: dict = {}
+    for b, start in enumerate(ctx.row_starts):
+        pos = offset + end - start
+        if pos > 0 and pos % ctx.segment_len == 0:
+            groups.setdefault(pos, []).append(b)
+    return groups
+
+
+def _mask_pads(ctx: RunContext, offset: int, q_hat, k_hat, v, g, beta):
+    """Make every left-pad position the exact core no-op: g = 0 (alpha = 1), beta = 0, and q = k = v = 0."""
+    B, T = v.shape[:2]
+    if max(ctx.row_starts) <= offset:
+        return q_hat, k_hat, v, g, beta
+    starts = torch.as_tensor(ctx.row_starts, device=v.device).reshape(B, 1)
+    pad = (torch.arange(T, device=v.device).reshape(1, T) + offset) < starts  # [B, T]
+    p3, p4 = pad[:, :, None], pad[:, :, None, None]
+    zero = torch.zeros((), device=v.device)
+    return (torch.where(p4, zero, q_hat).to(q_hat.dtype), torch.where(p4, zero, k_hat).to(k_hat.dtype),
+            torch.where(p4, zero, v).to(v.dtype), torch.where(p3, zero, g).to(g.dtype),
+            torch.where(p3, zero, beta).to(beta.dtype))
+
+
 def gdn_scan(ctx: RunContext, layer: int, q_hat, k_hat, v, g, beta, initial_state):
     """Scan one GDN layer's call segment by segment, calling the boundary callbacks between segments.
 
@@ -99,6 +139,11 @@ def gdn_scan(ctx: RunContext, layer: int, q_hat, k_hat, v, g, beta, initial_stat
     g = g.float()
     state = (torch.zeros(B, H, K, V, device=v.device, dtype=torch.float32)
              if initial_state is None else initial_state.float())
+    rows_mode = ctx.row_starts is not None
+    if rows_mode:
+        if len(ctx.row_starts) != B:
+            raise ValueError(f"RunContext.row_starts has {len(ctx.row_starts)} rows, the batch has {B}")
+        q_hat, k_hat, v, g, beta = _mask_pads(ctx, offset, q_hat, k_hat, v, g, beta)
     for cb in ctx.callbacks:
         fn = getattr(cb, "on_layer_input", None)
         if fn is not None:
@@ -106,7 +151,11 @@ def gdn_scan(ctx: RunContext, layer: int, q_hat, k_hat, v, g, beta, initial_stat
     ctx.backends.add(kernels.backend_for(v.device))
     q_in = q_hat.to(v.dtype) if v.dtype != torch.float32 else q_hat
     k_in = k_hat.to(v.dtype) if v.dtype != torch.float32 else k_hat
-    cuts = boundary_cuts(offset, T, ctx.segment_len)
+    if rows_mode:
+        cuts = {c for start in set(ctx.row_starts) for c in boundary_cuts(offset - start, T, ctx.segment_len)
+                if offset + c - start > 0}
+    else:
+        cuts = boundary_cuts(offset, T, ctx.segment_len)
     edges = sorted(set(cuts) | {T})
     outs, start = [], 0
     for end in edges:
@@ -114,7 +163,10 @@ def gdn_scan(ctx: RunContext, layer: int, q_hat, k_hat, v, g, beta, initial_stat
             o, state = kernels.core(q_in[:, start:end], k_in[:, start:end], v[:, start:end],
                                     g[:, start:end], beta[:, start:end], state)
             outs.append(o)
-        if (offset + end) % ctx.segment_len == 0 and end > 0:
+        if rows_mode:
+            if end > 0:
+                state = _row_callbacks(ctx, layer, offset, end, state)
+        elif (offset + end) % ctx.segment_len == 0 and end > 0:
             for cb in ctx.callbacks:
                 fn = getattr(cb, "on_boundary", None)
                 if fn is not None:
@@ -129,6 +181,22 @@ def gdn_scan(ctx: RunContext, layer: int, q_hat, k_hat, v, g, beta, initial_stat
             fn(layer, offset + T, state)
     out = torch.cat(outs, dim=1) if len(outs) > 1 else outs[0]
     return out.to(v.dtype), state
+
+
+def _row_callbacks(ctx: RunContext, layer: int, offset: int, end: int, state):
+    """Per-row boundaries: each group of rows at the same own position gets the callbacks on its sub-batch."""
+    for pos, rows in sorted(_row_boundaries(ctx, offset, end).items()):
+        idx = torch.tensor(rows, device=state.device)
+        for cb in ctx.callbacks:
+            fn = getattr(cb, "on_boundary", None)
+            if fn is None:
+                continue
+            sub = state[idx]
+            new = fn(layer, pos, sub, rows=idx) if _wants_rows(fn) else fn(layer, pos, sub)
+            if new is not None:
+                state = state.clone()
+                state[idx] = new.to(torch.float32)
+    return state
 
 
 @dataclass
@@ -148,12 +216,14 @@ class RunOutput:
 
 def forward(lm, input_ids: torch.Tensor, *, segment_len: int = DEFAULT_SEGMENT_LEN, callbacks: Iterable = (),
             cache=None, use_cache: bool = False, logits_positions=None, keep_hidden: bool = True,
-            ctx: RunContext | None = None) -> RunOutput:
+            ctx: RunContext | None = None, attention_mask=None, position_ids=None) -> RunOutput:
     """One segmented forward of ``input_ids`` ([B, T] long) through ``lm`` (a ``gdnviz.models.LoadedModel``).
 
     logits_positions: None (no logits), "last", "all", or a list/tensor of positions: logits are computed only
     there, so a 128K-token document never materialises [T, vocab].
     ctx: pass an existing RunContext to continue a run (decoding after a prefill): offsets carry over.
+    attention_mask / position_ids ([B, T_total] / [B, T]): passed to the model for left-padded batches
+    (``gdnviz.probes.batch``; set ``ctx.row_starts`` too); None keeps the plain call.
     """
     check_segment_len(segment_len)
     if ctx is None:
@@ -162,7 +232,12 @@ def forward(lm, input_ids: torch.Tensor, *, segment_len: int = DEFAULT_SEGMENT_L
     with torch.inference_mode(), run_context(ctx):
         if use_cache and cache is None:
             cache = lm.adapter.new_cache(lm.model, batch_size=input_ids.shape[0])
-        hidden = lm.adapter.base_forward(lm.model, input_ids, cache=cache, use_cache=use_cache)
+        extra = {}
+        if attention_mask is not None:
+            extra["attention_mask"] = attention_mask.to(lm.device)
+        if position_ids is not None:
+            extra["position_ids"] = position_ids.to(lm.device)
+        hidden = lm.adapter.base_forward(lm.model, input_ids, cache=cache, use_cache=use_cache, **extra)
         logits = None
         if logits_positions is not None:
             if isinstance(logits_positions, str) and logits_positions == "last":

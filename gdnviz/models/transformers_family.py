@@ -134,10 +134,16 @@ class TransformersGDNAdapter:
         params = inspect.signature(cls.forward).parameters
         return "past_key_values" if "past_key_values" in params else "cache"
 
-    def base_forward(self, model, input_ids, cache=None, use_cache=False):
-        """Final hidden states [B, T, hidden] of the decoder (no LM head)."""
+    def base_forward(self, model, input_ids, cache=None, use_cache=False, attention_mask=None, position_ids=None):
+        """Final hidden states [B, T, hidden] of the decoder (no LM head).
+
+        attention_mask [B, past + T] (1 = token, 0 = left pad) and position_ids [B, T] for left-padded batches."""
         base = model.model
         kw = {self._cache_kw(type(base)): cache} if cache is not None else {}
+        if attention_mask is not None:
+            kw["attention_mask"] = attention_mask
+        if position_ids is not None:
+            kw["position_ids"] = position_ids
         out = base(input_ids=input_ids, use_cache=use_cache, **kw)
         return out.last_hidden_state
 

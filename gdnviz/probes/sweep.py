@@ -1,0 +1,361 @@
+"""Retrieval under truncation: tasks x lengths x r x samples, memoised, with paired standard errors (seed 000 §3).
+
+``run_sweep(lm, SweepSpec(...), store=DIR)`` generates ``n`` RULER samples per (task, length)
+(``gdnviz.probes.ruler.generate_many``, seeds ``seed0 ...``), answers each greedily with the chosen heads cut to
+rank r at every boundary (``gdnviz.probes.batch.batched_greedy``, several samples per forward) and scores it
+with RULER's metric. Every (task, length, setting, sample) result is stored in a ``diskcache.Cache`` under a hash
+of (model fingerprint, dtype, task, length, truncation, sample seed and prompt, segment length, max new tokens,
+version) as soon as its batch finishes, so an interrupted sweep resumes where it stopped and a second run of the
+same sweep recomputes nothing.
+
+``r = min(d_k, d_v)`` is the untouched model; it is always run, as the baseline of the paired differences.
+``sweep_table`` gives seed 000's table: per (task, length, r) the mean score, n, the difference to the untouched
+model and the paired standard error of (score_r - score_untouched) over the same samples (standard deviation of
+the per-sample differences / sqrt(n)). ``sweep_figure`` draws score vs r (log x), one line per task, one panel per
+length, error bars +- the paired standard error.
+
+Settings: uniform ranks on a head set (``heads``: "all", "layers:0,1", "0:3,1:0" or a tuple of (layer, head)), and
+optionally named per-head rank maps (``rank_maps``), each one extra setting (``setting`` column = its name, ``r``
+empty).
+"""
+from __future__ import annotations
+
+import hashlib
+import json
+import math
+from dataclasses import asdict, dataclass
+from pathlib import Path
+from typing import Any, Callable, Iterable, Mapping
+
+import numpy as np
+import pandas as pd
+
+from gdnviz import runner
+from gdnviz.errors import EmptyDocumentSet, RankOutOfRange, UnknownTask
+from gdnviz.intervene import TruncationSpec
+from gdnviz.probes import ruler
+from gdnviz.probes.batch import batched_greedy
+
+__all__ = ["SweepSpec", "DEFAULT_RANKS", "resolve_ranks", "resolve_heads", "run_sweep", "sweep_table",
+           "sweep_figure", "to_csv", "cell_key", "VERSION"]
+
+VERSION = 1
+DEFAULT_RANKS = (1, 4, 12, 32, 128)
+UNIFORM = "uniform"
+ROW_COLUMNS = ["task", "length", "setting", "r", "seed", "score", "pred", "answers", "n_tokens", "n_generated"]
+
+
+@dataclass(frozen=True)
+class SweepSpec:
+    """What to sweep. Hashable and JSON-friendly (``to_dict``).
+
+    model: the model's name (for the record); fingerprint: ``lm.info.fingerprint`` (checked against the model
+    when given); tasks: RULER task names; lengths: target lengths in tokens; ranks: r values (None: 1, 4, 12, 32,
+    128 clipped to min(d_k, d_v)); the untouched r = min(d_k, d_v) is always added. n: samples per (task, length),
+    seeds ``seed0 .. seed0 + n - 1``. heads: "all", "layers:0,1", "L:H,L:H,..." or a tuple of (layer, head).
+    rank_maps: ((name, (((layer, head), r), ...)), ...) extra settings. max_new_tokens: None = RULER's per task.
+    chat_template / chat_template_kwargs: as ``ruler.generate`` (kwargs as ((key, value), ...)).
+    """
+
+    model: str
+    tasks: tuple
+    lengths: tuple
+    ranks: tuple | None = None
+    n: int = 20
+    seed0: int = 0
+    heads: Any = "all"
+    rank_maps: tuple = ()
+    segment_len: int = runner.DEFAULT_SEGMENT_LEN
+    batch_size: int = 8
+    max_new_tokens: int | None = None
+    chat_template: Any = "auto"
+    chat_template_kwargs: tuple = ()
+    fingerprint: str | None = None
+
+    def __post_init__(self):
+        # accept lists / scalars from callers, store tuples (frozen: object.__setattr__)
+        for name in ("tasks", "lengths"):
+            v = getattr(self, name)
+            object.__setattr__(self, name, (v,) if isinstance(v, (str, int)) else tuple(v))
+        if self.ranks is not None:
+            object.__setattr__(self, "ranks", tuple(self.ranks))
+        if not isinstance(self.heads, str):
+            object.__setattr__(self, "heads", tuple(tuple(int(x) for x in lh) for lh in self.heads))
+        object.__setattr__(self, "rank_maps", tuple(
+            (str(name), tuple(sorted(((int(l), int(h)), int(r)) for (l, h), r in
+                                     (m.items() if isinstance(m, Mapping) else m))))
+            for name, m in (self.rank_maps.items() if isinstance(self.rank_maps, Mapping) else self.rank_maps)))
+        if isinstance(self.chat_template_kwargs, Mapping):
+            object.__setattr__(self, "chat_template_kwargs", tuple(sorted(self.chat_template_kwargs.items())))
+
+    def to_dict(self) -> dict:
+        d = asdict(self)
+        d["tasks"], d["lengths"] = list(self.tasks), list(self.lengths)
+        d["ranks"] = None if self.ranks is None else list(self.ranks)
+        d["heads"] = self.heads if isinstance(self.heads, str) else [list(x) for x in self.heads]
+        d["rank_maps"] = {name: [[l, h, r] for (l, h), r in m] for name, m in self.rank_maps}
+        d["chat_template_kwargs"] = dict(self.chat_template_kwargs)
+        return d
+
+
+# --- validation ---------------------------------------------------------------------------------------------------
+def _rmax(info) -> int:
+    return min(info.d_k, info.d_v)
+
+
+def resolve_ranks(ranks: Iterable[int] | None, rmax: int) -> list[int]:
+    """Sorted ranks with the untouched ``rmax`` added. None: DEFAULT_RANKS clipped to below rmax. Explicit ranks
+    outside 1..rmax raise RankOutOfRange."""
+    if ranks is None:
+        return sorted({r for r in DEFAULT_RANKS if r < rmax} | {rmax})
+    out = set()
+    for r in ranks:
+        if isinstance(r, bool) or not isinstance(r, (int, np.integer)) or not 1 <= int(r) <= rmax:
+            raise RankOutOfRange(f"rank {r!r} is outside 1..{rmax} (min(d_k, d_v) of this model); r = {rmax} "
+                                 "is the untouched model")
+        out.add(int(r))
+    return sorted(out | {rmax})
+
+
+def resolve_heads(heads: Any, info) -> list[tuple[int, int]]:
+    """"all" | "layers:0,1" | "L:H,L:H" | iterable of (layer, head) -> sorted (layer, head) pairs (validated)."""
+    if heads is None or (isinstance(heads, str) and heads.strip().lower() == "all"):
+        return [(l, h) for l in info.gdn_layers for h in range(info.num_heads)]
+    if isinstance(heads, str):
+        text = heads.strip()
+        try:
+            if text.lower().startswith("layers:"):
+                layers = [int(x) for x in text[7:].split(",") if x.strip()]
+                pairs = [(l, h) for l in layers for h in range(info.num_heads)]
+            else:
+                pairs = [tuple(int(y) for y in x.split(":")) for x in text.split(",") if x.strip()]
+        except ValueError:
+            raise ValueError(f"heads {heads!r}: expected 'all', 'layers:0,1' or 'layer:head,layer:head'") from None
+    else:
+        pairs = [tuple(int(y) for y in x) for x in heads]
+    if not pairs or any(len(p) != 2 for p in pairs):
+        raise ValueError(f"heads {heads!r}: expected 'all', 'layers:0,1' or 'layer:head,layer:head'")
+    pairs = sorted(set(pairs))
+    TruncationSpec.uniform(pairs, 1).validate(info)  # names the first bad layer / head
+    return pairs
+
+
+def _check_spec(spec: SweepSpec, info) -> None:
+    if not spec.tasks:
+        raise EmptyDocumentSet("the sweep has no tasks: give at least one RULER task")
+    for t in spec.tasks:
+        if t not in ruler.TASKS:
+            raise UnknownTask(f"Unknown RULER task {t!r}. Known tasks: {', '.join(ruler.TASK_NAMES)}.")
+    if not spec.lengths:
+        raise EmptyDocumentSet("the sweep has no lengths: give at least one target length")
+    for L in spec.lengths:
+        if isinstance(L, bool) or not isinstance(L, (int, np.integer)) or L < 1:
+            raise ValueError(f"length {L!r} must be a positive integer number of tokens")
+    if isinstance(spec.n, bool) or not isinstance(spec.n, (int, np.integer)) or spec.n < 1:
+        raise EmptyDocumentSet(f"the sweep needs at least one sample per cell (n = {spec.n!r})")
+    runner.check_segment_len(spec.segment_len)
+    if isinstance(spec.batch_size, bool) or not isinstance(spec.batch_size, int) or spec.batch_size < 1:
+        raise ValueError(f"batch size must be a positive integer, got {spec.batch_size!r}")
+    if spec.max_new_tokens is not None and (not isinstance(spec.max_new_tokens, int) or spec.max_new_tokens < 1):
+        raise ValueError(f"max_new_tokens must be a positive integer or None, got {spec.max_new_tokens!r}")
+    if spec.fingerprint is not None and spec.fingerprint != info.fingerprint:
+        raise ValueError(f"the sweep was set up for model fingerprint {spec.fingerprint}, but the loaded model's "
+                         f"is {info.fingerprint}")
+    resolve_ranks(spec.ranks, _rmax(info))
+    resolve_heads(spec.heads, info)
+    for name, m in spec.rank_maps:
+        TruncationSpec(m).validate(info)
+        if name == UNIFORM:
+            raise ValueError(f"a rank map cannot be called {UNIFORM!r}")
+
+
+# --- settings and keys --------------------------------------------------------------------------------------------
+@dataclass(frozen=True)
+class _Setting:
+    name: str
+    r: int | None
+    spec: TruncationSpec | None  # None: untouched
+
+
+def _settings(spec: SweepSpec, info) -> list[_Setting]:
+    rmax, heads = _rmax(info), resolve_heads(spec.heads, info)
+    out = [_Setting(UNIFORM, r, None if r == rmax else TruncationSpec.uniform(heads, r))
+           for r in resolve_ranks(spec.ranks, rmax)]
+    return out + [_Setting(name, None, TruncationSpec(m)) for name, m in spec.rank_maps]
+
+
+def _max_new(spec: SweepSpec, task: str) -> int:
+    return int(spec.max_new_tokens) if spec.max_new_tokens is not None else int(ruler.TASKS[task]["tokens_to_generate"])
+
+
+def cell_key(info, task: str, length: int, setting: _Setting, sample: ruler.Sample, spec: SweepSpec) -> str:
+    """Memo key of one sample's result: everything the answer depends on (the untouched model's results are
+    shared by every head set)."""
+    trunc = None if setting.spec is None else setting.spec.to_list()
+    prompt = hashlib.sha256(np.asarray(sample.input_ids, dtype=np.int64).tobytes()).hexdigest()[:16]
+    d = dict(v=VERSION, fp=info.fingerprint, dtype=info.dtype, task=task, length=int(length), trunc=trunc,
+             seed=int(sample.seed), prompt=prompt, L=int(spec.segment_len), new=_max_new(spec, task))
+    return "sweep:" + hashlib.sha256(json.dumps(d, sort_keys=True).encode()).hexdigest()
+
+
+class _Store:
+    """diskcache.Cache for a path, the object itself for a mapping-like store, a dict for None."""
+
+    def __init__(self, store):
+        self.owned = None
+        if store is None:
+            self.c = {}
+        elif isinstance(store, (str, Path)):
+            import diskcache
+
+            self.c = self.owned = diskcache.Cache(str(store))
+        else:
+            self.c = store
+
+    def get(self, key):
+        return self.c.get(key)
+
+    def set(self, key, value):
+        self.c[key] = value
+
+    def close(self):
+        if self.owned is not None:
+            self.owned.close()
+
+
+# --- running ------------------------------------------------------------------------------------------------------
+def _samples(lm, spec: SweepSpec) -> dict:
+    out = {}
+    kw = dict(chat_template=spec.chat_template, chat_template_kwargs=dict(spec.chat_template_kwargs) or None)
+    for task in spec.tasks:
+        for length in spec.lengths:
+            out[(task, int(length))] = ruler.generate_many(task, lm.tokenizer, int(length), int(spec.n),
+                                                           int(spec.seed0), **kw)
+    return out
+
+
+def run_sweep(lm, spec: SweepSpec, store=None, progress: Callable[[int, int], None] | None = None) -> pd.DataFrame:
+    """Run (or resume) a sweep; returns one row per (task, length, setting, r, sample).
+
+    store: a directory (a ``diskcache.Cache`` is opened there), any mapping-like cache, or None (no memo).
+    progress(done, total): called after every sample (cached ones included).
+    Raises UnknownTask, TaskTooShort, RankOutOfRange, EmptyDocumentSet, BadSegmentLength before running anything.
+    """
+    if lm.tokenizer is None:
+        raise ValueError("the sweep needs the model's tokenizer to build RULER prompts")
+    _check_spec(spec, lm.info)
+    samples = _samples(lm, spec)  # raises TaskTooShort before any model call
+    settings = _settings(spec, lm.info)
+    total = sum(len(s) for s in samples.values()) * len(settings)
+    st = _Store(store)
+    rows, done = [], 0
+    try:
+        for (task, length), smp in samples.items():
+            new_tokens = _max_new(spec, task)
+            for setting in settings:
+                keys = [cell_key(lm.info, task, length, setting, s, spec) for s in smp]
+                results = {k: st.get(k) for k in keys}
+                cached = sum(v is not None for v in results.values())
+                done += cached
+                if progress is not None and cached:
+                    progress(done, total)
+                todo = sorted((i for i, k in enumerate(keys) if results[k] is None),
+                              key=lambda i: -smp[i].n_tokens)  # similar lengths together: less padding
+                for b in range(0, len(todo), spec.batch_size):
+                    idx = todo[b:b + spec.batch_size]
+                    gens = batched_greedy(lm, [smp[i].input_ids for i in idx], new_tokens,
+                                          segment_len=spec.segment_len, spec=setting.spec)
+                    for i, gen in zip(idx, gens):
+                        s = smp[i]
+                        res = dict(score=float(ruler.score(task, [gen.text], [s.answers])), pred=gen.text,
+                                   n_tokens=int(s.n_tokens), n_generated=len(gen.tokens))
+                        st.set(keys[i], res)
+                        results[keys[i]] = res
+                        done += 1
+                        if progress is not None:
+                            progress(done, total)
+                for s, k in zip(smp, keys):
+                    res = results[k]
+                    rows.append(dict(task=task, length=int(length), setting=setting.name, r=setting.r,
+                                     seed=int(s.seed), score=res["score"], pred=res["pred"],
+                                     answers=list(s.answers), n_tokens=res["n_tokens"],
+                                     n_generated=res["n_generated"]))
+    finally:
+        st.close()
+    df = pd.DataFrame(rows, columns=ROW_COLUMNS)
+    df["r"] = df["r"].astype("Int64")
+    return df
+
+
+# --- the table and the figure -------------------------------------------------------------------------------------
+TABLE_COLUMNS = ["task", "length", "setting", "r", "score", "n", "untouched", "delta", "se"]
+
+
+def sweep_table(rows: pd.DataFrame, rmax: int | None = None) -> pd.DataFrame:
+    """Seed 000's table: per (task, length, setting, r) mean score, n, the untouched mean over the same samples,
+    delta = mean(score_r - score_untouched) and the paired standard error std(differences, ddof=1) / sqrt(n)
+    (NaN for n = 1). The untouched rows are the uniform setting at ``rmax`` (default: the largest uniform r)."""
+    if rows is None or len(rows) == 0:
+        raise EmptyDocumentSet("no sweep rows to tabulate")
+    df = rows.copy()
+    if "setting" not in df:
+        df["setting"] = UNIFORM
+    uni = df[df["setting"] == UNIFORM]
+    if uni.empty:
+        raise ValueError("the rows hold no uniform-rank setting, so there is no untouched baseline")
+    rmax = int(uni["r"].max()) if rmax is None else int(rmax)
+    base = uni[uni["r"] == rmax][["task", "length", "seed", "score"]].rename(columns={"score": "base"})
+    m = df.merge(base, on=["task", "length", "seed"], how="left")
+    if m["base"].isna().any():
+        missing = m[m["base"].isna()][["task", "length", "seed"]].drop_duplicates().head(3).to_dict("records")
+        raise ValueError(f"no untouched (r = {rmax}) result for {missing}: paired differences need it")
+    m["diff"] = m["score"] - m["base"]
+    out = []
+    for (task, length, setting, r), g in m.groupby(["task", "length", "setting", "r"], dropna=False, sort=False):
+        n = len(g)
+        d = g["diff"].to_numpy(float)
+        se = float(np.std(d, ddof=1) / math.sqrt(n)) if n > 1 else float("nan")
+        out.append(dict(task=task, length=int(length), setting=setting, r=r, score=float(g["score"].mean()), n=n,
+                        untouched=float(g["base"].mean()), delta=float(d.mean()), se=se))
+    t = pd.DataFrame(out, columns=TABLE_COLUMNS)
+    t["r"] = t["r"].astype("Int64")
+    t["_u"] = t["setting"] != UNIFORM
+    t = t.sort_values(["task", "length", "_u", "r", "setting"], na_position="last").drop(columns="_u")
+    return t.reset_index(drop=True)
+
+
+def sweep_figure(table: pd.DataFrame, title: str | None = None):
+    """Altair chart: score vs r (log x), one line per task, one panel per length, error bars +- paired SE."""
+    import altair as alt
+
+    df = table[table["setting"] == UNIFORM].copy() if "setting" in table else table.copy()
+    df["r"] = df["r"].astype(int)
+    se = df["se"].fillna(0.0)
+    df["lo"], df["hi"] = df["score"] - se, df["score"] + se
+    df["length"] = df["length"].astype(int)
+    x = alt.X("r:Q", scale=alt.Scale(type="log", base=2), title="rank r kept per head (log scale)",
+              axis=alt.Axis(values=sorted(df["r"].unique().tolist())))
+    color = alt.Color("task:N", title="task")
+    tip = [alt.Tooltip("task:N"), alt.Tooltip("length:Q"), alt.Tooltip("r:Q"), alt.Tooltip("score:Q", format=".1f"),
+           alt.Tooltip("delta:Q", format="+.1f", title="Δ vs untouched"),
+           alt.Tooltip("se:Q", format=".1f", title="paired SE"), alt.Tooltip("n:Q")]
+    base = alt.Chart(df)
+    line = base.mark_line().encode(x=x, y=alt.Y("score:Q", title="RULER score (string match, %)",
+                                                 scale=alt.Scale(domain=[0, 100])), color=color)
+    pts = base.mark_point(filled=True, size=50).encode(x=x, y="score:Q", color=color, tooltip=tip)
+    bars = base.mark_errorbar(ticks=True).encode(x=x, y=alt.Y("lo:Q", title="RULER score (string match, %)"),
+                                                  y2="hi:Q", color=color)
+    chart = alt.layer(line, bars, pts, data=df).properties(width=260, height=220).facet(
+        column=alt.Column("length:O", title="target length (tokens)"))
+    return chart.properties(title=title or "Score vs rank (error bars: paired SE vs untouched)")
+
+
+def to_csv(frame: pd.DataFrame, path) -> Path:
+    """Write a rows or table frame as CSV (list columns as JSON)."""
+    df = frame.copy()
+    for c in df.columns:
+        if df[c].dtype == object and df[c].map(lambda v: isinstance(v, (list, tuple))).any():
+            df[c] = df[c].map(lambda v: json.dumps(list(v)) if isinstance(v, (list, tuple)) else v)
+    path = Path(path)
+    df.to_csv(path, index=False)
+    return path

@@ -1,0 +1,191 @@
+"""Sweeps end to end on the tiny checkpoint: rows, memo and resume, the paired-SE table, bad inputs, the CLI."""
+import json
+import math
+import os
+import subprocess
+import sys
+
+import numpy as np
+import pandas as pd
+import pytest
+
+import checkpoints
+from gdnviz.errors import EmptyDocumentSet, RankOutOfRange, TaskTooShort, UnknownTask
+from gdnviz.generate import Generation
+from gdnviz.probes import sweep
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+TASKS = ("niah_single_1", "vt")
+
+
+@pytest.fixture(scope="module")
+def ckpt(tmp_path_factory):
+    return checkpoints.tiny_qwen35_checkpoint(tmp_path_factory.mktemp("sweep_ckpt"))
+
+
+@pytest.fixture(scope="module")
+def lm(ckpt):
+    from gdnviz.models import load
+
+    return load(str(ckpt), device="cpu", dtype="float32")
+
+
+@pytest.fixture
+def counted(monkeypatch):
+    """Count the model calls (batched_greedy) and the samples they answer."""
+    calls = []
+    real = sweep.batched_greedy
+
+    def wrapper(lm, prompts, *a, **kw):
+        calls.append(len(prompts))
+        return real(lm, prompts, *a, **kw)
+
+    monkeypatch.setattr(sweep, "batched_greedy", wrapper)
+    return calls
+
+
+def small_spec(lm, **kw):
+    d = dict(model="tiny", fingerprint=lm.info.fingerprint, tasks=TASKS, lengths=(1024,), ranks=(4,), n=2,
+             batch_size=2, segment_len=256, max_new_tokens=12)
+    d.update(kw)
+    return sweep.SweepSpec(**d)
+
+
+def test_sweep_end_to_end_and_resume(lm, tmp_path, counted):
+    spec = small_spec(lm)
+    seen = []
+    rows = sweep.run_sweep(lm, spec, store=tmp_path / "cache", progress=lambda d, n: seen.append((d, n)))
+    # 2 tasks x 1 length x 2 ranks (4 and the untouched 16) x 2 samples, two samples per forward
+    assert len(rows) == 8 and counted == [2] * 4
+    assert list(rows.columns) == sweep.ROW_COLUMNS
+    assert sorted(rows["r"].unique().tolist()) == [4, 16] and set(rows["task"]) == set(TASKS)
+    assert set(rows["seed"]) == {0, 1} and (rows["n_generated"] <= 12).all()
+    assert rows["score"].between(0, 100).all() and rows["answers"].map(len).min() >= 1
+    assert seen[-1] == (8, 8)
+    # the same sweep again: nothing recomputed, identical rows
+    counted.clear()
+    again = sweep.run_sweep(lm, spec, store=tmp_path / "cache")
+    assert counted == []
+    pd.testing.assert_frame_equal(rows, again)
+    # one more sample per cell and one more rank: only the new cells run
+    more = sweep.run_sweep(lm, small_spec(lm, n=3, ranks=(4, 8)), store=str(tmp_path / "cache"))
+    assert len(more) == 2 * 3 * 3
+    assert sum(counted) == 2 * (1 + 1) + 2 * 3  # seed 2 at r = 4 and 16, and r = 8 for all three seeds
+    old = more[more.seed < 2].merge(rows, on=["task", "length", "setting", "r", "seed"])
+    assert len(old) == 8 and (old["pred_x"] == old["pred_y"]).all()
+    table = sweep.sweep_table(more)
+    assert len(table) == 2 * 3 and (table[table.r == 16]["delta"] == 0).all()
+
+
+def test_scores_flow_into_the_table(lm, monkeypatch):
+    """A stand-in model that answers right only when untouched: score 100 vs 0, delta -100, SE 0."""
+    def fake(lm_, prompts, max_new_tokens, *, segment_len, spec=None, **kw):
+        return [Generation(prompt_len=len(p), tokens=[1], text=" " + ANSWERS[tuple(p)] if spec is None else " no")
+                for p in prompts]
+
+    from gdnviz.probes import ruler
+
+    ANSWERS = {tuple(s.input_ids): ", ".join(s.answers)
+               for t in TASKS for s in ruler.generate_many(t, lm.tokenizer, 1024, 2, 0)}
+    monkeypatch.setattr(sweep, "batched_greedy", fake)
+    rows = sweep.run_sweep(lm, small_spec(lm))
+    t = sweep.sweep_table(rows)
+    assert (t[t.r == 16]["score"] == 100).all() and (t[t.r == 4]["score"] == 0).all()
+    assert (t[t.r == 4]["delta"] == -100).all() and (t[t.r == 4]["se"] == 0).all()
+
+
+def test_paired_se_by_hand():
+    # one task, one length, 4 samples; untouched r = 8
+    base = [100, 100, 0, 50]
+    r1 = [0, 100, 0, 0]
+    r4 = [100, 50, 50, 50]
+    rows = pd.DataFrame(
+        [dict(task="vt", length=1024, setting="uniform", r=r, seed=s, score=float(v))
+         for r, vals in ((8, base), (1, r1), (4, r4)) for s, v in enumerate(vals)]
+        + [dict(task="vt", length=1024, setting="mymap", r=pd.NA, seed=s, score=float(v))
+           for s, v in enumerate([100, 100, 0, 0])])
+    t = sweep.sweep_table(rows)
+    assert t["r"].tolist()[:3] == [1, 4, 8] and t["setting"].tolist()[-1] == "mymap"
+    row = t[t.r == 1].iloc[0]
+    d = np.array([-100, 0, 0, -50], float)  # r1 - base
+    assert row["n"] == 4 and row["score"] == 25 and row["untouched"] == 62.5
+    assert row["delta"] == pytest.approx(-37.5)
+    # sample std of d: mean -37.5, squares 3906.25 + 1406.25 * 2 + 156.25 = 6875, / 3 -> sqrt / 2
+    assert row["se"] == pytest.approx(math.sqrt(6875 / 3) / 2)
+    assert row["se"] == pytest.approx(d.std(ddof=1) / 2)
+    row4 = t[t.r == 4].iloc[0]
+    assert row4["delta"] == pytest.approx(0.0) and row4["se"] == pytest.approx(np.std([0, -50, 50, 0], ddof=1) / 2)
+    assert t[t.r == 8].iloc[0][["delta", "se"]].tolist() == [0, 0]
+    m = t[t.setting == "mymap"].iloc[0]
+    assert m["delta"] == pytest.approx(-12.5) and m["se"] == pytest.approx(np.std([0, 0, 0, -50], ddof=1) / 2)
+    one = sweep.sweep_table(rows[rows.seed == 0])
+    assert one["se"].isna().all() or (one[one.r == 8]["se"].isna()).all()  # n = 1: no standard error
+    chart = sweep.sweep_figure(t)
+    spec = chart.to_dict()
+    assert spec["facet"]["column"]["field"] == "length"
+
+
+def test_default_ranks_clip_to_dk():
+    assert sweep.resolve_ranks(None, 16) == [1, 4, 12, 16]
+    assert sweep.resolve_ranks(None, 128) == [1, 4, 12, 32, 128]
+    assert sweep.resolve_ranks([4, 1], 16) == [1, 4, 16]
+
+
+def test_bad_inputs(lm, counted):
+    with pytest.raises(UnknownTask, match="niah_single_1"):
+        sweep.run_sweep(lm, small_spec(lm, tasks=("niah_single_1", "needle_in_a_haystack")))
+    with pytest.raises(TaskTooShort, match="vt needs a target length of at least"):
+        sweep.run_sweep(lm, small_spec(lm, lengths=(1024, 512)))
+    for bad in ((0,), (4, 17), (2.5,)):
+        with pytest.raises(RankOutOfRange):
+            sweep.run_sweep(lm, small_spec(lm, ranks=bad))
+    with pytest.raises(EmptyDocumentSet):
+        sweep.run_sweep(lm, small_spec(lm, n=0))
+    with pytest.raises(EmptyDocumentSet):
+        sweep.run_sweep(lm, small_spec(lm, tasks=()))
+    with pytest.raises(ValueError, match="head 9"):
+        sweep.run_sweep(lm, small_spec(lm, heads="0:9"))
+    with pytest.raises(ValueError, match="fingerprint"):
+        sweep.run_sweep(lm, small_spec(lm, fingerprint="0" * 16))
+    assert counted == [], "bad input must be refused before any model call"
+    assert sweep.resolve_heads("layers:0", lm.info) == [(0, h) for h in range(lm.info.num_heads)]
+    assert sweep.resolve_heads("3:1,0:2", lm.info) == [(0, 2), (3, 1)]
+
+
+def test_cli_sweep_writes_its_files(ckpt, tmp_path, capsys):
+    out = tmp_path / "out"
+    cmd = [sys.executable, "-m", "gdnviz", "sweep", str(ckpt), "--tasks", ",".join(TASKS), "--lengths", "1024",
+           "--ranks", "4", "--n", "2", "--batch", "2", "--max-new-tokens", "6", "--heads", "layers:0,1",
+           "--out", str(out), "--device", "cpu", "--dtype", "float32"]
+    env = dict(os.environ, PYTHONPATH=ROOT)
+    res = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=240)
+    assert res.returncode == 0, res.stderr[-3000:]
+    assert {p.name for p in out.iterdir()} >= {"rows.csv", "table.csv", "figure.png", "settings.json", "cache"}
+    table = pd.read_csv(out / "table.csv")
+    assert list(table.columns) == sweep.TABLE_COLUMNS and len(table) == 4
+    assert len(pd.read_csv(out / "rows.csv")) == 8
+    assert (out / "figure.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    settings = json.loads((out / "settings.json").read_text())
+    assert settings["spec"]["tasks"] == list(TASKS) and settings["spec"]["heads"] == "layers:0,1"
+    assert "sweep" in res.stderr  # the progress bar
+    from gdnviz.cli import main  # bad input, in process (no second interpreter start-up)
+
+    assert main(cmd[3:6] + ["nope"] + cmd[7:]) == 2
+    assert "UnknownTask" in capsys.readouterr().err
+    assert main(cmd[3:] + ["--ranks", "4,64"]) == 2
+    assert "RankOutOfRange" in capsys.readouterr().err
+
+
+def test_cli_loss_in_process(ckpt, tmp_path, capsys):
+    from gdnviz.cli import main
+
+    doc = tmp_path / "doc.txt"
+    doc.write_text("The grass is green. The sky is blue. The sun is yellow. Here we go. There and back again. " * 12)
+    out = tmp_path / "loss"
+    assert main(["loss", str(ckpt), str(doc), "--ranks", "2", "--segment-len", "64", "--min-distance", "64",
+                 "--out", str(out), "--device", "cpu", "--dtype", "float32"]) == 0
+    df = pd.read_csv(out / "loss.csv")
+    assert df["r"].tolist() == [2, 16] and df.loc[df.r == 16, "delta"].item() == 0 and df["n_copy"].min() > 0
+    assert json.loads((out / "settings.json").read_text())["ranks"] == [2, 16]
+    assert main(["loss", str(ckpt), str(doc), "--ranks", "32", "--out", str(out), "--device", "cpu"]) == 2
+    assert "RankOutOfRange" in capsys.readouterr().err
