@@ -26,6 +26,9 @@ HEATMAP_METRICS = {
     "key_cov_erank": ("key-covariance erank inside the horizon", "linear"),
     "decayed_P_erank": ("decayed key covariance P erank (√eig scale)", "linear"),
 }
+SHORT_LABELS = {"erank": "effective rank", "numerical_rank": "numerical rank", "stable_rank": "stable rank",
+                "horizon": "horizon (tokens)", "mean_key_norm": "mean key norm", "key_cov_erank": "key-cov erank",
+                "decayed_P_erank": "decayed-P erank"}
 FONT = dict(titleFontSize=13, labelFontSize=11)
 #: DejaVu Sans has every glyph used in titles (σ, ᾱ, ⊥, ‖, subscripts); browsers without it use their sans-serif.
 FONT_FAMILY = "DejaVu Sans, Liberation Sans, Arial, Helvetica, sans-serif"
@@ -36,7 +39,10 @@ def _fmt(metric: str) -> str:
     return ",.0f" if metric in ("numerical_rank", "horizon") else ".2f"
 
 
-def _configure(chart):
+def _configure(chart, autosize: str = "fit-x"):
+    """Shared look. autosize "fit-x": the whole chart (axes, legend) fits the width it is given (the page column,
+    or the chart's own width in exports) and keeps its height; "pad" for grids and facets, which keep their size."""
+    chart = chart.properties(autosize=alt.AutoSizeParams(type=autosize, contains="padding"))
     return (chart.configure(font=FONT_FAMILY).configure_axis(**FONT).configure_legend(**FONT).configure_title(fontSize=14, anchor="start")
             .configure_view(strokeWidth=0))
 
@@ -136,7 +142,7 @@ def per_document_frame(captures, names, li: int, head: int) -> pd.DataFrame:
 
     rows = []
     H = captures[0].meta["num_heads"]
-    labels = {m: HEATMAP_METRICS[m][0].replace(", log scale", "") for m in HEATMAP_METRICS}
+    labels = SHORT_LABELS
     for cap, name in zip(captures, names):
         t = head_table(cap)
         r = t.iloc[li * H + head]
@@ -213,7 +219,7 @@ def heatmap(df: pd.DataFrame, metric: str, *, selected: tuple | None = None, pic
         title=alt.Title(title or f"{label}: median over documents",
                         subtitle="click a cell to open that head · hover for the min–max over documents"),
         usermeta={"embedOptions": {"renderer": "svg"}})
-    return _configure(chart)
+    return _configure(chart, "pad")
 
 
 def spectrum_chart(df: pd.DataFrame, document: str | None = None):
@@ -242,10 +248,10 @@ def spectrum_chart(df: pd.DataFrame, document: str | None = None):
     er_txt = alt.Chart(lab).mark_text(align="right", dx=-3, color="#2ca02c", fontSize=11).encode(
         x="erank:Q", y=alt.value(10),
         text=alt.value(f"erank {float(lab['erank'].iloc[0]):.1f}" if len(lab) else ""))
-    title = "Singular spectrum of the carried state at the document end"
-    sub = "dashed red: f32 floor σ_max·128·ε · grey: numerical rank · green: effective rank"
+    title = "Singular spectrum at the document end"
+    sub = ["dashed red: the f32 floor σ_max·128·ε", "grey: numerical rank · green: effective rank"]
     return _configure(alt.layer(lines, floor, floor_txt, nr, er, nr_txt, er_txt).properties(
-        width=520, height=300, title=alt.Title(title, subtitle=sub)))
+        width=480, height=260, title=alt.Title(title, subtitle=sub)))
 
 
 def erank_along_chart(df: pd.DataFrame, segment_len: int | None = None, metric: str = "erank"):
@@ -259,8 +265,8 @@ def erank_along_chart(df: pd.DataFrame, segment_len: int | None = None, metric: 
                  alt.Tooltip("erank:Q", title="effective rank", format=".2f"),
                  alt.Tooltip("numerical_rank:Q", title="numerical rank"),
                  alt.Tooltip("stable_rank:Q", title="stable rank", format=".2f")])
-    sub = f"state after every {segment_len}-token segment boundary (and at the document end)" if segment_len else ""
-    return _configure(ch.properties(width=520, height=260, title=alt.Title(f"{label.capitalize()} along the document",
+    sub = [f"the state after every {segment_len}-token boundary", "and at the document end"] if segment_len else ""
+    return _configure(ch.properties(width=480, height=260, title=alt.Title(f"{label.capitalize()} along the document",
                                                                             subtitle=sub)))
 
 
@@ -292,8 +298,9 @@ def alpha_chart(hist: pd.DataFrame, stats: pd.DataFrame, segment_len: int | None
             x="x:Q", tooltip=[alt.Tooltip("label:N", title="segment")]))
         layers.append(alt.Chart(seg).mark_text(align="left", dx=3, y=8, color="#d62728", fontSize=11).encode(
             x="x:Q", text="label:N"))
-    sub = "dashed: 1 − ᾱ per document (horizon = 1/(1 − ᾱ)); red: 1/L, left of it the head keeps more than a segment"
-    return _configure(alt.layer(*layers).properties(width=520, height=260, title=alt.Title(
+    sub = ["dashed: 1 − ᾱ per document (horizon = 1/(1 − ᾱ))",
+           "red: 1/L; left of it a token's write outlives a segment"]
+    return _configure(alt.layer(*layers).properties(width=480, height=260, title=alt.Title(
         "Per-token decay α of this head", subtitle=sub)))
 
 
@@ -301,9 +308,9 @@ def keycone_chart(df: pd.DataFrame, info: dict | None = None):
     """The head's sampled unit keys in 2-D: cosine with the mean key direction × coordinate along the top
     principal direction orthogonal to it, coloured by token position."""
     info = info or {}
-    sub = (f"mean unit key norm {info.get('mean_key_norm', float('nan')):.3f} · y explains "
-           f"{100 * info.get('orth_var_share', float('nan')):.0f}% of the orthogonal variance · "
-           f"{len(df)} keys sampled evenly along the document")
+    sub = [f"{len(df)} unit keys sampled evenly along the document",
+           f"‖mean key‖ = {info.get('mean_key_norm', float('nan')):.3f} · y holds "
+           f"{100 * info.get('orth_var_share', float('nan')):.0f}% of the variance ⊥ μ̂"]
     ch = alt.Chart(df).mark_circle(size=28, opacity=0.8).encode(
         x=alt.X("cos_to_mean:Q", title="cosine with the mean key direction μ̂ (unit keys)",
                 scale=alt.Scale(domain=[-1, 1])),
@@ -312,49 +319,63 @@ def keycone_chart(df: pd.DataFrame, info: dict | None = None):
         tooltip=[alt.Tooltip("position:Q", title="token position", format=","),
                  alt.Tooltip("cos_to_mean:Q", title="cos to μ̂", format=".3f"),
                  alt.Tooltip("orth_pc1:Q", title="⊥ PC1", format=".3f")])
-    return _configure(ch.properties(width=380, height=300, title=alt.Title("Key cone of this head", subtitle=sub)))
+    return _configure(ch.properties(width=420, height=300, title=alt.Title("Key cone of this head", subtitle=sub)))
 
 
 def per_document_chart(df: pd.DataFrame):
     """Each statistic of the head per document (dots) with the median (tick): the document-to-document spread.
     One row per statistic, each with its own x scale."""
     dots = alt.Chart().mark_circle(size=70, opacity=0.85).encode(
-        x=alt.X("value:Q", title=None, scale=alt.Scale(zero=False)),
+        x=alt.X("value:Q", title=None, scale=alt.Scale(zero=False), axis=alt.Axis(format=",.4~g", tickCount=5)),
         color=alt.Color("document:N", title="document", legend=alt.Legend(orient="bottom", columns=2)),
         tooltip=["document", alt.Tooltip("label:N", title="statistic"), alt.Tooltip("value:Q", format=",.3f")])
     tick = alt.Chart().mark_tick(color="black", thickness=2, size=18).encode(
         x="median(value):Q", tooltip=[alt.Tooltip("median(value):Q", title="median", format=",.3f")])
-    fac = alt.layer(dots, tick, data=df).properties(width=380, height=28).facet(
+    fac = alt.layer(dots, tick, data=df).properties(width=300, height=28).facet(
         row=alt.Row("label:N", title=None, sort=list(dict.fromkeys(df["label"])),
-                    header=alt.Header(labelAngle=0, labelAlign="left", labelFontSize=11, labelLimit=320))
+                    header=alt.Header(labelAngle=0, labelAlign="left", labelFontSize=11, labelLimit=140))
     ).resolve_scale(x="independent")
     return _configure(fac.properties(title=alt.Title("Per-document spread of this head",
-                                                     subtitle="dots: documents · black tick: median")))
+                                                     subtitle="dots: documents · black tick: median")), "pad")
 
 
-def erank_vs_horizon_chart(table: pd.DataFrame, rho: float | None = None):
-    """Effective rank vs decay horizon per head (log–log), with the y = x line and Spearman ρ."""
-    df = table[["layer", "head", "erank", "horizon", "erank_min", "erank_max"]].copy() \
-        if "erank_min" in table else table[["layer", "head", "erank", "horizon"]].copy()
+def erank_vs_horizon_chart(table: pd.DataFrame, rho: float | None = None, rank_max: int | None = None):
+    """Effective rank vs decay horizon per head (log–log), with the y = x line, the ceiling min(d_k, d_v) and
+    Spearman ρ."""
+    cols = ["layer", "head", "erank", "horizon"] + [c for c in ("erank_min", "erank_max") if c in table]
+    df = table[cols].copy()
     df = df[np.isfinite(df["horizon"]) & (df["erank"] > 0)]
-    lo = float(min(df["erank"].min(), df["horizon"].min(), 1.0)) if len(df) else 1.0
-    hi = float(max(df["erank"].max(), df["horizon"].max(), 2.0)) if len(df) else 10.0
-    diag = pd.DataFrame({"x": [lo, hi], "y": [lo, hi]})
+    xlo = float(min(df["horizon"].min(), 1.0)) if len(df) else 1.0
+    xhi = float(max(df["horizon"].max(), 2.0)) if len(df) else 10.0
+    ylo = float(min(df["erank"].min(), 1.0)) if len(df) else 1.0
+    yhi = float(rank_max * 1.25 if rank_max else (df["erank"].max() * 1.5 if len(df) else 10.0))
+    end = min(xhi, yhi)
+    diag = pd.DataFrame({"x": [max(xlo, ylo), end], "y": [max(xlo, ylo), end]})
     tooltip = [alt.Tooltip("layer:O"), alt.Tooltip("head:O"), alt.Tooltip("erank:Q", title="erank", format=".2f"),
                alt.Tooltip("horizon:Q", title="horizon (tokens)", format=",.1f")]
     if "erank_min" in df:
-        tooltip += [alt.Tooltip("erank_min:Q", title="erank min", format=".2f"),
-                    alt.Tooltip("erank_max:Q", title="erank max", format=".2f")]
+        tooltip += [alt.Tooltip("erank_min:Q", title="erank min over documents", format=".2f"),
+                    alt.Tooltip("erank_max:Q", title="erank max over documents", format=".2f")]
+    xs = alt.Scale(type="log", domain=[xlo, xhi], nice=False)
+    ys = alt.Scale(type="log", domain=[ylo, yhi], nice=False)
     pts = alt.Chart(df).mark_circle(size=60, opacity=0.8).encode(
-        x=alt.X("horizon:Q", title="decay horizon 1/(1 − ᾱ) (tokens, log scale)", scale=alt.Scale(type="log")),
-        y=alt.Y("erank:Q", title="effective rank (directions, log scale)", scale=alt.Scale(type="log")),
+        x=alt.X("horizon:Q", title="decay horizon 1/(1 − ᾱ) (tokens, log scale)", scale=xs),
+        y=alt.Y("erank:Q", title="effective rank (directions, log scale)", scale=ys),
         color=alt.Color("layer:O", title="layer", scale=alt.Scale(scheme="viridis")), tooltip=tooltip)
-    line = alt.Chart(diag).mark_line(color="#888", strokeDash=[4, 4]).encode(x="x:Q", y="y:Q")
-    txt = alt.Chart(diag.tail(1)).mark_text(align="right", dx=-4, dy=-6, color="#888").encode(
-        x="x:Q", y="y:Q", text=alt.value("y = x"))
+    line = alt.Chart(diag).mark_line(color="#888", strokeDash=[4, 4], clip=True).encode(
+        x=alt.X("x:Q", scale=xs), y=alt.Y("y:Q", scale=ys))
+    txt = alt.Chart(diag.tail(1)).mark_text(align="left", dx=6, dy=10, color="#888", clip=True).encode(
+        x=alt.X("x:Q", scale=xs), y=alt.Y("y:Q", scale=ys), text=alt.value("y = x"))
+    layers = [line, txt, pts]
+    if rank_max:
+        cap = pd.DataFrame({"y": [float(rank_max)], "label": [f"min(d_k, d_v) = {rank_max}"]})
+        layers += [alt.Chart(cap).mark_rule(color="#bbb").encode(y=alt.Y("y:Q", scale=ys)),
+                   alt.Chart(cap).mark_text(align="left", x=4, dy=8, color="#888").encode(
+                       y=alt.Y("y:Q", scale=ys), text="label:N")]
     rho_s = "n/a" if rho is None or not np.isfinite(rho) else f"{rho:.2f}"
-    return _configure(alt.layer(line, txt, pts).properties(width=440, height=340, title=alt.Title(
-        "Effective rank vs decay horizon", subtitle=f"one point per head (median over documents) · Spearman ρ = {rho_s}")))
+    return _configure(alt.layer(*layers).properties(width=440, height=340, title=alt.Title(
+        "Effective rank vs decay horizon",
+        subtitle=[f"one point per head (median over documents)", f"Spearman ρ = {rho_s} · dashed: y = x"])))
 
 
 def horizon_hist_chart(table: pd.DataFrame, segment_len: int):
@@ -363,14 +384,16 @@ def horizon_hist_chart(table: pd.DataFrame, segment_len: int):
     h = h[np.isfinite(h) & (h > 0)]
     if h.size == 0:
         h = np.array([1.0])
-    lo, hi = math.floor(math.log10(max(h.min(), 1e-3))), math.ceil(math.log10(max(h.max(), segment_len) * 1.001))
+    lo = math.floor(math.log10(max(min(h.min(), segment_len), 1e-3)))
+    hi = math.ceil(math.log10(max(h.max(), segment_len) * 1.001))
     edges = np.logspace(lo, hi, max(4, 4 * (hi - lo)) + 1)
     counts, _ = np.histogram(h, bins=edges)
-    df = pd.DataFrame(dict(lo=edges[:-1], hi=edges[1:], heads=counts,
+    df = pd.DataFrame(dict(lo=edges[:-1], hi=edges[1:], heads=counts, zero=0,
                            side=np.where(edges[1:] <= segment_len, "forgets within a segment", "longer")))
-    bars = alt.Chart(df).mark_bar(binSpacing=1).encode(
-        x=alt.X("lo:Q", title="decay horizon 1/(1 − ᾱ) (tokens, log scale)", scale=alt.Scale(type="log")),
-        x2="hi:Q", y=alt.Y("heads:Q", title="number of heads"),
+    bars = alt.Chart(df).mark_rect(stroke="white", strokeWidth=0.5).encode(
+        x=alt.X("lo:Q", title="decay horizon 1/(1 − ᾱ) (tokens, log scale)",
+                scale=alt.Scale(type="log", domain=[float(edges[0]), float(edges[-1])], nice=False)),
+        x2="hi:Q", y=alt.Y("heads:Q", title="number of heads", scale=alt.Scale(domainMin=0)), y2="zero:Q",
         color=alt.Color("side:N", title="", scale=alt.Scale(domain=["forgets within a segment", "longer"],
                                                              range=["#ff7f0e", "#1f77b4"]),
                         legend=alt.Legend(orient="top")),
@@ -382,7 +405,7 @@ def horizon_hist_chart(table: pd.DataFrame, segment_len: int):
     share = float(np.mean(table["horizon"].to_numpy(float) < segment_len))
     return _configure(alt.layer(bars, rule, txt).properties(width=440, height=300, title=alt.Title(
         "Decay horizons of all GDN heads",
-        subtitle=f"{100 * share:.0f}% of heads forget within one {segment_len}-token segment (horizon < L)")))
+        subtitle=[f"{100 * share:.0f}% of heads forget within one {segment_len}-token segment (horizon < L)"])))
 
 
 def forgetting_by_layer_frame(table: pd.DataFrame, segment_len: int) -> pd.DataFrame:
@@ -440,7 +463,8 @@ def loss_delta_chart(df: pd.DataFrame):
         color=alt.Color("document:N", title="document", legend=alt.Legend(orient="bottom", columns=2)),
         tooltip=["document", alt.Tooltip("position:Q", format=",.0f"), alt.Tooltip("delta:Q", format="+.4f")])
     return _configure(alt.layer(zero, ch).properties(width=560, height=240, title=alt.Title(
-        "Loss change along the document", subtitle="block means of the per-token difference")))
+        "Loss change along the document",
+        subtitle=["per-token difference, averaged over blocks of tokens", "0 = no change; > 0: truncation hurts"])))
 
 
 def loss_vs_rank_chart(df: pd.DataFrame):

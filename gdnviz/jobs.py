@@ -34,7 +34,7 @@ from gdnviz.store import Store, content_hash
 #: Version strings of the computations; bump one to invalidate its memo entries.
 VERSIONS = {
     "capture": "capture-v1/jobs-1",
-    "truncate": "truncate-compare-v1",
+    "truncate": "truncate-compare-v2",
     "loss": "loss-vs-rank-v1",
 }
 
@@ -265,7 +265,7 @@ def run_capture(spec: CaptureJob, ctx: JobContext) -> dict:
                 n_tokens=[len(ids) for _, ids in docs])
 
 
-def _summary_nll(nll0: np.ndarray, nll1: np.ndarray, max_points: int = 2048) -> dict:
+def _summary_nll(nll0: np.ndarray, nll1: np.ndarray, max_points: int = 256) -> dict:
     """Mean losses and a block-averaged per-token difference (at most ``max_points`` points) for plotting."""
     d = nll1 - nll0
     n = len(d)
@@ -393,8 +393,7 @@ def load_run_captures(store: Store, run: dict) -> list:
             continue
         try:
             caps.append(CaptureResult.from_bytes(data))
-        except Exception:
-            store._drop(d["key"])
+        except Exception:  # intact bytes this version cannot read: recompute (the new result overwrites them)
             missing.append(d["name"])
     if missing:
         raise MissingResult(f"the stored capture of {', '.join(repr(m) for m in missing)} is missing or corrupt",

@@ -233,8 +233,12 @@ class Worker:
         hb.start()
         self.state = "starting (importing PyTorch)"
         self.beat()
-        import gdnviz.jobs  # noqa: F401  (pays the torch import before the first job)
+        import gdnviz.jobs  # noqa: F401  (pays the torch / transformers imports before the first job)
+        import gdnviz.models.loader as _loader
+
+        _loader._register_fla()
         import torch  # noqa: F401
+        import transformers  # noqa: F401
 
         self.state = "idle"
         self.beat()
@@ -264,8 +268,11 @@ def main(argv=None) -> int:
     ap.add_argument("--poll", type=float, default=0.2, help="seconds between queue polls when idle")
     args = ap.parse_args(argv)
     store = Store(args.cache_dir)
+    handlers = [logging.FileHandler(store.log_path)]
+    if sys.stderr.isatty():
+        handlers.append(logging.StreamHandler(sys.stderr))
     logging.basicConfig(level=logging.INFO, format="%(asctime)s worker[%(process)d] %(levelname)s %(message)s",
-                        handlers=[logging.FileHandler(store.log_path), logging.StreamHandler(sys.stderr)])
+                        handlers=handlers)
     w = Worker(store, parent_pid=args.parent_pid, poll=args.poll)
 
     def _term(signum, frame):

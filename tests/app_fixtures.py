@@ -43,5 +43,23 @@ def build_not_gdn(root: str | os.PathLike) -> Path:
     return out
 
 
+import pytest  # noqa: E402
+
+
+@pytest.fixture(scope="session")
+def tiny_checkpoint(tmp_path_factory) -> Path:
+    """A loadable tiny Qwen3.5 checkpoint folder with a tokenizer (built once per test session)."""
+    return build_checkpoint(tmp_path_factory.getbasetemp() / "gdnviz_app_ckpt")
+
+
+def short_text(n_words: int = 400, seed: int = 0) -> str:
+    """A few hundred tokens of English (the start of a bundled sample, repeated if needed)."""
+    from gdnviz.documents import sample_documents
+
+    words = " ".join(d.text for d in sample_documents()).split()
+    start = (seed * 997) % max(1, len(words) - n_words)
+    return " ".join(words[start:start + n_words])
+
+
 if __name__ == "__main__":
     print(build_checkpoint(sys.argv[1]))

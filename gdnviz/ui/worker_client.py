@@ -5,7 +5,9 @@ the job that worker was running ("the worker process died while running this job
 restarted"), starts a new worker and counts the restart. A worker that beats but is not our child (a worker
 started from the CLI on the same cache directory) is used as is.
 
-``GDNVIZ_NO_WORKER=1`` disables starting one (AppTest runs jobs in-process with ``Worker.run_pending``).
+``make_handle(store)`` is called once per Streamlit server (``gdnviz.ui.common.ensure_worker`` caches it with
+``st.cache_resource``). ``GDNVIZ_NO_WORKER=1`` disables starting one (AppTest runs jobs in-process with
+``Worker.run_pending``). The worker gets ``--parent-pid`` so that it exits when the server does, even on SIGKILL.
 """
 from __future__ import annotations
 

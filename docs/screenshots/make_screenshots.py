@@ -1,0 +1,155 @@
+"""Regenerate the app screenshots in this folder: a real ``streamlit run app.py`` in headless Chromium.
+
+    .venv/bin/python docs/screenshots/make_screenshots.py [--model DIR_OR_demo] [--out docs/screenshots]
+
+Without ``--model`` it builds a small random Qwen3.5-architecture checkpoint (9 GDN layers x 8 heads of 32x32,
+decays spread from a few tokens to thousands, the tests' byte-level BPE tokenizer) in a temporary folder: the
+pictures then show the app, not a trained model's science. Pass ``--model demo`` once the bundled demo model is
+installed. Each PNG is palette-quantised to stay a few hundred KB.
+"""
+from __future__ import annotations
+
+import argparse
+import os
+import re
+import socket
+import subprocess
+import sys
+import tempfile
+import time
+import urllib.request
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[2]
+sys.path[:0] = [str(ROOT), str(ROOT / "tests")]
+ARGS = ["--no-sandbox", "--disable-gpu", "--disable-dev-shm-usage", "--disable-background-networking",
+        "--disable-component-update", "--disable-sync", "--no-first-run"]
+
+
+def build_model(root: Path) -> Path:
+    import torch
+    from transformers import Qwen3_5ForCausalLM, Qwen3_5TextConfig
+
+    import tokenizers_for_tests
+
+    out = root / "screenshot-qwen3_5"
+    _, chat = tokenizers_for_tests.build(root / "tok")
+    tok = tokenizers_for_tests.load(chat)
+    torch.manual_seed(0)
+    layers = ["linear_attention", "linear_attention", "linear_attention", "full_attention"] * 3
+    cfg = Qwen3_5TextConfig(
+        vocab_size=len(tok) + 16, hidden_size=128, intermediate_size=256, num_hidden_layers=len(layers),
+        layer_types=layers, num_attention_heads=4, num_key_value_heads=2, head_dim=32, linear_num_key_heads=4,
+        linear_num_value_heads=8, linear_key_head_dim=32, linear_value_head_dim=32, linear_conv_kernel_dim=4,
+        max_position_embeddings=8192, tie_word_embeddings=True)
+    m = Qwen3_5ForCausalLM(cfg).float().eval()
+    g = torch.Generator().manual_seed(1)
+    with torch.no_grad():
+        for layer in m.model.layers:
+            la = getattr(layer, "linear_attn", None)
+            if la is not None:  # per-token decays from ~0.3 to ~0.9999: horizons from 1 to thousands of tokens
+                n = la.A_log.numel()
+                la.A_log.copy_(torch.empty(n).uniform_(-9.0, 0.5, generator=g))
+                la.dt_bias.copy_(torch.randn(n, generator=g) * 0.5 - 1.0)
+    m.save_pretrained(out)
+    tok.save_pretrained(out)
+    return out
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def shrink(path: Path) -> None:
+    from PIL import Image
+
+    im = Image.open(path).convert("RGB")
+    im.quantize(colors=256, method=Image.Quantize.MEDIANCUT, dither=Image.Dither.NONE).save(path, optimize=True)
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--model", default=None)
+    ap.add_argument("--out", default=str(ROOT / "docs" / "screenshots"))
+    args = ap.parse_args()
+    out = Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)
+    tmp = Path(tempfile.mkdtemp(prefix="gdnviz-shots-"))
+    model = args.model or str(build_model(tmp))
+    port = free_port()
+    env = dict(os.environ, GDNVIZ_DEFAULT_MODEL=model, GDNVIZ_CACHE_DIR=str(tmp / "cache"), PYTHONPATH=str(ROOT))
+    server = subprocess.Popen([sys.executable, "-m", "streamlit", "run", "app.py", "--server.port", str(port),
+                               "--server.address", "127.0.0.1", "--server.headless", "true"], cwd=str(ROOT),
+                              env=env, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    base = f"http://127.0.0.1:{port}"
+    try:
+        for _ in range(240):
+            try:
+                if urllib.request.urlopen(base + "/_stcore/health", timeout=2).read() == b"ok":
+                    break
+            except OSError:
+                time.sleep(0.5)
+        from playwright.sync_api import sync_playwright
+
+        with sync_playwright() as pw:
+            b = pw.chromium.launch(executable_path="/usr/bin/chromium", args=ARGS)
+            page = b.new_page(viewport={"width": 1440, "height": 1000})
+            page.set_default_timeout(600_000)
+
+            def idle():
+                page.wait_for_selector("[data-testid='stApp'][data-test-script-state='notRunning']")
+                time.sleep(2.5)
+
+            def shot(name: str, height: int):
+                page.set_viewport_size({"width": 1440, "height": height})
+                idle()
+                p = out / f"{name}.png"
+                page.screenshot(path=str(p))
+                shrink(p)
+                print(f"{p}: {p.stat().st_size // 1024} KB")
+
+            page.goto(base + "/")
+            page.get_by_text("Heads per GDN layer").wait_for()
+            for title in ("Declaration", "Genesis", "Lincoln", "Notes on a fixed-size memory"):
+                page.get_by_test_id("stMultiSelect").first.locator("input").click()
+                page.get_by_role("option", name=re.compile(title)).click()
+                page.keyboard.press("Escape")
+                idle()
+            shot("documents", 1500)
+            page.get_by_role("button", name="Run capture").click()
+            page.get_by_text("Captured 4 document").wait_for()
+            page.goto(base + "/heatmap")
+            idle()
+            shot("heatmap", 1000)
+            page.goto(base + "/head?layer=4&head=3")
+            idle()
+            shot("head", 2500)
+            page.goto(base + "/overview")
+            shot("overview", 1250)
+            page.goto(base + "/truncate")
+            idle()
+            page.locator("input[aria-label='Length (tokens)']").fill("1500")
+            page.keyboard.press("Enter")
+            idle()
+            page.locator("input[aria-label=\"New tokens (0 = the task's own)\"]").fill("16")
+            page.keyboard.press("Enter")
+            idle()
+            page.get_by_role("button", name="Run untouched and truncated").click()
+            page.get_by_text("Untouched model", exact=True).wait_for()
+            shot("truncate", 2000)
+            page.goto(base + "/budget")
+            shot("budget", 1150)
+            b.close()
+    finally:
+        server.terminate()
+        server.wait(30)
+        import shutil
+
+        shutil.rmtree(tmp, ignore_errors=True)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

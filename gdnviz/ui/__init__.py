@@ -1,0 +1,1 @@
+"""Streamlit-side helpers of the gdnviz app (no torch at import time)."""

@@ -1,0 +1,547 @@
+"""Streamlit helpers shared by the pages: the store and worker singletons, session state, the current run, job
+panels that poll, charts with PNG/SVG/CSV downloads, error and empty states, and the sidebar.
+
+Session keys (``st.session_state``):
+
+==================  ==========================================================================================
+model_source        "demo" | "path" | "hf"  (widget, persisted across pages)
+model_path          local checkpoint folder (widget)      model_hf: org/name in the HF cache (widget)
+device, dtype       "auto" | ... (widgets)
+inspect             {"key": (model, device, dtype), "job": id, "result": dict | None, "error": str | None}
+user_docs           [{"name", "text", "source"}] pasted / uploaded documents
+sample_docs         names of bundled samples in the set (widget)
+segment_len         tokens per segment (widget)          max_tokens: per-document token limit (widget)
+capture_job         id of the capture job of this session
+run_id              the run shown on every page (None: the most recent run)
+layer, head         the open head
+picked_heads        [[layer, head], ...] the truncation set built by clicks
+truncate_job        id of the truncation job of this session
+==================  ==========================================================================================
+"""
+from __future__ import annotations
+
+import os
+import threading
+import time
+from datetime import datetime
+from pathlib import Path
+from types import SimpleNamespace
+
+import pandas as pd
+import streamlit as st
+
+from gdnviz.store import Store, TERMINAL, default_cache_dir
+from gdnviz.ui.worker_client import WorkerHandle, make_handle
+
+PAGES = {
+    "documents": "pages/documents.py",
+    "heatmap": "pages/heatmap.py",
+    "head": "pages/head.py",
+    "overview": "pages/overview.py",
+    "truncate": "pages/truncate.py",
+    "budget": "pages/budget.py",
+}
+def _poll_seconds() -> float | None:
+    """Seconds between polls of a running job (``$GDNVIZ_POLL_SECONDS``, default 0.5; 0 turns polling off, as the
+    AppTest suite does: it reruns pages itself)."""
+    try:
+        v = float(os.environ.get("GDNVIZ_POLL_SECONDS", "0.5"))
+    except ValueError:
+        v = 0.5
+    return v if v > 0 else None
+
+DEMO_DIR = Path(__file__).resolve().parent.parent / "assets" / "demo"
+APP_PATH = Path(__file__).resolve().parent.parent.parent / "app.py"
+#: Widget keys kept when the user moves between pages (Streamlit drops the state of widgets not drawn).
+PERSISTED = ("model_source", "model_path", "model_hf", "device", "dtype", "sample_docs", "segment_len",
+             "max_tokens", "heat_metric", "click_action", "tr_prompt_mode", "tr_task", "tr_target_len", "tr_seed",
+             "tr_max_new", "tr_prompt", "tr_loss_docs", "tr_chat", "bud_batch", "bud_state_dtype", "bud_kv_dtype",
+             "bud_max_ctx", "head_doc")
+
+
+# =============================================================================================================
+# singletons
+# =============================================================================================================
+@st.cache_resource(show_spinner=False)
+def _store(cache_dir: str) -> Store:
+    return Store(cache_dir)
+
+
+def store() -> Store:
+    return _store(str(default_cache_dir()))
+
+
+@st.cache_resource(show_spinner=False)
+def _handle(cache_dir: str) -> WorkerHandle:
+    return make_handle(_store(cache_dir))
+
+
+def ensure_worker() -> WorkerHandle:
+    """The worker of this Streamlit server (started on first use, restarted when it died)."""
+    h = _handle(str(default_cache_dir()))
+    h.check()
+    return h
+
+
+def submit(kind: str, spec: dict, label: str = "") -> str:
+    ensure_worker()
+    return store().submit(kind, spec, label=label)
+
+
+_TLS = threading.local()
+
+
+def entrypoint_running(flag: bool) -> None:
+    """app.py marks the span of ``pg.run()`` so that pages can tell they were run through it."""
+    _TLS.in_app = flag
+
+
+def ensure_entrypoint() -> None:
+    """First line of every page.
+
+    Streamlit runs ``pages/*.py`` directly (its legacy multipage mode, because the folder is called ``pages``)
+    until some session has called ``st.navigation``: the first session of a fresh server that opens a deep link
+    such as ``/head?layer=3&head=5`` would get the bare page without app.py (and AppTest resets that mode before
+    every run). Here the page notices it was not started by app.py, switches the server to ``st.navigation``
+    mode, runs app.py in its place (which opens the same page with the same query parameters, in the same run,
+    so no click is lost) and stops.
+    """
+    if getattr(_TLS, "in_app", False):
+        return
+    import runpy
+
+    from streamlit.runtime.pages_manager import PagesManager
+
+    PagesManager.uses_pages_directory = False
+    runpy.run_path(str(APP_PATH), run_name="__main__")
+    st.stop()
+
+
+def persist_widgets() -> None:
+    """Re-assign persisted widget keys so their values survive page switches (call before ``pg.run()``)."""
+    for k in PERSISTED:
+        if k in st.session_state:
+            st.session_state[k] = st.session_state[k]
+
+
+# =============================================================================================================
+# model choice
+# =============================================================================================================
+def default_model() -> str:
+    """``$GDNVIZ_DEFAULT_MODEL`` (a local folder, an org/name in the HF cache, or "demo"), else "demo"."""
+    return os.environ.get("GDNVIZ_DEFAULT_MODEL", "").strip() or "demo"
+
+
+def demo_installed() -> bool:
+    return (DEMO_DIR / "config.json").exists()
+
+
+def init_model_state() -> None:
+    if "model_source" in st.session_state:
+        return
+    d = default_model()
+    if d == "demo":
+        st.session_state["model_source"] = "demo"
+    elif Path(os.path.expanduser(d)).exists() or d.startswith((".", "/", "~")):
+        st.session_state["model_source"] = "path"
+        st.session_state["model_path"] = d
+    else:
+        st.session_state["model_source"] = "hf"
+        st.session_state["model_hf"] = d
+    st.session_state.setdefault("device", "auto")
+    st.session_state.setdefault("dtype", "auto")
+
+
+def model_choice() -> dict:
+    """{"model", "device", "dtype"} as chosen on the Model & documents page (or the defaults)."""
+    init_model_state()
+    src = st.session_state.get("model_source", "demo")
+    if src == "path":
+        model = (st.session_state.get("model_path") or "").strip()
+    elif src == "hf":
+        model = (st.session_state.get("model_hf") or "").strip()
+    else:
+        model = "demo"
+    return dict(model=model, device=st.session_state.get("device", "auto"),
+                dtype=st.session_state.get("dtype", "auto"))
+
+
+def inspected() -> dict | None:
+    """The inspection result of the current model choice, if it has finished successfully."""
+    ins = st.session_state.get("inspect")
+    ch = model_choice()
+    if ins and tuple(ins.get("key", ())) == (ch["model"], ch["device"], ch["dtype"]):
+        return ins.get("result")
+    return None
+
+
+def request_inspection() -> dict:
+    """Submit (once per model choice) and poll the inspection of the chosen model; returns the session entry."""
+    ch = model_choice()
+    key = (ch["model"], ch["device"], ch["dtype"])
+    ins = st.session_state.get("inspect")
+    if not ch["model"]:
+        return {}
+    if not ins or tuple(ins.get("key", ())) != key:
+        from gdnviz.jobs import InspectModelJob, spec_to_dict
+
+        jid = submit("inspect", spec_to_dict(InspectModelJob(**ch)), label=f"inspect {ch['model']}")
+        ins = dict(key=key, job=jid, result=None, error=None)
+        st.session_state["inspect"] = ins
+    if ins.get("result") is None and ins.get("error") is None:
+        rec = store().job(ins["job"])
+        if rec is not None and rec["status"] == "done":
+            ins["result"] = rec["result"]
+        elif rec is not None and rec["status"] in TERMINAL:
+            ins["error"] = rec.get("error") or rec["status"]
+    return ins
+
+
+@st.cache_resource(show_spinner=False, max_entries=4)
+def _fast_tokenizer(path: str, mtime: float):
+    from gdnviz.documents import load_fast_tokenizer
+
+    return load_fast_tokenizer(path)
+
+
+def fast_tokenizer(info: dict | None):
+    """The model's tokenizer.json as a ``tokenizers.Tokenizer`` (token counts in the app), or None."""
+    path = (info or {}).get("path")
+    if not path:
+        return None
+    p = Path(path) / "tokenizer.json"
+    return _fast_tokenizer(str(path), p.stat().st_mtime) if p.exists() else None
+
+
+def info_ns(info: dict) -> SimpleNamespace:
+    """A ModelInfo-like object (gdn_layers, num_heads, d_k, d_v) from an info dict, for validation."""
+    return SimpleNamespace(**{**info, "gdn_layers": tuple(info["gdn_layers"])})
+
+
+# =============================================================================================================
+# runs
+# =============================================================================================================
+def run_label(run: dict) -> str:
+    when = datetime.fromtimestamp(run.get("created", 0)).strftime("%Y-%m-%d %H:%M")
+    docs = run.get("documents", [])
+    ntok = sum(d.get("n_tokens", 0) for d in docs)
+    model = Path(str(run.get("model_name", "?"))).name or run.get("model_name", "?")
+    return (f"{when} · {model} · {len(docs)} doc{'s' if len(docs) != 1 else ''} · {ntok:,} tokens · "
+            f"L={run.get('segment_len')} · {run.get('dtype')}/{run.get('device')}")
+
+
+def current_run(announce: bool = True) -> dict | None:
+    """The run chosen in this session, else the most recent run (saying so), else None."""
+    s = store()
+    rid = st.session_state.get("run_id")
+    run = s.run(rid) if rid else None
+    if run is None:
+        run = s.latest_run()
+        if run is not None and announce:
+            st.caption(f"No run chosen in this session: showing the most recent run, **{run_label(run)}** "
+                       f"(`{run['run_id']}`). Pick another in the sidebar under *Previous runs*.")
+    return run
+
+
+@st.cache_resource(show_spinner=False, max_entries=4)
+def _load_captures(cache_dir: str, run_id: str, keys: tuple):
+    from gdnviz.jobs import load_run_captures
+
+    return load_run_captures(_store(cache_dir), _store(cache_dir).run(run_id))
+
+
+def run_captures(run: dict):
+    """The run's CaptureResults, or None after showing what happens instead: a missing or corrupt stored result
+    is deleted and recomputed by the worker (never shown), with a progress panel."""
+    from gdnviz.jobs import MissingResult
+
+    keys = tuple(d["key"] for d in run["documents"])
+    try:
+        return _load_captures(str(store().dir), run["run_id"], keys)
+    except MissingResult as e:
+        st.warning(f"{e}: it was discarded and is being recomputed from the run's settings. The page fills in "
+                   "when the worker is done.")
+        rk = f"recompute:{run['run_id']}"
+        jid = st.session_state.get(rk)
+        rec = store().job(jid) if jid else None
+        if rec is None:
+            st.session_state[rk] = submit("capture", run["spec"], label="recompute capture")
+        elif rec["status"] in ("failed", "cancelled"):
+            st.button("Try the recomputation again", key=f"{rk}_retry", on_click=st.session_state.pop, args=(rk,))
+        elif rec["status"] == "done":
+            show_error("The capture was recomputed but still cannot be read by this version of gdnviz.",
+                       f"Run the capture again on the Model & documents page; details in {store().log_path}.")
+        job_panel(rk, "Recomputing the capture")
+        return None
+
+
+@st.cache_data(show_spinner=False, max_entries=8)
+def _run_table(cache_dir: str, run_id: str, keys: tuple) -> pd.DataFrame:
+    from gdnviz.summary import document_set_table
+
+    return document_set_table(_load_captures(cache_dir, run_id, keys))
+
+
+def run_table(run: dict) -> pd.DataFrame | None:
+    """Median / min / max per head over the run's documents (``summary.document_set_table``)."""
+    caps = run_captures(run)
+    if caps is None:
+        return None
+    return _run_table(str(store().dir), run["run_id"], tuple(d["key"] for d in run["documents"]))
+
+
+def require_run() -> tuple[dict, pd.DataFrame] | None:
+    """The current run and its head table, or None after drawing the empty state."""
+    run = current_run()
+    if run is None:
+        empty_state("No capture yet.", "Pick a model and documents and run a capture on the **Model & documents** "
+                                       "page; its results appear here.")
+        return None
+    table = run_table(run)
+    if table is None:
+        return None
+    return run, table
+
+
+# =============================================================================================================
+# heads
+# =============================================================================================================
+def head_label(layer: int, head: int) -> str:
+    return f"L{int(layer)}·H{int(head)}"
+
+
+def parse_head_label(s: str) -> tuple[int, int]:
+    a, b = s.replace("L", "").split("·H")
+    return int(a), int(b)
+
+
+def picked_heads() -> list:
+    return [tuple(x) for x in st.session_state.get("picked_heads", [])]
+
+
+def toggle_pick(layer: int, head: int) -> None:
+    cur = picked_heads()
+    lh = (int(layer), int(head))
+    cur = [x for x in cur if x != lh] if lh in cur else cur + [lh]
+    st.session_state["picked_heads"] = [list(x) for x in sorted(cur)]
+
+
+def parse_cell(state) -> tuple[int, int] | None:
+    """(layer, head) of the clicked heatmap cell from a chart's selection state (a dict in AppTest)."""
+    if not state:
+        return None
+    try:
+        sel = state["selection"]
+    except (KeyError, TypeError):
+        return None
+    pts = sel.get("cell") if hasattr(sel, "get") else None
+    if not pts:
+        return None
+    p = pts[0] if isinstance(pts, (list, tuple)) else pts
+    try:
+        return int(p["layer"]), int(p["head"])
+    except (KeyError, TypeError, ValueError):
+        return None
+
+
+# =============================================================================================================
+# rendering
+# =============================================================================================================
+def page_link(page: str, label: str, icon: str | None = None, query_params: dict | None = None) -> None:
+    kw = {"query_params": query_params} if query_params else {}
+    st.page_link(PAGES[page], label=label, icon=icon, **kw)
+
+
+def empty_state(title: str, text: str) -> None:
+    st.info(f"**{title}** {text}", icon=":material/info:")
+    page_link("documents", "Go to Model & documents", icon=":material/arrow_forward:")
+
+
+def show_error(message: str, what_next: str | None = None) -> None:
+    st.error(message + (f"\n\n{what_next}" if what_next else ""), icon=":material/error:")
+
+
+def chart(ch, df: pd.DataFrame | None, name: str, key: str, *, on_select=None, selection_mode=None,
+          downloads: bool = True, fixed_size: bool = False):
+    """Draw an Altair chart with PNG / SVG / CSV download buttons under it; returns the selection event."""
+    from gdnviz import figures
+
+    kw = {}
+    if on_select is not None:
+        kw = dict(on_select=on_select, selection_mode=selection_mode)
+    # theme=None and the chart's own size: what is on screen is exactly what the PNG / SVG downloads contain
+    if fixed_size:  # grids and facets keep their own size (cells of a fixed step)
+        kw["width"] = "content"
+    ev = st.altair_chart(ch, key=key, theme=None, **kw)
+    if downloads:
+        with st.container(horizontal=True, gap="small"):
+            st.download_button("PNG", data=lambda: figures.to_png(ch), file_name=f"{name}.png", mime="image/png",
+                               on_click="ignore", key=f"{key}_png", icon=":material/image:")
+            st.download_button("SVG", data=lambda: figures.to_svg(ch), file_name=f"{name}.svg",
+                               mime="image/svg+xml", on_click="ignore", key=f"{key}_svg", icon=":material/draw:")
+            if df is not None:
+                st.download_button("CSV", data=figures.to_csv(df), file_name=f"{name}.csv", mime="text/csv",
+                                   on_click="ignore", key=f"{key}_csv", icon=":material/table:")
+    return ev
+
+
+def _fmt_secs(s: float) -> str:
+    return f"{s:.0f} s" if s < 120 else f"{s / 60:.1f} min"
+
+
+def job_panel(session_key: str, title: str) -> dict | None:
+    """Progress of the session's job under ``session_key``: a progress bar and a cancel button while it runs,
+    polling with a fragment; the failure message when it failed. Returns the job record."""
+    jid = st.session_state.get(session_key)
+    if not jid:
+        return None
+    s = store()
+    rec = s.job(jid)
+    if rec is None:
+        return None
+    active = rec["status"] in ("queued", "running")
+
+    def body():
+        h = ensure_worker()
+        r = s.job(jid)
+        if r is None:
+            return
+        status = r["status"]
+        if status in ("queued", "running"):
+            prog = r.get("progress") or {}
+            frac = float(prog.get("fraction", 0.0))
+            ws = h.status()
+            if not prog:
+                frac = 0.0
+            if status == "queued":
+                wait = {"starting": "the worker is starting (loading PyTorch; the first start takes a while)",
+                        "busy": "the worker is busy with another job", "disabled": "no worker is running "
+                        "(GDNVIZ_NO_WORKER is set)", "not responding": "the worker is not responding",
+                        "stopped": "the worker is not running"}.get(ws["state"], "waiting for the worker")
+                text = f"{title}: queued — {wait}"
+            else:
+                el = time.time() - (r.get("started") or time.time())
+                text = (f"{title}: {prog.get('text')} · {int(100 * frac)}% · {_fmt_secs(el)}" if prog
+                        else f"{title}: running · {_fmt_secs(el)}")
+            st.progress(frac, text=text)
+            st.button("Cancel", key=f"{session_key}_cancel", on_click=s.cancel, args=(jid,),
+                      icon=":material/cancel:", disabled=r.get("cancel_requested", False))
+            if r.get("cancel_requested"):
+                st.caption("Cancelling at the next step…")
+        elif active:  # it just finished while we were polling: redraw the whole page with the result
+            st.rerun()
+        elif status == "failed":
+            show_error(f"{title} failed: {r.get('error')}")
+        elif status == "cancelled":
+            st.info(f"{title} was cancelled.", icon=":material/cancel:")
+
+    st.fragment(body, run_every=_poll_seconds() if active else None)()
+    return s.job(jid)
+
+
+def worker_status_line() -> None:
+    h = ensure_worker()
+    ws = h.status()
+    state = ws["state"]
+    color = {"idle": "green", "busy": "orange", "starting": "gray", "disabled": "gray", "not responding": "red",
+             "stopped": "red"}.get(state, "gray")
+    line = f":{color}[●] **Worker** {state}"
+    if ws.get("pid"):
+        line += f" · pid {ws['pid']}"
+    st.markdown(line)
+    m = ws.get("model")
+    bits = []
+    if state == "busy" and ws.get("detail"):
+        bits.append(ws["detail"])
+    if m:
+        bits.append(f"model {Path(str(m.get('name'))).name} ({m.get('device')}, {m.get('dtype')}, "
+                    f"{m.get('kernel_path')} kernels)")
+    if ws.get("queued"):
+        bits.append(f"{ws['queued']} queued")
+    if ws.get("restarts"):
+        bits.append(f"restarted {ws['restarts']}× (last: {ws.get('last_exit')})")
+    if state == "disabled":
+        bits.append("GDNVIZ_NO_WORKER is set: jobs wait in the queue")
+    if bits:
+        st.caption(" · ".join(bits))
+
+
+def sidebar() -> None:
+    """Worker status, the current run (previous runs) and the whole-run download."""
+    with st.sidebar:
+        active = any(_active(st.session_state.get(k)) for k in ("capture_job", "truncate_job"))
+        ws = ensure_worker().status()
+        poll = (2.0 if _poll_seconds() else None) if (active or ws["state"] in ("starting", "busy")) else None
+        st.fragment(worker_status_line, run_every=poll)()
+        runs = store().list_runs()
+        st.markdown("**Previous runs**")
+        if not runs:
+            st.caption("None yet: run a capture on *Model & documents*.")
+            return
+        ids = [r["run_id"] for r in runs]
+        labels = {r["run_id"]: run_label(r) for r in runs}
+        cur = st.session_state.get("run_id")
+        if cur not in ids:
+            cur = ids[0]
+        st.session_state["sb_run"] = cur
+        st.selectbox("Run shown on every page", ids, key="sb_run", format_func=lambda r: labels.get(r, r),
+                     on_change=_pick_run, label_visibility="collapsed",
+                     help="Every capture is stored on disk; picking one reopens it instantly.")
+        run = store().run(cur)
+        if run is not None:
+            lh = (st.session_state.get("layer"), st.session_state.get("head"))
+            st.download_button("Download this run (zip)", data=lambda: run_zip_bytes(run, *lh), file_name=
+                               f"gdnviz-{run['run_id']}.zip", mime="application/zip", on_click="ignore",
+                               key="dl_run_zip", icon=":material/folder_zip:",
+                               help="All figures (PNG + SVG), their data (CSV), the head table and the settings")
+
+
+def _pick_run() -> None:
+    st.session_state["run_id"] = st.session_state.get("sb_run")
+
+
+def _active(jid) -> bool:
+    if not jid:
+        return False
+    rec = store().job(jid)
+    return rec is not None and rec["status"] in ("queued", "running")
+
+
+def run_zip_bytes(run: dict, layer: int | None = None, head: int | None = None) -> bytes:
+    """Figures (PNG + SVG), their CSV, the head table and the settings of a run, as one zip; with ``layer`` and
+    ``head`` also that head's figures."""
+    from gdnviz import figures as F
+    from gdnviz.jobs import load_run_captures
+    from gdnviz.summary import document_set_table, overview
+
+    caps = load_run_captures(store(), run)
+    names = [d["name"] for d in run["documents"]]
+    table = document_set_table(caps)
+    L = int(run["segment_len"])
+    ov = overview(table, L)
+    figs = {}
+    for m in F.HEATMAP_METRICS:
+        df = F.heatmap_frame(table, m)
+        figs[f"heatmap_{m}"] = (F.heatmap(df, m, interactive=False), df)
+    rmax = min(int(run["model"]["d_k"]), int(run["model"]["d_v"]))
+    figs["erank_vs_horizon"] = (F.erank_vs_horizon_chart(table, ov["spearman_erank_horizon"], rmax),
+                                table[["layer", "head", "erank", "horizon"]])
+    figs["horizon_histogram"] = (F.horizon_hist_chart(table, L), table[["layer", "head", "horizon"]])
+    fl = F.forgetting_by_layer_frame(table, L)
+    figs["forgetting_by_layer"] = (F.forgetting_chart(fl, L), fl)
+    gl = list(run["model"]["gdn_layers"])
+    if layer in gl and head is not None:
+        li = gl.index(layer)
+        tag = f"L{layer}H{head}"
+        sp = F.spectrum_frame(caps, names, li, head)
+        figs[f"{tag}_spectrum"] = (F.spectrum_chart(sp, names[0]), sp)
+        al = F.erank_along_frame(caps, names, li, head)
+        figs[f"{tag}_erank_along"] = (F.erank_along_chart(al, L), al)
+        hist, stats = F.alpha_frame(caps, names, li, head)
+        figs[f"{tag}_alpha"] = (F.alpha_chart(hist, stats, L), hist)
+        kdf, kinfo = F.keycone_frame(caps[0], li, head)
+        figs[f"{tag}_keycone"] = (F.keycone_chart(kdf, kinfo), kdf)
+    settings = {k: v for k, v in run.items() if k != "spec"}
+    settings["spec"] = {k: v for k, v in run["spec"].items() if k != "documents"}
+    settings["overview"] = ov
+    return F.run_zip(figs, settings, {"heads": table})

@@ -1,0 +1,70 @@
+"""Turn the Truncate & compare page's head groups into a truncation spec (pure: no Streamlit).
+
+A group is ``{"mode": ..., "r": int, ...}`` with mode
+``"picked"`` (``heads``: [[layer, head], ...]), ``"layers"`` (``layers``: [layer, ...]),
+``"horizon"`` (``filter``: "within" | "beyond" | "range", ``lo``, ``hi`` in tokens; needs a head table) or
+``"all"``. Later groups override earlier ones for a head in both.
+"""
+from __future__ import annotations
+
+MODES = {
+    "picked": "heads picked on the heatmap",
+    "layers": "whole layers",
+    "horizon": "a horizon filter",
+    "all": "all GDN heads",
+}
+HORIZON_FILTERS = {
+    "within": "heads forgetting within a segment (horizon < L)",
+    "beyond": "heads remembering beyond a segment (horizon ≥ L)",
+    "range": "horizon in a range",
+}
+
+
+def group_heads(group: dict, info: dict, table=None, segment_len: int | None = None) -> list:
+    """The (layer, head) pairs a group selects."""
+    gl, H = list(info["gdn_layers"]), int(info["num_heads"])
+    mode = group.get("mode", "all")
+    if mode == "all":
+        return [(l, h) for l in gl for h in range(H)]
+    if mode == "layers":
+        return [(int(l), h) for l in group.get("layers", []) for h in range(H)]
+    if mode == "picked":
+        return [(int(l), int(h)) for l, h in group.get("heads", [])]
+    if mode == "horizon":
+        if table is None:
+            raise ValueError("a horizon filter needs a capture (the horizons come from it): run one on the Model & "
+                             "documents page, or choose heads another way")
+        hz = table.set_index(["layer", "head"])["horizon"]
+        f = group.get("filter", "within")
+        if f == "within":
+            ok = hz < float(segment_len)
+        elif f == "beyond":
+            ok = hz >= float(segment_len)
+        else:
+            ok = (hz >= float(group.get("lo", 0))) & (hz <= float(group.get("hi", float("inf"))))
+        return [(int(l), int(h)) for (l, h), v in ok.items() if v]
+    raise ValueError(f"unknown head selection {mode!r}")
+
+
+def resolve(groups: list, info: dict, table=None, segment_len: int | None = None) -> tuple[dict, list]:
+    """({(layer, head): r}, [number of heads per group]); raises RankOutOfRange / ValueError for bad input."""
+    from types import SimpleNamespace
+
+    from gdnviz.errors import RankOutOfRange
+    from gdnviz.intervene import TruncationSpec
+
+    ranks, counts = {}, []
+    rmax = min(int(info["d_k"]), int(info["d_v"]))
+    for i, g in enumerate(groups):
+        try:
+            r = int(g.get("r"))
+        except (TypeError, ValueError):
+            raise RankOutOfRange(f"group {i + 1}: the rank must be a whole number in 1..{rmax}") from None
+        heads = group_heads(g, info, table, segment_len)
+        counts.append(len(heads))
+        for lh in heads:
+            ranks[lh] = r
+    ns = SimpleNamespace(gdn_layers=tuple(info["gdn_layers"]), num_heads=int(info["num_heads"]),
+                         d_k=int(info["d_k"]), d_v=int(info["d_v"]))
+    TruncationSpec.from_dict(ranks).validate(ns)
+    return ranks, counts

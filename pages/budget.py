@@ -1,0 +1,79 @@
+"""Cache budget (seed 003 §7): recurrent-state bytes vs full-attention KV bytes against context length."""
+from __future__ import annotations
+
+import numpy as np
+import pandas as pd
+import streamlit as st
+
+from gdnviz import figures as F
+from gdnviz.ui import common as C
+
+C.ensure_entrypoint()
+
+st.title("Cache budget")
+st.caption("What one sequence costs in cache memory for the loaded configuration (seed 003 §7). Configuration "
+           "arithmetic, not a measurement of device memory; weights and activations are not included.")
+info = C.inspected()
+src = "the inspected model"
+if info is None:
+    run = C.current_run(announce=False)
+    if run is not None:
+        info, src = run["model"], f"the model of run `{run['run_id']}`"
+if info is None:
+    C.empty_state("No model yet.", "Pick a model on the **Model & documents** page (it is inspected without "
+                                   "loading its weights); its configuration fills this page.")
+    st.stop()
+
+BYTES = {"float32": 4, "bfloat16": 2, "float16": 2, "float8": 1}
+st.session_state.setdefault("bud_batch", 1)
+st.session_state.setdefault("bud_state_dtype", "float32")
+st.session_state.setdefault("bud_kv_dtype", "bfloat16")
+st.session_state.setdefault("bud_max_ctx", 1 << 20)
+c = st.columns(4)
+c[0].number_input("Batch B (sequences)", min_value=1, max_value=1 << 16, key="bud_batch")
+c[1].selectbox("Recurrent-state dtype (b_state)", list(BYTES), key="bud_state_dtype",
+               help="GDN kernels keep the state in float32")
+c[2].selectbox("KV and conv dtype (b_KV)", list(BYTES), key="bud_kv_dtype")
+c[3].select_slider("Longest context T", options=[1 << k for k in range(10, 24)], key="bud_max_ctx",
+                   format_func=lambda t: f"{t // 1024:,}K" if t < 1 << 20 else f"{t // (1 << 20)}M")
+
+fp = info.get("fingerprint", "x")
+st.markdown(f"Configuration from {src} (**{info.get('name') or info.get('path')}**). Edit to explore:")
+e = st.columns(8)
+cfg = dict(
+    n_gdn=e[0].number_input("|GDN layers|", min_value=0, value=len(info["gdn_layers"]), key=f"bud_ngdn_{fp}"),
+    h_v=e[1].number_input("H_v", min_value=0, value=int(info["num_heads"]), key=f"bud_hv_{fp}",
+                          help="value heads per GDN layer (one state each)"),
+    h_k=e[2].number_input("H_k", min_value=0, value=int(info["num_key_heads"]), key=f"bud_hk_{fp}"),
+    d_k=e[3].number_input("d_k", min_value=0, value=int(info["d_k"]), key=f"bud_dk_{fp}"),
+    d_v=e[4].number_input("d_v", min_value=0, value=int(info["d_v"]), key=f"bud_dv_{fp}"),
+    n_attn=e[5].number_input("|attn layers|", min_value=0, value=len(info["attn_layers"]), key=f"bud_nattn_{fp}"),
+    h_kv=e[6].number_input("H_kv", min_value=0, value=int(info["attn_kv_heads"]), key=f"bud_hkv_{fp}"),
+    d_h=e[7].number_input("d_h", min_value=0, value=int(info["attn_head_dim"]), key=f"bud_dh_{fp}"),
+)
+cfg["conv_kernel"] = int(info.get("conv_kernel", 4))
+B = int(st.session_state["bud_batch"])
+bs, bk = BYTES[st.session_state["bud_state_dtype"]], BYTES[st.session_state["bud_kv_dtype"]]
+Tmax = int(st.session_state["bud_max_ctx"])
+ctx = sorted({int(t) for t in np.unique(np.logspace(8, np.log2(Tmax), num=24, base=2).round())})
+kw = dict(cfg, batch=B, b_state=bs, b_kv=bk, b_conv=bk)
+df = F.cache_budget_frame(contexts=ctx, **kw)
+cross = F.crossover_context(**kw)
+
+st.latex(r"\text{recurrent} = B\,|\mathcal R|\,H_v\,d_k\,d_v\,b_{\text{state}}\quad(\text{constant in }T)"
+         r"\qquad \text{KV} = B\,|\mathcal A|\cdot 2\,H_{KV}\,d_h\,T\,b_{KV}")
+rec = df[df.cache == "GDN recurrent state"]["bytes"].iloc[0]
+conv = df[df.cache == "GDN conv window"]["bytes"].iloc[0]
+per_tok = B * cfg["n_attn"] * 2 * cfg["h_kv"] * cfg["d_h"] * bk
+m = st.columns(4)
+m[0].metric("Recurrent state", f"{rec / 2 ** 20:,.2f} MiB", help="all GDN layers, every T")
+m[1].metric("KV per token", f"{per_tok / 2 ** 10:,.2f} KiB", help="all full-attention layers")
+m[2].metric("KV = recurrent at", "never" if not np.isfinite(cross) else f"T ≈ {cross:,.0f}")
+m[3].metric("Conv windows (separate)", f"{conv / 2 ** 10:,.1f} KiB",
+            help=f"B·|GDN|·(2·H_k·d_k + H_v·d_v)·{cfg['conv_kernel']}·b (the short-convolution cache, constant in T)")
+C.chart(F.cache_budget_chart(df, cross), df, "cache_budget", key="bud_chart")
+pts = [t for t in (4096, 32768, 131072, 1 << 20) if t <= Tmax] or [Tmax]
+tab = F.cache_budget_frame(contexts=pts, **kw).pivot(index="context", columns="cache", values="GiB").reset_index()
+st.dataframe(tab.rename(columns={"context": "T (tokens)"}), hide_index=True, width="stretch",
+             column_config={c: st.column_config.NumberColumn(format="%.4f GiB") for c in tab.columns
+                            if c != "context"})

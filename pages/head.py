@@ -1,0 +1,145 @@
+"""Head: one GDN head in detail. Deep link: /head?layer=<model layer index>&head=<value head>."""
+from __future__ import annotations
+
+import numpy as np
+import pandas as pd
+import streamlit as st
+
+from gdnviz import figures as F
+from gdnviz.ui import common as C
+
+C.ensure_entrypoint()
+
+st.title("Head")
+got = C.require_run()
+if got is None:
+    st.stop()
+run, table = got
+model = run["model"]
+gl = list(model["gdn_layers"])
+H = int(model["num_heads"])
+
+
+def _int(v):
+    try:
+        return int(str(v))
+    except (TypeError, ValueError):
+        return None
+
+
+# the head: query parameters (a pasted link) win, then this session's choice, then the first GDN head
+qp_layer, qp_head = st.query_params.get("layer"), st.query_params.get("head")
+layer, head = st.session_state.get("layer"), st.session_state.get("head")
+if qp_layer is not None or qp_head is not None:
+    ql, qh = _int(qp_layer), _int(qp_head)
+    if ql is None or qh is None:
+        C.show_error(f"The link asks for layer={qp_layer!r}, head={qp_head!r}: both must be integers.",
+                     f"GDN layers of this run: {gl}; heads 0–{H - 1}. Showing the first head instead.")
+    elif ql not in gl:
+        C.show_error(f"Layer {ql} is not a Gated DeltaNet layer of this model.",
+                     f"GDN layers: {gl} (full-attention layers {list(model['attn_layers'])} have no state). "
+                     "Showing the first head instead.")
+    elif not 0 <= qh < H:
+        C.show_error(f"Head {qh} is out of range: GDN layers of this model have {H} heads (0–{H - 1}).",
+                     "Showing the first head instead.")
+    else:
+        layer, head = ql, qh
+if layer not in gl or head is None or not 0 <= int(head) < H:
+    layer, head = gl[0], 0
+layer, head = int(layer), int(head)
+st.session_state["layer"], st.session_state["head"] = layer, head
+st.session_state["head_sel_layer"], st.session_state["head_sel_head"] = layer, head
+
+
+def _on_pick():
+    st.session_state["layer"] = int(st.session_state["head_sel_layer"])
+    st.session_state["head"] = int(st.session_state["head_sel_head"])
+    st.query_params.update(layer=str(st.session_state["layer"]), head=str(st.session_state["head"]))
+
+
+st.query_params.update(layer=str(layer), head=str(head))
+c1, c2, c3, c4 = st.columns([1, 1, 2, 2])
+c1.selectbox("Layer", gl, key="head_sel_layer", on_change=_on_pick, help="the model's own layer index")
+c2.selectbox("Head", list(range(H)), key="head_sel_head", on_change=_on_pick)
+names = [d["name"] for d in run["documents"]]
+if st.session_state.get("head_doc") not in names:
+    st.session_state["head_doc"] = names[0]
+c3.selectbox("Document for the spectrum and the key cone", names, key="head_doc")
+with c4:
+    st.write("")
+    in_set = (layer, head) in C.picked_heads()
+    st.button("Remove from the truncation set" if in_set else "Add to the truncation set", key="head_pick",
+              on_click=C.toggle_pick, args=(layer, head), icon=":material/content_cut:")
+
+caps = C.run_captures(run)
+if caps is None:
+    st.stop()
+li = gl.index(layer)
+doc = st.session_state["head_doc"]
+di = names.index(doc)
+row = table[(table["layer"] == layer) & (table["head"] == head)].iloc[0]
+L = int(run["segment_len"])
+
+st.markdown(f"### Layer {layer} · head {head}  \n"
+            f"<span style='color:gray'>state {model['d_k']} × {model['d_v']} · {len(names)} document(s) · "
+            f"segment length {L} · run `{run['run_id']}`</span>", unsafe_allow_html=True)
+
+
+m = st.columns(5)
+m[0].metric("Effective rank", f"{row['erank']:.1f}", help="exp of the entropy of σ/Σσ: directions carrying the norm")
+m[1].metric("Numerical rank", f"{row['numerical_rank']:.0f}", help="σ above σ_max·128·ε_f32")
+m[2].metric("Horizon", f"{row['horizon']:,.0f} tok" if np.isfinite(row["horizon"]) else "∞", help="1/(1 − ᾱ)")
+m[3].metric("Mean key norm", f"{row['mean_key_norm']:.3f}", help="‖mean of the unit keys‖: 1 = all keys parallel, "
+            "≈ 0 = isotropic")
+m[4].metric("Key-cov erank", f"{row['key_cov_erank']:.1f}", help="effective rank of the covariance of the keys "
+            "written inside the horizon")
+if row["horizon"] < L:
+    st.caption(f"This head forgets within one segment (horizon {row['horizon']:,.0f} < L = {L} tokens): "
+               "truncating it at segment boundaries should change little.")
+
+tag = f"L{layer}H{head}"
+a, b = st.columns(2)
+with a:
+    sp = F.spectrum_frame(caps, names, li, head)
+    C.chart(F.spectrum_chart(sp, doc), sp[sp.document == doc], f"{tag}_spectrum", key="ch_spectrum")
+with b:
+    al = F.erank_along_frame(caps, names, li, head)
+    C.chart(F.erank_along_chart(al, L), al, f"{tag}_erank_along", key="ch_along")
+a, b = st.columns(2)
+with a:
+    hist, stats = F.alpha_frame(caps, names, li, head)
+    C.chart(F.alpha_chart(hist, stats, L), hist, f"{tag}_alpha", key="ch_alpha")
+    st.dataframe(stats.rename(columns={"mean_alpha": "mean α", "one_minus_mean_alpha": "1 − ᾱ",
+                                       "horizon": "horizon (tokens)", "mean_beta": "mean β",
+                                       "n_tokens": "tokens"}),
+                 hide_index=True, width="stretch",
+                 column_config={"mean α": st.column_config.NumberColumn(format="%.6f"),
+                                "1 − ᾱ": st.column_config.NumberColumn(format="%.2e"),
+                                "horizon (tokens)": st.column_config.NumberColumn(format="%.1f"),
+                                "mean β": st.column_config.NumberColumn(format="%.3f")})
+with b:
+    kdf, kinfo = F.keycone_frame(caps[di], li, head)
+    C.chart(F.keycone_chart(kdf, kinfo), kdf, f"{tag}_keycone", key="ch_cone")
+    kc = caps[di].keycone
+    st.caption(f"{doc}: mean key norm {kc['mean_key_norm'][li, head]:.3f} · key-covariance erank "
+               f"{kc['key_cov_erank'][li, head]:.1f} · decayed-P erank {kc['decayed_P_erank_sqrt'][li, head]:.1f} "
+               f"(√eig) / {kc['decayed_P_erank_eig'][li, head]:.1f} (eig)")
+st.markdown("#### Statistics of this head over the documents")
+STATS = [("erank", "effective rank", "directions carrying the norm, exp(−Σ p log p), p = σ/Σσ"),
+         ("numerical_rank", "numerical rank", "σ above σ_max·128·ε_f32 (counts decayed residue)"),
+         ("stable_rank", "stable rank", "‖S‖²_F / ‖S‖²₂"),
+         ("horizon", "decay horizon (tokens)", "1/(1 − ᾱ), ᾱ the mean per-token decay"),
+         ("mean_key_norm", "mean key norm", "norm of the mean unit key: 1 = all keys parallel"),
+         ("key_cov_erank", "key-covariance erank", "covariance of the keys inside the horizon (eig scale)"),
+         ("decayed_P_erank", "decayed-P erank (√eig)", "P = Σ_t w_t k_t k_tᵀ, weights = decay² since t"),
+         ("decayed_P_erank_eig", "decayed-P erank (eig)", "the same P on the eigenvalue scale")]
+stat_df = pd.DataFrame([dict(statistic=lab, median=float(row[k]), min=float(row[f"{k}_min"]),
+                             max=float(row[f"{k}_max"]), meaning=txt) for k, lab, txt in STATS])
+a, b = st.columns([1, 1])
+with a:
+    st.dataframe(stat_df, hide_index=True, width="stretch",
+                 column_config={c: st.column_config.NumberColumn(format="%.3g") for c in ("median", "min", "max")})
+with b:
+    pdf = F.per_document_frame(caps, names, li, head)
+    C.chart(F.per_document_chart(pdf), pdf, f"{tag}_per_document", key="ch_perdoc", fixed_size=True)
+C.page_link("heatmap", "Back to the heatmap", icon=":material/grid_on:")

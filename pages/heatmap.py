@@ -1,0 +1,70 @@
+"""Heatmap: one statistic for every (layer, head), median over the document set; click a cell to open the head."""
+from __future__ import annotations
+
+import streamlit as st
+
+from gdnviz import figures as F
+from gdnviz.ui import common as C
+
+C.ensure_entrypoint()
+
+st.title("Heatmap")
+got = C.require_run()
+if got is None:
+    st.stop()
+run, table = got
+
+METRICS = list(F.HEATMAP_METRICS)
+st.session_state.setdefault("heat_metric", "erank")
+st.session_state.setdefault("click_action", "open")
+c1, c2 = st.columns([3, 2])
+c1.radio("Statistic", METRICS, key="heat_metric", horizontal=True,
+         format_func=lambda m: {"erank": "effective rank", "numerical_rank": "numerical rank",
+                                "stable_rank": "stable rank", "horizon": "horizon", "mean_key_norm": "key-cone norm",
+                                "key_cov_erank": "key-covariance erank", "decayed_P_erank": "decayed-P erank"}[m])
+c2.radio("Clicking a cell", ["open", "pick"], key="click_action", horizontal=True,
+         format_func={"open": "opens that head", "pick": "adds / removes it in the truncation set"}.get)
+metric = st.session_state["heat_metric"]
+n_docs = len(run["documents"])
+st.caption(f"{F.HEATMAP_METRICS[metric][0]} of each head's state at the document end, median over {n_docs} "
+           f"document{'s' if n_docs != 1 else ''} (min–max in the tooltip) · GDN layers only "
+           f"(full-attention layers {list(run['model']['attn_layers'])} carry no state) · run `{run['run_id']}`")
+
+sel = None
+if st.session_state.get("layer") in run["model"]["gdn_layers"] and st.session_state.get("head") is not None:
+    sel = (st.session_state["layer"], st.session_state["head"])
+df = F.heatmap_frame(table, metric)
+ch = F.heatmap(df, metric, selected=sel, picked=C.picked_heads())
+event = C.chart(ch, df, f"heatmap_{metric}", key="heat", on_select="rerun", selection_mode="cell", fixed_size=True)
+
+cell = C.parse_cell(event)
+if cell is not None and st.session_state.get("heat_handled") != (cell, metric):
+    st.session_state["heat_handled"] = (cell, metric)
+    layer, head = cell
+    if st.session_state.get("click_action") == "pick":
+        C.toggle_pick(layer, head)
+        st.rerun()
+    st.session_state["layer"], st.session_state["head"] = layer, head
+    st.switch_page(C.PAGES["head"], query_params={"layer": str(layer), "head": str(head)})
+elif cell is None:
+    st.session_state.pop("heat_handled", None)
+
+picked = C.picked_heads()
+if picked:
+    st.markdown(f"**Truncation set** ({len(picked)} heads): " + ", ".join(C.head_label(*p) for p in picked))
+    b1, b2, _ = st.columns([1, 1, 4])
+    with b1:
+        C.page_link("truncate", "Truncate these heads", icon=":material/content_cut:")
+    if b2.button("Clear the set", key="clear_picked"):
+        st.session_state["picked_heads"] = []
+        st.rerun()
+else:
+    st.caption("Switch *Clicking a cell* to “adds / removes it in the truncation set” to collect heads for "
+               "**Truncate & compare**.")
+
+with st.expander("Table of all heads (median, min, max over documents)"):
+    cols = ["layer", "head"] + [c for m in METRICS for c in (m, f"{m}_min", f"{m}_max")] + \
+           ["forgets_within_segment", "n_docs"]
+    st.dataframe(table[cols], hide_index=True, width="stretch")
+    st.download_button("CSV", data=F.to_csv(table), file_name=f"heads_{run['run_id']}.csv", mime="text/csv",
+                       on_click="ignore", key="heads_csv")

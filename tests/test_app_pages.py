@@ -1,0 +1,534 @@
+"""Every page of the app under Streamlit's AppTest, on a tmp cache directory and a tiny real checkpoint.
+
+No worker process: GDNVIZ_NO_WORKER=1, and the tests run queued jobs in-process with ``Worker.run_pending`` (the
+same code the worker runs). Chart clicks are injected through ``at.session_state`` (AppTest cannot click).
+"""
+from __future__ import annotations
+
+import io
+import subprocess
+import sys
+import time
+import zipfile
+from pathlib import Path
+
+import pyarrow as pa
+import pytest
+from streamlit.testing.v1 import AppTest
+
+from app_fixtures import build_not_gdn, short_text, tiny_checkpoint  # noqa: F401  (fixture)
+from gdnviz import jobs
+from gdnviz.store import Store, corrupt_memo_entry
+
+ROOT = Path(__file__).resolve().parent.parent
+APP = str(ROOT / "app.py")
+_WORKERS: dict = {}
+
+
+def work(cache) -> int:
+    """Run every queued job in-process (one Worker per cache directory keeps its model loaded)."""
+    from gdnviz.worker import Worker
+
+    key = str(cache)
+    if key not in _WORKERS:
+        _WORKERS[key] = Worker(Store(cache))
+    return _WORKERS[key].run_pending()
+
+
+def app(page: str | None = None, **query) -> AppTest:
+    at = AppTest.from_file(APP, default_timeout=180)
+    if page:
+        at.switch_page(f"pages/{page}.py")
+    for k, v in query.items():
+        at.query_params[k] = str(v)
+    return at
+
+
+def texts(at, kind: str) -> list[str]:
+    return [e.value for e in getattr(at, kind)]
+
+
+def progress(at) -> list[str]:
+    return [p.proto.text for p in at.get("progress")]
+
+
+def charts(at) -> list:
+    return list(at.get("vega_lite_chart"))
+
+
+def chart_titles(at) -> list[str]:
+    import json
+
+    out = []
+    for c in charts(at):
+        t = json.loads(c.proto.spec).get("title", "")
+        out.append(t.get("text", "") if isinstance(t, dict) else t)
+    return out
+
+
+def capture(cache, ck, docs, L=64) -> dict:
+    store = Store(cache)
+    jid = store.submit("capture", jobs.spec_to_dict(jobs.CaptureJob(model=str(ck), documents=docs, segment_len=L)))
+    work(cache)
+    rec = store.job(jid)
+    assert rec["status"] == "done", rec["error"]
+    return store.run(rec["result"]["run_id"])
+
+
+@pytest.fixture
+def env(monkeypatch, tiny_checkpoint):
+    """Point the app at a cache directory (``env(dir)``) and the tiny checkpoint; no worker process."""
+    from gdnviz.ui import worker_client  # noqa: F401
+
+    monkeypatch.setenv("GDNVIZ_DEFAULT_MODEL", str(tiny_checkpoint))
+    monkeypatch.setenv("GDNVIZ_NO_WORKER", "1")
+    monkeypatch.setenv("GDNVIZ_POLL_SECONDS", "0")  # AppTest does not tick fragments; the tests rerun pages
+    monkeypatch.delenv("GDNVIZ_TEST_OOM", raising=False)
+
+    def use(cache):
+        monkeypatch.setenv("GDNVIZ_CACHE_DIR", str(cache))
+        return Path(cache)
+
+    return use
+
+
+@pytest.fixture(scope="module")
+def populated(tmp_path_factory, tiny_checkpoint):
+    """A cache directory holding one run: two short documents, L = 64."""
+    d = tmp_path_factory.mktemp("populated")
+    run = capture(d, tiny_checkpoint, (("alpha", short_text(300, 0)), ("beta", short_text(260, 3))))
+    return d, run
+
+
+# =============================================================================================================
+# Model & documents
+# =============================================================================================================
+def test_documents_page_inspects_and_captures(env, tmp_path, tiny_checkpoint):
+    cache = env(tmp_path / "c")
+    at = app()
+    at.run()
+    assert not at.exception
+    assert at.session_state["model_source"] == "path" and at.text_input(key="model_path").value == str(tiny_checkpoint)
+    assert any("Inspecting" in t for t in progress(at))
+    work(cache)
+    at.run()
+    table = " ".join(texts(at, "markdown"))
+    assert "qwen3_5" in table and "3 of 4" in table and "16 × 16" in table and "**torch**" in table
+    at.button(key="run_capture").proto.disabled is True  # no documents yet
+    assert any("document set is empty" in t for t in texts(at, "info"))
+
+    # samples: token counts in the table
+    at.multiselect(key="sample_docs").select("lincoln_two_speeches.txt").run()
+    df = at.dataframe[0].value
+    assert list(df["document"]) == ["lincoln_two_speeches.txt"] and 1000 < int(df["tokens"][0]) < 5000
+    at.multiselect(key="sample_docs").unselect("lincoln_two_speeches.txt").run()
+
+    # paste a short document and capture it
+    at.text_input(key="paste_name").input("mine")
+    at.text_area(key="paste_text").input(short_text(200))
+    at.button(key="paste_add").click().run()
+    assert list(at.dataframe[0].value["document"]) == ["mine"]
+    at.number_input(key="segment_len").set_value(64)
+    at.button(key="run_capture").click().run()
+    jid = at.session_state["capture_job"]
+    assert Store(cache).job(jid)["status"] == "queued"
+    assert any("queued" in t for t in progress(at))
+    work(cache)
+    at.run()
+    assert not at.exception
+    assert any("Captured 1 document" in t for t in texts(at, "success"))
+    run = Store(cache).latest_run()
+    assert at.session_state["run_id"] == run["run_id"] and run["segment_len"] == 64
+    # the previous-runs list and the sidebar picker show it
+    assert run["run_id"] in list(at.dataframe[-1].value["run"])
+    assert at.selectbox(key="sb_run").value == run["run_id"]
+
+
+def test_cancel_a_capture_from_the_page(env, tmp_path):
+    cache = env(tmp_path / "c")
+    at = app()
+    at.run()
+    work(cache)
+    at.run()
+    at.text_area(key="paste_text").input(short_text(100))
+    at.button(key="paste_add").click().run()
+    at.button(key="run_capture").click().run()
+    jid = at.session_state["capture_job"]
+    at.button(key="capture_job_cancel").click().run()
+    assert Store(cache).job(jid)["status"] == "cancelled"
+    assert work(cache) == 1  # the worker pops it and leaves it cancelled
+    at.run()
+    assert Store(cache).job(jid)["status"] == "cancelled"
+    assert any("Capture was cancelled" in i for i in texts(at, "info"))
+
+
+def test_empty_pasted_text(env, tmp_path):
+    env(tmp_path / "c")
+    at = app()
+    at.run()
+    at.button(key="paste_add").click().run()
+    assert any("is empty: paste some text" in t for t in texts(at, "error"))
+
+
+@pytest.mark.parametrize("name,data,message", [
+    ("photo.txt", b"\x89PNG\r\n\x1a\n\x00\x00\x00\rIHDR", "looks like a binary file (a NUL byte at byte offset 8)"),
+    ("latin1.txt", "Le café est prêt.".encode("latin-1"), "is not valid UTF-8 text: byte 0xe9 at byte offset 6"),
+    ("blank.md", b"", "is an empty file"),
+])
+def test_bad_uploads(env, tmp_path, name, data, message):
+    env(tmp_path / "c")
+    at = app()
+    at.run()
+    at.file_uploader[0].set_value([(name, data, "text/plain"), ("good.md", b"# fine\n\nsome text", "text/plain")])
+    at.run()
+    assert not at.exception
+    errs = texts(at, "error")
+    assert any(message in e and name in e for e in errs), errs
+    assert [d["name"] for d in at.session_state["user_docs"]] == ["good.md"]  # the good file still got in
+
+
+def test_document_over_the_token_limit(env, tmp_path):
+    cache = env(tmp_path / "c")
+    at = app()
+    at.run()
+    work(cache)
+    at.run()
+    at.number_input(key="max_tokens").set_value(100)
+    at.multiselect(key="sample_docs").select("genesis_1_2_kjv.txt").run()
+    errs = texts(at, "error")
+    assert any("'genesis_1_2_kjv.txt' has" in e and "over the limit of 100 tokens" in e for e in errs), errs
+    assert at.button(key="run_capture").proto.disabled
+
+
+def test_path_that_is_not_a_model(env, tmp_path):
+    cache = env(tmp_path / "c")
+    empty = tmp_path / "empty-folder"
+    empty.mkdir()
+    at = app()
+    at.run()
+    at.text_input(key="model_path").input(str(empty)).run()
+    work(cache)
+    at.run()
+    errs = texts(at, "error")
+    assert any("is not a model directory: it has no config.json" in e for e in errs), errs
+    assert at.button(key="run_capture").proto.disabled
+
+
+def test_model_without_gdn_layers(env, tmp_path):
+    cache = env(tmp_path / "c")
+    at = app()
+    at.run()
+    at.text_input(key="model_path").input(str(build_not_gdn(tmp_path))).run()
+    work(cache)
+    at.run()
+    errs = texts(at, "error")
+    assert any("has no Gated DeltaNet layers" in e and "qwen3" in e for e in errs), errs
+
+
+def test_demo_default_or_clear_fallback(env, tmp_path, monkeypatch):
+    env(tmp_path / "c")
+    monkeypatch.delenv("GDNVIZ_DEFAULT_MODEL")
+    from gdnviz.ui.common import demo_installed
+
+    at = app()
+    at.run()
+    assert not at.exception and at.session_state["model_source"] == "demo"
+    if not demo_installed():
+        assert any("demo model is not installed" in w for w in texts(at, "warning"))
+        assert at.radio(key="model_source").options == ["Bundled demo model", "Local checkpoint folder",
+                                                        "Local Hugging Face cache"]
+    else:
+        assert at.session_state["inspect"]["key"][0] == "demo"
+
+
+def test_oom_in_the_worker_says_what_to_reduce(env, tmp_path, monkeypatch):
+    cache = env(tmp_path / "c")
+    at = app()
+    at.run()
+    work(cache)
+    at.run()
+    at.text_area(key="paste_text").input(short_text(100))
+    at.button(key="paste_add").click().run()
+    monkeypatch.setenv("GDNVIZ_TEST_OOM", "1")
+    at.button(key="run_capture").click().run()
+    work(cache)
+    at.run()
+    errs = texts(at, "error")
+    assert any("Capture failed: The GPU ran out of memory" in e and "Reduce the document length" in e
+               for e in errs), errs
+
+
+def test_worker_crash_mid_job_is_reported(env, tmp_path, monkeypatch):
+    """A worker that died while running the session's job: the page says so with the exit code and restarts it."""
+    from gdnviz.ui import common
+    from gdnviz.ui.worker_client import WorkerHandle
+
+    cache = env(tmp_path / "c")
+    store = Store(cache)
+    dead = subprocess.Popen([sys.executable, "-c", "import sys; sys.exit(3)"])
+    dead.wait()
+    jid = store.submit("capture", {"model": "x", "documents": []}, label="capture")
+    store.pop_job()
+    store.update_job(jid, status="running", worker_pid=dead.pid, started=time.time())
+    store.set_running(dead.pid, jid)
+    h = WorkerHandle(store, enabled=True)
+    h.proc = dead
+    spare = []
+
+    def fake_start():  # the restarted "worker": a process that stays up
+        p = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(120)"])
+        spare.append(p)
+        h.proc = p
+
+    h.start = fake_start
+    monkeypatch.setattr(common, "_handle", lambda cache_dir: h)
+    try:
+        at = app()
+        at.session_state["capture_job"] = jid
+        at.run()
+        assert not at.exception
+        errs = texts(at, "error")
+        assert any("Capture failed: the worker process died while running this job (exit code 3); it has been "
+                   "restarted" in e for e in errs), errs
+        assert h.restarts == 1 and spare and h.proc is spare[0]
+        assert any("restarted 1×" in c for c in texts(at, "caption"))
+    finally:
+        for p in spare:
+            p.kill()
+            p.wait()
+
+
+# =============================================================================================================
+# Heatmap
+# =============================================================================================================
+def test_heatmap_metrics_tooltips_and_click(env, populated):
+    cache, run = populated
+    env(cache)
+    at = app("heatmap")
+    at.run()
+    assert not at.exception
+    ch = charts(at)
+    assert [c.key for c in ch] == ["heat"] and "cell" in list(ch[0].proto.selection_mode)
+    import json
+
+    spec = json.loads(ch[0].proto.spec)
+    titles = {t["title"] for t in spec["encoding"]["tooltip"]}
+    assert {"min over documents", "max over documents", "documents"} <= titles
+    data = pa.ipc.open_stream(ch[0].proto.datasets[0].data.data).read_all().to_pandas()
+    assert len(data) == 12 and set(data["layer"]) == {0, 1, 3} and (data["n_docs"] == 2).all()
+    assert (data["min"] <= data["value"]).all() and (data["value"] <= data["max"]).all()
+
+    at.radio(key="heat_metric").set_value("horizon").run()
+    spec = json.loads(charts(at)[0].proto.spec)
+    assert spec["encoding"]["color"]["scale"]["type"] == "log"
+    for m in ("numerical_rank", "stable_rank", "mean_key_norm", "key_cov_erank", "decayed_P_erank"):
+        at.radio(key="heat_metric").set_value(m).run()
+        assert not at.exception and charts(at)
+
+    # a click opens that head, with a deep link
+    at.session_state["heat"] = {"selection": {"cell": [{"layer": 1, "head": 2}]}}
+    at.run()
+    assert not at.exception
+    assert at.query_params["layer"] == ["1"] or at.query_params["layer"] == "1"
+    assert any("Layer 1 · head 2" in m for m in texts(at, "markdown"))
+
+
+def test_heatmap_pick_mode_builds_the_truncation_set(env, populated):
+    cache, _ = populated
+    env(cache)
+    at = app("heatmap")
+    at.run()
+    at.radio(key="click_action").set_value("pick").run()
+    at.session_state["heat"] = {"selection": {"cell": [{"layer": 3, "head": 1}]}}
+    at.run()
+    assert at.session_state["picked_heads"] == [[3, 1]]
+    assert any("Truncation set" in m and "L3·H1" in m for m in texts(at, "markdown"))
+    at.switch_page("pages/truncate.py").run()
+    assert not at.exception
+    assert at.selectbox(key="tr_g0_mode").value == "picked"
+    assert at.multiselect(key="tr_g0_heads").value == ["L3·H1"]
+    assert any("1 of 12 heads" in c for c in texts(at, "caption"))
+
+
+# =============================================================================================================
+# Head
+# =============================================================================================================
+def test_head_deep_link_in_a_new_session(env, populated):
+    cache, run = populated
+    env(cache)
+    at = app("head", layer=3, head=1)
+    at.run()
+    assert not at.exception
+    assert any("Layer 3 · head 1" in m for m in texts(at, "markdown"))
+    assert any("showing the most recent run" in c and run["run_id"] in c for c in texts(at, "caption"))
+    assert chart_titles(at) == ["Singular spectrum at the document end", "Effective rank along the document",
+                                "Per-token decay α of this head", "Key cone of this head",
+                                "Per-document spread of this head"]
+    assert len(at.get("download_button")) >= 3 * 5
+    metrics = {m.label: m.value for m in at.metric}
+    assert {"Effective rank", "Numerical rank", "Horizon", "Mean key norm", "Key-cov erank"} <= set(metrics)
+    # the statistics table has median / min / max per statistic
+    stats = [d.value for d in at.dataframe if "statistic" in d.value.columns][0]
+    assert {"effective rank", "decay horizon (tokens)", "key-covariance erank"} <= set(stats["statistic"])
+    # pick the head from the page
+    at.button(key="head_pick").click().run()
+    assert at.session_state["picked_heads"] == [[3, 1]]
+
+
+@pytest.mark.parametrize("layer,head,message", [
+    (2, 0, "Layer 2 is not a Gated DeltaNet layer"),
+    (0, 9, "Head 9 is out of range"),
+    ("x", 1, "both must be integers"),
+])
+def test_head_bad_deep_links(env, populated, layer, head, message):
+    cache, _ = populated
+    env(cache)
+    at = app("head", layer=layer, head=head)
+    at.run()
+    assert not at.exception
+    assert any(message in e for e in texts(at, "error"))
+    assert any("Layer 0 · head 0" in m for m in texts(at, "markdown"))  # falls back to the first head
+
+
+# =============================================================================================================
+# Overview, budget
+# =============================================================================================================
+def test_overview_figures(env, populated):
+    cache, _ = populated
+    env(cache)
+    at = app("overview")
+    at.run()
+    assert not at.exception
+    assert chart_titles(at) == ["Effective rank vs decay horizon", "Decay horizons of all GDN heads",
+                                "Heads forgetting within a segment, per layer"]
+    labels = [m.label for m in at.metric]
+    assert "Spearman ρ" in labels and "Forget within L" in labels
+    import json
+
+    evh = json.loads(charts(at)[0].proto.spec)
+    assert any(l.get("mark", {}).get("strokeDash") for l in evh["layer"])  # the y = x line
+    assert evh["layer"][2]["encoding"]["x"]["scale"]["type"] == "log"
+    assert any(l.get("mark", {}).get("type") == "rule" for l in evh["layer"])  # the min(d_k, d_v) ceiling
+
+
+def test_cache_budget(env, populated):
+    cache, run = populated
+    env(cache)
+    at = app("budget")
+    at.run()
+    assert not at.exception
+    metrics = {m.label: m.value for m in at.metric}
+    m = run["model"]
+    rec = len(m["gdn_layers"]) * m["num_heads"] * m["d_k"] * m["d_v"] * 4
+    assert metrics["Recurrent state"] == f"{rec / 2 ** 20:,.2f} MiB"
+    kv_per_tok = len(m["attn_layers"]) * 2 * m["attn_kv_heads"] * m["attn_head_dim"] * 2
+    assert metrics["KV per token"] == f"{kv_per_tok / 2 ** 10:,.2f} KiB"
+    assert metrics["KV = recurrent at"] == f"T ≈ {rec / kv_per_tok:,.0f}"
+    assert chart_titles(at) == ["Cache memory vs context length"]
+    at.number_input(key="bud_batch").set_value(4)
+    at.selectbox(key="bud_state_dtype").set_value("bfloat16").run()
+    assert {m.label: m.value for m in at.metric}["Recurrent state"] == f"{4 * rec / 2 / 2 ** 20:,.2f} MiB"
+
+
+# =============================================================================================================
+# Empty states, previous runs, corrupt results
+# =============================================================================================================
+@pytest.mark.parametrize("page", ["heatmap", "head", "overview", "truncate", "budget"])
+def test_empty_states_say_what_to_do(env, tmp_path, page):
+    env(tmp_path / "empty")
+    at = app(page)
+    at.run()
+    assert not at.exception
+    infos = texts(at, "info")
+    assert any(("No capture yet" in i) or ("No model yet" in i) for i in infos), infos
+    assert "Go to Model & documents" in [l.proto.label for l in at.get("page_link")]
+    assert not charts(at)
+
+
+def test_previous_runs_reopen_and_corrupt_results_are_recomputed(env, tmp_path, tiny_checkpoint):
+    cache = env(tmp_path / "c")
+    r1 = capture(cache, tiny_checkpoint, (("first", short_text(150, 2)),))
+    r2 = capture(cache, tiny_checkpoint, (("second", short_text(180, 5)),))
+    at = app("heatmap")
+    at.run()
+    assert any(r2["run_id"] in c for c in texts(at, "caption"))  # the most recent run
+    at.selectbox(key="sb_run").set_value(r1["run_id"]).run()
+    assert at.session_state["run_id"] == r1["run_id"]
+    assert any(r1["run_id"] in c for c in texts(at, "caption")) and charts(at)
+
+    store = Store(cache)
+    corrupt_memo_entry(store, r2["documents"][0]["key"])
+    import streamlit as st
+
+    st.cache_resource.clear()  # as after a server restart: the verified copy in memory is gone
+    st.cache_data.clear()
+    at2 = app("overview")
+    at2.run()
+    assert not at2.exception
+    warns = texts(at2, "warning")
+    assert any("'second' is missing or corrupt" in w and "recomputed" in w for w in warns), warns
+    assert not charts(at2)  # never shown
+    assert store.queued_count() == 1
+    work(cache)
+    at2.run()
+    assert not texts(at2, "warning") and len(charts(at2)) == 3
+    assert store.memo_has(r2["documents"][0]["key"])
+
+
+def test_run_zip(env, populated):
+    from gdnviz.ui.common import run_zip_bytes
+
+    cache, run = populated
+    env(cache)
+    z = zipfile.ZipFile(io.BytesIO(run_zip_bytes(run, 1, 2)))
+    names = set(z.namelist())
+    assert {"settings.json", "tables/heads.csv", "figures/heatmap_erank.png", "figures/heatmap_erank.svg",
+            "data/heatmap_erank.csv", "figures/erank_vs_horizon.png", "figures/L1H2_spectrum.svg",
+            "figures/L1H2_keycone.png"} <= names
+    assert z.read("figures/heatmap_horizon.png")[:4] == b"\x89PNG"
+
+
+# =============================================================================================================
+# Truncate & compare
+# =============================================================================================================
+def test_truncate_rank_out_of_range(env, populated):
+    cache, _ = populated
+    env(cache)
+    at = app("truncate")
+    at.run()
+    assert not at.exception
+    assert at.selectbox(key="tr_g0_mode").value == "all"
+    for r in (0, 17, -3):
+        at.number_input(key="tr_g0_r").set_value(r).run()
+        errs = texts(at, "error")
+        assert any(f"rank {r} for layer 0 head 0 is outside 1..16" in e for e in errs), errs
+        assert at.button(key="tr_run").proto.disabled
+    at.number_input(key="tr_g0_r").set_value(4).run()
+    assert not texts(at, "error") and not at.button(key="tr_run").proto.disabled
+    # a horizon filter and whole layers resolve against the run
+    at.button(key="tr_add_group").click().run()
+    at.selectbox(key="tr_g1_mode").set_value("layers").run()
+    at.multiselect(key="tr_g1_layers").select(3).run()
+    at.number_input(key="tr_g1_r").set_value(1).run()
+    assert any("12 of 12 heads" in c and "8 at r = 4" in c and "4 at r = 1" in c for c in texts(at, "caption"))
+
+
+def test_truncate_and_compare_runs(env, populated):
+    pytest.importorskip("gdnviz.truncate", reason="gdnviz/truncate.py (the top-r projection) is not in the tree yet")
+    cache, run = populated
+    env(cache)
+    at = app("truncate")
+    at.run()
+    at.number_input(key="tr_g0_r").set_value(1)
+    at.number_input(key="tr_target_len").set_value(400)
+    at.number_input(key="tr_max_new").set_value(6).run()
+    at.button(key="tr_run").click().run()
+    work(cache)
+    at.run()
+    assert not at.exception
+    md = " ".join(texts(at, "markdown"))
+    assert "Untouched model" in md and "Truncated model" in md and "12 heads truncated" in md
+    assert len(at.code) >= 2
+    labels = [m.label for m in at.metric]
+    assert labels.count("RULER score (string match, %)") == 2 and "Truncated (nats / token)" in labels
+    assert chart_titles(at) == ["Loss change along the document"]

@@ -1,0 +1,200 @@
+"""End to end in headless Debian Chromium against a real ``streamlit run app.py`` on 127.0.0.1 (with its real
+worker process) on a tmp cache directory and the tiny checkpoint.
+
+Flows: a deep link opened before any other session of a fresh server; a capture on a sample document; a click on
+a heatmap cell that lands on that head (and the same URL pasted into a new browser session); a truncation with
+both answers; a PNG download checked byte by byte; a binary upload refused with a message.
+The tests of this module run in order and share the server (each later flow uses the earlier capture).
+"""
+from __future__ import annotations
+
+import os
+import re
+import socket
+import struct
+import subprocess
+import sys
+import time
+import urllib.request
+from pathlib import Path
+
+import pytest
+
+from app_fixtures import tiny_checkpoint  # noqa: F401  (fixture)
+
+pytestmark = pytest.mark.browser
+ROOT = Path(__file__).resolve().parent.parent
+CHROMIUM = "/usr/bin/chromium"
+ARGS = ["--no-sandbox", "--disable-gpu", "--disable-dev-shm-usage", "--disable-background-networking",
+        "--disable-component-update", "--disable-sync", "--no-first-run"]
+SLOW = 300_000  # ms: the worker's first start imports torch + transformers on 2 busy cores
+
+if not Path(CHROMIUM).exists():
+    pytest.skip("needs Debian chromium at /usr/bin/chromium (apt-get install chromium)", allow_module_level=True)
+sync_api = pytest.importorskip("playwright.sync_api")
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+@pytest.fixture(scope="module")
+def server(tmp_path_factory, tiny_checkpoint):
+    cache = tmp_path_factory.mktemp("browser_cache")
+    port = _free_port()
+    env = dict(os.environ, GDNVIZ_DEFAULT_MODEL=str(tiny_checkpoint), GDNVIZ_CACHE_DIR=str(cache),
+               PYTHONPATH=str(ROOT))
+    for k in ("GDNVIZ_NO_WORKER", "GDNVIZ_TEST_OOM", "GDNVIZ_TEST_CRASH", "GDNVIZ_TEST_JOB_DELAY",
+              "GDNVIZ_POLL_SECONDS"):
+        env.pop(k, None)
+    log = open(cache / "streamlit.log", "wb")
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "streamlit", "run", "app.py", "--server.address", "127.0.0.1", "--server.port",
+         str(port), "--server.headless", "true", "--browser.gatherUsageStats", "false",
+         "--server.fileWatcherType", "none"], cwd=str(ROOT), env=env, stdout=log, stderr=subprocess.STDOUT)
+    base = f"http://127.0.0.1:{port}"
+    t0 = time.time()
+    while True:
+        try:
+            if urllib.request.urlopen(base + "/_stcore/health", timeout=2).read() == b"ok":
+                break
+        except OSError:
+            pass
+        if proc.poll() is not None or time.time() - t0 > 120:
+            raise RuntimeError(f"streamlit did not start: {(cache / 'streamlit.log').read_text()[-3000:]}")
+        time.sleep(0.3)
+    yield base, cache
+    proc.terminate()
+    try:
+        proc.wait(20)
+    except subprocess.TimeoutExpired:
+        proc.kill()
+    log.close()
+
+
+@pytest.fixture(scope="module")
+def browser():
+    pw = sync_api.sync_playwright().start()
+    b = pw.chromium.launch(executable_path=CHROMIUM, args=ARGS, headless=True)
+    yield b
+    b.close()
+    pw.stop()
+
+
+@pytest.fixture
+def page(browser):
+    ctx = browser.new_context(viewport={"width": 1400, "height": 1400}, accept_downloads=True)
+    p = ctx.new_page()
+    p.set_default_timeout(60_000)
+    yield p
+    ctx.close()
+
+
+def wait_for_app(page, timeout: int = 120_000) -> None:
+    """Streamlit's own readiness check: connected, script not running, no skeleton."""
+    page.wait_for_selector("[data-testid='stAppViewContainer']", state="attached", timeout=timeout)
+    page.wait_for_selector("[data-testid='stApp'][data-test-connection-state='CONNECTED']", timeout=timeout)
+    page.wait_for_selector("[data-testid='stApp'][data-test-script-state='notRunning']", timeout=timeout)
+    page.wait_for_function("document.querySelectorAll(\"[data-testid='stSkeleton']\").length === 0",
+                           timeout=timeout)
+
+
+def test_deep_link_on_a_fresh_server(server, page):
+    """The very first session opens /head?layer=..: it gets the app (navigation, sidebar), not the bare page."""
+    base, _ = server
+    page.goto(base + "/head?layer=1&head=2")
+    wait_for_app(page)
+    page.get_by_text("No capture yet.").wait_for()
+    nav = page.get_by_test_id("stSidebarNav")
+    for title in ("Model & documents", "Heatmap", "Head", "Overview figures", "Truncate & compare", "Cache budget"):
+        assert nav.get_by_text(title, exact=True).count() == 1
+    assert page.get_by_text("Worker", exact=False).count() >= 1
+
+
+def test_capture_on_a_sample_document(server, page):
+    base, cache = server
+    page.goto(base + "/")
+    wait_for_app(page)
+    page.get_by_text("Heads per GDN layer").wait_for(timeout=SLOW)  # the worker inspected the model
+    page.get_by_test_id("stMultiSelect").first.click()
+    page.get_by_role("option", name=re.compile("Abraham Lincoln")).click()
+    page.keyboard.press("Escape")
+    wait_for_app(page)
+    page.get_by_text("lincoln_two_speeches.txt").first.wait_for(state="attached")  # a cell of the data grid
+    page.get_by_role("button", name="Run capture").click()
+    page.get_by_text("Captured 1 document").wait_for(timeout=SLOW)
+    wait_for_app(page)
+    assert page.get_by_role("link", name="Open the heatmap").count() == 1
+
+
+def test_heatmap_click_lands_on_that_head(server, page, browser):
+    base, _ = server
+    page.goto(base + "/heatmap")
+    wait_for_app(page)
+    chart = page.get_by_test_id("stVegaLiteChart").first
+    cell = chart.locator("path[aria-label^='value head: 2; layer (model index): 1;']")
+    cell.wait_for()
+    cell.click()
+    page.wait_for_url(re.compile(r"/head\?layer=1&head=2$"), timeout=60_000)
+    wait_for_app(page)
+    page.get_by_role("heading", name="Layer 1 · head 2").wait_for()
+    assert page.get_by_test_id("stVegaLiteChart").count() == 5
+    url = page.url
+
+    # the same link pasted into a new browser session
+    ctx = browser.new_context(viewport={"width": 1400, "height": 1400})
+    other = ctx.new_page()
+    other.goto(url)
+    wait_for_app(other)
+    other.get_by_role("heading", name="Layer 1 · head 2").wait_for()
+    assert other.get_by_text("showing the most recent run").count() == 1
+    ctx.close()
+
+
+def test_truncation_shows_both_answers(server, page):
+    base, _ = server
+    page.goto(base + "/truncate")
+    wait_for_app(page)
+    page.locator("input[aria-label='Length (tokens)']").fill("600")
+    page.keyboard.press("Enter")
+    wait_for_app(page)
+    page.locator("input[aria-label=\"New tokens (0 = the task's own)\"]").fill("8")
+    page.keyboard.press("Enter")
+    wait_for_app(page)
+    page.get_by_role("button", name="Run untouched and truncated").click()
+    page.get_by_text("Untouched model", exact=True).wait_for(timeout=SLOW)
+    page.get_by_text("Truncated model", exact=True).wait_for()
+    wait_for_app(page)
+    assert page.get_by_text("12 heads truncated").count() == 1
+    assert page.locator("[data-testid='stCode']").count() >= 2
+    assert page.get_by_text("Expected answer(s):").count() == 1
+
+
+def test_png_download(server, page, tmp_path):
+    base, _ = server
+    page.goto(base + "/heatmap")
+    wait_for_app(page)
+    page.get_by_test_id("stVegaLiteChart").first.wait_for()
+    with page.expect_download(timeout=120_000) as d:
+        page.get_by_test_id("stDownloadButton").get_by_role("button", name="PNG").first.click()
+    dl = d.value
+    assert dl.suggested_filename == "heatmap_erank.png"
+    path = tmp_path / "h.png"
+    dl.save_as(path)
+    data = path.read_bytes()
+    assert data[:8] == b"\x89PNG\r\n\x1a\n" and data[12:16] == b"IHDR"
+    w, h = struct.unpack(">II", data[16:24])
+    assert w > 200 and h > 100 and len(data) > 5_000
+
+
+def test_binary_upload_is_refused_with_a_message(server, page, tmp_path):
+    base, _ = server
+    page.goto(base + "/")
+    wait_for_app(page)
+    page.get_by_role("tab", name="Upload files").click()
+    bad = tmp_path / "scan.txt"
+    bad.write_bytes(b"%PDF-1.7\n\x00\x01\x02\x03 binary")
+    page.locator("input[type='file']").set_input_files(str(bad))
+    page.get_by_text("looks like a binary file (a NUL byte at byte offset 9)", exact=False).wait_for()
