@@ -48,7 +48,7 @@ def cmd_inspect(args) -> int:
 def cmd_capture(args) -> int:
     from gdnviz import summary
     from gdnviz.capture import capture_document
-    from gdnviz.documents_io import read_text_file
+    from gdnviz.documents import read_text_file
     from gdnviz.models import load
 
     out = Path(args.out)
@@ -62,7 +62,7 @@ def cmd_capture(args) -> int:
     captures = []
     for doc in args.documents:
         text = read_text_file(doc)
-        ids = lm.tokenizer(text, add_special_tokens=False)["input_ids"]
+        ids = lm.tokenizer(text)["input_ids"]  # the tokenizer's own special tokens, as the app tokenizes
         if args.max_tokens and len(ids) > args.max_tokens:
             from gdnviz.errors import DocumentTooLong
 
@@ -145,7 +145,7 @@ def cmd_sweep(args) -> int:
 
 
 def cmd_loss(args) -> int:
-    from gdnviz.documents_io import read_text_file
+    from gdnviz.documents import read_text_file
     from gdnviz.probes import sweep
     from gdnviz.probes.loss import loss_vs_rank
 
@@ -155,7 +155,7 @@ def cmd_loss(args) -> int:
     rmax = min(lm.info.d_k, lm.info.d_v)
     ranks = sweep.resolve_ranks(_int_list(args.ranks, "ranks") if args.ranks else None, rmax)
     heads = sweep.resolve_heads(args.heads, lm.info)
-    docs = [lm.tokenizer(read_text_file(d), add_special_tokens=False)["input_ids"] for d in args.documents]
+    docs = [lm.tokenizer(read_text_file(d))["input_ids"] for d in args.documents]
     df = loss_vs_rank(lm, docs, ranks, heads=heads, segment_len=args.segment_len, min_distance=args.min_distance,
                       progress=_progress("loss (document x rank)", len(ranks) * len(docs)))
     df.to_csv(out / "loss.csv", index=False)

@@ -117,3 +117,9 @@ def sample_documents() -> list[Document]:
 def sample_title(doc: Document) -> str:
     """The first line of a sample document (its title), for pickers."""
     return doc.text.strip().splitlines()[0].strip() if doc.text.strip() else doc.name
+
+
+def read_text_file(path) -> str:
+    """A UTF-8 text file's content, with the same checks as an upload (``NotText``, ``EmptyDocument``)."""
+    p = Path(path)
+    return decode_upload(p.name, p.read_bytes())
