@@ -1,7 +1,7 @@
 """Capture of a long document vs a plain prefill of the same tokens, in the same run.
 
     python bench/bench_capture.py --device cuda --tokens 16384            # H200, Qwen3.5-0.8B shape, bf16
-    python bench/bench_capture.py --device cpu --tokens 1024 --small      # CPU smoke
+    python bench/bench_capture.py --device cpu --tokens 4096 --demo-shape # the demo model's shape on CPU
 
 Prints one JSON line per measurement: plain prefill (model.model, no cache, no logits), the naive 256-token
 loop through DynamicCache with state snapshots, gdnviz's capture (segmented run + per-boundary spectra + key
@@ -26,6 +26,8 @@ def main():
     ap.add_argument("--segment-len", type=int, default=256)
     ap.add_argument("--dtype", default=None)
     ap.add_argument("--small", action="store_true", help="4 layers / 4 heads: a CPU smoke run")
+    ap.add_argument("--demo-shape", action="store_true",
+                    help="the bundled demo model's shape (hidden 256, 8 layers, 2 GDN heads of 128x128, vocab 8192)")
     ap.add_argument("--naive", action="store_true", help="also time the naive DynamicCache segment loop")
     ap.add_argument("--repeats", type=int, default=3)
     args = ap.parse_args()
@@ -41,6 +43,13 @@ def main():
         cfg.num_hidden_layers, cfg.layer_types = 4, ["linear_attention"] * 3 + ["full_attention"]
         cfg.linear_num_key_heads = cfg.linear_num_value_heads = 4
         cfg.vocab_size = 32000
+    if args.demo_shape:
+        from transformers import Qwen3_5TextConfig
+
+        cfg = Qwen3_5TextConfig(vocab_size=8192, hidden_size=256, intermediate_size=768, num_hidden_layers=8,
+                                num_attention_heads=4, num_key_value_heads=2, head_dim=64, linear_num_key_heads=2,
+                                linear_num_value_heads=2, linear_key_head_dim=128, linear_value_head_dim=128,
+                                linear_conv_kernel_dim=4, tie_word_embeddings=True, max_position_embeddings=16384)
     model = random_model(cfg, dev, dtype)
     lm = from_model(model, "qwen3.5-0.8b-shape-random")
     T, L = args.tokens, args.segment_len
