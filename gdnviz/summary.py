@@ -59,11 +59,6 @@ def head_table(capture) -> pd.DataFrame:
     return df
 
 
-def erank_along_document(capture) -> np.ndarray:
-    """[NB, NL, H] effective rank of every head's state at every recorded position (capture.positions)."""
-    return spectra.effective_rank(capture.sv.astype(np.float64))
-
-
 def document_set_table(captures) -> pd.DataFrame:
     """Median over documents per head, with ``_min`` / ``_max`` columns (NaN-aware)."""
     if not captures:
