@@ -45,8 +45,67 @@ def cmd_inspect(args) -> int:
     return 0
 
 
-def cmd_capture(args) -> int:
+def _write_capture_outputs(out: Path, captures, segment_len: int) -> None:
     from gdnviz import summary
+
+    table = summary.document_set_table(captures)
+    table.to_csv(out / "summary.csv", index=False)
+    ov = summary.overview(table, segment_len)
+    (out / "overview.json").write_text(json.dumps(ov, indent=2))
+    print(json.dumps(ov, indent=2))
+
+
+def cmd_capture_via_worker(args) -> int:
+    """Submit the capture to the app's worker through the shared store (the run then appears in the app's
+    previous runs); start a worker that exits when idle if none is alive."""
+    import subprocess
+    import time
+
+    from gdnviz.documents import read_text_file
+    from gdnviz.jobs import CaptureJob, load_run_captures, spec_to_dict
+    from gdnviz.store import Store
+
+    out = Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)
+    store = Store(args.cache_dir)
+    docs = tuple((Path(d).name, read_text_file(d)) for d in args.documents)
+    spec = CaptureJob(model=args.model, documents=docs, segment_len=args.segment_len, device=args.device,
+                      dtype=args.dtype, max_tokens=args.max_tokens or 1 << 40)
+    jid = store.submit(spec.kind, spec_to_dict(spec), label=f"cli capture ({len(docs)} documents)")
+    proc = None
+    if not store.live_workers():
+        cmd = [sys.executable, "-m", "gdnviz.worker", "--exit-when-idle"]
+        if args.cache_dir:
+            cmd += ["--cache-dir", str(args.cache_dir)]
+        proc = subprocess.Popen(cmd)
+    update = _progress("capture (via worker)", 1)
+    while True:
+        rec = store.job(jid)
+        prog = rec.get("progress") or {}
+        if prog.get("total"):
+            update(prog.get("done", 0), prog["total"])
+        if rec["status"] in ("done", "failed", "cancelled"):
+            break
+        if proc is not None and proc.poll() is not None and store.job(jid)["status"] not in ("done", "failed",
+                                                                                             "cancelled"):
+            raise GDNVizError(f"the worker exited (code {proc.returncode}) before finishing the job; see "
+                              f"{store.log_path}")
+        time.sleep(0.2)
+    if rec["status"] != "done":
+        raise GDNVizError(f"capture {rec['status']}: {rec.get('error')}")
+    run = store.run(rec["result"]["run_id"])
+    captures = load_run_captures(store, run)
+    for cap in captures:
+        path = cap.save(out / f"{Path(cap.meta['name']).stem}.capture.npz")
+        print(f"{cap.meta['name']}: {cap.n_tokens} tokens -> {path}", file=sys.stderr)
+    print(f"run {run['run_id']} (also in the app's previous runs; cache {store.dir})", file=sys.stderr)
+    _write_capture_outputs(out, captures, args.segment_len)
+    return 0
+
+
+def cmd_capture(args) -> int:
+    if args.via_worker:
+        return cmd_capture_via_worker(args)
     from gdnviz.capture import capture_document
     from gdnviz.documents import read_text_file
     from gdnviz.models import load
@@ -73,11 +132,7 @@ def cmd_capture(args) -> int:
         print(f"{doc}: {len(ids)} tokens, {len(cap.positions)} boundaries, {cap.meta['seconds']:.2f} s -> {path} "
               f"({path.stat().st_size / 2**20:.1f} MiB)", file=sys.stderr)
         captures.append(cap)
-    table = summary.document_set_table(captures)
-    table.to_csv(out / "summary.csv", index=False)
-    ov = summary.overview(table, args.segment_len)
-    (out / "overview.json").write_text(json.dumps(ov, indent=2))
-    print(json.dumps(ov, indent=2))
+    _write_capture_outputs(out, captures, args.segment_len)
     return 0
 
 
@@ -181,6 +236,9 @@ def main(argv=None) -> int:
     sp.add_argument("--device", default="auto")
     sp.add_argument("--dtype", default="auto")
     sp.add_argument("--max-tokens", type=int, default=0, help="refuse documents longer than this (0 = no limit)")
+    sp.add_argument("--via-worker", action="store_true",
+                    help="run through the app's worker and store (the run appears in the app's previous runs)")
+    sp.add_argument("--cache-dir", default=None, help="the store for --via-worker (default: $GDNVIZ_CACHE_DIR or ./cache)")
     sp.set_defaults(fn=cmd_capture)
     sp = sub.add_parser("sweep", parents=[common], help="RULER score vs truncation rank (memoised, resumable)")
     sp.add_argument("--tasks", required=True, help="comma-separated RULER tasks, e.g. niah_single_1,vt")

@@ -43,3 +43,22 @@ def test_cli_errors_are_messages_not_tracebacks(tmp_path):
     bad.write_bytes(b"\x89PNG\r\n\x1a\n\x00\x00binary")
     r = run("capture", str(ckpt), str(bad), "--out", str(tmp_path / "o"))
     assert r.returncode == 2 and "NotText" in r.stderr and "Traceback" not in r.stderr
+
+
+def test_capture_via_the_worker_lands_in_the_apps_store(tmp_path):
+    """`--via-worker`: the job goes through the store to a real worker process; the run is a previous run."""
+    from gdnviz.capture import CaptureResult
+    from gdnviz.store import Store
+
+    ckpt = tiny_qwen35_checkpoint(tmp_path)
+    doc = tmp_path / "story.txt"
+    doc.write_text("Once upon a time the sky was blue and the grass was green. " * 30)
+    cache = tmp_path / "cache"
+    r = run("capture", str(ckpt), str(doc), "--out", str(tmp_path / "o"), "--segment-len", "64", "--via-worker",
+            "--cache-dir", str(cache))
+    assert r.returncode == 0, r.stderr
+    cap = CaptureResult.load(tmp_path / "o" / "story.capture.npz")
+    assert cap.meta["segment_len"] == 64 and (tmp_path / "o" / "summary.csv").exists()
+    runs = Store(cache).list_runs()
+    assert len(runs) == 1 and runs[0]["documents"][0]["name"] == "story.txt"
+    assert runs[0]["documents"][0]["n_tokens"] == cap.n_tokens
