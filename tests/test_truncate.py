@@ -7,7 +7,6 @@ energy ‖S_r‖²_F is within 1e-5 (relative to ‖S‖²_F) of the exact top-r
 from __future__ import annotations
 
 import functools
-import math
 
 import pytest
 import torch
@@ -47,31 +46,11 @@ def _from_spectra(sig: torch.Tensor, K: int, V: int, seed: int) -> torch.Tensor:
     return (_haar(n, K, m, g) * sig[:, None, :]) @ _haar(n, V, m, g).mT
 
 
-def _erank(s: torch.Tensor) -> torch.Tensor:
-    p = s / s.sum(-1, keepdim=True).clamp_min(1e-300)
-    return torch.exp(-(p * p.clamp_min(1e-300).log()).sum(-1))
-
-
 def _gdn_like_spectra(n: int, m: int, seed: int) -> torch.Tensor:
-    """Decaying spectra like measured GDN heads: effective rank 3..40 (exp, power law, two-scale + noise floor)."""
-    g = torch.Generator().manual_seed(seed)
-    i = torch.arange(m, dtype=F64)
-    out = []
-    while len(out) < n:
-        u = torch.rand(4, generator=g, dtype=F64)
-        kind = len(out) % 3
-        if kind == 0:
-            s = torch.exp(-math.exp(math.log(0.06) + u[0].item() * math.log(1.2 / 0.06)) * i)
-        elif kind == 1:
-            s = (i + 1) ** -(0.9 + 2.1 * u[0].item())
-        else:
-            s = torch.exp(-(0.2 + 1.8 * u[0].item()) * i) + 10 ** (-3 + 2.5 * u[1].item()) * torch.exp(
-                -(0.02 + 0.18 * u[2].item()) * i
-            )
-        s = (s + 10 ** (-8 + 5 * u[3].item()) * torch.rand(m, generator=g, dtype=F64)).sort(descending=True).values
-        if 3 <= _erank(s[None])[0] <= 40:
-            out.append(s)
-    return torch.stack(out)
+    """Decaying spectra like measured GDN heads: effective rank 3..40 (the benchmark's generator, seeded)."""
+    from bench.bench_truncate import gdn_like_spectra
+
+    return gdn_like_spectra(n, m, torch.Generator().manual_seed(seed))
 
 
 @functools.lru_cache(maxsize=None)
