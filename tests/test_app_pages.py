@@ -44,6 +44,15 @@ def app(page: str | None = None, **query) -> AppTest:
     return at
 
 
+def inspected(cache) -> AppTest:
+    """The app on its first page after the worker has inspected the default model (the usual starting point)."""
+    at = app()
+    at.run()
+    work(cache)
+    at.run()
+    return at
+
+
 def texts(at, kind: str) -> list[str]:
     return [e.value for e in getattr(at, kind)]
 
@@ -146,10 +155,7 @@ def test_documents_page_inspects_and_captures(env, tmp_path, tiny_checkpoint):
 
 def test_cancel_a_capture_from_the_page(env, tmp_path):
     cache = env(tmp_path / "c")
-    at = app()
-    at.run()
-    work(cache)
-    at.run()
+    at = inspected(cache)
     at.text_area(key="paste_text").input(short_text(100))
     at.button(key="paste_add").click().run()
     at.button(key="run_capture").click().run()
@@ -189,10 +195,7 @@ def test_bad_uploads(env, tmp_path, name, data, message):
 
 def test_document_over_the_token_limit(env, tmp_path):
     cache = env(tmp_path / "c")
-    at = app()
-    at.run()
-    work(cache)
-    at.run()
+    at = inspected(cache)
     at.number_input(key="max_tokens").set_value(100)
     at.multiselect(key="sample_docs").select("genesis_1_2_kjv.txt").run()
     errs = texts(at, "error")
@@ -243,10 +246,7 @@ def test_demo_default_or_clear_fallback(env, tmp_path, monkeypatch):
 
 def test_oom_in_the_worker_says_what_to_reduce(env, tmp_path, monkeypatch):
     cache = env(tmp_path / "c")
-    at = app()
-    at.run()
-    work(cache)
-    at.run()
+    at = inspected(cache)
     at.text_area(key="paste_text").input(short_text(100))
     at.button(key="paste_add").click().run()
     monkeypatch.setenv("GDNVIZ_TEST_OOM", "1")
