@@ -12,6 +12,16 @@ warnings.filterwarnings("ignore", message="Triton is not supported on current pl
 torch.set_num_threads(min(2, os.cpu_count() or 1))
 
 
+@pytest.fixture(scope="module")
+def one_thread():
+    """torch on one intra-op thread for a module: thousands of tiny ops / small batched LAPACK calls, where
+    OpenMP threads only add overhead and spin-wait on a shared 2-core box."""
+    n = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(n)
+
+
 def pytest_collection_modifyitems(config, items):
     skip_gpu = pytest.mark.skip(reason="needs CUDA (run on the H200 through the device tool)")
     for item in items:

@@ -26,13 +26,7 @@ import torch.nn.functional as F
 from gdnviz.gdn import reference as ref
 
 
-@pytest.fixture(autouse=True, scope="module")
-def _one_thread():
-    """Thousands of tiny ops in the Python-loop kernels: intra-op threads only add overhead on 2 cores."""
-    n = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(n)
+pytestmark = pytest.mark.usefixtures("one_thread")
 
 
 def make_inputs(B, T, Hk, Hv, K, V, seed, device="cpu", dtype=torch.float32):

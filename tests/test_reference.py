@@ -17,13 +17,7 @@ from gdnviz.gdn import reference as ref
 F64 = torch.float64
 
 
-@pytest.fixture(autouse=True, scope="module")
-def _one_thread():
-    """Thousands of tiny ops: intra-op threads only add overhead (and thrash a shared 2-core box)."""
-    n = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(n)
+pytestmark = pytest.mark.usefixtures("one_thread")
 
 
 def t64(x):

@@ -25,13 +25,7 @@ RANKS = (1, 2, 4, 12, 32)
 F64 = torch.float64
 
 
-@pytest.fixture(autouse=True, scope="module")
-def _one_thread():
-    """Small batched LAPACK calls are much faster single-threaded on a busy 2-core box (OpenMP spin-waits)."""
-    prev = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(prev)
+pytestmark = pytest.mark.usefixtures("one_thread")
 
 
 # ------------------------------------------------------------------------------------------- batteries
@@ -139,7 +133,7 @@ def _check_energy(S, out, r, names, tol=TOL):
 
 # ---------------------------------------------------------------------------------------------- exactness
 @pytest.fixture(scope="module", params=RANKS)
-def battery(request, _one_thread):
+def battery(request, one_thread):
     r = request.param
     S, names = hard_states(r, seed=r)
     out, basis = truncate_states(S, r, return_basis=True)
