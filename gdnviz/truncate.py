@@ -273,31 +273,22 @@ def _rank_list(rank, n: int, m: int) -> tuple[int | None, list[int] | None]:
     else:
         values = None
     if values is None:
-        if isinstance(rank, bool):
-            raise RankOutOfRange(f"Truncation rank must be an integer ≥ 1; got {rank!r}.")
-        try:
-            r = operator.index(rank)
-        except TypeError:
-            raise RankOutOfRange(f"Truncation rank must be an integer ≥ 1; got {rank!r}.") from None
-        if r < 1:
-            raise RankOutOfRange(
-                f"Truncation rank must be at least 1 (got {r}); use a rank of {m} or more to keep states unchanged."
-            )
-        return r, None
-    out = []
-    for i, v in enumerate(values):
-        if isinstance(v, bool):
-            raise RankOutOfRange(f"Truncation rank of state {i} must be an integer ≥ 1; got {v!r}.")
-        try:
-            v = operator.index(v)
-        except TypeError:
-            raise RankOutOfRange(f"Truncation rank of state {i} must be an integer ≥ 1; got {v!r}.") from None
-        if v < 1:
-            raise RankOutOfRange(
-                f"Truncation rank of state {i} must be at least 1 (got {v}); use {m} or more to keep it unchanged."
-            )
-        out.append(v)
-    return None, out
+        return _one_rank(rank, "Truncation rank", f"use a rank of {m} or more to keep states unchanged"), None
+    return None, [_one_rank(v, f"Truncation rank of state {i}", f"use {m} or more to keep it unchanged")
+                  for i, v in enumerate(values)]
+
+
+def _one_rank(value, what: str, keep_hint: str) -> int:
+    """``value`` as an int ≥ 1, or RankOutOfRange naming ``what`` (bools and non-integers are refused)."""
+    if isinstance(value, bool):
+        raise RankOutOfRange(f"{what} must be an integer ≥ 1; got {value!r}.")
+    try:
+        r = operator.index(value)
+    except TypeError:
+        raise RankOutOfRange(f"{what} must be an integer ≥ 1; got {value!r}.") from None
+    if r < 1:
+        raise RankOutOfRange(f"{what} must be at least 1 (got {r}); {keep_hint}.")
+    return r
 
 
 def _as_batch(states: torch.Tensor) -> torch.Tensor:
