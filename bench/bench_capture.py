@@ -5,7 +5,8 @@
 
 Prints one JSON line per measurement: plain prefill (model.model, no cache, no logits), the naive 256-token
 loop through DynamicCache with state snapshots, gdnviz's capture (segmented run + per-boundary spectra + key
-statistics), and the ratios. ``--parts`` also times the capture's pieces (scan only, spectra only).
+statistics; on CUDA the one-pass state read-out), on CUDA the same capture forced through the segment loop, and the
+ratios. ``--profile N`` prints the top N ops of one capture.
 """
 from __future__ import annotations
 
@@ -30,6 +31,7 @@ def main():
                     help="the bundled demo model's shape (hidden 256, 8 layers, 2 GDN heads of 128x128, vocab 8192)")
     ap.add_argument("--naive", action="store_true", help="also time the naive DynamicCache segment loop")
     ap.add_argument("--repeats", type=int, default=3)
+    ap.add_argument("--profile", type=int, default=0, help="print the top N ops of one capture (torch.profiler)")
     args = ap.parse_args()
 
     from gdnviz import runner
@@ -78,7 +80,29 @@ def main():
     t_cap = timeit(cap, dev, repeats=args.repeats)
     c = holder["c"]
     emit(what="capture", seconds=t_cap, baseline="plain_prefill", ratio=t_cap / t_plain,
-         stored_mb=len(c.to_bytes()) / 2**20, boundaries=len(c.positions), backends=c.meta["backends"], **base)
+         stored_mb=len(c.to_bytes()) / 2**20, boundaries=len(c.positions), backends=c.meta["backends"], readouts=c.meta.get("readouts"), **base)
+
+    def cap_loop():
+        holder["s"] = capture_document(lm, ids[0].cpu(), L, fast_states=False)
+
+    if dev.type == "cuda":  # the one-pass state read-out is CUDA-only; on CPU both are the segment loop
+        t_loop = timeit(cap_loop, dev, repeats=args.repeats)
+        emit(what="capture_segment_loop", seconds=t_loop, baseline="plain_prefill", ratio=t_loop / t_plain, **base)
+        import numpy as np
+
+        a, b = holder["c"], holder["s"]
+        emit(what="capture_one_pass_vs_loop_max_rel_sv_diff",
+             value=float(np.max(np.abs(a.sv - b.sv) / np.maximum(b.sv[..., :1], 1e-30))), **base)
+    if args.profile:
+        from torch.profiler import ProfilerActivity, profile
+
+        acts = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if dev.type == "cuda" else [])
+        with profile(activities=acts) as prof:
+            cap()
+            sync(dev)
+        key = "self_cuda_time_total" if dev.type == "cuda" else "self_cpu_time_total"
+        print(prof.key_averages().table(sort_by=key, row_limit=args.profile), flush=True)
+        print(prof.key_averages().table(sort_by="self_cpu_time_total", row_limit=args.profile), flush=True)
 
     if args.naive:
         from transformers import DynamicCache

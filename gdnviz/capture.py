@@ -121,7 +121,10 @@ class CaptureResult:
 
 
 class CaptureCallback:
-    """Boundary callback that records states, gates and key statistics (batch size 1)."""
+    """Boundary callback that records states, gates and key statistics (batch size 1). It only reads states
+    (``modifies_state = False``), so the runner may hand it every boundary of a layer at once (``on_boundaries``)."""
+
+    modifies_state = False
 
     def __init__(self, info, n_tokens: int, segment_len: int, progress: Callable | None = None,
                  cancel: Callable | None = None):
@@ -171,6 +174,9 @@ class CaptureCallback:
         self._states.append(state[0].detach().clone())
         return None
 
+    def on_boundaries(self, layer, positions, states):
+        self._states.extend(states[:, 0].unbind(0))
+
     def on_layer_end(self, layer, position, state):
         li = self.layers.index(layer)
         if position % self.L != 0:
@@ -193,10 +199,12 @@ class CaptureCallback:
 
 
 def capture_document(lm, input_ids, segment_len: int = runner.DEFAULT_SEGMENT_LEN, *, name: str = "",
-                     progress: Callable | None = None, cancel: Callable | None = None) -> CaptureResult:
+                     progress: Callable | None = None, cancel: Callable | None = None,
+                     fast_states: bool = True) -> CaptureResult:
     """Run one document (``input_ids``: list[int] or [T] / [1, T] tensor) and capture every GDN head.
 
     progress(done_layers, n_layers) is called after each GDN layer; cancel() -> True aborts with JobCancelled.
+    fast_states=False forces the segment-by-segment scan on CUDA (the one-pass read-out is the default there).
     """
     runner.check_segment_len(segment_len)
     ids = torch.as_tensor(input_ids, dtype=torch.long)
@@ -207,9 +215,10 @@ def capture_document(lm, input_ids, segment_len: int = runner.DEFAULT_SEGMENT_LE
     T = ids.shape[1]
     cb = CaptureCallback(lm.info, T, segment_len, progress=progress, cancel=cancel)
     t0 = time.perf_counter()
-    out = runner.forward(lm, ids, segment_len=segment_len, callbacks=[cb], keep_hidden=False)
+    out = runner.forward(lm, ids, segment_len=segment_len, callbacks=[cb], keep_hidden=False,
+                         fast_states=fast_states)
     meta = dict(version=CAPTURE_VERSION, name=name, n_tokens=T, segment_len=segment_len,
                 model=lm.info.to_dict(), gdn_layers=list(lm.info.gdn_layers), num_heads=lm.info.num_heads,
-                d_k=lm.info.d_k, d_v=lm.info.d_v, backends=sorted(out.backends),
+                d_k=lm.info.d_k, d_v=lm.info.d_v, backends=sorted(out.backends), readouts=sorted(out.readouts),
                 seconds=round(time.perf_counter() - t0, 4))
     return cb.result(meta)

@@ -20,7 +20,15 @@ Callbacks are objects with any of these methods (all optional):
   ``g`` log-decay ``[B, T, H]`` float32; ``beta`` ``[B, T, H]``; ``offset`` = tokens this layer had already seen.
 - ``on_boundary(layer, position, state) -> state | None``: ``state`` ``[B, H, K, V]`` float32 after ``position``
   tokens (a multiple of L); return a replacement (same shape) or None to keep it.
+- ``on_boundaries(layer, positions, states)``: optional batched form for read-only callbacks, ``states``
+  ``[len(positions), B, H, K, V]`` float32; used instead of ``on_boundary`` on the one-pass path below.
 - ``on_layer_end(layer, position, state)``: after the call, with the carried state at its end.
+
+Read-only runs (capture): when every boundary callback declares ``modifies_state = False``, nothing it does can
+change what the next segment reads, so on CUDA with fla (boundaries on fla's 64-token chunk grid) each layer's
+call is ONE chunk pass that also writes the fp32 state at every chunk start
+(``gdnviz.gdn.kernels.core_with_states``) instead of one kernel call per segment; ``RunContext.fast_states=False``
+forces the segment loop (tests pin the two together on CUDA).
 
 Left-padded batches (``gdnviz.probes.batch``): ``RunContext.row_starts`` gives each row's number of leading pad
 tokens. Then every pad position is the exact core no-op (g = 0 i.e. alpha = 1, beta = 0, q = k = v = 0), each row's
@@ -55,6 +63,8 @@ class RunContext:
     current_layer: int | None = None
     backends: set = field(default_factory=set)  # kernel paths that ran: {"fla", "torch"}
     row_starts: list | None = None  # left-padded batch: leading pad tokens per row (see the module docstring)
+    fast_states: bool = True  # allow the one-pass state read-out when every callback only reads (see gdn_scan)
+    readouts: set = field(default_factory=set)  # how boundary states were produced: {"one-pass", "segment-loop"}
 
 
 _ACTIVE: contextvars.ContextVar[RunContext | None] = contextvars.ContextVar("gdnviz_run", default=None)
@@ -157,6 +167,23 @@ def gdn_scan(ctx: RunContext, layer: int, q_hat, k_hat, v, g, beta, initial_stat
     else:
         cuts = boundary_cuts(offset, T, ctx.segment_len)
     edges = sorted(set(cuts) | {T})
+    one_pass = None
+    if not rows_mode and ctx.fast_states and _reads_only(ctx) and kernels.states_fast_path(v.device, T, cuts):
+        one_pass = _try_one_pass(q_in, k_in, v, g, beta, state, cuts)
+    ctx.readouts.add("segment-loop" if one_pass is None else "one-pass")
+    if one_pass is not None:
+        out, state, states = one_pass
+        positions = [offset + c for c in cuts]
+        for cb in ctx.callbacks:
+            many = getattr(cb, "on_boundaries", None)
+            if many is not None:
+                many(layer, positions, states)
+                continue
+            fn = getattr(cb, "on_boundary", None)
+            if fn is not None:
+                for i, pos in enumerate(positions):
+                    fn(layer, pos, states[i])
+        return _finish(ctx, layer, offset, T, out, state, v.dtype)
     outs, start = [], 0
     for end in edges:
         if end > start:
@@ -173,14 +200,46 @@ def gdn_scan(ctx: RunContext, layer: int, q_hat, k_hat, v, g, beta, initial_stat
                     new = fn(layer, offset + end, state)
                     if new is not None:
                         state = new.to(torch.float32)
+                elif getattr(cb, "on_boundaries", None) is not None:  # batched read-only form, one state
+                    cb.on_boundaries(layer, [offset + end], state[None])
         start = end
+    out = torch.cat(outs, dim=1) if len(outs) > 1 else outs[0]
+    return _finish(ctx, layer, offset, T, out, state, v.dtype)
+
+
+_ONE_PASS_BROKEN: list = []  # the first failure of the one-pass read-out in this process (then never tried again)
+
+
+def _try_one_pass(q, k, v, g, beta, state, cuts):
+    """``kernels.core_with_states`` or None when it fails (fla internals changed, say): the caller then runs the
+    segment loop, which computes the same thing. Out-of-memory is not swallowed."""
+    if _ONE_PASS_BROKEN:
+        return None
+    try:
+        return kernels.core_with_states(q, k, v, g, beta, state, cuts)
+    except torch.OutOfMemoryError:
+        raise
+    except Exception as e:  # pragma: no cover - depends on the installed fla
+        import logging
+
+        _ONE_PASS_BROKEN.append(repr(e))
+        logging.getLogger(__name__).warning("one-pass state read-out failed (%r); using the segment loop", e)
+        return None
+
+
+def _finish(ctx: RunContext, layer: int, offset: int, T: int, out, state, dtype):
     ctx.offsets[layer] = offset + T
     for cb in ctx.callbacks:
         fn = getattr(cb, "on_layer_end", None)
         if fn is not None:
             fn(layer, offset + T, state)
-    out = torch.cat(outs, dim=1) if len(outs) > 1 else outs[0]
-    return out.to(v.dtype), state
+    return out.to(dtype), state
+
+
+def _reads_only(ctx: RunContext) -> bool:
+    """True when no callback can replace a state: each boundary callback says ``modifies_state = False``."""
+    return all(getattr(cb, "modifies_state", True) is False for cb in ctx.callbacks
+               if hasattr(cb, "on_boundary") or hasattr(cb, "on_boundaries"))
 
 
 def _row_callbacks(ctx: RunContext, layer: int, offset: int, end: int, state):
@@ -205,18 +264,21 @@ class RunOutput:
 
     hidden: [B, T, hidden] final hidden states (after the final norm) or None;
     logits: [B, P, vocab] float32 at ``logits_positions`` (P positions) or None;
-    cache: the model cache when ``use_cache`` was set; backends: kernel paths that ran.
+    cache: the model cache when ``use_cache`` was set; backends: kernel paths that ran; readouts: how the GDN
+    calls ran ("one-pass": one chunk pass with the states read out; "segment-loop": one kernel call per segment).
     """
 
     hidden: torch.Tensor | None
     logits: torch.Tensor | None
     cache: Any
     backends: set
+    readouts: set = field(default_factory=set)
 
 
 def forward(lm, input_ids: torch.Tensor, *, segment_len: int = DEFAULT_SEGMENT_LEN, callbacks: Iterable = (),
             cache=None, use_cache: bool = False, logits_positions=None, keep_hidden: bool = True,
-            ctx: RunContext | None = None, attention_mask=None, position_ids=None) -> RunOutput:
+            ctx: RunContext | None = None, attention_mask=None, position_ids=None,
+            fast_states: bool = True) -> RunOutput:
     """One segmented forward of ``input_ids`` ([B, T] long) through ``lm`` (a ``gdnviz.models.LoadedModel``).
 
     logits_positions: None (no logits), "last", "all", or a list/tensor of positions: logits are computed only
@@ -224,10 +286,11 @@ def forward(lm, input_ids: torch.Tensor, *, segment_len: int = DEFAULT_SEGMENT_L
     ctx: pass an existing RunContext to continue a run (decoding after a prefill): offsets carry over.
     attention_mask / position_ids ([B, T_total] / [B, T]): passed to the model for left-padded batches
     (``gdnviz.probes.batch``; set ``ctx.row_starts`` too); None keeps the plain call.
+    fast_states: False forces the segment-by-segment scan even for read-only callbacks (module docstring).
     """
     check_segment_len(segment_len)
     if ctx is None:
-        ctx = RunContext(segment_len=segment_len, callbacks=list(callbacks))
+        ctx = RunContext(segment_len=segment_len, callbacks=list(callbacks), fast_states=fast_states)
     input_ids = input_ids.to(lm.device)
     with torch.inference_mode(), run_context(ctx):
         if use_cache and cache is None:
@@ -247,7 +310,8 @@ def forward(lm, input_ids: torch.Tensor, *, segment_len: int = DEFAULT_SEGMENT_L
             else:
                 h = hidden[:, torch.as_tensor(logits_positions, device=hidden.device)]
             logits = lm.adapter.lm_head(lm.model, h).float()
-    return RunOutput(hidden=hidden if keep_hidden else None, logits=logits, cache=cache, backends=set(ctx.backends))
+    return RunOutput(hidden=hidden if keep_hidden else None, logits=logits, cache=cache, backends=set(ctx.backends),
+                     readouts=set(ctx.readouts))
 
 
 def cache_loop(lm, input_ids: torch.Tensor, *, segment_len: int = DEFAULT_SEGMENT_LEN, on_boundary=None,

@@ -156,3 +156,37 @@ def test_bad_segment_length(lm):
     for bad in (0, -5, 2.5, "256"):
         with pytest.raises(BadSegmentLength):
             runner.forward(lm, ids(10), segment_len=bad)
+
+
+def test_read_only_batched_callback_sees_every_boundary_on_cpu(one_thread):
+    """A callback with only ``on_boundaries`` (read-only, batched) gets each boundary state on the CPU scan too,
+    equal to what an ``on_boundary`` callback sees; CPU never takes the one-pass fla read-out."""
+    from gdnviz.gdn import kernels
+
+    lm = from_model(tiny_models.qwen3_5(), "tiny")
+    x = torch.randint(0, 97, (1, 300), generator=torch.Generator().manual_seed(0))
+
+    class Batched:
+        modifies_state = False
+
+        def __init__(self):
+            self.got = []
+
+        def on_boundaries(self, layer, positions, states):
+            self.got += [(layer, p, s.clone()) for p, s in zip(positions, states)]
+
+    class Single:
+        def __init__(self):
+            self.got = []
+
+        def on_boundary(self, layer, pos, state):
+            self.got.append((layer, pos, state.clone()))
+
+    b, s = Batched(), Single()
+    runner.forward(lm, x, segment_len=64, callbacks=[b, s])
+    assert [(l, p) for l, p, _ in b.got] == [(l, p) for l, p, _ in s.got]
+    assert {p for _, p, _ in b.got} == {64, 128, 192, 256}
+    for (_, _, x1), (_, _, x2) in zip(b.got, s.got):
+        assert torch.equal(x1, x2)
+    assert not kernels.states_fast_path(torch.device("cpu"), 300, [64, 128])
+    assert runner._reads_only(runner.RunContext(64, [b])) and not runner._reads_only(runner.RunContext(64, [s]))

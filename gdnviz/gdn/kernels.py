@@ -68,6 +68,64 @@ def core(q, k, v, g, beta, state):
     return out, final
 
 
+FLA_CHUNK = 64  # fla's chunk size: chunk states exist at every multiple of it
+
+
+def states_fast_path(device, T: int, cuts) -> bool:
+    """True when ``core_with_states`` can read the states at local indices ``cuts`` from ONE fla chunk pass:
+    fla on CUDA and every cut (< T) on fla's 64-token chunk grid."""
+    return (backend_for(device) == "fla" and T > 1 and len(cuts) > 0
+            and all(c % FLA_CHUNK == 0 or c == T for c in cuts))
+
+
+def core_with_states(q, k, v, g, beta, state, cuts):
+    """The GDN core over all T tokens in ONE fla chunk pass, also returning the carried state at local indices
+    ``cuts`` (each a multiple of 64, or T).
+
+    Returns ``(out [B, T, H, V] in v's dtype, final [B, H, K, V] fp32, states [len(cuts), B, H, K, V] fp32)``.
+
+    fla's chunk kernel already computes the state at the start of every 64-token chunk (``h``, which it keeps in
+    the input dtype for its output pass). Here ``h`` is written in float32 by the same Triton kernel, so the states
+    are the kernel's own fp32 running state, exactly what a segment-by-segment scan passes between its calls; the
+    output pass reads ``h`` rounded to the input dtype exactly as ``chunk_gated_delta_rule`` does. Tests on CUDA
+    pin it to the segment loop (``gdn_scan`` with ``RunContext.fast_states=False``).
+    Uses fla 0.6's internal functions (pinned in requirements.txt); only for the capture path, which only reads
+    states.
+    """
+    import triton
+    from fla.ops.common.chunk_delta_h import chunk_gated_delta_rule_fwd_kernel_h_blockdim64 as h_kernel
+    from fla.ops.common.chunk_o import chunk_fwd_o
+    from fla.ops.gated_delta_rule.chunk_fwd import chunk_gated_delta_rule_fwd_intra
+    from fla.ops.utils import chunk_local_cumsum
+    from fla.ops.utils.constant import RCP_LN2
+
+    B, T, H, K = k.shape
+    V = v.shape[-1]
+    BT = FLA_CHUNK
+    q, k, v, beta = (x.contiguous() for x in (q, k, v, beta))
+    with torch.cuda.device(q.device.index):
+        gc = chunk_local_cumsum(g.float().contiguous(), chunk_size=BT, scale=RCP_LN2)
+        w, u, _A = chunk_gated_delta_rule_fwd_intra(k=k, v=v, g=gc, beta=beta, chunk_size=BT)
+        NT = triton.cdiv(T, BT)
+        h = torch.empty(B, NT, H, K, V, device=k.device, dtype=torch.float32)
+        v_new = torch.empty_like(u)
+        final = torch.zeros(B, H, K, V, device=k.device, dtype=torch.float32)
+        h0 = None if state is None else state.float().contiguous()
+
+        def grid(meta):
+            return (triton.cdiv(V, meta["BV"]) * B * H,)
+
+        h_kernel[grid](k=k, v=u, w=w, v_new=v_new, g=gc, gk=None, h=h, h0=h0, ht=final, cu_seqlens=None,
+                       chunk_offsets=None, T=T, H=H, HV=H, K=K, V=V, BT=BT, STATE_V_FIRST=False)
+        o = chunk_fwd_o(q=q, k=k, v=v_new, h=h.to(k.dtype), g=gc, scale=K ** -0.5, chunk_size=BT)
+    idx = [c // BT for c in cuts if c < T]
+    picked = h[:, idx].transpose(0, 1)  # [n, B, H, K, V]
+    if len(idx) < len(cuts):  # the last cut is T itself: the final state
+        picked = torch.cat([picked, final[None]], dim=0)
+    del h
+    return o.to(v.dtype), final, picked
+
+
 def l2norm(x: torch.Tensor, eps: float = 1e-6) -> torch.Tensor:
     """``x * rsqrt(sum(x^2) + eps)`` over the last dim in float32, as fla and transformers normalise q and k."""
     x = x.float()

@@ -1,6 +1,7 @@
 #!/usr/bin/env bash
-# One H200 call: every GPU-marked test + the benchmarks, outputs under $OUT.
-# Device tool: command `bash scripts/gpu/session.sh`, carry [".whl"], timeout_s 600.
+# One H200 call: the GPU-marked tests + the benchmarks, outputs under $OUT (each step has its own time limit so
+# that one slow step cannot starve the others; fla's first call at a new shape autotunes for seconds).
+# Device tool: command `bash scripts/gpu/session.sh [TESTS...]`, carry [".whl"], timeout_s 600.
 # .whl holds flash_linear_attention-0.6.0 and fla_core-0.6.0 (pure-Python wheels; README "GPU"). Both wheels
 # fill the same fla/ package, so they are unpacked with zipfile rather than `pip --target --upgrade`.
 set -x
@@ -8,8 +9,25 @@ mkdir -p /tmp/site && for w in .whl/*.whl; do python3 -m zipfile -e "$w" /tmp/si
 export PYTHONPATH=/tmp/site:$PWD PYTHONUNBUFFERED=1
 nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv
 python3 -c "import torch, transformers, triton, fla; print(torch.__version__, transformers.__version__, triton.__version__, fla.__version__)"
-timeout 300 python3 -m pytest -q -m gpu -p no:cacheprovider tests/test_gpu_runner.py tests/test_symeig.py \
-    tests/test_truncate.py tests/test_kernels_vs_reference.py tests/test_fla_adapter.py 2>&1 | tail -25 | tee $OUT/gpu_tests.log
-python3 bench/bench_truncate.py --device cuda 2>&1 | grep '^{' | tee $OUT/bench_truncate.jsonl
-python3 bench/bench_spectra.py --device cuda 2>&1 | tee $OUT/bench_spectra.jsonl
-python3 bench/bench_capture.py --device cuda --tokens 16384 --repeats 3 2>&1 | grep '^{' | tee $OUT/bench_capture.jsonl
+TESTS=${*:-tests/test_gpu_runner.py tests/test_symeig.py tests/test_truncate.py tests/test_kernels_vs_reference.py tests/test_fla_adapter.py}
+timeout ${GPU_TEST_SECONDS:-200} python3 -m pytest -v -m gpu -p no:cacheprovider --timeout 100 --tb=short \
+    $TESTS > $OUT/gpu_tests.log 2>&1; echo "pytest rc=$?" >> $OUT/gpu_tests.log
+grep -E "PASSED|FAILED|ERROR|SKIPPED|rc=|Error|assert" $OUT/gpu_tests.log | tail -40
+timeout ${TRUNC_SECONDS:-150} python3 bench/bench_truncate.py --device cuda --micro 2>&1 | grep '^{' | tee $OUT/bench_truncate.jsonl
+timeout 60 python3 bench/bench_spectra.py --device cuda 2>&1 | tee $OUT/bench_spectra.jsonl
+timeout ${CAPTURE_SECONDS:-170} python3 bench/bench_capture.py --device cuda --tokens 16384 --repeats 3 --profile 25 \
+    > $OUT/bench_capture.log 2>&1; grep '^{' $OUT/bench_capture.log
+# the bundled demo model on the GPU: load, capture 4K tokens of a sample document (bf16, fla), time it
+timeout 60 python3 - <<'PY' 2>&1 | grep -v Warn | tail -5
+import time, torch
+from gdnviz.models import load
+from gdnviz.capture import capture_document
+from gdnviz.documents import sample_documents, tokenize
+lm = load("demo", device="cuda", dtype="bfloat16")
+doc = max(sample_documents(), key=lambda d: len(d.text))
+ids = tokenize(lm.tokenizer, doc.text)[:4096]
+for i in range(2):
+    t = time.perf_counter(); c = capture_document(lm, ids, 256); torch.cuda.synchronize()
+    print("demo capture", len(ids), "tokens", round(time.perf_counter() - t, 3), "s", c.meta["readouts"], c.meta["backends"])
+PY
+exit 0
