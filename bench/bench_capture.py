@@ -13,6 +13,7 @@ from __future__ import annotations
 import argparse
 import os
 import sys
+import time
 
 import torch
 
@@ -31,6 +32,8 @@ def main():
                     help="the bundled demo model's shape (hidden 256, 8 layers, 2 GDN heads of 128x128, vocab 8192)")
     ap.add_argument("--naive", action="store_true", help="also time the naive DynamicCache segment loop")
     ap.add_argument("--repeats", type=int, default=3)
+    ap.add_argument("--new-lengths", default="",
+                    help="comma-separated token counts: time the first capture at each new length vs the second")
     ap.add_argument("--profile", type=int, default=0, help="print the top N ops of one capture (torch.profiler)")
     args = ap.parse_args()
 
@@ -103,6 +106,21 @@ def main():
         key = "self_cuda_time_total" if dev.type == "cuda" else "self_cpu_time_total"
         print(prof.key_averages().table(sort_by=key, row_limit=args.profile), flush=True)
         print(prof.key_averages().table(sort_by="self_cpu_time_total", row_limit=args.profile), flush=True)
+
+    if args.new_lengths:
+        # first capture at lengths this process has not seen yet (issue #6: no autotuning stall on a new length);
+        # the same length again right after is the warm reference
+        for n in [int(x) for x in args.new_lengths.split(",")]:
+            x = torch.randint(0, cfg.vocab_size - 1, (n,), generator=torch.Generator().manual_seed(n))
+            t0 = time.perf_counter()
+            capture_document(lm, x, L)
+            sync(dev)
+            first = time.perf_counter() - t0
+            t0 = time.perf_counter()
+            capture_document(lm, x, L)
+            sync(dev)
+            emit(what="capture_first_call_at_new_length", tokens_new=n, first_s=first,
+                 warm_s=time.perf_counter() - t0, **base)
 
     if args.naive:
         from transformers import DynamicCache
