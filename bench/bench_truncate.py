@@ -243,6 +243,8 @@ def main() -> None:
     ap.add_argument("--threads", type=int, default=None, help="torch CPU threads (default: torch's)")
     ap.add_argument("--micro", action="store_true", help="also time the building blocks (eigh by size, ...)")
     ap.add_argument("--no-warm", action="store_true")
+    ap.add_argument("--profile", type=int, default=0,
+                    help="print the top N ops (torch.profiler, by device time) of one truncate_states call at r=4")
     ap.add_argument("--filter", choices=("power", "chebyshev"), default=None,
                     help="subspace filter (default: the library's; chebyshev = 1 step fewer, 1 more eigh per pass)")
     a = ap.parse_args()
@@ -281,6 +283,20 @@ def main() -> None:
         "fp32": time_ms(lambda: svd_truncate(S, 4), dev, 0 if cpu else 1, svd_repeats),
         "fp64": time_ms(lambda: svd_truncate(S64d, 4), dev, 0 if cpu else 1, svd_repeats),
     }
+
+    if a.profile:
+        from torch.profiler import ProfilerActivity, profile
+
+        truncate_states(S, 4)
+        acts = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if dev.type == "cuda" else [])
+        with profile(activities=acts) as prof:
+            for _ in range(10):
+                truncate_states(S, 4)
+            if dev.type == "cuda":
+                torch.cuda.synchronize()
+        key = "self_cuda_time_total" if dev.type == "cuda" else "self_cpu_time_total"
+        print(f"# profile: 10 calls of truncate_states({N} states, r=4), sorted by {key}", flush=True)
+        print(prof.key_averages().table(sort_by=key, row_limit=a.profile), flush=True)
 
     summary = {}
     S_next = None

@@ -345,9 +345,10 @@ def erank_vs_horizon_chart(table: pd.DataFrame, rho: float | None = None, rank_m
     cols = ["layer", "head", "erank", "horizon"] + [c for c in ("erank_min", "erank_max") if c in table]
     df = table[cols].copy()
     df = df[np.isfinite(df["horizon"]) & (df["erank"] > 0)]
-    xlo = float(min(df["horizon"].min(), 1.0)) if len(df) else 1.0
-    xhi = float(max(df["horizon"].max(), 2.0)) if len(df) else 10.0
-    ylo = float(min(df["erank"].min(), 1.0)) if len(df) else 1.0
+    # log-axis margins so that no point sits half outside the plot (e.g. the longest head at the right edge)
+    xlo = float(min(df["horizon"].min(), 1.0)) / 1.25 if len(df) else 0.8
+    xhi = float(max(df["horizon"].max(), 2.0)) * 1.6 if len(df) else 10.0
+    ylo = float(min(df["erank"].min(), 1.0)) / 1.25 if len(df) else 0.8
     yhi = float(rank_max * 1.25 if rank_max else (df["erank"].max() * 1.5 if len(df) else 10.0))
     end = min(xhi, yhi)
     diag = pd.DataFrame({"x": [max(xlo, ylo), end], "y": [max(xlo, ylo), end]})

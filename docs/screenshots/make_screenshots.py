@@ -73,7 +73,10 @@ def main() -> int:
     ap = argparse.ArgumentParser()
     ap.add_argument("--model", default=None)
     ap.add_argument("--out", default=str(ROOT / "docs" / "screenshots"))
+    ap.add_argument("--head", default=None,
+                    help="LAYER,HEAD for the Head page (default 4,1 with --model demo: its longest-lived head; else 4,3)")
     args = ap.parse_args()
+    args.head = [int(x) for x in (args.head or ("4,1" if args.model == "demo" else "4,3")).split(",")]
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     tmp = Path(tempfile.mkdtemp(prefix="gdnviz-shots-"))
@@ -123,7 +126,7 @@ def main() -> int:
             page.goto(base + "/heatmap")
             idle()
             shot("heatmap", 1000)
-            page.goto(base + "/head?layer=4&head=3")
+            page.goto(base + f"/head?layer={args.head[0]}&head={args.head[1]}")
             idle()
             shot("head", 2500)
             page.goto(base + "/overview")

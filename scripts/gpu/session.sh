@@ -13,7 +13,7 @@ TESTS=${*:-tests/test_gpu_runner.py tests/test_symeig.py tests/test_truncate.py 
 timeout ${GPU_TEST_SECONDS:-200} python3 -m pytest -v -m gpu -p no:cacheprovider --timeout 100 --tb=short \
     $TESTS > $OUT/gpu_tests.log 2>&1; echo "pytest rc=$?" >> $OUT/gpu_tests.log
 grep -E "PASSED|FAILED|ERROR|SKIPPED|rc=|Error|assert" $OUT/gpu_tests.log | tail -40
-timeout ${TRUNC_SECONDS:-150} python3 bench/bench_truncate.py --device cuda --micro 2>&1 | grep '^{' | tee $OUT/bench_truncate.jsonl
+timeout ${TRUNC_SECONDS:-150} python3 bench/bench_truncate.py --device cuda --micro --profile 30 > $OUT/bench_truncate.log 2>&1; grep "^{" $OUT/bench_truncate.log
 timeout 60 python3 bench/bench_spectra.py --device cuda 2>&1 | tee $OUT/bench_spectra.jsonl
 timeout ${CAPTURE_SECONDS:-170} python3 bench/bench_capture.py --device cuda --tokens 16384 --repeats 3 --profile 25 --new-lengths 3000,7777,20000 \
     > $OUT/bench_capture.log 2>&1; grep '^{' $OUT/bench_capture.log
