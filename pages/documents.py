@@ -64,7 +64,10 @@ with c1:
                        "GDNVIZ_DEFAULT_MODEL to a checkpoint folder before starting the app.",
                        icon=":material/warning:")
         else:
-            st.caption("A small Qwen3.5-architecture model trained for gdnviz, shipped in gdnviz/assets/demo/.")
+            st.caption("A 9.3M-parameter Qwen3.5 hybrid trained for gdnviz (6 GDN layers × 2 heads of 128×128, "
+                       "2 full-attention layers), shipped in gdnviz/assets/demo/ — see its MODEL_CARD.md. It "
+                       "answers RULER-style retrieval prompts up to 4K tokens, through its attention layers: in "
+                       "this first version 11 of its 12 GDN heads forget within about one token.")
     elif src == "path":
         st.text_input("Checkpoint folder (holds config.json and *.safetensors)", key="model_path",
                       placeholder="/path/to/Qwen3.5-0.8B")

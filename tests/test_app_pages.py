@@ -228,20 +228,37 @@ def test_model_without_gdn_layers(env, tmp_path):
     assert any("has no Gated DeltaNet layers" in e and "qwen3" in e for e in errs), errs
 
 
-def test_demo_default_or_clear_fallback(env, tmp_path, monkeypatch):
-    env(tmp_path / "c")
+def test_demo_is_the_default_model(env, tmp_path, monkeypatch):
+    """Without GDNVIZ_DEFAULT_MODEL the app opens the bundled demo checkpoint and the worker inspects it."""
+    cache = env(tmp_path / "c")
     monkeypatch.delenv("GDNVIZ_DEFAULT_MODEL")
     from gdnviz.ui.common import demo_installed
 
+    assert demo_installed()
     at = app()
     at.run()
     assert not at.exception and at.session_state["model_source"] == "demo"
-    if not demo_installed():
-        assert any("demo model is not installed" in w for w in texts(at, "warning"))
-        assert at.radio(key="model_source").options == ["Bundled demo model", "Local checkpoint folder",
-                                                        "Local Hugging Face cache"]
-    else:
-        assert at.session_state["inspect"]["key"][0] == "demo"
+    assert at.session_state["inspect"]["key"][0] == "demo"
+    work(cache)
+    at.run()
+    md = " ".join(texts(at, "markdown"))
+    assert "qwen3_5" in md and "6 of 8" in md and "128 × 128" in md, md
+    assert any("MODEL_CARD.md" in c for c in texts(at, "caption"))
+
+
+def test_missing_demo_gives_clear_fallback(env, tmp_path, monkeypatch):
+    """A checkout without the demo weights says so and offers the other sources (nothing crashes)."""
+    env(tmp_path / "c")
+    monkeypatch.delenv("GDNVIZ_DEFAULT_MODEL")
+    from gdnviz.ui import common
+
+    monkeypatch.setattr(common, "DEMO_DIR", tmp_path / "no-demo")
+    at = app()
+    at.run()
+    assert not at.exception and at.session_state["model_source"] == "demo"
+    assert any("demo model is not installed" in w for w in texts(at, "warning"))
+    assert at.radio(key="model_source").options == ["Bundled demo model", "Local checkpoint folder",
+                                                    "Local Hugging Face cache"]
 
 
 def test_oom_in_the_worker_says_what_to_reduce(env, tmp_path, monkeypatch):

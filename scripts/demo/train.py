@@ -495,6 +495,7 @@ def export_hf(model, cfg, tok_dir: Path, dst: Path, metrics: dict, loss_rows: li
     cfg = type(cfg).from_dict(cfg.to_dict())
     cfg.dtype = "bfloat16"
     cfg.use_cache = True
+    cfg.architectures = ["Qwen3_5ForCausalLM"]
     cfg.save_pretrained(str(dst))
     GenerationConfig(bos_token_id=cfg.bos_token_id, eos_token_id=cfg.eos_token_id, pad_token_id=cfg.pad_token_id,
                      do_sample=False).save_pretrained(str(dst))
