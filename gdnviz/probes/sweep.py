@@ -37,7 +37,7 @@ from gdnviz.probes import ruler
 from gdnviz.probes.batch import batched_greedy
 
 __all__ = ["SweepSpec", "DEFAULT_RANKS", "resolve_ranks", "resolve_heads", "run_sweep", "sweep_table",
-           "sweep_figure", "to_csv", "cell_key", "VERSION"]
+           "sweep_figure", "to_csv", "csv_frame", "cell_key", "records", "rows_frame", "table_frame", "VERSION"]
 
 VERSION = 1
 DEFAULT_RANKS = (1, 4, 12, 32, 128)
@@ -234,11 +234,22 @@ def _samples(lm, spec: SweepSpec) -> dict:
     return out
 
 
-def run_sweep(lm, spec: SweepSpec, store=None, progress: Callable[[int, int], None] | None = None) -> pd.DataFrame:
+def _setting_label(setting: _Setting, rmax: int) -> str:
+    if setting.name != UNIFORM:
+        return f"rank map {setting.name!r}"
+    return f"r = {setting.r}" + (" (untouched)" if setting.r == rmax else "")
+
+
+def run_sweep(lm, spec: SweepSpec, store=None, progress: Callable[[int, int], None] | None = None,
+              describe: Callable[[str], None] | None = None) -> pd.DataFrame:
     """Run (or resume) a sweep; returns one row per (task, length, setting, r, sample).
 
-    store: a directory (a ``diskcache.Cache`` is opened there), any mapping-like cache, or None (no memo).
-    progress(done, total): called after every sample (cached ones included).
+    store: a directory (a ``diskcache.Cache`` is opened there), any mapping-like cache (``get`` and item
+    assignment), or None (no memo).
+    progress(done, total): called after every sample (cached ones included), once its batch is stored, so a
+    progress callback that raises (a cancel) stops between batches without losing finished samples.
+    describe(text): called before each (task, length, setting) with what runs next, e.g.
+    "vt · 1,024 tokens · r = 4: 3 of 20 samples to generate".
     Raises UnknownTask, TaskTooShort, RankOutOfRange, EmptyDocumentSet, BadSegmentLength before running anything.
     """
     if lm.tokenizer is None:
@@ -261,16 +272,21 @@ def run_sweep(lm, spec: SweepSpec, store=None, progress: Callable[[int, int], No
                     progress(done, total)
                 todo = sorted((i for i, k in enumerate(keys) if results[k] is None),
                               key=lambda i: -smp[i].n_tokens)  # similar lengths together: less padding
+                if describe is not None:
+                    describe(f"{task} · {int(length):,} tokens · {_setting_label(setting, _rmax(lm.info))}: "
+                             + (f"{len(todo)} of {len(smp)} samples to generate" if todo else
+                                f"all {len(smp)} samples from the memo"))
                 for b in range(0, len(todo), spec.batch_size):
                     idx = todo[b:b + spec.batch_size]
                     gens = batched_greedy(lm, [smp[i].input_ids for i in idx], new_tokens,
                                           segment_len=spec.segment_len, spec=setting.spec)
-                    for i, gen in zip(idx, gens):
+                    for i, gen in zip(idx, gens):  # store the whole batch first, then report
                         s = smp[i]
                         res = dict(score=float(ruler.score(task, [gen.text], [s.answers])), pred=gen.text,
                                    n_tokens=int(s.n_tokens), n_generated=len(gen.tokens))
                         st.set(keys[i], res)
                         results[keys[i]] = res
+                    for _ in idx:
                         done += 1
                         if progress is not None:
                             progress(done, total)
@@ -350,12 +366,57 @@ def sweep_figure(table: pd.DataFrame, title: str | None = None):
     return chart.properties(title=title or "Score vs rank (error bars: paired SE vs untouched)")
 
 
-def to_csv(frame: pd.DataFrame, path) -> Path:
-    """Write a rows or table frame as CSV (list columns as JSON)."""
+def csv_frame(frame: pd.DataFrame) -> pd.DataFrame:
+    """A rows or table frame ready for CSV: list columns (the answers) as JSON text."""
     df = frame.copy()
     for c in df.columns:
         if df[c].dtype == object and df[c].map(lambda v: isinstance(v, (list, tuple))).any():
             df[c] = df[c].map(lambda v: json.dumps(list(v)) if isinstance(v, (list, tuple)) else v)
+    return df
+
+
+def to_csv(frame: pd.DataFrame, path) -> Path:
+    """Write a rows or table frame as CSV (list columns as JSON)."""
     path = Path(path)
-    df.to_csv(path, index=False)
+    csv_frame(frame).to_csv(path, index=False)
     return path
+
+
+# --- JSON round trip (worker results) -----------------------------------------------------------------------------
+def _plain(v):
+    if v is None or v is pd.NA:
+        return None
+    if isinstance(v, (list, tuple, np.ndarray)):
+        return [_plain(x) for x in v]
+    if isinstance(v, (np.integer,)):
+        return int(v)
+    if isinstance(v, (float, np.floating)):
+        return None if math.isnan(float(v)) else float(v)
+    return v
+
+
+def records(frame: pd.DataFrame) -> list[dict]:
+    """A rows or table frame as JSON-able records (NaN / NA -> None, numpy scalars -> Python)."""
+    return [{k: _plain(v) for k, v in rec.items()} for rec in frame.to_dict(orient="records")]
+
+
+def _frame(recs, columns) -> pd.DataFrame:
+    df = pd.DataFrame(list(recs), columns=columns)
+    df["r"] = pd.array([None if v is None or v is pd.NA or (isinstance(v, float) and math.isnan(v)) else int(v)
+                        for v in df["r"]], dtype="Int64")
+    df["length"] = df["length"].astype(int)
+    return df
+
+
+def rows_frame(recs) -> pd.DataFrame:
+    """``records(run_sweep(...))`` back into the rows frame (same columns and dtypes)."""
+    return _frame(recs, ROW_COLUMNS)
+
+
+def table_frame(recs) -> pd.DataFrame:
+    """``records(sweep_table(...))`` back into the table frame (None -> NaN in the float columns)."""
+    df = _frame(recs, TABLE_COLUMNS)
+    for c in ("score", "untouched", "delta", "se"):
+        df[c] = pd.to_numeric(df[c], errors="coerce").astype(float)
+    df["n"] = df["n"].astype(int)
+    return df
