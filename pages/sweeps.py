@@ -28,10 +28,9 @@ if run is not None:
     table = C.run_table(run)
     src = f"the model of the current run ({Path(str(model_name)).name})"
 else:
-    info = C.inspected()
+    info = C.require_inspected_model("sweeps run on it here (a capture also lets you choose the heads that "
+                                     "forget within a segment).")
     if info is None:
-        C.empty_state("No model yet.", "Pick a model on the **Model & documents** page (a capture also lets you "
-                                       "choose the heads that forget within a segment); sweeps run on it here.")
         st.stop()
     ch = C.model_choice()
     model_name, device, dtype = ch["model"], ch["device"], ch["dtype"]
@@ -135,11 +134,14 @@ if tasks and lengths and ranks:
     n = int(st.session_state["sw_n"])
     total = S.n_generations(len(tasks), len(lengths), len(ranks), n)
     st.caption(f"{len(tasks)} task(s) × {len(lengths)} length(s) × {len(ranks)} ranks "
-               f"({', '.join(map(str, ranks))}) × {n} samples = **{total:,} answers**, "
+               f"({', '.join(map(str, ranks))} = untouched) × {n} samples = **{total:,} answers**, "
                f"{int(st.session_state['sw_batch'])} per forward pass")
 for e in errors:
     C.show_error(e)
-go = st.button("Run the sweep", type="primary", key="sw_run", icon=":material/play_arrow:", disabled=bool(errors))
+running = C.job_active(st.session_state.get("sweep_job"))
+go = st.button("Run the sweep", type="primary", key="sw_run", icon=":material/play_arrow:",
+               disabled=bool(errors) or running, help="one sweep at a time: cancel the running one first" if running
+               else None)
 if go and not errors:
     from gdnviz.jobs import SweepJob, spec_to_dict
 
@@ -150,6 +152,7 @@ if go and not errors:
         batch_size=int(st.session_state["sw_batch"]), max_new_tokens=int(st.session_state["sw_max_new"]),
         chat_template=chat, fingerprint=str(info.get("fingerprint") or ""))
     st.session_state["sweep_job"] = C.submit("sweep", spec_to_dict(spec), label="retrieval sweep")
+    st.rerun()  # redraw from the top: the sidebar's worker status and the Run button see the new job
 
 rec = C.job_panel("sweep_job", "Sweep")
 if rec is not None and rec["status"] in ("cancelled", "failed"):
@@ -168,6 +171,12 @@ if rec is not None and rec["status"] == "done":
     st.markdown("**Score per task, length and r** — RULER string match (%), and in brackets the change vs the "
                 "untouched model ± its paired standard error over the same samples (points)")
     st.dataframe(S.seed000_table(tab, int(res["rmax"])), hide_index=True, width="stretch")
+    floor = S.untouched_at_zero(tab)
+    if floor:
+        st.warning("The untouched model scores 0 on " + ", ".join(floor) + ": there is no retrieval there for a "
+                   "truncation to lose, so those rows say nothing about rank. The model cannot do the task at that "
+                   "length (too small, untrained, or the prompt format does not suit it: try the chat-template "
+                   "setting).", icon=":material/warning:")
     name = Path(str(res["model_name"])).name
     C.chart(sweep.sweep_figure(tab, title=f"{name}: RULER score vs rank"), tab, "sweep_score_vs_rank",
             key="sw_chart", fixed_size=True)

@@ -433,7 +433,7 @@ def test_cache_budget(env, populated):
 # =============================================================================================================
 # Empty states, previous runs, corrupt results
 # =============================================================================================================
-@pytest.mark.parametrize("page", ["heatmap", "head", "overview", "truncate", "budget", "sweeps"])
+@pytest.mark.parametrize("page", ["heatmap", "head", "overview", "truncate", "budget"])
 def test_empty_states_say_what_to_do(env, tmp_path, page):
     env(tmp_path / "empty")
     at = app(page)
@@ -537,6 +537,32 @@ def test_truncate_and_compare_runs(env, populated):
 # =============================================================================================================
 # Retrieval sweeps
 # =============================================================================================================
+def test_sweeps_without_a_model_and_from_a_deep_link(env, tmp_path, monkeypatch, tiny_checkpoint):
+    """No model chosen (the demo default, not installed): the empty state. A default model and no capture: a new
+    session opened on the page inspects it, then shows the form."""
+    from gdnviz.ui.common import demo_installed
+
+    cache = env(tmp_path / "c")
+    if not demo_installed():
+        monkeypatch.delenv("GDNVIZ_DEFAULT_MODEL")
+        at = app("sweeps")
+        at.run()
+        assert not at.exception
+        assert any("No model yet" in i for i in texts(at, "info"))
+        assert "Go to Model & documents" in [l.proto.label for l in at.get("page_link")]
+        assert not charts(at) and not at.get("progress") and Store(cache).queued_count() == 0
+        monkeypatch.setenv("GDNVIZ_DEFAULT_MODEL", str(tiny_checkpoint))
+    at = app("sweeps")
+    at.run()
+    assert not at.exception
+    assert any(t.startswith("Inspecting tiny-qwen3_5: queued") for t in progress(at)), progress(at)
+    assert work(cache) == 1
+    at.run()
+    assert not at.exception and not at.get("progress")
+    assert at.button(key="sw_run") is not None and not texts(at, "error")
+    assert any("the inspected model (tiny-qwen3_5)" in m for m in texts(at, "markdown"))
+
+
 def test_sweeps_bad_input_is_refused_with_specific_messages(env, populated):
     cache, run = populated
     env(cache)
@@ -550,7 +576,7 @@ def test_sweeps_bad_input_is_refused_with_specific_messages(env, populated):
     assert at.multiselect(key="sw_tasks").value == ["niah_single_1", "vt"]
     at.text_input(key="sw_lengths").input("1024").run()
     assert not texts(at, "error") and not at.button(key="sw_run").proto.disabled
-    assert any("2 task(s) × 1 length(s) × 4 ranks (1, 4, 12, 16) × 20 samples = **160 answers**" in c
+    assert any("2 task(s) × 1 length(s) × 4 ranks (1, 4, 12, 16 = untouched) × 20 samples = **160 answers**" in c
                for c in texts(at, "caption"))
 
     for ranks, message in (("0, 4", "rank 0 is outside 1..16"), ("4, 17", "rank 17 is outside 1..16"),
@@ -602,6 +628,7 @@ def test_sweeps_run_through_the_worker_shows_the_table_and_figure(env, populated
     assert not texts(at, "error")
     at.button(key="sw_run").click().run()
     jid = at.session_state["sweep_job"]
+    assert at.button(key="sw_run").proto.disabled  # one sweep at a time
     rec = Store(cache).job(jid)
     assert rec["kind"] == "sweep" and rec["status"] == "queued"
     assert rec["spec"]["tasks"] == ["niah_single_1"] or rec["spec"]["tasks"] == ("niah_single_1",)
@@ -617,6 +644,9 @@ def test_sweeps_run_through_the_worker_shows_the_table_and_figure(env, populated
     # the cell reads "score (Δ ± paired SE)" from the worker's table
     t = {r["r"]: r for r in res["table"]}
     assert table["r = 2"][0] == f"{t[2]['score']:.1f} ({t[2]['delta']:+.1f} ± {t[2]['se']:.1f})".replace("-", "−")
+    floor = t[16]["untouched"] == 0  # a random tiny model: usually no retrieval to lose, and the page says so
+    assert any("The untouched model scores 0 on niah_single_1 at 400 tokens" in w
+               for w in texts(at, "warning")) == floor
     assert chart_titles(at) == [f"{Path(str(res['model_name'])).name}: RULER score vs rank"]
     import json
 

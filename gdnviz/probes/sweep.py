@@ -341,29 +341,51 @@ def sweep_table(rows: pd.DataFrame, rmax: int | None = None) -> pd.DataFrame:
 
 
 def sweep_figure(table: pd.DataFrame, title: str | None = None):
-    """Altair chart: score vs r (log x), one line per task, one panel per length, error bars +- paired SE."""
+    """Altair chart: score vs r (log x), one line per task, one panel per length, error bars +- paired SE (the
+    standard error of score_r - score_untouched over the same samples, drawn around score_r). The tasks are
+    dodged a little around each r (``r_plot``; the axis ticks and tooltips give the true r)."""
     import altair as alt
+
+    from gdnviz.figures import _configure
 
     df = table[table["setting"] == UNIFORM].copy() if "setting" in table else table.copy()
     df["r"] = df["r"].astype(int)
     se = df["se"].fillna(0.0)
     df["lo"], df["hi"] = df["score"] - se, df["score"] + se
     df["length"] = df["length"].astype(int)
-    x = alt.X("r:Q", scale=alt.Scale(type="log", base=2), title="rank r kept per head (log scale)",
-              axis=alt.Axis(values=sorted(df["r"].unique().tolist())))
-    color = alt.Color("task:N", title="task")
-    tip = [alt.Tooltip("task:N"), alt.Tooltip("length:Q"), alt.Tooltip("r:Q"), alt.Tooltip("score:Q", format=".1f"),
-           alt.Tooltip("delta:Q", format="+.1f", title="Δ vs untouched"),
-           alt.Tooltip("se:Q", format=".1f", title="paired SE"), alt.Tooltip("n:Q")]
+    rmax, n_lo, n_hi = int(df["r"].max()), int(df["n"].min()), int(df["n"].max())
+    n_txt = f"n = {n_lo}" if n_lo == n_hi else f"n = {n_lo} to {n_hi}"
+    if df["se"].isna().all():
+        bars_txt = f"{n_txt} sample per point: no standard errors (run n ≥ 2)"
+    else:
+        bars_txt = (f"error bars: ± paired standard error of (score at r − untouched score) over the same samples, "
+                    f"{n_txt} per point")
+    # tasks side by side around each r (a small dodge on the log axis), so equal scores do not hide a task
+    tasks = sorted(df["task"].unique().tolist())
+    off = {t: (i - (len(tasks) - 1) / 2) * min(0.08, 0.3 / max(1, len(tasks))) for i, t in enumerate(tasks)}
+    df["r_plot"] = df["r"] * np.power(2.0, df["task"].map(off).astype(float))
+    x = alt.X("r_plot:Q", scale=alt.Scale(type="log", base=2), title="rank r kept per head (log scale)",
+              axis=alt.Axis(values=sorted(df["r"].unique().tolist()), format="d", labelAngle=0, grid=True))
+    y_title = "RULER score (string match, %)"
+    color = alt.Color("task:N", title="task", legend=alt.Legend(orient="right"))
+    tip = [alt.Tooltip("task:N"), alt.Tooltip("length:Q", title="length (tokens)", format=","),
+           alt.Tooltip("r:Q"), alt.Tooltip("score:Q", format=".1f", title="score (%)"),
+           alt.Tooltip("delta:Q", format="+.1f", title="Δ vs untouched (points)"),
+           alt.Tooltip("se:Q", format=".1f", title="paired SE (points)"), alt.Tooltip("n:Q", title="samples")]
     base = alt.Chart(df)
-    line = base.mark_line().encode(x=x, y=alt.Y("score:Q", title="RULER score (string match, %)",
-                                                 scale=alt.Scale(domain=[0, 100])), color=color)
-    pts = base.mark_point(filled=True, size=50).encode(x=x, y="score:Q", color=color, tooltip=tip)
-    bars = base.mark_errorbar(ticks=True).encode(x=x, y=alt.Y("lo:Q", title="RULER score (string match, %)"),
-                                                  y2="hi:Q", color=color)
-    chart = alt.layer(line, bars, pts, data=df).properties(width=260, height=220).facet(
-        column=alt.Column("length:O", title="target length (tokens)"))
-    return chart.properties(title=title or "Score vs rank (error bars: paired SE vs untouched)")
+    # a little room below 0 and above 100, so points on the floor or the ceiling stay visible off the axis line
+    y = alt.Y("score:Q", title=y_title, scale=alt.Scale(domain=[-3, 103], nice=False),
+              axis=alt.Axis(values=[0, 20, 40, 60, 80, 100]))
+    line = base.mark_line().encode(x=x, y=y, color=color)
+    pts = base.mark_point(filled=True, size=55).encode(x=x, y="score:Q", color=color, tooltip=tip)
+    bars = base.mark_errorbar(ticks=True).encode(x=x, y=alt.Y("lo:Q", title=y_title), y2="hi:Q", color=color)
+    chart = alt.layer(line, bars, pts, data=df).properties(width=300, height=240).facet(
+        column=alt.Column("length:O", title="target length (tokens)", header=alt.Header(labelFontSize=12,
+                                                                                       titleFontSize=13)),
+        spacing=28)
+    chart = chart.properties(title=alt.Title(title or "RULER score vs rank",
+                                             subtitle=[bars_txt, f"r = {rmax} is the untouched model"]))
+    return _configure(chart, autosize="pad")
 
 
 def csv_frame(frame: pd.DataFrame) -> pd.DataFrame:

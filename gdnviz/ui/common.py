@@ -200,6 +200,30 @@ def request_inspection() -> dict:
     return ins
 
 
+def require_inspected_model(what: str) -> dict | None:
+    """The inspection result of the chosen model, requesting it when this session has none yet (a deep link into
+    a page): None after drawing what happens instead (the empty state when no model is chosen or the demo is not
+    installed, the inspection's progress, or why the model cannot be used)."""
+    info = inspected()
+    if info is not None:
+        return info
+    ch = model_choice()
+    if not ch["model"] or (ch["model"] == "demo" and not demo_installed()):
+        empty_state("No model yet.", f"Pick a model on the **Model & documents** page; {what}")
+        return None
+    ins = request_inspection()
+    if ins.get("error"):
+        show_error(f"Cannot use **{ch['model']}**: {ins['error']}", "Pick another model on the Model & documents "
+                                                                   "page.")
+        page_link("documents", "Go to Model & documents", icon=":material/arrow_forward:")
+        return None
+    if ins.get("result") is not None:
+        return ins["result"]
+    st.session_state["_inspect_job"] = ins["job"]
+    job_panel("_inspect_job", f"Inspecting {Path(ch['model']).name or ch['model']}")
+    return None
+
+
 @st.cache_resource(show_spinner=False, max_entries=4)
 def _fast_tokenizer(path: str, mtime: float):
     from gdnviz.documents import load_fast_tokenizer
@@ -541,6 +565,11 @@ def sidebar() -> None:
 
 def _pick_run() -> None:
     st.session_state["run_id"] = st.session_state.get("sb_run")
+
+
+def job_active(jid) -> bool:
+    """True while the job ``jid`` is queued or running."""
+    return _active(jid)
 
 
 def _active(jid) -> bool:

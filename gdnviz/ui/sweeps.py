@@ -145,6 +145,12 @@ def seed000_table(table: pd.DataFrame, rmax: int) -> pd.DataFrame:
     return res[cols]
 
 
+def untouched_at_zero(table: pd.DataFrame) -> list[str]:
+    """"task at L tokens" for every (task, length) where the untouched model scored 0 on every sample."""
+    df = table.drop_duplicates(["task", "length"]).sort_values(["task", "length"])
+    return [f"{t} at {int(L):,} tokens" for t, L, u in zip(df["task"], df["length"], df["untouched"]) if u == 0]
+
+
 def long_table(table: pd.DataFrame) -> pd.DataFrame:
     """The table with readable column names for the page (same numbers as the CSV)."""
     return table.rename(columns={"length": "length (tokens)", "score": "score (%)",
