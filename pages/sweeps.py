@@ -155,7 +155,8 @@ if go and not errors:
     st.rerun()  # redraw from the top: the sidebar's worker status and the Run button see the new job
 
 rec = C.job_panel("sweep_job", "Sweep")
-if rec is not None and rec["status"] in ("cancelled", "failed"):
+if rec is not None and (rec["status"] == "cancelled" or rec.get("error_type") in ("WorkerCrashed", "WorkerStopped",
+                                                                                   "GPUOutOfMemory")):
     st.caption("The samples finished before it stopped are stored: run the same sweep again to resume from there.")
 if rec is not None and rec["status"] == "done":
     from gdnviz import figures as F
