@@ -455,7 +455,7 @@ def run_sweep_job(spec: SweepJob, ctx: JobContext) -> dict:
     t0 = time.time()
 
     def progress(done, total):
-        ctx.progress(done, total, f"{now['text']} · sample {done:,}/{total:,} of the sweep")
+        ctx.progress(done, total, f"answer {done:,}/{total:,} · {now['text']}")
 
     rows = sweep.run_sweep(lm, sspec, store=memo, progress=progress, describe=lambda t: now.update(text=t))
     rmax = min(info.d_k, info.d_v)
