@@ -24,6 +24,7 @@ pages = [
     st.Page(common.PAGES["overview"], title="Overview figures", icon=":material/scatter_plot:", url_path="overview"),
     st.Page(common.PAGES["truncate"], title="Truncate & compare", icon=":material/content_cut:",
             url_path="truncate"),
+    st.Page(common.PAGES["sweeps"], title="Retrieval sweeps", icon=":material/query_stats:", url_path="sweeps"),
     st.Page(common.PAGES["budget"], title="Cache budget", icon=":material/memory:", url_path="budget"),
 ]
 pg = st.navigation(pages)

@@ -4,10 +4,12 @@
     gdnviz capture MODEL DOC.txt [DOC2.txt ...] --out runs/ [--segment-len 256] [--device auto] [--dtype auto]
     gdnviz sweep MODEL --tasks niah_single_1,vt --lengths 1024,2048 [--ranks 1,4,12,32,128] [--n 20] --out DIR
                  [--heads all|L:H,...|layers:0,1] [--batch 8] [--segment-len 256] [--device] [--dtype]
+                 [--via-worker [--cache-dir DIR]]
     gdnviz loss MODEL DOC.txt [DOC2.txt ...] [--ranks 1,4,12,32,128] --out DIR [--heads ...] [--segment-len 256]
 
 ``sweep`` (``gdnviz.probes.sweep``) writes rows.csv, table.csv, figure.png and settings.json and memoises every
-sample in DIR/cache, so running it again resumes where it stopped; ``loss`` (``gdnviz.probes.loss.loss_vs_rank``)
+sample in DIR/cache, so running it again resumes where it stopped (with ``--via-worker`` it runs in the app's
+worker and memoises in the app's store instead, so the app's Sweeps page and the CLI share finished samples); ``loss`` (``gdnviz.probes.loss.loss_vs_rank``)
 writes loss.csv and settings.json.
 
 ``capture`` writes one ``<doc>.capture.npz`` per document (``gdnviz.capture.CaptureResult.save``) and a
@@ -55,44 +57,66 @@ def _write_capture_outputs(out: Path, captures, segment_len: int) -> None:
     print(json.dumps(ov, indent=2))
 
 
-def cmd_capture_via_worker(args) -> int:
-    """Submit the capture to the app's worker through the shared store (the run then appears in the app's
-    previous runs); start a worker that exits when idle if none is alive."""
+def _run_via_worker(spec, cache_dir, label: str, desc: str, unit: str) -> tuple:
+    """Submit a job spec to the app's worker through the shared store (starting a worker that exits when idle if
+    none is alive on that store), show a progress bar until it ends; returns (store, done job record). Ctrl-C
+    cancels the job (a sweep keeps its finished samples). A failed or cancelled job raises GDNVizError."""
     import subprocess
     import time
 
-    from gdnviz.documents import read_text_file
-    from gdnviz.jobs import CaptureJob, load_run_captures, spec_to_dict
+    from tqdm import tqdm
+
+    from gdnviz.jobs import spec_to_dict
     from gdnviz.store import Store
 
-    out = Path(args.out)
-    out.mkdir(parents=True, exist_ok=True)
-    store = Store(args.cache_dir)
-    docs = tuple((Path(d).name, read_text_file(d)) for d in args.documents)
-    spec = CaptureJob(model=args.model, documents=docs, segment_len=args.segment_len, device=args.device,
-                      dtype=args.dtype, max_tokens=args.max_tokens or 1 << 40)
-    jid = store.submit(spec.kind, spec_to_dict(spec), label=f"cli capture ({len(docs)} documents)")
+    store = Store(cache_dir)
+    jid = store.submit(spec.kind, spec_to_dict(spec), label=label)
     proc = None
     if not store.live_workers():
         cmd = [sys.executable, "-m", "gdnviz.worker", "--exit-when-idle"]
-        if args.cache_dir:
-            cmd += ["--cache-dir", str(args.cache_dir)]
+        if cache_dir:
+            cmd += ["--cache-dir", str(cache_dir)]
         proc = subprocess.Popen(cmd)
-    update = _progress("capture (via worker)", 1)
-    while True:
-        rec = store.job(jid)
-        prog = rec.get("progress") or {}
-        if prog.get("total"):
-            update(prog.get("done", 0), prog["total"])
-        if rec["status"] in ("done", "failed", "cancelled"):
-            break
-        if proc is not None and proc.poll() is not None and store.job(jid)["status"] not in ("done", "failed",
-                                                                                             "cancelled"):
-            raise GDNVizError(f"the worker exited (code {proc.returncode}) before finishing the job; see "
-                              f"{store.log_path}")
-        time.sleep(0.2)
+    bar = tqdm(total=1, desc=desc, unit=unit, file=sys.stderr, leave=False)
+    try:
+        while True:
+            rec = store.job(jid)
+            prog = rec.get("progress") or {}
+            if prog.get("total"):
+                bar.total, bar.n = prog["total"], prog.get("done", 0)
+                bar.set_postfix_str(str(prog.get("text", ""))[:60], refresh=False)
+                bar.refresh()
+            if rec["status"] in ("done", "failed", "cancelled"):
+                break
+            if proc is not None and proc.poll() is not None and store.job(jid)["status"] not in ("done", "failed",
+                                                                                                 "cancelled"):
+                raise GDNVizError(f"the worker exited (code {proc.returncode}) before finishing the job; see "
+                                  f"{store.log_path}")
+            time.sleep(0.2)
+    except KeyboardInterrupt:
+        store.cancel(jid)
+        raise GDNVizError(f"interrupted: asked the worker to cancel job {jid} at its next step") from None
+    finally:
+        bar.close()
     if rec["status"] != "done":
-        raise GDNVizError(f"capture {rec['status']}: {rec.get('error')}")
+        what = f"{rec.get('error_type')}: " if rec.get("error_type") else ""
+        raise GDNVizError(f"{spec.kind} {rec['status']}: {what}{rec.get('error')}")
+    return store, rec
+
+
+def cmd_capture_via_worker(args) -> int:
+    """Submit the capture to the app's worker through the shared store (the run then appears in the app's
+    previous runs); start a worker that exits when idle if none is alive."""
+    from gdnviz.documents import read_text_file
+    from gdnviz.jobs import CaptureJob, load_run_captures
+
+    out = Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)
+    docs = tuple((Path(d).name, read_text_file(d)) for d in args.documents)
+    spec = CaptureJob(model=args.model, documents=docs, segment_len=args.segment_len, device=args.device,
+                      dtype=args.dtype, max_tokens=args.max_tokens or 1 << 40)
+    store, rec = _run_via_worker(spec, args.cache_dir, f"cli capture ({len(docs)} documents)",
+                                 "capture (via worker)", "layer")
     run = store.run(rec["result"]["run_id"])
     captures = load_run_captures(store, run)
     for cap in captures:
@@ -152,35 +176,74 @@ def _load_for_probe(args):
     return lm
 
 
-def cmd_sweep(args) -> int:
-    from tqdm import tqdm
-
-    from gdnviz.probes import sweep
-
-    out = Path(args.out)
-    out.mkdir(parents=True, exist_ok=True)
+def _sweep_args(args) -> dict:
+    """The sweep settings of the command line (both paths), validated as far as possible without the model."""
     rank_maps = []
     for item in args.rank_map or []:
         name, _, body = item.partition("=")
         try:
-            rank_maps.append((name, {(int(l), int(h)): int(r) for l, h, r in (x.split(":") for x in body.split(","))}))
+            rank_maps.append((name, tuple((int(l), int(h), int(r)) for l, h, r in (x.split(":")
+                                                                                  for x in body.split(",")))))
         except ValueError:
             raise GDNVizError(f"--rank-map {item!r}: expected NAME=layer:head:r,layer:head:r") from None
     try:
         chat_kwargs = tuple(sorted(json.loads(args.chat_kwargs).items())) if args.chat_kwargs else ()
     except (ValueError, AttributeError):
         raise GDNVizError(f"--chat-kwargs must be a JSON object, got {args.chat_kwargs!r}") from None
+    return dict(model=args.model, tasks=tuple(t for t in args.tasks.split(",") if t),
+                lengths=tuple(_int_list(args.lengths, "lengths")),
+                ranks=tuple(_int_list(args.ranks, "ranks")) if args.ranks else (), n=args.n, seed0=args.seed0,
+                heads=args.heads, rank_maps=tuple(rank_maps), segment_len=args.segment_len, batch_size=args.batch,
+                max_new_tokens=args.max_new_tokens or 0,
+                chat_template={"auto": "auto", "on": True, "off": False}[args.chat], chat_template_kwargs=chat_kwargs)
+
+
+def _write_sweep_outputs(out: Path, rows, table, settings: dict, model_name: str) -> None:
+    """rows.csv, table.csv, figure.png, settings.json (the same files on both paths); prints the table."""
+    from gdnviz.probes import sweep
+
+    (out / "settings.json").write_text(json.dumps(settings, indent=2, default=str))
+    sweep.to_csv(rows, out / "rows.csv")
+    sweep.to_csv(table, out / "table.csv")
+    sweep.sweep_figure(table, title=f"{model_name}: RULER score vs rank").save(str(out / "figure.png"))
+    print(table.to_string(index=False))
+
+
+def cmd_sweep_via_worker(args) -> int:
+    """Submit the sweep to the app's worker through the shared store: its samples are memoised there (a rerun,
+    from here or from the app's Sweeps page, resumes), and the job shows up in the app's worker queue."""
+    from gdnviz.jobs import SweepJob
+    from gdnviz.probes import sweep
+
+    out = Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)
+    spec = SweepJob(device=args.device, dtype=args.dtype, **_sweep_args(args))
+    store, rec = _run_via_worker(spec, args.cache_dir, f"cli sweep ({len(spec.tasks)} tasks x "
+                                 f"{len(spec.lengths)} lengths)", "sweep (via worker)", "sample")
+    res = rec["result"]
+    print(f"sweep: {res['computed']:,} samples computed, {res['reused']:,} from the memo (cache {store.dir})",
+          file=sys.stderr)
+    _write_sweep_outputs(out, sweep.rows_frame(res["rows"]), sweep.table_frame(res["table"]),
+                         dict(spec=res["settings"], model=res["model"], version=res["version"]),
+                         res["model"]["name"])
+    return 0
+
+
+def cmd_sweep(args) -> int:
+    if args.via_worker:
+        return cmd_sweep_via_worker(args)
+    from tqdm import tqdm
+
+    from gdnviz.jobs import SweepJob, sweep_spec_of
+    from gdnviz.probes import sweep
+
+    out = Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)
+    sa = _sweep_args(args)
     lm = _load_for_probe(args)
-    spec = sweep.SweepSpec(
-        model=args.model, fingerprint=lm.info.fingerprint, tasks=tuple(t for t in args.tasks.split(",") if t),
-        lengths=tuple(_int_list(args.lengths, "lengths")),
-        ranks=tuple(_int_list(args.ranks, "ranks")) if args.ranks else None, n=args.n, seed0=args.seed0,
-        heads=args.heads, rank_maps=tuple(rank_maps), segment_len=args.segment_len, batch_size=args.batch,
-        max_new_tokens=args.max_new_tokens or None,
-        chat_template={"auto": "auto", "on": True, "off": False}[args.chat],
-        chat_template_kwargs=chat_kwargs)
-    (out / "settings.json").write_text(json.dumps(dict(spec=spec.to_dict(), model=lm.info.to_dict(),
-                                                       version=sweep.VERSION), indent=2, default=str))
+    spec = sweep_spec_of(SweepJob(fingerprint=lm.info.fingerprint, **sa))
+    settings = dict(spec=spec.to_dict(), model=lm.info.to_dict(), version=sweep.VERSION)
+    (out / "settings.json").write_text(json.dumps(settings, indent=2, default=str))
     bar = tqdm(total=1, desc="sweep", unit="sample", file=sys.stderr)
 
     def progress(done, total):
@@ -192,10 +255,7 @@ def cmd_sweep(args) -> int:
     finally:
         bar.close()
     table = sweep.sweep_table(rows, rmax=min(lm.info.d_k, lm.info.d_v))
-    sweep.to_csv(rows, out / "rows.csv")
-    sweep.to_csv(table, out / "table.csv")
-    sweep.sweep_figure(table, title=f"{lm.info.name}: RULER score vs rank").save(str(out / "figure.png"))
-    print(table.to_string(index=False))
+    _write_sweep_outputs(out, rows, table, settings, lm.info.name)
     return 0
 
 
@@ -253,6 +313,9 @@ def main(argv=None) -> int:
     sp.add_argument("--chat", choices=["auto", "on", "off"], default="auto", help="wrap prompts in the chat template")
     sp.add_argument("--chat-kwargs", default="", help='JSON for apply_chat_template, e.g. {"enable_thinking": false}')
     sp.add_argument("--out", required=True, help="output folder (its cache/ makes a rerun resume)")
+    sp.add_argument("--via-worker", action="store_true",
+                    help="run through the app's worker and store (samples memoised there; a rerun resumes)")
+    sp.add_argument("--cache-dir", default=None, help="the store for --via-worker (default: $GDNVIZ_CACHE_DIR or ./cache)")
     sp.add_argument("--segment-len", type=int, default=256)
     sp.add_argument("--device", default="auto")
     sp.add_argument("--dtype", default="auto")

@@ -13,6 +13,9 @@ InspectModelJob        what ``gdnviz.models.inspect_model`` finds + fingerprint,
 CaptureJob             ``run_id`` of a "previous runs" entry; one memo entry per document (CaptureResult bytes)
 TruncateCompareJob     untouched vs truncated greedy answers, RULER scores, next-token loss change on documents
 LossJob                ``loss_vs_rank`` table (records) for a document set
+SweepJob               RULER score vs r (``gdnviz.probes.sweep``): rows and seed 000's table (records) + settings;
+                       every (task, length, setting, sample) result is its own memo entry, so a cancelled or
+                       crashed sweep resumes where it stopped and a repeated one recomputes nothing
 =====================  ==========================================================================================
 
 Memo keys (``cache_key``) hash what determines a result: the computation version, the model fingerprint, the
@@ -36,6 +39,7 @@ VERSIONS = {
     "capture": "capture-v1/jobs-1",
     "truncate": "truncate-compare-v2",
     "loss": "loss-vs-rank-v1",
+    "sweep": "sweep-cells-v1",  # with gdnviz.probes.sweep.VERSION inside every cell key
 }
 
 
@@ -101,7 +105,37 @@ class LossJob:
     dtype: str = "auto"
 
 
-SPECS = {c.kind: c for c in (InspectModelJob, CaptureJob, TruncateCompareJob, LossJob)}
+@dataclass(frozen=True)
+class SweepJob:
+    """A retrieval sweep: RULER ``tasks`` x ``lengths`` (tokens) x ``ranks`` x ``n`` samples (seeds ``seed0 ..``).
+
+    ranks: () = 1, 4, 12, 32, 128 clipped to min(d_k, d_v); the untouched r = min(d_k, d_v) always runs (the
+    baseline of the paired differences). heads: "all", "layers:0,1", "L:H,L:H" or ((layer, head), ...): the heads
+    cut to each r. rank_maps: ((name, ((layer, head, r), ...)), ...) extra per-head settings. max_new_tokens:
+    0 = RULER's per task. chat_template: "auto" | True | False. fingerprint: when given, the loaded model must
+    have it (the page passes the inspected model's, so a checkpoint changed on disk is refused).
+    """
+
+    kind: ClassVar[str] = "sweep"
+    model: str
+    tasks: tuple
+    lengths: tuple
+    ranks: tuple = ()
+    n: int = 20
+    seed0: int = 0
+    heads: Any = "all"
+    rank_maps: tuple = ()
+    segment_len: int = 256
+    batch_size: int = 8
+    max_new_tokens: int = 0
+    chat_template: Any = "auto"
+    chat_template_kwargs: tuple = ()
+    fingerprint: str = ""
+    device: str = "auto"
+    dtype: str = "auto"
+
+
+SPECS = {c.kind: c for c in (InspectModelJob, CaptureJob, TruncateCompareJob, LossJob, SweepJob)}
 
 
 def _tuplify(x):
@@ -177,7 +211,8 @@ class JobContext:
 # --- runners -------------------------------------------------------------------------------------------------
 def run(spec, ctx: JobContext) -> dict:
     """Execute one job spec; returns its JSON-able result dict."""
-    fn = {"inspect": run_inspect, "capture": run_capture, "truncate": run_truncate, "loss": run_loss}[spec.kind]
+    fn = {"inspect": run_inspect, "capture": run_capture, "truncate": run_truncate, "loss": run_loss,
+          "sweep": run_sweep_job}[spec.kind]
     return fn(spec, ctx)
 
 
@@ -369,6 +404,70 @@ def run_loss(spec: LossJob, ctx: JobContext) -> dict:
     result = dict(table=df.to_dict(orient="records"), memo_key=key, n_documents=len(docs))
     ctx.store.memo_put_json(key, result)
     return dict(result, memo_hit=False)
+
+
+class _SweepMemo:
+    """The store's memo as the mapping ``run_sweep`` memoises its cells in (one checksummed JSON entry per cell,
+    keyed by the cell key and ``VERSIONS['sweep']``); counts the cells it computed."""
+
+    def __init__(self, store: Store):
+        self.store, self.puts = store, 0
+
+    @staticmethod
+    def key(cell_key: str) -> str:
+        return f"sweep:{content_hash(dict(version=VERSIONS['sweep'], cell=cell_key))}"
+
+    def get(self, cell_key: str):
+        return self.store.memo_get_json(self.key(cell_key))
+
+    def __setitem__(self, cell_key: str, value) -> None:
+        self.store.memo_put_json(self.key(cell_key), value)
+        self.puts += 1
+
+
+def sweep_spec_of(spec: SweepJob):
+    """The library's ``SweepSpec`` of a job spec."""
+    from gdnviz.probes.sweep import SweepSpec
+
+    heads = spec.heads if isinstance(spec.heads, str) else tuple(tuple(int(x) for x in lh) for lh in spec.heads)
+    return SweepSpec(
+        model=spec.model, tasks=tuple(spec.tasks), lengths=tuple(int(x) for x in spec.lengths),
+        ranks=tuple(int(r) for r in spec.ranks) or None, n=int(spec.n), seed0=int(spec.seed0), heads=heads,
+        rank_maps=tuple((name, {(int(l), int(h)): int(r) for l, h, r in m}) for name, m in spec.rank_maps),
+        segment_len=int(spec.segment_len), batch_size=int(spec.batch_size),
+        max_new_tokens=int(spec.max_new_tokens) or None, chat_template=spec.chat_template,
+        chat_template_kwargs=tuple(tuple(kv) for kv in spec.chat_template_kwargs),
+        fingerprint=spec.fingerprint or None)
+
+
+def run_sweep_job(spec: SweepJob, ctx: JobContext) -> dict:
+    from gdnviz.probes import sweep
+
+    ctx.progress(0, 1, "loading the model")
+    lm = ctx.model(spec.model, spec.device, spec.dtype)
+    info = lm.info
+    sspec = sweep_spec_of(spec)
+    cells = len(spec.tasks) * len(spec.lengths) * int(spec.n)
+    ctx.progress(0, 1, f"generating {cells:,} RULER prompts ({len(spec.tasks)} task(s) x {len(spec.lengths)} "
+                       "length(s)) and checking the settings")
+    memo = _SweepMemo(ctx.store)
+    now = {"text": ""}
+    t0 = time.time()
+
+    def progress(done, total):
+        ctx.progress(done, total, f"answer {done:,}/{total:,} · {now['text']}")
+
+    rows = sweep.run_sweep(lm, sspec, store=memo, progress=progress, describe=lambda t: now.update(text=t))
+    rmax = min(info.d_k, info.d_v)
+    table = sweep.sweep_table(rows, rmax=rmax)
+    n_total = len(rows)
+    ctx.progress(n_total, n_total, "done")
+    return dict(
+        rows=sweep.records(rows), table=sweep.records(table), settings=dict(sspec.to_dict(), fingerprint=info.fingerprint), version=sweep.VERSION,
+        model=info.to_dict(), model_name=spec.model, rmax=rmax, ranks=sorted({int(r) for r in rows["r"].dropna()}),
+        n_heads=len(sweep.resolve_heads(sspec.heads, info)), computed=memo.puts, reused=n_total - memo.puts,
+        n_results=n_total, seconds=round(time.time() - t0, 3), dtype=info.dtype, device=info.device,
+        kernel_path=info.kernel_path)
 
 
 # --- reading results back (app side, no torch) -----------------------------------------------------------------

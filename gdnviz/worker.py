@@ -58,6 +58,12 @@ def oom_message(kind: str, spec: dict, e: BaseException) -> str:
         what = f"running the truncation comparison (max {spec.get('max_new_tokens')} new tokens)"
         reduce = ("Reduce the prompt / retrieval sample length (target tokens), the number of loss documents, or "
                   "the number of new tokens")
+    elif kind == "sweep":
+        lengths = [int(x) for x in spec.get("lengths") or [0]]
+        what = (f"running a retrieval sweep (lengths up to {max(lengths):,} tokens, batch size "
+                f"{spec.get('batch_size')})")
+        reduce = ("Reduce the batch size (samples per forward) first, then the longest length; the samples "
+                  "already finished are stored, so running it again resumes where it stopped")
     elif kind == "loss":
         what = f"measuring loss vs rank on {len(spec.get('documents') or [])} document(s)"
         reduce = "Reduce the document length or the number of documents"

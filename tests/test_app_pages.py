@@ -549,3 +549,140 @@ def test_truncate_and_compare_runs(env, populated):
     labels = [m.label for m in at.metric]
     assert labels.count("RULER score (string match, %)") == 2 and "Truncated (nats / token)" in labels
     assert chart_titles(at) == ["Loss change along the document"]
+
+
+# =============================================================================================================
+# Retrieval sweeps
+# =============================================================================================================
+def test_sweeps_without_a_model_and_from_a_deep_link(env, tmp_path, monkeypatch, tiny_checkpoint):
+    """No model chosen (the demo default, not installed): the empty state. A default model and no capture: a new
+    session opened on the page inspects it, then shows the form."""
+    from gdnviz.ui.common import demo_installed
+
+    cache = env(tmp_path / "c")
+    if not demo_installed():
+        monkeypatch.delenv("GDNVIZ_DEFAULT_MODEL")
+        at = app("sweeps")
+        at.run()
+        assert not at.exception
+        assert any("No model yet" in i for i in texts(at, "info"))
+        assert "Go to Model & documents" in [l.proto.label for l in at.get("page_link")]
+        assert not charts(at) and not at.get("progress") and Store(cache).queued_count() == 0
+        monkeypatch.setenv("GDNVIZ_DEFAULT_MODEL", str(tiny_checkpoint))
+    at = app("sweeps")
+    at.run()
+    assert not at.exception
+    assert any(t.startswith("Inspecting tiny-qwen3_5: queued") for t in progress(at)), progress(at)
+    assert work(cache) == 1
+    at.run()
+    assert not at.exception and not at.get("progress")
+    assert at.button(key="sw_run") is not None and not texts(at, "error")
+    assert any("the inspected model (tiny-qwen3_5)" in m for m in texts(at, "markdown"))
+
+
+def test_sweeps_bad_input_is_refused_with_specific_messages(env, populated):
+    cache, run = populated
+    env(cache)
+    store = Store(cache)
+    queued = store.queued_count()
+    at = app("sweeps")
+    at.run()
+    assert not at.exception
+    # defaults on the tiny model (d_k = d_v = 16): seed 000's ranks up to 16, two tasks, lengths 4L and 16L
+    assert at.text_input(key="sw_ranks").value == "1, 4, 12"
+    assert at.multiselect(key="sw_tasks").value == ["niah_single_1", "vt"]
+    at.text_input(key="sw_lengths").input("1024").run()
+    assert not texts(at, "error") and not at.button(key="sw_run").proto.disabled
+    assert any("2 task(s) × 1 length(s) × 4 ranks (1, 4, 12, 16 = untouched) × 20 samples = **160 answers**" in c
+               for c in texts(at, "caption"))
+
+    for ranks, message in (("0, 4", "rank 0 is outside 1..16"), ("4, 17", "rank 17 is outside 1..16"),
+                           ("4, x", "'x' is not one"), ("", "No ranks given")):
+        at.text_input(key="sw_ranks").input(ranks).run()
+        errs = texts(at, "error")
+        assert any(message in e for e in errs), (ranks, errs)
+        assert at.button(key="sw_run").proto.disabled
+    at.text_input(key="sw_ranks").input("4").run()
+    at.text_input(key="sw_lengths").input("300, 1024").run()  # vt needs more than 300 tokens
+    errs = texts(at, "error")
+    assert any("Length 300 is too short for vt: it needs at least" in e for e in errs), errs
+    assert not any("too short for niah_single_1" in e for e in errs), errs  # 300 tokens hold a needle
+    at.text_input(key="sw_lengths").input("1024").run()
+    at.multiselect(key="sw_tasks").set_value([]).run()
+    assert any("No tasks chosen" in e for e in texts(at, "error"))
+    assert at.button(key="sw_run").proto.disabled  # AppTest, like a browser, cannot click it
+    assert store.queued_count() == queued and "sweep_job" not in at.session_state
+    at.multiselect(key="sw_tasks").set_value(["niah_single_1"])
+    at.selectbox(key="sw_heads").set_value("picked").run()
+    assert any("No heads in this set" in e for e in texts(at, "error"))
+    at.selectbox(key="sw_heads").set_value("layers").run()
+    at.multiselect(key="sw_layers").select(3).run()
+    assert not texts(at, "error")
+    assert any("**4 of 12 heads** cut to each r" in c for c in texts(at, "caption"))
+    # heads forgetting within a segment: the horizons come from the run's capture
+    from gdnviz.summary import document_set_table
+
+    hz = document_set_table(jobs.load_run_captures(store, run))["horizon"]
+    within = int((hz < run["segment_len"]).sum())
+    at.selectbox(key="sw_heads").set_value("within").run()
+    if within:
+        assert any(f"**{within} of 12 heads** cut to each r" in c for c in texts(at, "caption"))
+    else:
+        assert any("No heads in this set" in e for e in texts(at, "error"))
+
+
+def test_sweeps_run_through_the_worker_shows_the_table_and_figure(env, populated):
+    cache, _ = populated
+    env(cache)
+    at = app("sweeps")
+    at.run()
+    at.multiselect(key="sw_tasks").set_value(["niah_single_1"])
+    at.text_input(key="sw_lengths").input("400")
+    at.text_input(key="sw_ranks").input("2")
+    at.number_input(key="sw_n").set_value(2)
+    at.number_input(key="sw_batch").set_value(2)
+    at.number_input(key="sw_max_new").set_value(6).run()
+    assert not texts(at, "error")
+    at.button(key="sw_run").click().run()
+    jid = at.session_state["sweep_job"]
+    assert at.button(key="sw_run").proto.disabled  # one sweep at a time
+    rec = Store(cache).job(jid)
+    assert rec["kind"] == "sweep" and rec["status"] == "queued"
+    assert rec["spec"]["tasks"] == ["niah_single_1"] or rec["spec"]["tasks"] == ("niah_single_1",)
+    assert any("Sweep: queued" in t for t in progress(at))
+    assert work(cache) == 1
+    at.run()
+    assert not at.exception
+    res = Store(cache).job(jid)["result"]
+    assert res["computed"] == 4 and res["reused"] == 0  # 2 samples x (r = 2, untouched r = 16)
+    table = at.dataframe[0].value
+    assert list(table.columns) == ["task", "length (tokens)", "r = 2", "r = 16 (untouched)", "n"]
+    assert table["task"].tolist() == ["niah_single_1"] and table["n"].tolist() == [2]
+    # the cell reads "score (Δ ± paired SE)" from the worker's table
+    t = {r["r"]: r for r in res["table"]}
+    assert table["r = 2"][0] == f"{t[2]['score']:.1f} ({t[2]['delta']:+.1f} ± {t[2]['se']:.1f})".replace("-", "−")
+    floor = t[16]["untouched"] == 0  # a random tiny model: usually no retrieval to lose, and the page says so
+    assert any("The untouched model scores 0 on niah_single_1 at 400 tokens" in w
+               for w in texts(at, "warning")) == floor
+    assert chart_titles(at) == [f"{Path(str(res['model_name'])).name}: RULER score vs rank"]
+    import json
+
+    spec = json.loads(charts(at)[0].proto.spec)
+    assert spec["facet"]["column"]["title"] == "target length (tokens)"
+    assert {b.proto.label for b in at.get("download_button")} >= {"PNG", "SVG", "CSV", "Per-sample answers (CSV)"}
+
+    # the same sweep from a new session: every answer is read back from the store
+    at2 = app("sweeps")
+    at2.run()
+    for k, v in (("sw_tasks", ["niah_single_1"]),):
+        at2.multiselect(key=k).set_value(v)
+    at2.text_input(key="sw_lengths").input("400")
+    at2.text_input(key="sw_ranks").input("2")
+    at2.number_input(key="sw_n").set_value(2)
+    at2.number_input(key="sw_max_new").set_value(6).run()
+    at2.button(key="sw_run").click().run()
+    work(cache)
+    at2.run()
+    res2 = Store(cache).job(at2.session_state["sweep_job"])["result"]
+    assert res2["computed"] == 0 and res2["reused"] == 4 and res2["table"] == res["table"]
+    assert any("0 generated now, 4 read from the store" in m for m in texts(at2, "markdown"))

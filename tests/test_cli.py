@@ -1,10 +1,13 @@
-"""The command line: `gdnviz inspect` and `gdnviz capture` in a subprocess on a tiny checkpoint."""
+"""The command line: `gdnviz inspect`, `gdnviz capture` and `gdnviz sweep --via-worker` in a subprocess on a tiny
+checkpoint."""
 import json
 import os
 import subprocess
 import sys
+import time
 
 import numpy as np
+import pytest
 
 from checkpoints import tiny_qwen35_checkpoint
 
@@ -62,3 +65,57 @@ def test_capture_via_the_worker_lands_in_the_apps_store(tmp_path):
     runs = Store(cache).list_runs()
     assert len(runs) == 1 and runs[0]["documents"][0]["name"] == "story.txt"
     assert runs[0]["documents"][0]["n_tokens"] == cap.n_tokens
+
+
+@pytest.mark.slow
+def test_sweep_via_the_worker_writes_what_the_direct_path_writes(tmp_path, capsys, monkeypatch):
+    """`sweep --via-worker`: submitted through the store to a worker it starts, progress bar, then the same rows.csv
+    and table.csv as the direct path (same model, same batches); the samples are memoised in the app's store."""
+    import pandas as pd
+
+    from gdnviz.cli import main
+    from gdnviz.store import Store
+
+    ckpt = tiny_qwen35_checkpoint(tmp_path)
+    common = ["sweep", str(ckpt), "--tasks", "niah_single_1", "--lengths", "400", "--ranks", "2", "--n", "2",
+              "--batch", "2", "--max-new-tokens", "6", "--segment-len", "128", "--heads", "layers:1",
+              "--device", "cpu", "--dtype", "float32"]
+    cache = tmp_path / "cache"
+    monkeypatch.setenv("PYTHONPATH", ROOT)  # for the worker process the CLI starts
+    assert main([*common, "--out", str(tmp_path / "w"), "--via-worker", "--cache-dir", str(cache)]) == 0
+    err = capsys.readouterr().err
+    assert "sweep (via worker)" in err and "4 samples computed, 0 from the memo" in err
+    w = tmp_path / "w"
+    assert {p.name for p in w.iterdir()} == {"rows.csv", "table.csv", "figure.png", "settings.json"}
+    assert (w / "figure.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    jobs_ = [j for j in Store(cache).jobs.iterkeys() if str(j).startswith("job:")]
+    assert len(jobs_) == 1  # one job, through the store
+    settings = json.loads((w / "settings.json").read_text())
+    assert settings["spec"]["heads"] == "layers:1" and settings["model"]["fingerprint"]
+
+    assert main([*common, "--out", str(tmp_path / "d")]) == 0  # the direct path, in process
+    d = tmp_path / "d"
+    assert (w / "rows.csv").read_text() == (d / "rows.csv").read_text()
+    assert (w / "table.csv").read_text() == (d / "table.csv").read_text()
+    assert len(pd.read_csv(w / "rows.csv")) == 4
+    capsys.readouterr()
+    # bad input through a worker (a live one on the store, here in a thread of this process): its message
+    import threading
+
+    from gdnviz.worker import Worker
+
+    w = Worker(Store(cache))
+    w.beat()  # a heartbeat: the CLI uses this worker instead of starting one
+
+    def serve_one():
+        while not w.run_pending(max_jobs=1):
+            time.sleep(0.05)
+
+    t = threading.Thread(target=serve_one, daemon=True)
+    t.start()
+    assert main([*common[:-4], "--ranks", "4,64", "--out", str(tmp_path / "x"), "--via-worker", "--cache-dir",
+                 str(cache)]) == 2
+    t.join(60)
+    w.store.worker_gone(w.pid)
+    err = capsys.readouterr().err
+    assert "RankOutOfRange" in err and "rank 64 is outside 1..16" in err and "Traceback" not in err

@@ -103,6 +103,65 @@ def test_capture_end_to_end(worker, tiny_checkpoint):
 
 
 @pytest.mark.slow
+def test_sweep_end_to_end_then_from_the_memo(worker, tiny_checkpoint):
+    """A SweepJob in the worker process: rows, seed 000's table and settings come back; the same sweep again is
+    answered from the per-sample memo (nothing generated) with the same rows."""
+    import pandas as pd
+
+    from gdnviz.probes import sweep
+
+    store, proc = worker
+    spec = jobs.SweepJob(model=str(tiny_checkpoint), tasks=("niah_single_1", "fwe"), lengths=(400,), ranks=(2,),
+                         n=2, heads="layers:0,1", batch_size=2, max_new_tokens=6, segment_len=128)
+    rec = store.wait(_submit(store, spec), timeout=300)
+    assert rec["status"] == "done", rec["error"]
+    assert rec["worker_pid"] == proc.pid and rec["progress"]["fraction"] == 1.0
+    res = rec["result"]
+    # 2 tasks x 1 length x (r = 2 and the untouched r = 16) x 2 samples, all generated now
+    assert (res["computed"], res["reused"], res["n_results"]) == (8, 0, 8)
+    assert res["ranks"] == [2, 16] and res["rmax"] == 16 and res["n_heads"] == 8  # 2 layers x 4 heads
+    assert res["settings"]["heads"] == "layers:0,1" and res["settings"]["n"] == 2
+    assert res["settings"]["fingerprint"] == res["model"]["fingerprint"]
+    rows, table = sweep.rows_frame(res["rows"]), sweep.table_frame(res["table"])
+    assert len(rows) == 8 and rows["score"].between(0, 100).all() and (rows["n_generated"] <= 6).all()
+    assert list(table.columns) == sweep.TABLE_COLUMNS and len(table) == 4
+    # the table is the library's table of the rows the worker returned
+    pd.testing.assert_frame_equal(table, sweep.sweep_table(rows, rmax=16))
+    assert (table[table.r == 16][["delta", "se"]] == 0).all().all()
+
+    rec2 = store.wait(_submit(store, spec), timeout=120)
+    res2 = rec2["result"]
+    assert rec2["status"] == "done" and (res2["computed"], res2["reused"]) == (0, 8)
+    assert res2["rows"] == res["rows"] and res2["table"] == res["table"]
+    assert rec2["seconds"] < rec["seconds"]
+
+
+def test_cancelled_sweep_resumes_where_it_stopped(tmp_path, tiny_checkpoint):
+    """Cancel between batches (the way the worker cancels: progress raises): the finished batch is stored, and
+    the same sweep again generates only the rest."""
+    from gdnviz.errors import JobCancelled
+
+    store = Store(tmp_path / "cache")
+    spec = jobs.SweepJob(model=str(tiny_checkpoint), tasks=("niah_single_1",), lengths=(400,), ranks=(2,), n=3,
+                         batch_size=2, max_new_tokens=6, segment_len=128)
+    seen, cancel = [], {"now": False}
+
+    def progress(done, total, text):
+        seen.append((done, total, text))
+        if total > 1 and done >= 2:  # the user presses Cancel during the first batch's report
+            cancel["now"] = True
+
+    with pytest.raises(JobCancelled):
+        jobs.run(spec, jobs.JobContext(store, progress=progress, cancelled=lambda: cancel["now"]))
+    assert [d for d, t, _ in seen if t > 1] == [1, 2]  # stopped right after the first batch of two
+    assert any("niah_single_1 · 400 tokens · r = 2: 3 of 3 samples to generate" in t for _, _, t in seen), seen
+    res = jobs.run(spec, jobs.JobContext(store))
+    assert (res["computed"], res["reused"], res["n_results"]) == (4, 2, 6)
+    again = jobs.run(spec, jobs.JobContext(store))
+    assert (again["computed"], again["reused"]) == (0, 6) and again["rows"] == res["rows"]
+
+
+@pytest.mark.slow
 def test_library_errors_become_messages(worker, tiny_checkpoint, tmp_path):
     store, proc = worker
     ck = str(tiny_checkpoint)
@@ -118,6 +177,12 @@ def test_library_errors_become_messages(worker, tiny_checkpoint, tmp_path):
          "outside 1..16"),
         (jobs.TruncateCompareJob(model=ck, ranks=((2, 0, 4),), prompt="hello"), "ValueError",
          "not a Gated DeltaNet layer"),
+        (jobs.SweepJob(model=ck, tasks=("vt",), lengths=(300,), n=1), "TaskTooShort",
+         "vt needs a target length of at least"),
+        (jobs.SweepJob(model=ck, tasks=("niah_single_1",), lengths=(400,), ranks=(4, 32), n=1), "RankOutOfRange",
+         "rank 32 is outside 1..16"),
+        (jobs.SweepJob(model=ck, tasks=("niah_single_1",), lengths=(400,), n=1, fingerprint="0" * 16), "ValueError",
+         "fingerprint"),
     ]
     ids = [_submit(store, spec) for spec, _, _ in cases]
     for jid, (_, etype, text) in zip(ids, cases):

@@ -75,6 +75,8 @@ def main() -> int:
     ap.add_argument("--out", default=str(ROOT / "docs" / "screenshots"))
     ap.add_argument("--head", default=None,
                     help="LAYER,HEAD for the Head page (default 4,1 with --model demo: its longest-lived head; else 4,3)")
+    ap.add_argument("--only", choices=["sweeps"], default=None,
+                    help="only the Retrieval sweeps page (no capture; a tiny sweep on the inspected model)")
     args = ap.parse_args()
     args.head = [int(x) for x in (args.head or ("4,1" if args.model == "demo" else "4,3")).split(",")]
     out = Path(args.out)
@@ -113,8 +115,28 @@ def main() -> int:
                 shrink(p)
                 print(f"{p}: {p.stat().st_size // 1024} KB")
 
+            def sweeps():  # a small sweep: two tasks, two lengths, seed 000's ranks up to d_k, 2 samples each
+                page.goto(base + "/sweeps")
+                idle()
+                for label, value in (("Lengths (tokens, comma-separated)", "1024, 1536"), ("Samples n", "2"),
+                                     ("Batch size", "4")):
+                    page.locator(f"input[aria-label='{label}']").fill(value)
+                    page.keyboard.press("Enter")
+                    idle()
+                page.get_by_text("More settings").click()
+                page.locator("input[aria-label=\"New tokens (0 = each task's own)\"]").fill("8")
+                page.keyboard.press("Enter")
+                idle()
+                page.get_by_role("button", name="Run the sweep").click()
+                page.get_by_text("Score per task, length and r").wait_for(timeout=1_800_000)
+                shot("sweeps", 1900)
+
             page.goto(base + "/")
             page.get_by_text("Heads per GDN layer").wait_for()
+            if args.only == "sweeps":
+                sweeps()
+                b.close()
+                return 0
             for title in ("Declaration", "Genesis", "Lincoln", "Notes on a fixed-size memory"):
                 page.get_by_test_id("stMultiSelect").first.locator("input").click()
                 page.get_by_role("option", name=re.compile(title)).click()
@@ -142,6 +164,7 @@ def main() -> int:
             page.get_by_role("button", name="Run untouched and truncated").click()
             page.get_by_text("Untouched model", exact=True).wait_for()
             shot("truncate", 2000)
+            sweeps()
             page.goto(base + "/budget")
             shot("budget", 1150)
             b.close()

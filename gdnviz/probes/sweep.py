@@ -37,7 +37,7 @@ from gdnviz.probes import ruler
 from gdnviz.probes.batch import batched_greedy
 
 __all__ = ["SweepSpec", "DEFAULT_RANKS", "resolve_ranks", "resolve_heads", "run_sweep", "sweep_table",
-           "sweep_figure", "to_csv", "cell_key", "VERSION"]
+           "sweep_figure", "to_csv", "csv_frame", "cell_key", "records", "rows_frame", "table_frame", "VERSION"]
 
 VERSION = 1
 DEFAULT_RANKS = (1, 4, 12, 32, 128)
@@ -234,11 +234,22 @@ def _samples(lm, spec: SweepSpec) -> dict:
     return out
 
 
-def run_sweep(lm, spec: SweepSpec, store=None, progress: Callable[[int, int], None] | None = None) -> pd.DataFrame:
+def _setting_label(setting: _Setting, rmax: int) -> str:
+    if setting.name != UNIFORM:
+        return f"rank map {setting.name!r}"
+    return f"r = {setting.r}" + (" (untouched)" if setting.r == rmax else "")
+
+
+def run_sweep(lm, spec: SweepSpec, store=None, progress: Callable[[int, int], None] | None = None,
+              describe: Callable[[str], None] | None = None) -> pd.DataFrame:
     """Run (or resume) a sweep; returns one row per (task, length, setting, r, sample).
 
-    store: a directory (a ``diskcache.Cache`` is opened there), any mapping-like cache, or None (no memo).
-    progress(done, total): called after every sample (cached ones included).
+    store: a directory (a ``diskcache.Cache`` is opened there), any mapping-like cache (``get`` and item
+    assignment), or None (no memo).
+    progress(done, total): called after every sample (cached ones included), once its batch is stored, so a
+    progress callback that raises (a cancel) stops between batches without losing finished samples.
+    describe(text): called before each (task, length, setting) with what runs next, e.g.
+    "vt · 1,024 tokens · r = 4: 3 of 20 samples to generate".
     Raises UnknownTask, TaskTooShort, RankOutOfRange, EmptyDocumentSet, BadSegmentLength before running anything.
     """
     if lm.tokenizer is None:
@@ -261,16 +272,21 @@ def run_sweep(lm, spec: SweepSpec, store=None, progress: Callable[[int, int], No
                     progress(done, total)
                 todo = sorted((i for i, k in enumerate(keys) if results[k] is None),
                               key=lambda i: -smp[i].n_tokens)  # similar lengths together: less padding
+                if describe is not None:
+                    describe(f"{task} · {int(length):,} tokens · {_setting_label(setting, _rmax(lm.info))}: "
+                             + (f"{len(todo)} of {len(smp)} samples to generate" if todo else
+                                f"all {len(smp)} samples from the memo"))
                 for b in range(0, len(todo), spec.batch_size):
                     idx = todo[b:b + spec.batch_size]
                     gens = batched_greedy(lm, [smp[i].input_ids for i in idx], new_tokens,
                                           segment_len=spec.segment_len, spec=setting.spec)
-                    for i, gen in zip(idx, gens):
+                    for i, gen in zip(idx, gens):  # store the whole batch first, then report
                         s = smp[i]
                         res = dict(score=float(ruler.score(task, [gen.text], [s.answers])), pred=gen.text,
                                    n_tokens=int(s.n_tokens), n_generated=len(gen.tokens))
                         st.set(keys[i], res)
                         results[keys[i]] = res
+                    for _ in idx:
                         done += 1
                         if progress is not None:
                             progress(done, total)
@@ -325,37 +341,104 @@ def sweep_table(rows: pd.DataFrame, rmax: int | None = None) -> pd.DataFrame:
 
 
 def sweep_figure(table: pd.DataFrame, title: str | None = None):
-    """Altair chart: score vs r (log x), one line per task, one panel per length, error bars +- paired SE."""
+    """Altair chart: score vs r (log x), one line per task, one panel per length, error bars +- paired SE (the
+    standard error of score_r - score_untouched over the same samples, drawn around score_r). The tasks are
+    dodged a little around each r (``r_plot``; the axis ticks and tooltips give the true r)."""
     import altair as alt
+
+    from gdnviz.figures import _configure
 
     df = table[table["setting"] == UNIFORM].copy() if "setting" in table else table.copy()
     df["r"] = df["r"].astype(int)
     se = df["se"].fillna(0.0)
     df["lo"], df["hi"] = df["score"] - se, df["score"] + se
     df["length"] = df["length"].astype(int)
-    x = alt.X("r:Q", scale=alt.Scale(type="log", base=2), title="rank r kept per head (log scale)",
-              axis=alt.Axis(values=sorted(df["r"].unique().tolist())))
-    color = alt.Color("task:N", title="task")
-    tip = [alt.Tooltip("task:N"), alt.Tooltip("length:Q"), alt.Tooltip("r:Q"), alt.Tooltip("score:Q", format=".1f"),
-           alt.Tooltip("delta:Q", format="+.1f", title="Δ vs untouched"),
-           alt.Tooltip("se:Q", format=".1f", title="paired SE"), alt.Tooltip("n:Q")]
+    rmax, n_lo, n_hi = int(df["r"].max()), int(df["n"].min()), int(df["n"].max())
+    n_txt = f"n = {n_lo}" if n_lo == n_hi else f"n = {n_lo} to {n_hi}"
+    if df["se"].isna().all():
+        bars_txt = f"{n_txt} sample per point: no standard errors (run n ≥ 2)"
+    else:
+        bars_txt = (f"error bars: ± paired standard error of (score at r − untouched score) over the same samples, "
+                    f"{n_txt} per point")
+    # tasks side by side around each r (a small dodge on the log axis), so equal scores do not hide a task
+    tasks = sorted(df["task"].unique().tolist())
+    off = {t: (i - (len(tasks) - 1) / 2) * min(0.08, 0.3 / max(1, len(tasks))) for i, t in enumerate(tasks)}
+    df["r_plot"] = df["r"] * np.power(2.0, df["task"].map(off).astype(float))
+    x = alt.X("r_plot:Q", scale=alt.Scale(type="log", base=2), title="rank r kept per head (log scale)",
+              axis=alt.Axis(values=sorted(df["r"].unique().tolist()), format="d", labelAngle=0, grid=True))
+    y_title = "RULER score (string match, %)"
+    color = alt.Color("task:N", title="task", legend=alt.Legend(orient="right"))
+    tip = [alt.Tooltip("task:N"), alt.Tooltip("length:Q", title="length (tokens)", format=","),
+           alt.Tooltip("r:Q"), alt.Tooltip("score:Q", format=".1f", title="score (%)"),
+           alt.Tooltip("delta:Q", format="+.1f", title="Δ vs untouched (points)"),
+           alt.Tooltip("se:Q", format=".1f", title="paired SE (points)"), alt.Tooltip("n:Q", title="samples")]
     base = alt.Chart(df)
-    line = base.mark_line().encode(x=x, y=alt.Y("score:Q", title="RULER score (string match, %)",
-                                                 scale=alt.Scale(domain=[0, 100])), color=color)
-    pts = base.mark_point(filled=True, size=50).encode(x=x, y="score:Q", color=color, tooltip=tip)
-    bars = base.mark_errorbar(ticks=True).encode(x=x, y=alt.Y("lo:Q", title="RULER score (string match, %)"),
-                                                  y2="hi:Q", color=color)
-    chart = alt.layer(line, bars, pts, data=df).properties(width=260, height=220).facet(
-        column=alt.Column("length:O", title="target length (tokens)"))
-    return chart.properties(title=title or "Score vs rank (error bars: paired SE vs untouched)")
+    # a little room below 0 and above 100, so points on the floor or the ceiling stay visible off the axis line
+    y = alt.Y("score:Q", title=y_title, scale=alt.Scale(domain=[-3, 103], nice=False),
+              axis=alt.Axis(values=[0, 20, 40, 60, 80, 100]))
+    line = base.mark_line().encode(x=x, y=y, color=color)
+    pts = base.mark_point(filled=True, size=55).encode(x=x, y="score:Q", color=color, tooltip=tip)
+    bars = base.mark_errorbar(ticks=True).encode(x=x, y=alt.Y("lo:Q", title=y_title), y2="hi:Q", color=color)
+    chart = alt.layer(line, bars, pts, data=df).properties(width=300, height=240).facet(
+        column=alt.Column("length:O", title="target length (tokens)", header=alt.Header(labelFontSize=12,
+                                                                                       titleFontSize=13)),
+        spacing=28)
+    chart = chart.properties(title=alt.Title(title or "RULER score vs rank",
+                                             subtitle=[bars_txt, f"r = {rmax} is the untouched model"]))
+    return _configure(chart, autosize="pad")
 
 
-def to_csv(frame: pd.DataFrame, path) -> Path:
-    """Write a rows or table frame as CSV (list columns as JSON)."""
+def csv_frame(frame: pd.DataFrame) -> pd.DataFrame:
+    """A rows or table frame ready for CSV: list columns (the answers) as JSON text."""
     df = frame.copy()
     for c in df.columns:
         if df[c].dtype == object and df[c].map(lambda v: isinstance(v, (list, tuple))).any():
             df[c] = df[c].map(lambda v: json.dumps(list(v)) if isinstance(v, (list, tuple)) else v)
+    return df
+
+
+def to_csv(frame: pd.DataFrame, path) -> Path:
+    """Write a rows or table frame as CSV (list columns as JSON)."""
     path = Path(path)
-    df.to_csv(path, index=False)
+    csv_frame(frame).to_csv(path, index=False)
     return path
+
+
+# --- JSON round trip (worker results) -----------------------------------------------------------------------------
+def _plain(v):
+    if v is None or v is pd.NA:
+        return None
+    if isinstance(v, (list, tuple, np.ndarray)):
+        return [_plain(x) for x in v]
+    if isinstance(v, (np.integer,)):
+        return int(v)
+    if isinstance(v, (float, np.floating)):
+        return None if math.isnan(float(v)) else float(v)
+    return v
+
+
+def records(frame: pd.DataFrame) -> list[dict]:
+    """A rows or table frame as JSON-able records (NaN / NA -> None, numpy scalars -> Python)."""
+    return [{k: _plain(v) for k, v in rec.items()} for rec in frame.to_dict(orient="records")]
+
+
+def _frame(recs, columns) -> pd.DataFrame:
+    df = pd.DataFrame(list(recs), columns=columns)
+    df["r"] = pd.array([None if v is None or v is pd.NA or (isinstance(v, float) and math.isnan(v)) else int(v)
+                        for v in df["r"]], dtype="Int64")
+    df["length"] = df["length"].astype(int)
+    return df
+
+
+def rows_frame(recs) -> pd.DataFrame:
+    """``records(run_sweep(...))`` back into the rows frame (same columns and dtypes)."""
+    return _frame(recs, ROW_COLUMNS)
+
+
+def table_frame(recs) -> pd.DataFrame:
+    """``records(sweep_table(...))`` back into the table frame (None -> NaN in the float columns)."""
+    df = _frame(recs, TABLE_COLUMNS)
+    for c in ("score", "untouched", "delta", "se"):
+        df[c] = pd.to_numeric(df[c], errors="coerce").astype(float)
+    df["n"] = df["n"].astype(int)
+    return df

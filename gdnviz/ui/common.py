@@ -16,6 +16,7 @@ run_id              the run shown on every page (None: the most recent run)
 layer, head         the open head
 picked_heads        [[layer, head], ...] the truncation set built by clicks
 truncate_job        id of the truncation job of this session
+sweep_job           id of the sweep job of this session (the Sweeps page's widgets are ``sw_*``)
 ==================  ==========================================================================================
 """
 from __future__ import annotations
@@ -40,6 +41,7 @@ PAGES = {
     "overview": "pages/overview.py",
     "truncate": "pages/truncate.py",
     "budget": "pages/budget.py",
+    "sweeps": "pages/sweeps.py",
 }
 def _poll_seconds() -> float | None:
     """Seconds between polls of a running job (``$GDNVIZ_POLL_SECONDS``, default 0.5; 0 turns polling off, as the
@@ -56,7 +58,8 @@ APP_PATH = Path(__file__).resolve().parent.parent.parent / "app.py"
 PERSISTED = ("model_source", "model_path", "model_hf", "device", "dtype", "sample_docs", "segment_len",
              "max_tokens", "heat_metric", "click_action", "tr_prompt_mode", "tr_task", "tr_target_len", "tr_seed",
              "tr_max_new", "tr_prompt", "tr_loss_docs", "tr_chat", "bud_batch", "bud_state_dtype", "bud_kv_dtype",
-             "bud_max_ctx", "head_doc")
+             "bud_max_ctx", "head_doc", "sw_tasks", "sw_lengths", "sw_ranks", "sw_n", "sw_batch", "sw_seed0",
+             "sw_max_new", "sw_chat", "sw_heads", "sw_layers")
 
 
 # =============================================================================================================
@@ -197,6 +200,30 @@ def request_inspection() -> dict:
     return ins
 
 
+def require_inspected_model(what: str) -> dict | None:
+    """The inspection result of the chosen model, requesting it when this session has none yet (a deep link into
+    a page): None after drawing what happens instead (the empty state when no model is chosen or the demo is not
+    installed, the inspection's progress, or why the model cannot be used)."""
+    info = inspected()
+    if info is not None:
+        return info
+    ch = model_choice()
+    if not ch["model"] or (ch["model"] == "demo" and not demo_installed()):
+        empty_state("No model yet.", f"Pick a model on the **Model & documents** page; {what}")
+        return None
+    ins = request_inspection()
+    if ins.get("error"):
+        show_error(f"Cannot use **{ch['model']}**: {ins['error']}", "Pick another model on the Model & documents "
+                                                                   "page.")
+        page_link("documents", "Go to Model & documents", icon=":material/arrow_forward:")
+        return None
+    if ins.get("result") is not None:
+        return ins["result"]
+    st.session_state["_inspect_job"] = ins["job"]
+    job_panel("_inspect_job", f"Inspecting {Path(ch['model']).name or ch['model']}")
+    return None
+
+
 @st.cache_resource(show_spinner=False, max_entries=4)
 def _fast_tokenizer(path: str, mtime: float):
     from gdnviz.documents import load_fast_tokenizer
@@ -211,6 +238,46 @@ def fast_tokenizer(info: dict | None):
         return None
     p = Path(path) / "tokenizer.json"
     return _fast_tokenizer(str(path), p.stat().st_mtime) if p.exists() else None
+
+
+@st.cache_resource(show_spinner=False, max_entries=2)
+def _hf_tokenizer(path: str, mtime: float):
+    from gdnviz.models.loader import load_tokenizer_for
+
+    return load_tokenizer_for(Path(path))
+
+
+def _tokenizer_key(info: dict | None) -> tuple[str, float] | None:
+    """(checkpoint folder, newest tokenizer file mtime) or None when the model has no folder."""
+    path = (info or {}).get("path")
+    if not path or not Path(path).exists():
+        return None
+    files = [Path(path) / n for n in ("tokenizer.json", "tokenizer_config.json")]
+    return str(path), max((p.stat().st_mtime for p in files if p.exists()), default=0.0)
+
+
+def hf_tokenizer(info: dict | None):
+    """The model's transformers tokenizer (chat template included; what the worker builds RULER prompts with),
+    or None when the checkpoint has none."""
+    key = _tokenizer_key(info)
+    return None if key is None else _hf_tokenizer(*key)
+
+
+@st.cache_data(show_spinner=False, max_entries=256)
+def _task_minimum(path: str, mtime: float, task: str, seed0: int, chat) -> int:
+    from gdnviz.ui.sweeps import task_minimum as minimum
+
+    return minimum(task, _hf_tokenizer(path, mtime), seed0, chat)
+
+
+def task_minimum(task: str, tokenizer, seed0: int, chat, *, info: dict) -> int:
+    """``gdnviz.ui.sweeps.task_minimum`` cached per (model tokenizer, task, seed, chat template)."""
+    key = _tokenizer_key(info)
+    if key is None:
+        from gdnviz.ui.sweeps import task_minimum as minimum
+
+        return minimum(task, tokenizer, seed0, chat)
+    return _task_minimum(*key, task, int(seed0), chat)
 
 
 def info_ns(info: dict) -> SimpleNamespace:
@@ -469,7 +536,7 @@ def worker_status_line() -> None:
 def sidebar() -> None:
     """Worker status, the current run (previous runs) and the whole-run download."""
     with st.sidebar:
-        active = any(_active(st.session_state.get(k)) for k in ("capture_job", "truncate_job"))
+        active = any(_active(st.session_state.get(k)) for k in ("capture_job", "truncate_job", "sweep_job"))
         ws = ensure_worker().status()
         poll = (2.0 if _poll_seconds() else None) if (active or ws["state"] in ("starting", "busy")) else None
         st.fragment(worker_status_line, run_every=poll)()
@@ -498,6 +565,11 @@ def sidebar() -> None:
 
 def _pick_run() -> None:
     st.session_state["run_id"] = st.session_state.get("sb_run")
+
+
+def job_active(jid) -> bool:
+    """True while the job ``jid`` is queued or running."""
+    return _active(jid)
 
 
 def _active(jid) -> bool:

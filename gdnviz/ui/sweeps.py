@@ -1,0 +1,158 @@
+"""The Sweeps page's logic (pure: no Streamlit): parse and check its inputs, build the ``SweepJob``, shape the
+result into seed 000's table.
+
+Every check here raises or returns the message the page shows with ``st.error``; the page submits nothing while
+any is present. The head set reuses the Truncate & compare page's selections (``gdnviz.ui.truncation``).
+"""
+from __future__ import annotations
+
+import math
+import re
+
+import pandas as pd
+
+from gdnviz.errors import RankOutOfRange, TaskTooShort
+from gdnviz.ui import truncation as T
+
+#: The tasks ticked when the page opens (seed 000's retrieval pair: a needle and variable tracking).
+DEFAULT_TASKS = ("niah_single_1", "vt")
+#: Seed 000's ranks; the page offers those up to min(d_k, d_v).
+DEFAULT_RANKS = (1, 4, 12, 32, 128)
+#: Head sets offered (the Truncate & compare page's, one group, one rank per run of the sweep).
+HEAD_MODES = {
+    "all": "all GDN heads",
+    "within": "heads forgetting within a segment (horizon < L)",
+    "layers": "whole layers",
+    "picked": "heads picked on the heatmap",
+}
+
+
+def default_ranks_text(rmax: int) -> str:
+    return ", ".join(str(r) for r in DEFAULT_RANKS if r <= rmax)
+
+
+def parse_ints(text: str, what: str) -> list[int]:
+    """Comma- (or space-) separated whole numbers; ValueError naming the first that is not one."""
+    out = []
+    for tok in re.split(r"[,\s]+", str(text or "").strip()):
+        if not tok:
+            continue
+        try:
+            out.append(int(tok.replace("_", "")))
+        except ValueError:
+            raise ValueError(f"{what} must be whole numbers separated by commas: {tok!r} is not one.") from None
+    return out
+
+
+def parse_ranks(text: str, rmax: int) -> list[int]:
+    """The ranks to run (sorted, the untouched ``rmax`` added); RankOutOfRange / ValueError with the message."""
+    from gdnviz.probes.sweep import resolve_ranks
+
+    ranks = parse_ints(text, "Ranks")
+    if not ranks:
+        raise RankOutOfRange(f"No ranks given: enter at least one r in 1..{rmax}, e.g. "
+                             f"{default_ranks_text(rmax)} (r = {rmax}, the untouched model, always runs).")
+    return resolve_ranks(ranks, rmax)
+
+
+def parse_lengths(text: str) -> list[int]:
+    """Target lengths in tokens (sorted, unique); ValueError with the message."""
+    lengths = parse_ints(text, "Lengths")
+    if not lengths:
+        raise ValueError("No lengths given: enter at least one target length in tokens, e.g. 1024, 4096.")
+    bad = [L for L in lengths if L < 1]
+    if bad:
+        raise ValueError(f"Lengths are numbers of tokens, at least 1: {bad[0]} is not.")
+    return sorted(set(lengths))
+
+
+def task_minimum(task: str, tokenizer, seed0: int = 0, chat_template="auto") -> int:
+    """The shortest target length (tokens) at which ``task`` fits with this tokenizer: what ``TaskTooShort``
+    reports for an impossible target (the template, the smallest haystack and the tokens to generate)."""
+    from gdnviz.probes import ruler
+
+    try:
+        ruler.generate(task, tokenizer, 1, int(seed0), chat_template=chat_template)
+    except TaskTooShort as e:
+        return int(e.minimum)
+    return 1
+
+
+def length_errors(tasks, lengths, tokenizer, seed0: int = 0, chat_template="auto", minimum=task_minimum) -> list:
+    """One message per (task, length) that cannot hold a sample. ``minimum(task)``-checks first (cheap), then
+    confirms each suspect by generating the sample (fwe's fill is not monotone in the target)."""
+    from gdnviz.probes import ruler
+
+    out = []
+    for task in tasks:
+        m = minimum(task, tokenizer, seed0, chat_template)
+        for L in lengths:
+            if L >= m:
+                continue
+            try:
+                ruler.generate(task, tokenizer, int(L), int(seed0), chat_template=chat_template)
+            except TaskTooShort as e:
+                out.append(f"Length {L:,} is too short for {task}: it needs at least {e.minimum:,} tokens with this "
+                           f"model's tokenizer (its template, the smallest haystack and "
+                           f"{ruler.TASKS[task]['tokens_to_generate']} tokens to generate). Raise or remove it.")
+    return out
+
+
+def head_group(mode: str, *, layers=(), picked=()) -> dict:
+    """The truncation-page group of a head-set choice."""
+    if mode == "within":
+        return dict(mode="horizon", filter="within")
+    if mode == "layers":
+        return dict(mode="layers", layers=list(layers))
+    if mode == "picked":
+        return dict(mode="picked", heads=[list(p) for p in picked])
+    return dict(mode="all")
+
+
+def head_set(mode: str, info: dict, table=None, segment_len: int | None = None, *, layers=(), picked=()) -> list:
+    """The (layer, head) pairs cut to each r; ValueError (e.g. a horizon filter without a capture)."""
+    return sorted(set(T.group_heads(head_group(mode, layers=layers, picked=picked), info, table, segment_len)))
+
+
+def n_generations(n_tasks: int, n_lengths: int, n_ranks: int, n: int) -> int:
+    return n_tasks * n_lengths * n_ranks * n
+
+
+# --- results ----------------------------------------------------------------------------------------------------
+def _pm(delta: float, se: float) -> str:
+    d = f"{delta:+.1f}".replace("-", "−")
+    if se is None or (isinstance(se, float) and math.isnan(se)):
+        return f"{d} (n = 1: no SE)"
+    return f"{d} ± {se:.1f}"
+
+
+def seed000_table(table: pd.DataFrame, rmax: int) -> pd.DataFrame:
+    """Seed 000's layout: one row per (task, length), one column per r, each cell "score (Δ ± paired SE)"; the
+    untouched column holds the plain score."""
+    df = table[table["setting"] == "uniform"] if "setting" in table else table
+    out = []
+    for (task, length), g in df.groupby(["task", "length"], sort=True):
+        row = {"task": task, "length (tokens)": int(length), "n": int(g["n"].max())}
+        for _, x in g.sort_values("r").iterrows():
+            r = int(x["r"])
+            if r == rmax:
+                row[f"r = {r} (untouched)"] = f"{x['score']:.1f}"
+            else:
+                row[f"r = {r}"] = f"{x['score']:.1f} ({_pm(x['delta'], x['se'])})"
+        out.append(row)
+    res = pd.DataFrame(out)
+    cols = ["task", "length (tokens)"] + [c for c in res.columns if c.startswith("r = ")] + ["n"]
+    return res[cols]
+
+
+def untouched_at_zero(table: pd.DataFrame) -> list[str]:
+    """"task at L tokens" for every (task, length) where the untouched model scored 0 on every sample."""
+    df = table.drop_duplicates(["task", "length"]).sort_values(["task", "length"])
+    return [f"{t} at {int(L):,} tokens" for t, L, u in zip(df["task"], df["length"], df["untouched"]) if u == 0]
+
+
+def long_table(table: pd.DataFrame) -> pd.DataFrame:
+    """The table with readable column names for the page (same numbers as the CSV)."""
+    return table.rename(columns={"length": "length (tokens)", "score": "score (%)",
+                                 "untouched": "untouched score (%)", "delta": "Δ vs untouched (points)",
+                                 "se": "paired SE (points)"})

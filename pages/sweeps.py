@@ -1,0 +1,188 @@
+"""Sweeps: RULER retrieval score vs the rank r kept in chosen heads, tasks x lengths x r x samples, in the worker."""
+from __future__ import annotations
+
+from pathlib import Path
+
+import streamlit as st
+
+from gdnviz.errors import GDNVizError
+from gdnviz.ui import common as C
+
+C.ensure_entrypoint()
+from gdnviz.probes import ruler  # noqa: E402
+from gdnviz.ui import sweeps as S  # noqa: E402
+
+st.title("Retrieval sweeps")
+st.caption("For every task, length and rank r: generate n RULER samples, answer each greedily with the chosen heads "
+           "cut to rank r at every segment boundary (the untouched model always runs too), score them with RULER's "
+           "string match. Differences to the untouched model are paired over the same samples (seed 000 §3). "
+           "Every sample's result is stored as soon as its batch finishes: a cancelled or crashed sweep resumes "
+           "where it stopped, and a repeated one is read back instantly.")
+
+run = C.current_run(announce=False)
+table = None
+if run is not None:
+    info = run["model"]
+    model_name, device, dtype = run["model_name"], run["spec"].get("device", "auto"), run["spec"].get("dtype", "auto")
+    L_default = int(run["segment_len"])
+    table = C.run_table(run)
+    src = f"the model of the current run ({Path(str(model_name)).name})"
+else:
+    info = C.require_inspected_model("sweeps run on it here (a capture also lets you choose the heads that "
+                                     "forget within a segment).")
+    if info is None:
+        st.stop()
+    ch = C.model_choice()
+    model_name, device, dtype = ch["model"], ch["device"], ch["dtype"]
+    L_default = int(st.session_state.get("segment_len", 256))
+    src = f"the inspected model ({Path(str(model_name)).name})"
+gl, H = list(info["gdn_layers"]), int(info["num_heads"])
+rmax = min(int(info["d_k"]), int(info["d_v"]))
+st.markdown(f"Model: {src} · {len(gl)} GDN layers × {H} heads of {info['d_k']}×{info['d_v']} · segment length "
+            f"**L = {L_default}** · r = {rmax} keeps a state untouched")
+errors: list[str] = []
+
+# =============================================================================================================
+# 1. tasks, lengths, ranks, samples
+# =============================================================================================================
+st.subheader("1 · Tasks, lengths, ranks")
+st.session_state.setdefault("sw_tasks", list(S.DEFAULT_TASKS))
+st.session_state.setdefault("sw_lengths", ", ".join(str(x) for x in (4 * L_default, 16 * L_default)))
+st.session_state.setdefault("sw_ranks", S.default_ranks_text(rmax))
+for k, v in (("sw_n", 20), ("sw_batch", 8), ("sw_seed0", 0), ("sw_max_new", 0), ("sw_chat", True)):
+    st.session_state.setdefault(k, v)
+st.multiselect("RULER tasks", list(ruler.TASK_NAMES), key="sw_tasks",
+               format_func=lambda t: f"{t}: {ruler.TASKS[t]['description']}")
+c = st.columns([2, 2, 1, 1])
+c[0].text_input("Lengths (tokens, comma-separated)", key="sw_lengths",
+                help="target length of each sample: prompt + answer tokens, as RULER sizes its samples")
+c[1].text_input("Ranks r (comma-separated)", key="sw_ranks",
+                help=f"directions kept per chosen head, each in 1..{rmax}; r = {rmax} (untouched) always runs as "
+                     "the baseline of the paired differences")
+c[2].number_input("Samples n", min_value=1, max_value=10_000, step=1, key="sw_n",
+                  help="samples per task and length (seeds first seed … first seed + n − 1)")
+c[3].number_input("Batch size", min_value=1, max_value=512, step=1, key="sw_batch",
+                  help="samples answered per forward pass on the GPU; lower it if the GPU runs out of memory")
+with st.expander("More settings"):
+    c = st.columns(3)
+    c[0].number_input("First seed", min_value=0, step=1, key="sw_seed0")
+    c[1].number_input("New tokens (0 = each task's own)", min_value=0, max_value=4096, step=8, key="sw_max_new")
+    c[2].checkbox("Chat template", key="sw_chat", help="wrap each task as one user message when the tokenizer has "
+                                                       "a chat template (instruction-tuned models)")
+
+tasks = list(st.session_state["sw_tasks"])
+seed0, chat = int(st.session_state["sw_seed0"]), ("auto" if st.session_state["sw_chat"] else False)
+if not tasks:
+    errors.append("No tasks chosen: pick at least one RULER task.")
+lengths, ranks = [], []
+try:
+    lengths = S.parse_lengths(st.session_state["sw_lengths"])
+except ValueError as e:
+    errors.append(str(e))
+try:
+    ranks = S.parse_ranks(st.session_state["sw_ranks"], rmax)
+except (GDNVizError, ValueError) as e:
+    errors.append(f"Ranks: {e}")
+tok = C.hf_tokenizer(info)
+if tok is None:
+    errors.append(f"{info.get('path') or model_name} has no tokenizer files beside its weights: the RULER prompts "
+                  "need the model's tokenizer.")
+elif tasks and lengths:
+    with st.spinner("Checking the lengths against the model's tokenizer…"):
+        errors += S.length_errors(tasks, lengths, tok, seed0, chat,
+                                  minimum=lambda t, k, s, c: C.task_minimum(t, k, s, c, info=info))
+if lengths and min(lengths) <= L_default:
+    st.warning(f"A length of {min(lengths):,} tokens is at most one segment (L = {L_default}): no boundary falls "
+               "inside such a prompt, so the truncation cannot act on it.", icon=":material/warning:")
+
+# =============================================================================================================
+# 2. heads
+# =============================================================================================================
+st.subheader("2 · Heads cut to each r")
+st.session_state.setdefault("sw_heads", "all")
+all_labels = [C.head_label(l, h) for l in gl for h in range(H)]
+c = st.columns([2, 4])
+mode = c[0].selectbox("Heads", list(S.HEAD_MODES), key="sw_heads", format_func=S.HEAD_MODES.get)
+layers, picked = [], C.picked_heads()
+with c[1]:
+    if mode == "layers":
+        layers = st.multiselect("GDN layers", gl, key="sw_layers", help="every head of these layers")
+    elif mode == "picked":
+        st.markdown("Picked: " + (", ".join(C.head_label(*p) for p in picked) or "none yet"))
+        if not picked:
+            st.caption("On the **Heatmap**, set *Clicking a cell* to “adds / removes it in the truncation set” and "
+                       "click cells.")
+    elif mode == "within":
+        st.caption(f"heads whose decay horizon (median over the run's documents) is below L = {L_default} tokens")
+heads: list = []
+try:
+    heads = S.head_set(mode, info, table, L_default, layers=layers, picked=picked)
+except (GDNVizError, ValueError) as e:
+    errors.append(str(e))
+else:
+    if not heads:
+        errors.append("No heads in this set: choose another head set (or pick heads / layers).")
+    else:
+        st.caption(f"**{len(heads)} of {len(gl) * H} heads** cut to each r; all other heads and the attention layers "
+                   "stay untouched.")
+
+# =============================================================================================================
+# 3. run
+# =============================================================================================================
+st.subheader("3 · Run")
+if tasks and lengths and ranks:
+    n = int(st.session_state["sw_n"])
+    total = S.n_generations(len(tasks), len(lengths), len(ranks), n)
+    st.caption(f"{len(tasks)} task(s) × {len(lengths)} length(s) × {len(ranks)} ranks "
+               f"({', '.join(map(str, ranks))} = untouched) × {n} samples = **{total:,} answers**, "
+               f"{int(st.session_state['sw_batch'])} per forward pass")
+for e in errors:
+    C.show_error(e)
+running = C.job_active(st.session_state.get("sweep_job"))
+go = st.button("Run the sweep", type="primary", key="sw_run", icon=":material/play_arrow:",
+               disabled=bool(errors) or running, help="one sweep at a time: cancel the running one first" if running
+               else None)
+if go and not errors:
+    from gdnviz.jobs import SweepJob, spec_to_dict
+
+    spec = SweepJob(
+        model=model_name, device=device, dtype=dtype, tasks=tuple(tasks), lengths=tuple(lengths),
+        ranks=tuple(r for r in ranks if r != rmax), n=int(st.session_state["sw_n"]), seed0=seed0,
+        heads="all" if mode == "all" else tuple(heads), segment_len=L_default,
+        batch_size=int(st.session_state["sw_batch"]), max_new_tokens=int(st.session_state["sw_max_new"]),
+        chat_template=chat, fingerprint=str(info.get("fingerprint") or ""))
+    st.session_state["sweep_job"] = C.submit("sweep", spec_to_dict(spec), label="retrieval sweep")
+    st.rerun()  # redraw from the top: the sidebar's worker status and the Run button see the new job
+
+rec = C.job_panel("sweep_job", "Sweep")
+if rec is not None and (rec["status"] == "cancelled" or rec.get("error_type") in ("WorkerCrashed", "WorkerStopped",
+                                                                                   "GPUOutOfMemory")):
+    st.caption("The samples finished before it stopped are stored: run the same sweep again to resume from there.")
+if rec is not None and rec["status"] == "done":
+    from gdnviz import figures as F
+    from gdnviz.probes import sweep
+
+    res = rec["result"]
+    tab = sweep.table_frame(res["table"])
+    rows = sweep.rows_frame(res["rows"])
+    spec = res["settings"]
+    st.markdown(f"**{res['n_results']:,} answers** ({res['computed']:,} generated now, {res['reused']:,} read from "
+                f"the store) · {res['n_heads']} heads cut · L = {spec['segment_len']} · {res['dtype']} on "
+                f"{res['device']} · {res['kernel_path']} kernels")
+    st.markdown("**Score per task, length and r** — RULER string match (%), and in brackets the change vs the "
+                "untouched model ± its paired standard error over the same samples (points)")
+    st.dataframe(S.seed000_table(tab, int(res["rmax"])), hide_index=True, width="stretch")
+    floor = S.untouched_at_zero(tab)
+    if floor:
+        st.warning("The untouched model scores 0 on " + ", ".join(floor) + ": there is no retrieval there for a "
+                   "truncation to lose, so those rows say nothing about rank. The model cannot do the task at that "
+                   "length (too small, untrained, or the prompt format does not suit it: try the chat-template "
+                   "setting).", icon=":material/warning:")
+    name = Path(str(res["model_name"])).name
+    C.chart(sweep.sweep_figure(tab, title=f"{name}: RULER score vs rank"), tab, "sweep_score_vs_rank",
+            key="sw_chart", fixed_size=True)
+    st.download_button("Per-sample answers (CSV)", data=F.to_csv(sweep.csv_frame(rows)),
+                       file_name="sweep_rows.csv", mime="text/csv", on_click="ignore", key="sw_rows_csv",
+                       icon=":material/table:")
+    with st.expander("The table in long form (the CSV download)"):
+        st.dataframe(S.long_table(tab), hide_index=True, width="stretch")
