@@ -402,7 +402,12 @@ def horizon_hist_chart(table: pd.DataFrame, segment_len: int):
                  alt.Tooltip("hi:Q", title="to (tokens)", format=",.1f"), alt.Tooltip("heads:Q", title="heads")])
     seg = pd.DataFrame({"x": [segment_len], "label": [f"segment length L = {segment_len}"]})
     rule = alt.Chart(seg).mark_rule(color="#d62728", strokeWidth=2).encode(x="x:Q")
-    txt = alt.Chart(seg).mark_text(align="left", dx=4, y=10, color="#d62728").encode(x="x:Q", text="label:N")
+    # the label sits on the side of the rule with room for it (right of it, the plot may end within ~100 px)
+    lo_e, hi_e = float(edges[0]), float(edges[-1])
+    frac = np.log(segment_len / lo_e) / np.log(hi_e / lo_e) if hi_e > lo_e > 0 and segment_len > 0 else 0.0
+    left = frac > 0.55
+    txt = alt.Chart(seg).mark_text(align="right" if left else "left", dx=-4 if left else 4, y=10,
+                                   color="#d62728").encode(x="x:Q", text="label:N")
     share = float(np.mean(table["horizon"].to_numpy(float) < segment_len))
     return _configure(alt.layer(bars, rule, txt).properties(width=440, height=300, title=alt.Title(
         "Decay horizons of all GDN heads",
