@@ -227,9 +227,14 @@ def spectrum_chart(df: pd.DataFrame, document: str | None = None):
     effective rank (vertical rules), for one document (``document``) or all (lines coloured by document)."""
     d = df if document is None else df[df.document == document]
     one = d.drop_duplicates("document")
+    # σ = 0 has no place on a log axis (a rank-1 head has 127 of them: the Gram route's eigenvalues below its
+    # resolution are clamped to 0); they stay in the CSV and the subtitle counts them
+    zeros = int((d["sigma"] <= 0).sum()) if len(d) else 0
+    n_max = int(d["index"].max()) if len(d) else 2
+    d = d[d["sigma"] > 0]
     lines = alt.Chart(d).mark_line(point=alt.OverlayMarkDef(size=18)).encode(
         x=alt.X("index:Q", title="singular value index i (descending)",
-                scale=alt.Scale(domain=[1, int(d["index"].max()) if len(d) else 2], nice=False)),
+                scale=alt.Scale(domain=[1, n_max], nice=False)),
         y=alt.Y("sigma:Q", title="singular value σ_i (log scale)", scale=alt.Scale(type="log")),
         color=alt.Color("document:N", title="document", legend=alt.Legend(orient="bottom", columns=2)),
         tooltip=["document", alt.Tooltip("index:Q", title="i"), alt.Tooltip("sigma:Q", title="σ_i", format=".3e")])
@@ -242,14 +247,22 @@ def spectrum_chart(df: pd.DataFrame, document: str | None = None):
     er = alt.Chart(one).mark_rule(color="#2ca02c", strokeWidth=2).encode(
         x="erank:Q", tooltip=["document", alt.Tooltip("erank:Q", title="effective rank", format=".2f")])
     lab = one.head(1).copy()
-    nr_txt = alt.Chart(lab).mark_text(align="right", dx=-3, color="#555555", fontSize=11).encode(
+    # labels right of their rule when the rule is in the left half (a rank-1 head: left of it is the y axis)
+    def side(col):
+        left = len(lab) and float(lab[col].iloc[0]) > n_max / 2
+        return dict(align="right", dx=-3) if left else dict(align="left", dx=3)
+
+    nr_txt = alt.Chart(lab).mark_text(**side("numerical_rank"), color="#555555", fontSize=11).encode(
         x="numerical_rank:Q", y=alt.value(26),
         text=alt.value(f"numerical rank {int(lab['numerical_rank'].iloc[0])}" if len(lab) else ""))
-    er_txt = alt.Chart(lab).mark_text(align="right", dx=-3, color="#2ca02c", fontSize=11).encode(
+    er_txt = alt.Chart(lab).mark_text(**side("erank"), color="#2ca02c", fontSize=11).encode(
         x="erank:Q", y=alt.value(10),
         text=alt.value(f"erank {float(lab['erank'].iloc[0]):.1f}" if len(lab) else ""))
     title = "Singular spectrum at the document end"
     sub = ["dashed red: the f32 floor σ_max·128·ε", "grey: numerical rank · green: effective rank"]
+    if zeros:
+        sub += [f"{zeros:,} singular value{'s are' if zeros > 1 else ' is'} 0 (below the resolution √ε_f64·σ_max)",
+                "and not drawn on the log axis"]
     return _configure(alt.layer(lines, floor, floor_txt, nr, er, nr_txt, er_txt).properties(
         width=480, height=260, title=alt.Title(title, subtitle=sub)))
 
