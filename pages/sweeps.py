@@ -22,11 +22,7 @@ st.caption("For every task, length and rank r: generate n RULER samples, answer 
 run = C.current_run(announce=False)
 table = None
 if run is not None:
-    info = run["model"]
-    model_name, device, dtype = run["model_name"], run["spec"].get("device", "auto"), run["spec"].get("dtype", "auto")
-    L_default = int(run["segment_len"])
-    table = C.run_table(run)
-    src = f"the model of the current run ({Path(str(model_name)).name})"
+    info, model_name, device, dtype, L_default, table, src = C.run_model(run)
 else:
     info = C.require_inspected_model("sweeps run on it here (a capture also lets you choose the heads that "
                                      "forget within a segment).")

@@ -21,11 +21,7 @@ st.caption("At every segment boundary the chosen heads' states are replaced by t
 run = C.current_run()
 table = None
 if run is not None:
-    info = run["model"]
-    model_name, device, dtype = run["model_name"], run["spec"].get("device", "auto"), run["spec"].get("dtype", "auto")
-    L_default = int(run["segment_len"])
-    table = C.run_table(run)
-    src = f"the model of the current run ({Path(str(model_name)).name})"
+    info, model_name, device, dtype, L_default, table, src = C.run_model(run)
 else:
     info = C.inspected()
     if info is None:

@@ -349,6 +349,15 @@ def _run_table(cache_dir: str, run_id: str, keys: tuple) -> pd.DataFrame:
     return document_set_table(_load_captures(cache_dir, run_id, keys))
 
 
+def run_model(run: dict) -> tuple:
+    """What a page that runs the model of ``run`` needs: (info, model name, device, dtype, segment length L, head
+    table or None, a phrase naming the model for the page)."""
+    spec = run["spec"]
+    name = run["model_name"]
+    return (run["model"], name, spec.get("device", "auto"), spec.get("dtype", "auto"), int(run["segment_len"]),
+            run_table(run), f"the model of the current run ({Path(str(name)).name})")
+
+
 def run_table(run: dict) -> pd.DataFrame | None:
     """Median / min / max per head over the run's documents (``summary.document_set_table``)."""
     caps = run_captures(run)
