@@ -17,6 +17,14 @@ timeout ${TRUNC_SECONDS:-150} python3 bench/bench_truncate.py --device cuda --mi
 timeout 60 python3 bench/bench_spectra.py --device cuda 2>&1 | tee $OUT/bench_spectra.jsonl
 timeout ${CAPTURE_SECONDS:-170} python3 bench/bench_capture.py --device cuda --tokens 16384 --repeats 3 --profile 25 --new-lengths 3000,7777,20000 \
     > $OUT/bench_capture.log 2>&1; grep '^{' $OUT/bench_capture.log
+# one retrieval sweep on the GPU (issue #4): batched greedy answers with fla, demo model, bf16; batch 8 vs 1
+for b in 8 1; do
+  timeout ${SWEEP_SECONDS:-60} python3 -m gdnviz.cli sweep demo --tasks niah_single_1,vt --lengths 2048 --ranks 1,4,128 \
+      --n 8 --batch $b --device cuda --dtype bfloat16 --chat off --out /tmp/sweep_b$b > /tmp/sweep_b$b.log 2>&1
+  echo "sweep batch $b rc=$? $(grep -c . /tmp/sweep_b$b/rows.csv 2>/dev/null) rows"; tail -3 /tmp/sweep_b$b.log
+done
+cp /tmp/sweep_b8/table.csv $OUT/sweep_table_b8.csv 2>/dev/null
+cmp /tmp/sweep_b8/rows.csv /tmp/sweep_b1/rows.csv && echo "sweep rows: batch 8 == batch 1"
 # the bundled demo model on the GPU: load, capture 4K tokens of a sample document (bf16, fla), time it
 timeout 60 python3 - <<'PY' 2>&1 | grep -v Warn | tail -5
 import time, torch
