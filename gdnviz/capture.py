@@ -171,17 +171,17 @@ class CaptureCallback:
         self._states = []
 
     def on_boundary(self, layer, position, state):
-        self._states.append(state[0].detach().clone())
+        self._states.append(state.detach().clone())  # [1, H, K, V]
         return None
 
     def on_boundaries(self, layer, positions, states):
-        self._states.extend(states[:, 0].unbind(0))
+        self._states.append(states[:, 0])  # [n, H, K, V]: one block, concatenated once at the layer end
 
     def on_layer_end(self, layer, position, state):
         li = self.layers.index(layer)
         if position % self.L != 0:
-            self._states.append(state[0].detach().clone())
-        stack = torch.stack(self._states)  # [NB, H, K, V]
+            self._states.append(state.detach().clone())
+        stack = torch.cat(self._states)  # [NB, H, K, V]
         self._states = []
         sv = batched_svdvals(stack)
         self.sv[:, li] = sv.float().cpu().numpy()
