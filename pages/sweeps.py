@@ -20,7 +20,6 @@ st.caption("For every task, length and rank r: generate n RULER samples, answer 
            "where it stopped, and a repeated one is read back instantly.")
 
 run = C.current_run(announce=False)
-table = None
 if run is not None:
     info, model_name, device, dtype, L_default, table, src = C.run_model(run)
 else:
@@ -28,10 +27,7 @@ else:
                                      "forget within a segment).")
     if info is None:
         st.stop()
-    ch = C.model_choice()
-    model_name, device, dtype = ch["model"], ch["device"], ch["dtype"]
-    L_default = int(st.session_state.get("segment_len", 256))
-    src = f"the inspected model ({Path(str(model_name)).name})"
+    info, model_name, device, dtype, L_default, table, src = C.inspected_model(info)
 gl, H = list(info["gdn_layers"]), int(info["num_heads"])
 rmax = min(int(info["d_k"]), int(info["d_v"]))
 st.markdown(f"Model: {src} · {len(gl)} GDN layers × {H} heads of {info['d_k']}×{info['d_v']} · segment length "

@@ -1,7 +1,6 @@
 """Truncate & compare: cut chosen heads to rank r at every segment boundary and compare the answers."""
 from __future__ import annotations
 
-from pathlib import Path
 
 import pandas as pd
 import streamlit as st
@@ -19,7 +18,6 @@ st.caption("At every segment boundary the chosen heads' states are replaced by t
            "(seed 000 §3). Full-attention layers are never touched. The same prompt runs untouched and truncated.")
 
 run = C.current_run()
-table = None
 if run is not None:
     info, model_name, device, dtype, L_default, table, src = C.run_model(run)
 else:
@@ -28,10 +26,7 @@ else:
         C.empty_state("No model yet.", "Pick a model (and ideally run a capture, so that heads can be chosen by "
                                        "horizon) on the **Model & documents** page.")
         st.stop()
-    ch = C.model_choice()
-    model_name, device, dtype = ch["model"], ch["device"], ch["dtype"]
-    L_default = int(st.session_state.get("segment_len", 256))
-    src = f"the inspected model ({Path(str(model_name)).name})"
+    info, model_name, device, dtype, L_default, table, src = C.inspected_model(info)
 gl, H = list(info["gdn_layers"]), int(info["num_heads"])
 rmax = min(int(info["d_k"]), int(info["d_v"]))
 L = L_default

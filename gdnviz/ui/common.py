@@ -358,6 +358,14 @@ def run_model(run: dict) -> tuple:
             run_table(run), f"the model of the current run ({Path(str(name)).name})")
 
 
+def inspected_model(info: dict) -> tuple:
+    """The same tuple as ``run_model`` for the model inspected on the first page (no run yet: no head table)."""
+    ch = model_choice()
+    name = ch["model"]
+    return (info, name, ch["device"], ch["dtype"], int(st.session_state.get("segment_len", 256)), None,
+            f"the inspected model ({Path(str(name)).name})")
+
+
 def run_table(run: dict) -> pd.DataFrame | None:
     """Median / min / max per head over the run's documents (``summary.document_set_table``)."""
     caps = run_captures(run)
