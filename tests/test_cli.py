@@ -119,3 +119,20 @@ def test_sweep_via_the_worker_writes_what_the_direct_path_writes(tmp_path, capsy
     w.store.worker_gone(w.pid)
     err = capsys.readouterr().err
     assert "RankOutOfRange" in err and "rank 64 is outside 1..16" in err and "Traceback" not in err
+
+
+def test_sweep_outputs_without_altair_keep_the_csvs(tmp_path, capsys, monkeypatch):
+    """A machine without altair (the H200 image has none) still gets rows.csv/table.csv and a message, not an
+    exit with a traceback after the whole sweep ran (seen on the H200, third session)."""
+    import pandas as pd
+
+    from gdnviz.cli import _write_sweep_outputs
+
+    monkeypatch.setitem(sys.modules, "altair", None)  # `import altair` raises ImportError
+    rows = pd.DataFrame([dict(task="vt", length=512, setting="uniform", r=1, seed=0, score=100.0, pred=" A",
+                              answers='["A"]', n_tokens=500, n_generated=2)])
+    table = pd.DataFrame([dict(task="vt", length=512, setting="uniform", r=1, score=100.0, n=1, untouched=100.0,
+                               delta=0.0, se=0.0)])
+    _write_sweep_outputs(tmp_path, rows, table, {"spec": {}}, "tiny")
+    assert {p.name for p in tmp_path.iterdir()} == {"rows.csv", "table.csv", "settings.json"}
+    assert "figure.png not written" in capsys.readouterr().err
