@@ -19,13 +19,21 @@ timeout ${CAPTURE_SECONDS:-170} python3 bench/bench_capture.py --device cuda --t
     > $OUT/bench_capture.log 2>&1; grep '^{' $OUT/bench_capture.log
 # one retrieval sweep on the GPU (issue #4): batched greedy answers with fla, demo model, bf16; batch 8 vs 1
 for b in 8 1; do
+  rm -rf /tmp/sweep_b$b; t0=$(date +%s%N)
   timeout ${SWEEP_SECONDS:-60} python3 -m gdnviz.cli sweep demo --tasks niah_single_1,vt --lengths 2048 --ranks 1,4,128 \
       --n 8 --batch $b --device cuda --dtype bfloat16 --chat off --out /tmp/sweep_b$b > /tmp/sweep_b$b.log 2>&1
-  echo "sweep batch $b rc=$? $(grep -c . /tmp/sweep_b$b/rows.csv 2>/dev/null) rows"; tail -3 /tmp/sweep_b$b.log
+  echo "sweep batch $b rc=$? wall $(( ($(date +%s%N) - t0) / 1000000 )) ms (process start and model load included)" \
+       "$(grep -c . /tmp/sweep_b$b/rows.csv 2>/dev/null) lines in rows.csv"; tail -3 /tmp/sweep_b$b.log
 done
 cp /tmp/sweep_b8/table.csv $OUT/sweep_table_b8.csv 2>/dev/null
 cmp /tmp/sweep_b8/rows.csv /tmp/sweep_b1/rows.csv && echo "sweep rows: batch 8 == batch 1"
-# the bundled demo model on the GPU: load, capture 4K tokens of a sample document (bf16, fla), time it
+# prompts per second, batched vs one at a time, on the 0.8B shape at 4K and 16K (issue #6 target 5), warm
+timeout ${BENCH_SWEEP_SECONDS:-150} python3 bench/bench_sweep.py --device cuda --model 0.8b --lengths 4096,16384 \
+    --n 8 --batch 8 > $OUT/bench_sweep.log 2>&1; grep '^{' $OUT/bench_sweep.log
+# the bundled demo model on the GPU: load, capture 4K tokens of a sample document (bf16, fla), time it -- in two
+# processes one after the other: the second shows whether fla's on-disk autotune cache (FLA_CACHE_RESULTS=1) and
+# Triton's kernel cache remove the first-call stall for every later process on the same machine
+for proc in first second; do echo "demo capture, $proc process"
 timeout 60 python3 - <<'PY' 2>&1 | grep -v Warn | tail -5
 import time, torch
 from gdnviz.models import load
@@ -38,4 +46,5 @@ for i in range(2):
     t = time.perf_counter(); c = capture_document(lm, ids, 256); torch.cuda.synchronize()
     print("demo capture", len(ids), "tokens", round(time.perf_counter() - t, 3), "s", c.meta["readouts"], c.meta["backends"])
 PY
+done
 exit 0

@@ -1,0 +1,84 @@
+"""Retrieval prompts per second: batched sweep (B prompts per forward, per-sample truncation) vs one at a time.
+
+Issue #6 target 5. Times ``gdnviz.probes.sweep.run_sweep`` (no memo) on the same prompts with ``batch_size = B``
+and ``batch_size = 1``, after one warm-up sweep at the smallest length (kernel compilation and autotuning are not
+counted), and checks that both give the same rows (predictions and scores).
+
+Models: ``--model demo`` (the bundled demo model and its tokenizer) or ``--model 0.8b`` (random-initialised
+Qwen3.5-0.8B shape — 24 layers, 18 GDN × 16 heads of 128×128 — with the demo tokenizer's 8,192-token vocabulary
+instead of 248,320, so the prompts are real RULER prompts; its answers are noise, its speed is the model's).
+
+    PYTHONPATH=$PWD python3 bench/bench_sweep.py --device cuda --model 0.8b --lengths 4096,16384 --n 16 --batch 8
+    python bench/bench_sweep.py --device cpu --model demo --lengths 1024 --n 2 --batch 2   # CPU smoke run
+
+Every prompt of a (task, length) is run untouched and with every GDN head truncated to each ``--ranks`` value, so
+one (task, length) is ``n × (1 + len(ranks))`` prompts.
+"""
+from __future__ import annotations
+
+import argparse
+import time
+
+import torch
+
+from bench.common import device_name, emit, qwen35_08b_config, random_model, sync
+
+
+def main():
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
+    ap.add_argument("--model", choices=["demo", "0.8b"], default="0.8b")
+    ap.add_argument("--dtype", default=None, help="bfloat16 (CUDA default) or float32 (CPU default)")
+    ap.add_argument("--task", default="niah_single_1")
+    ap.add_argument("--lengths", default="4096,16384")
+    ap.add_argument("--ranks", default="4")
+    ap.add_argument("--n", type=int, default=16, help="samples per length")
+    ap.add_argument("--batch", type=int, default=8)
+    ap.add_argument("--max-new-tokens", type=int, default=None)
+    a = ap.parse_args()
+
+    from gdnviz.models import from_model, load
+    from gdnviz.probes.sweep import SweepSpec, run_sweep
+
+    dev = torch.device(a.device)
+    dtype = a.dtype or ("bfloat16" if dev.type == "cuda" else "float32")
+    demo = load("demo", device=str(dev), dtype=dtype)
+    if a.model == "demo":
+        lm = demo
+    else:
+        model = random_model(qwen35_08b_config(vocab_size=len(demo.tokenizer)), dev, getattr(torch, dtype))
+        lm = from_model(model, "qwen3.5-0.8b-shape-random", tokenizer=demo.tokenizer)
+    lengths = [int(x) for x in a.lengths.split(",") if x]
+    ranks = tuple(int(x) for x in a.ranks.split(",") if x)
+    base = dict(device=device_name(dev), model=a.model, dtype=dtype, task=a.task, ranks=ranks,
+                gdn_layers=len(lm.info.gdn_layers), heads=lm.info.num_heads, kernel_path=lm.info.kernel_path)
+
+    def spec(length, n, batch):
+        return SweepSpec(model=lm.info.name, tasks=(a.task,), lengths=(length,), ranks=ranks, n=n, batch_size=batch,
+                         max_new_tokens=a.max_new_tokens, chat_template=None)
+
+    t = time.perf_counter()
+    run_sweep(lm, spec(min(lengths), a.batch, a.batch))  # warm-up: compile / autotune at batch B and at batch 1
+    run_sweep(lm, spec(min(lengths), 1, 1))
+    sync(dev)
+    emit(what="warmup", seconds=round(time.perf_counter() - t, 2), **base)
+    for length in lengths:
+        out = {}
+        for b in (a.batch, 1):
+            sync(dev)
+            t = time.perf_counter()
+            rows = run_sweep(lm, spec(length, a.n, b))
+            sync(dev)
+            s = time.perf_counter() - t
+            out[b] = (rows, s)
+            emit(what="sweep", length=length, batch=b, prompts=len(rows), seconds=round(s, 3),
+                 prompts_per_s=round(len(rows) / s, 3), score_mean=round(float(rows["score"].mean()), 2), **base)
+        rb, sb = out[a.batch]
+        r1, s1 = out[1]
+        same = (rb[["pred", "score"]].reset_index(drop=True) == r1[["pred", "score"]].reset_index(drop=True))
+        emit(what="batched_vs_one_at_a_time", length=length, batch=a.batch, speedup=round(s1 / sb, 2),
+             rows_identical=int(same.all(axis=1).sum()), rows=len(rb), **base)
+
+
+if __name__ == "__main__":
+    main()
