@@ -243,6 +243,7 @@ if st.button("Run capture", type="primary", key="run_capture", disabled=not read
                       dtype=choice["dtype"], max_tokens=limit)
     st.session_state["capture_job"] = C.submit("capture", spec_to_dict(spec), label="capture")
     st.session_state.pop("capture_handled", None)
+    st.rerun()  # redraw from the top: the sidebar's worker status and the Run button see the new job
 if why:
     st.caption(f"To run a capture: {why}.")
 

@@ -118,16 +118,42 @@ else:
         st.caption(f"**{len(heads)} of {len(gl) * H} heads** cut to each r; all other heads and the attention layers "
                    "stay untouched.")
 
+with st.expander("Per-head rank maps (optional): extra settings with a rank for each head"):
+    st.session_state.setdefault("sw_rank_maps", "")
+
+    def _add_truncate_map():
+        line = S.rank_map_line("truncate_page", st.session_state["tr_rank_map"])
+        cur = st.session_state.get("sw_rank_maps", "").rstrip("\n")
+        st.session_state["sw_rank_maps"] = (cur + "\n" if cur else "") + line
+
+    st.text_area("One map per line: NAME: layer:head:r, layer:head:r, …", key="sw_rank_maps", height=110,
+                 placeholder=f"e.g. early_r1: {gl[0]}:0:1, {gl[0]}:1:1" + (f", {gl[1]}:0:4" if len(gl) > 1 else ""),
+                 help="Each map is one more setting of the sweep, run on the same samples: the listed heads are cut "
+                      "to their own r at every boundary, every other head stays untouched. Its rows are paired "
+                      "with the untouched model like the uniform ranks.")
+    st.button("Add the heads and ranks set on Truncate & compare", key="sw_add_tr_map", on_click=_add_truncate_map,
+              disabled=not st.session_state.get("tr_rank_map"), icon=":material/add:",
+              help=None if st.session_state.get("tr_rank_map") else "set up heads and ranks on the Truncate & "
+                                                                    "compare page first")
+rank_maps: tuple = ()
+try:
+    rank_maps = S.parse_rank_maps(st.session_state.get("sw_rank_maps", ""), info)
+except (GDNVizError, ValueError) as e:
+    errors.append(str(e))
+if rank_maps:
+    st.caption(f"{len(rank_maps)} rank map(s): " + "; ".join(f"**{name}** ({len(m)} heads)" for name, m in rank_maps))
+
 # =============================================================================================================
 # 3. run
 # =============================================================================================================
 st.subheader("3 · Run")
 if tasks and lengths and ranks:
     n = int(st.session_state["sw_n"])
-    total = S.n_generations(len(tasks), len(lengths), len(ranks), n)
-    st.caption(f"{len(tasks)} task(s) × {len(lengths)} length(s) × {len(ranks)} ranks "
-               f"({', '.join(map(str, ranks))} = untouched) × {n} samples = **{total:,} answers**, "
-               f"{int(st.session_state['sw_batch'])} per forward pass")
+    total = S.n_generations(len(tasks), len(lengths), len(ranks) + len(rank_maps), n)
+    st.caption(f"{len(tasks)} task(s) × {len(lengths)} length(s) × ({len(ranks)} ranks "
+               f"({', '.join(map(str, ranks))} = untouched)" + (f" + {len(rank_maps)} rank map(s)" if rank_maps
+                                                                else "") +
+               f") × {n} samples = **{total:,} answers**, {int(st.session_state['sw_batch'])} per forward pass")
 for e in errors:
     C.show_error(e)
 running = C.job_active(st.session_state.get("sweep_job"))
@@ -140,11 +166,26 @@ if go and not errors:
     spec = SweepJob(
         model=model_name, device=device, dtype=dtype, tasks=tuple(tasks), lengths=tuple(lengths),
         ranks=tuple(r for r in ranks if r != rmax), n=int(st.session_state["sw_n"]), seed0=seed0,
-        heads="all" if mode == "all" else tuple(heads), segment_len=L_default,
+        heads="all" if mode == "all" else tuple(heads), rank_maps=rank_maps, segment_len=L_default,
         batch_size=int(st.session_state["sw_batch"]), max_new_tokens=int(st.session_state["sw_max_new"]),
         chat_template=chat, fingerprint=str(info.get("fingerprint") or ""))
     st.session_state["sweep_job"] = C.submit("sweep", spec_to_dict(spec), label="retrieval sweep")
     st.rerun()  # redraw from the top: the sidebar's worker status and the Run button see the new job
+
+prev = S.previous_sweeps(C.store())
+if prev:
+    labels = {p["id"]: p["label"] for p in prev}
+    ids = [p["id"] for p in prev]
+
+    def _reopen():
+        st.session_state["sweep_job"] = st.session_state["sw_prev"]
+
+    cur = st.session_state.get("sweep_job")
+    if cur in labels:
+        st.session_state["sw_prev"] = cur
+    st.selectbox("Previous sweeps (stored; reopening one is instant)", ids, key="sw_prev", index=None if
+                 cur not in labels else ids.index(cur), format_func=labels.get, on_change=_reopen,
+                 placeholder=f"{len(prev)} finished sweep(s) in the store: pick one to show it")
 
 rec = C.job_panel("sweep_job", "Sweep")
 if rec is not None and (rec["status"] == "cancelled" or rec.get("error_type") in ("WorkerCrashed", "WorkerStopped",
@@ -164,6 +205,11 @@ if rec is not None and rec["status"] == "done":
     st.markdown("**Score per task, length and r** — RULER string match (%), and in brackets the change vs the "
                 "untouched model ± its paired standard error over the same samples (points)")
     st.dataframe(S.seed000_table(tab, int(res["rmax"])), hide_index=True, width="stretch")
+    maps_tab = S.rank_map_table(tab)
+    if maps_tab is not None:
+        st.markdown("**Per-head rank maps** — score (%) with each map, and in brackets the change vs the untouched "
+                    "model ± paired SE (points)")
+        st.dataframe(maps_tab, hide_index=True, width="stretch")
     floor = S.untouched_at_zero(tab)
     if floor:
         st.warning("The untouched model scores 0 on " + ", ".join(floor) + ": there is no retrieval there for a "

@@ -103,6 +103,7 @@ if spec_error:
 elif not ranks:
     st.warning("No heads selected: choose heads in a group above.", icon=":material/warning:")
 else:
+    st.session_state["tr_rank_map"] = {f"{l}:{h}": int(r) for (l, h), r in sorted(ranks.items())}  # for Sweeps
     by_r = pd.Series(ranks).value_counts().sort_index()
     st.caption(f"**{len(ranks)} of {len(gl) * H} heads** will be truncated: " +
                ", ".join(f"{n} at r = {r}" for r, n in by_r.items()) +
@@ -179,6 +180,7 @@ elif go:
         max_new_tokens=int(st.session_state["tr_max_new"]) or (0 if ruler_mode else 32),
         loss_documents=loss_docs, chat_template=bool(st.session_state["tr_chat"]))
     st.session_state["truncate_job"] = C.submit("truncate", spec_to_dict(spec), label="truncate & compare")
+    st.rerun()  # redraw from the top: the sidebar's worker status sees the new job
 
 rec = C.job_panel("truncate_job", "Truncate & compare")
 if rec is not None and rec["status"] == "done":

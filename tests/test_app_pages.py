@@ -593,7 +593,7 @@ def test_sweeps_bad_input_is_refused_with_specific_messages(env, populated):
     assert at.multiselect(key="sw_tasks").value == ["niah_single_1", "vt"]
     at.text_input(key="sw_lengths").input("1024").run()
     assert not texts(at, "error") and not at.button(key="sw_run").proto.disabled
-    assert any("2 task(s) × 1 length(s) × 4 ranks (1, 4, 12, 16 = untouched) × 20 samples = **160 answers**" in c
+    assert any("2 task(s) × 1 length(s) × (4 ranks (1, 4, 12, 16 = untouched)) × 20 samples = **160 answers**" in c
                for c in texts(at, "caption"))
 
     for ranks, message in (("0, 4", "rank 0 is outside 1..16"), ("4, 17", "rank 17 is outside 1..16"),
@@ -619,6 +619,18 @@ def test_sweeps_bad_input_is_refused_with_specific_messages(env, populated):
     at.multiselect(key="sw_layers").select(3).run()
     assert not texts(at, "error")
     assert any("**4 of 12 heads** cut to each r" in c for c in texts(at, "caption"))
+    # per-head rank maps: each bad line named, a good one adds a setting to the count
+    for text, message in (("early heads", "line 1: expected NAME"), ("early: 2:0:1", "layer 2 is not a GDN layer"),
+                          ("early: 3:0:99", "r = 99 for head 3:0 is outside 1..16")):
+        at.text_area(key="sw_rank_maps").input(text).run()
+        assert any(message in e for e in texts(at, "error")), (text, texts(at, "error"))
+        assert at.button(key="sw_run").proto.disabled
+    at.text_area(key="sw_rank_maps").input("early: 3:0:1, 3:1:2").run()
+    assert not texts(at, "error")
+    assert any("1 rank map(s): **early** (2 heads)" in c for c in texts(at, "caption"))
+    assert any("× (2 ranks (4, 16 = untouched) + 1 rank map(s)) × 20 samples = **60 answers**" in c
+               for c in texts(at, "caption")), texts(at, "caption")
+    at.text_area(key="sw_rank_maps").input("").run()
     # heads forgetting within a segment: the horizons come from the run's capture
     from gdnviz.summary import document_set_table
 
@@ -671,7 +683,8 @@ def test_sweeps_run_through_the_worker_shows_the_table_and_figure(env, populated
     assert spec["facet"]["column"]["title"] == "target length (tokens)"
     assert {b.proto.label for b in at.get("download_button")} >= {"PNG", "SVG", "CSV", "Per-sample answers (CSV)"}
 
-    # the same sweep from a new session: every answer is read back from the store
+    # the same sweep from a new session, plus a per-head rank map: the 4 answers are read back from the store,
+    # only the map's 2 are generated, and its own table pairs them with the untouched answers
     at2 = app("sweeps")
     at2.run()
     for k, v in (("sw_tasks", ["niah_single_1"]),):
@@ -679,10 +692,30 @@ def test_sweeps_run_through_the_worker_shows_the_table_and_figure(env, populated
     at2.text_input(key="sw_lengths").input("400")
     at2.text_input(key="sw_ranks").input("2")
     at2.number_input(key="sw_n").set_value(2)
+    at2.text_area(key="sw_rank_maps").input("one_head: 3:1:1")
     at2.number_input(key="sw_max_new").set_value(6).run()
     at2.button(key="sw_run").click().run()
     work(cache)
     at2.run()
-    res2 = Store(cache).job(at2.session_state["sweep_job"])["result"]
-    assert res2["computed"] == 0 and res2["reused"] == 4 and res2["table"] == res["table"]
-    assert any("0 generated now, 4 read from the store" in m for m in texts(at2, "markdown"))
+    jid2 = at2.session_state["sweep_job"]
+    res2 = Store(cache).job(jid2)["result"]
+    assert res2["computed"] == 2 and res2["reused"] == 4
+    assert [r for r in res2["table"] if r["setting"] == "uniform"] == res["table"]
+    assert any("2 generated now, 4 read from the store" in m for m in texts(at2, "markdown"))
+    maps = at2.dataframe[1].value
+    assert list(maps.columns) == ["task", "length (tokens)", "untouched", "one_head", "n"]
+    assert maps["n"].tolist() == [2]
+    assert Store(cache).job(jid2)["spec"]["rank_maps"] in ((("one_head", ((3, 1, 1),)),), [["one_head", [[3, 1, 1]]]])
+
+    # a third session reopens either sweep from the list of previous sweeps, without running anything
+    at3 = app("sweeps")
+    at3.run()
+    sb = at3.selectbox(key="sw_prev")
+    assert sb.options and len(sb.options) == 2 and sb.value is None
+    sb.set_value(jid).run()
+    assert at3.session_state["sweep_job"] == jid and not at3.exception
+    assert list(at3.dataframe[0].value.columns) == ["task", "length (tokens)", "r = 2", "r = 16 (untouched)", "n"]
+    assert len(at3.dataframe) == 2  # no rank-map table for the first sweep (the other frame is the long table)
+    at3.selectbox(key="sw_prev").set_value(jid2).run()
+    assert at3.session_state["sweep_job"] == jid2
+    assert list(at3.dataframe[1].value.columns)[3] == "one_head"

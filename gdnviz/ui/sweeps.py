@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import math
 import re
+import time
 
 import pandas as pd
 
@@ -156,3 +157,110 @@ def long_table(table: pd.DataFrame) -> pd.DataFrame:
     return table.rename(columns={"length": "length (tokens)", "score": "score (%)",
                                  "untouched": "untouched score (%)", "delta": "Δ vs untouched (points)",
                                  "se": "paired SE (points)"})
+
+
+# --- per-head rank maps ------------------------------------------------------------------------------------------
+_MAP_NAME = re.compile(r"^[A-Za-z0-9_.\-]{1,40}$")
+
+
+def parse_rank_maps(text: str, info: dict) -> tuple:
+    """Named per-head rank maps, one per line: ``NAME: layer:head:r, layer:head:r, …`` (``NAME = …`` works too;
+    blank lines and lines starting with ``#`` are skipped). Returns ``((name, ((layer, head, r), …)), …)`` as
+    ``SweepJob.rank_maps`` takes it; ValueError / RankOutOfRange naming the line for anything wrong (unknown layer
+    or head, r outside 1..min(d_k, d_v), a repeated head or name, the reserved name ``uniform``)."""
+    from gdnviz.probes.sweep import UNIFORM
+
+    gl, H = [int(x) for x in info["gdn_layers"]], int(info["num_heads"])
+    rmax = min(int(info["d_k"]), int(info["d_v"]))
+    out, names = [], set()
+    for i, raw in enumerate(str(text or "").splitlines(), 1):
+        line = raw.strip()
+        if not line or line.startswith("#"):
+            continue
+        m = re.match(r"^([^:=]+?)\s*[:=]\s*(.*)$", line)
+        if not m or not m.group(2).strip():
+            raise ValueError(f"Rank maps, line {i}: expected NAME: layer:head:r, layer:head:r, … — got {line!r}.")
+        name, body = m.group(1).strip(), m.group(2)
+        if not _MAP_NAME.match(name):
+            raise ValueError(f"Rank maps, line {i}: the name {name!r} must be 1–40 letters, digits, '_', '-' or '.'.")
+        if name == UNIFORM:
+            raise ValueError(f"Rank maps, line {i}: {UNIFORM!r} is the name of the uniform-rank rows; pick another.")
+        if name in names:
+            raise ValueError(f"Rank maps, line {i}: the name {name!r} is used twice.")
+        names.add(name)
+        entries, seen = [], set()
+        for tok in [t for t in re.split(r"[,;\s]+", body.strip()) if t]:
+            parts = tok.split(":")
+            try:
+                l, h, r = (int(x) for x in parts)
+            except ValueError:
+                raise ValueError(f"Rank maps, line {i} ({name}): {tok!r} is not layer:head:r.") from None
+            if l not in gl:
+                raise ValueError(f"Rank maps, line {i} ({name}): layer {l} is not a GDN layer (GDN layers: "
+                                 f"{', '.join(map(str, gl))}).")
+            if not 0 <= h < H:
+                raise ValueError(f"Rank maps, line {i} ({name}): head {h} does not exist (heads 0..{H - 1}).")
+            if not 1 <= r <= rmax:
+                raise RankOutOfRange(f"Rank maps, line {i} ({name}): r = {r} for head {l}:{h} is outside "
+                                     f"1..{rmax}.")
+            if (l, h) in seen:
+                raise ValueError(f"Rank maps, line {i} ({name}): head {l}:{h} appears twice.")
+            seen.add((l, h))
+            entries.append((l, h, r))
+        out.append((name, tuple(sorted(entries))))
+    return tuple(out)
+
+
+def rank_map_line(name: str, ranks: dict) -> str:
+    """One text-area line for a {"layer:head" or (layer, head): r} map (the Truncate & compare page's heads)."""
+    items = []
+    for k, r in ranks.items():
+        l, h = (int(x) for x in (k.split(":") if isinstance(k, str) else k))
+        items.append((l, h, int(r)))
+    return f"{name}: " + ", ".join(f"{l}:{h}:{r}" for l, h, r in sorted(items))
+
+
+def rank_map_table(table: pd.DataFrame) -> pd.DataFrame | None:
+    """The rank-map settings in seed 000's layout: one row per (task, length), one column per map, each cell
+    "score (Δ ± paired SE)" against the untouched model on the same samples; None when the sweep had no map."""
+    if "setting" not in table:
+        return None
+    df = table[table["setting"] != "uniform"]
+    if df.empty:
+        return None
+    out = []
+    for (task, length), g in df.groupby(["task", "length"], sort=True):
+        row = {"task": task, "length (tokens)": int(length), "untouched": f"{g['untouched'].iloc[0]:.1f}"}
+        for _, x in g.iterrows():
+            row[str(x["setting"])] = f"{x['score']:.1f} ({_pm(x['delta'], x['se'])})"
+        row["n"] = int(g["n"].max())
+        out.append(row)
+    return pd.DataFrame(out)
+
+
+# --- previous sweeps ---------------------------------------------------------------------------------------------
+def previous_sweeps(store, limit: int = 30) -> list[dict]:
+    """Finished sweep jobs in the store, newest first: ``[{id, label, finished}]`` with a one-line label (model,
+    tasks, lengths, ranks, n, rank maps). Their results live in the job records, so reopening one is instant."""
+    recs = []
+    for key in store.jobs.iterkeys():
+        if not str(key).startswith("job:"):
+            continue
+        rec = store.jobs.get(key)
+        if not rec or rec.get("kind") != "sweep" or rec.get("status") != "done" or not rec.get("result"):
+            continue
+        recs.append(rec)
+    recs.sort(key=lambda r: r.get("finished") or 0, reverse=True)
+    out = []
+    for rec in recs[:limit]:
+        sp = rec.get("spec") or {}
+        res = rec["result"]
+        name = str(res.get("model_name") or sp.get("model") or "?").replace("\\", "/").rstrip("/").split("/")[-1]
+        ranks = [str(r) for r in (sp.get("ranks") or [])] + [f"{res.get('rmax', '')} (untouched)"]
+        maps = sp.get("rank_maps") or ()
+        when = time.strftime("%Y-%m-%d %H:%M", time.localtime(rec.get("finished") or 0))
+        label = (f"{when} · {name} · {', '.join(sp.get('tasks') or [])} · "
+                 f"{', '.join(f'{int(x):,}' for x in (sp.get('lengths') or []))} tokens · r = {', '.join(ranks)} · "
+                 f"n = {sp.get('n')}" + (f" · {len(maps)} rank map(s)" if maps else ""))
+        out.append(dict(id=rec["id"], label=label, finished=rec.get("finished")))
+    return out
