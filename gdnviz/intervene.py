@@ -9,6 +9,7 @@ the truncated state is what the next segment reads and writes into.
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from collections.abc import Mapping
 from typing import Iterable
 
 import torch
@@ -21,6 +22,17 @@ class TruncationSpec:
     """Ranks per head: ``ranks`` is a tuple of ((layer, head), r) pairs (hashable, JSON-friendly via to_dict)."""
 
     ranks: tuple = field(default_factory=tuple)
+
+    def __post_init__(self):
+        # TruncationSpec({(layer, head): r}) and lists of ((layer, head), r) / (layer, head, r) work too
+        items = self.ranks.items() if isinstance(self.ranks, Mapping) else self.ranks
+        try:
+            pairs = [((int(e[0]), int(e[1])), int(e[2])) if len(e) == 3 else ((int(e[0][0]), int(e[0][1])), int(e[1]))
+                     for e in items]
+        except (TypeError, ValueError, IndexError):
+            raise ValueError("ranks must be {(layer, head): r} or pairs ((layer, head), r) or triples (layer, head, "
+                             f"r); got {self.ranks!r:.200}") from None
+        object.__setattr__(self, "ranks", tuple(sorted(pairs)))
 
     @classmethod
     def from_dict(cls, mapping: dict) -> "TruncationSpec":

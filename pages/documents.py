@@ -66,8 +66,8 @@ with c1:
         else:
             st.caption("A 9.3M-parameter Qwen3.5 hybrid trained for gdnviz (6 GDN layers × 2 heads of 128×128, "
                        "2 full-attention layers), shipped in gdnviz/assets/demo/ — see its MODEL_CARD.md. It "
-                       "answers RULER-style retrieval prompts up to 4K tokens, through its attention layers: in "
-                       "this first version 11 of its 12 GDN heads forget within about one token.")
+                       "answers single-needle and variable-tracking prompts up to 4K tokens from its GDN states: "
+                       "cut every GDN head to rank 1 on the Truncate & compare page and the needle is lost.")
     elif src == "path":
         st.text_input("Checkpoint folder (holds config.json and *.safetensors)", key="model_path",
                       placeholder="/path/to/Qwen3.5-0.8B")

@@ -1,8 +1,7 @@
 """The bundled demo checkpoint (gdnviz/assets/demo): it ships, loads offline, is the architecture the model card
-says, and really answers held-out retrieval prompts on CPU through gdnviz's own generation path.
-
-(v1 answers through its attention layers: cutting its GDN heads changes no answer, see MODEL_CARD.md. The
-assertion that rank 1 breaks retrieval belongs here once v2 is trained.)"""
+says, really answers held-out retrieval prompts on CPU through gdnviz's own generation path, and loses those
+answers when its GDN heads are cut to rank 1 at every segment boundary (v2: the retrieval lives in the GDN states;
+v1 answered through its attention layers and no truncation changed an answer, see MODEL_CARD.md)."""
 import json
 from pathlib import Path
 
@@ -36,9 +35,22 @@ def test_demo_architecture(demo):
     assert cfg["architectures"] == ["Qwen3_5ForCausalLM"]
 
 
-def test_demo_answers_held_out_needles(demo):
-    """niah_single_1 and niah_multikey_2 at 1K tokens on held-out seeds: the model answers every one."""
-    for task in ("niah_single_1", "niah_multikey_2"):
-        samples = [ruler.generate(task, demo.tokenizer, 1024, seed=2_000_000 + i) for i in range(3)]
-        preds = [greedy_generate(demo, s.input_ids, s.tokens_to_generate).text for s in samples]
-        assert ruler.score_samples(samples, preds) == 100.0, (task, preds)
+@pytest.mark.parametrize("task", ["niah_single_1", "vt"])
+def test_demo_answers_held_out_prompts_and_rank_1_breaks_them(demo, task):
+    """niah_single_1 and vt at 1K tokens (4 boundaries of 256) on held-out seeds: untouched, the model answers
+    every one; with every GDN head cut to r = 1 at every boundary most answers are lost; at r = 16 none is."""
+    from gdnviz.intervene import TruncationSpec
+
+    samples = [ruler.generate(task, demo.tokenizer, 1024, seed=2_000_000 + i) for i in range(3)]
+
+    def score(r):
+        spec = None if r is None else TruncationSpec.all_heads(demo.info, r)
+        preds = [greedy_generate(demo, s.input_ids, s.tokens_to_generate, spec=spec).text for s in samples]
+        return ruler.score_samples(samples, preds), preds
+
+    untouched, preds = score(None)
+    assert untouched == 100.0, (task, preds)
+    cut, preds = score(1)
+    assert cut <= 34.0, (task, cut, preds)  # measured: niah_single_1 0, vt 20 (of 100)
+    kept, preds = score(16)
+    assert kept == 100.0, (task, preds)
