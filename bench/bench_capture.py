@@ -83,7 +83,17 @@ def main():
     t_cap = timeit(cap, dev, repeats=args.repeats)
     c = holder["c"]
     emit(what="capture", seconds=t_cap, baseline="plain_prefill", ratio=t_cap / t_plain,
-         stored_mb=len(c.to_bytes()) / 2**20, boundaries=len(c.positions), backends=c.meta["backends"], readouts=c.meta.get("readouts"), **base)
+         stored_mb=len(c.to_bytes()) / 2**20, boundaries=len(c.positions), backends=c.meta["backends"],
+         readouts=c.meta.get("readouts"), pipelined=c.meta.get("pipelined"), **base)
+    if dev.type == "cuda":  # the same capture with each layer's statistics inline (no side stream / thread)
+        def cap_inline():
+            holder["i"] = capture_document(lm, ids[0].cpu(), L, pipeline=False)
+
+        t_inl = timeit(cap_inline, dev, repeats=args.repeats)
+        import numpy as np
+
+        emit(what="capture_inline_statistics", seconds=t_inl, baseline="plain_prefill", ratio=t_inl / t_plain,
+             pipelined_speedup=t_inl / t_cap, sv_identical=bool(np.array_equal(holder["i"].sv, c.sv)), **base)
 
     def cap_loop():
         holder["s"] = capture_document(lm, ids[0].cpu(), L, fast_states=False)

@@ -22,14 +22,22 @@ key_sample_pos         [S] int64                   their token positions
 
 Nothing else is kept: no per-token keys, no activations, no logits. For a Qwen3.5-0.8B-sized model (18 GDN layers,
 16 heads of 128x128) and 16,384 tokens that is about 9.4 MB of spectra + 18.9 MB final states + 18.9 MB g +
-9.4 MB beta + 9.4 MB key samples ≈ 66 MB on disk (``save``), and the GPU holds at most one layer's boundary
-states at a time.
+9.4 MB beta + 9.4 MB key samples ≈ 66 MB on disk (``save``).
+
+Pipelining (CUDA): each layer's statistics (gates, key geometry, spectra of its boundary states) and their copies
+to the host run on a background thread with its own CUDA stream, while the main thread launches the next layers
+(``_Pipeline``); without it every layer's device→host copies wait for the GPU before the next layer is launched,
+and host and GPU work never overlap. At most ``PIPELINE_DEPTH`` layers are in flight (so the GPU holds at most that
+many layers' boundary states). The numbers are the same either way (the tests compare them); on CPU the
+statistics run inline unless ``pipeline=True``.
 """
 from __future__ import annotations
 
 import io
 import json
+import threading
 import time
+from collections import deque
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Callable
@@ -42,6 +50,64 @@ from gdnviz.errors import EmptyDocument, JobCancelled
 
 CAPTURE_VERSION = "capture-v1"
 KEY_SAMPLE = 256
+PIPELINE_DEPTH = 4  # layers whose statistics may be in flight on the background thread
+
+
+class _Pipeline:
+    """Runs jobs in order on one background thread; on CUDA each job runs on a side stream that first waits for
+    the work the main stream had queued when the job was submitted. Tensors a job reads are kept alive by the job
+    and marked with ``record_stream``, so the caching allocator does not hand their memory to the main stream
+    before the side stream is done with it. ``drain()`` waits for every job and re-raises the first error."""
+
+    def __init__(self, device: torch.device, depth: int = PIPELINE_DEPTH):
+        self.device = device
+        self.stream = torch.cuda.Stream(device) if device.type == "cuda" else None
+        self.depth = depth
+        self._jobs: deque = deque()
+        self._error: BaseException | None = None
+
+    def submit(self, fn: Callable, *tensors: torch.Tensor) -> None:
+        while len(self._jobs) >= self.depth:  # bound the memory held by jobs in flight
+            self._jobs.popleft().join()
+        self._raise()
+        ev = None
+        if self.stream is not None:
+            ev = torch.cuda.Event()
+            ev.record(torch.cuda.current_stream(self.device))
+            for t in tensors:
+                if torch.is_tensor(t) and t.is_cuda:
+                    t.record_stream(self.stream)
+        prev = self._jobs[-1] if self._jobs else None
+
+        def run():
+            if prev is not None:
+                prev.join()  # strict order (each job writes its own layer's slots; order keeps progress monotone)
+            if self._error is not None:
+                return
+            try:
+                if self.stream is None:
+                    fn()
+                else:
+                    with torch.cuda.stream(self.stream):
+                        self.stream.wait_event(ev)
+                        fn()
+                        self.stream.synchronize()
+            except BaseException as e:  # noqa: BLE001 - re-raised in the main thread
+                self._error = e
+
+        t = threading.Thread(target=run, name="gdnviz-capture-stats", daemon=True)
+        t.start()
+        self._jobs.append(t)
+
+    def _raise(self) -> None:
+        if self._error is not None:
+            e, self._error = self._error, None
+            raise e
+
+    def drain(self) -> None:
+        while self._jobs:
+            self._jobs.popleft().join()
+        self._raise()
 
 
 def batched_svdvals(states: torch.Tensor) -> torch.Tensor:
@@ -127,7 +193,9 @@ class CaptureCallback:
     modifies_state = False
 
     def __init__(self, info, n_tokens: int, segment_len: int, progress: Callable | None = None,
-                 cancel: Callable | None = None):
+                 cancel: Callable | None = None, pipeline: bool | None = None):
+        """pipeline: run each layer's statistics on a background thread (see the module docstring); None = on
+        CUDA only."""
         from gdnviz.analysis import keycone as kc
 
         self._kc = kc
@@ -153,22 +221,46 @@ class CaptureCallback:
         self.key_sample = np.zeros((NL, H, len(self.key_sample_pos), K), np.float16)
         self._states: list = []
         self._done = 0
+        self._pipeline_flag = pipeline
+        self._pipe: _Pipeline | None = None
+        self._lock = threading.Lock()
+
+    def _run(self, fn: Callable, *tensors) -> None:
+        """Run ``fn`` now, or queue it on the pipeline (created at the first layer, on the keys' device)."""
+        if self._pipe is None:
+            dev = next((t.device for t in tensors if torch.is_tensor(t)), torch.device("cpu"))
+            use = (dev.type == "cuda") if self._pipeline_flag is None else bool(self._pipeline_flag)
+            self._pipe = _Pipeline(dev) if use else False
+        if self._pipe:
+            self._pipe.submit(fn, *tensors)
+        else:
+            fn()
+
+    def close(self) -> None:
+        """Wait for the statistics still in flight (re-raising the first error)."""
+        if self._pipe:
+            self._pipe.drain()
 
     def on_layer_input(self, layer, offset, keys, g, beta):
         if offset != 0 or keys.shape[0] != 1 or keys.shape[1] != self.T:
             raise RuntimeError("capture expects one whole document (batch 1) in one call per layer")
+        self._states = []
         li = self.layers.index(layer)
-        k0, g0 = keys[0], g[0]  # [T, H, K], [T, H]
+        k0, g0, b0 = keys[0], g[0], beta[0]  # [T, H, K], [T, H], [T, H]
+        self._run(lambda: self._layer_input_stats(li, k0, g0, b0), k0, g0, b0)
+
+    def _layer_input_stats(self, li, k0, g0, b0):
         self.g[li] = g0.float().T.cpu().numpy()
-        self.beta[li] = beta[0].float().T.cpu().numpy().astype(np.float16)
+        self.beta[li] = b0.float().T.cpu().numpy().astype(np.float16)
         self.key_mean[li] = k0.mean(0).float().cpu().numpy()
         pos = torch.as_tensor(self.key_sample_pos, device=k0.device)
         self.key_sample[li] = k0[pos].transpose(0, 1).float().cpu().numpy().astype(np.float16)
         summary = self._kc.keycone_summary(k0, g0)
         for name, val in summary.items():
             arr = val.detach().cpu().numpy() if torch.is_tensor(val) else np.asarray(val)
-            self.keycone.setdefault(name, np.zeros((len(self.layers), self.info.num_heads), np.float64))[li] = arr
-        self._states = []
+            with self._lock:
+                slot = self.keycone.setdefault(name, np.zeros((len(self.layers), self.info.num_heads), np.float64))
+            slot[li] = arr
 
     def on_boundary(self, layer, position, state):
         self._states.append(state.detach().clone())  # [1, H, K, V]
@@ -179,20 +271,26 @@ class CaptureCallback:
 
     def on_layer_end(self, layer, position, state):
         li = self.layers.index(layer)
+        final = state.detach().clone()  # the runner hands this state on; the statistics may run later
+        blocks = list(self._states)
         if position % self.L != 0:
-            self._states.append(state.detach().clone())
-        stack = torch.cat(self._states)  # [NB, H, K, V]
+            blocks.append(final)
         self._states = []
-        sv = batched_svdvals(stack)
-        self.sv[:, li] = sv.float().cpu().numpy()
-        self.final_state[li] = state[0].float().cpu().numpy()
-        self._done += 1
-        if self.progress is not None:
-            self.progress(self._done, len(self.layers))
+        self._run(lambda: self._layer_end_stats(li, blocks, final), final, *blocks)
         if self.cancel is not None and self.cancel():
             raise JobCancelled("capture cancelled")
 
+    def _layer_end_stats(self, li, blocks, final):
+        stack = torch.cat(blocks) if len(blocks) > 1 else blocks[0]  # [NB, H, K, V]
+        sv = batched_svdvals(stack)
+        self.sv[:, li] = sv.float().cpu().numpy()
+        self.final_state[li] = final[0].float().cpu().numpy()
+        self._done += 1
+        if self.progress is not None:
+            self.progress(self._done, len(self.layers))
+
     def result(self, meta: dict) -> CaptureResult:
+        self.close()
         return CaptureResult(meta=meta, positions=np.asarray(self.positions, np.int64), sv=self.sv,
                              final_state=self.final_state, g=self.g, beta=self.beta, key_mean=self.key_mean,
                              keycone=self.keycone, key_sample=self.key_sample, key_sample_pos=self.key_sample_pos)
@@ -200,11 +298,12 @@ class CaptureCallback:
 
 def capture_document(lm, input_ids, segment_len: int = runner.DEFAULT_SEGMENT_LEN, *, name: str = "",
                      progress: Callable | None = None, cancel: Callable | None = None,
-                     fast_states: bool = True) -> CaptureResult:
+                     fast_states: bool = True, pipeline: bool | None = None) -> CaptureResult:
     """Run one document (``input_ids``: list[int] or [T] / [1, T] tensor) and capture every GDN head.
 
     progress(done_layers, n_layers) is called after each GDN layer; cancel() -> True aborts with JobCancelled.
     fast_states=False forces the segment-by-segment scan on CUDA (the one-pass read-out is the default there).
+    pipeline: overlap each layer's statistics with the next layers (module docstring); None = on CUDA only.
     """
     runner.check_segment_len(segment_len)
     ids = torch.as_tensor(input_ids, dtype=torch.long)
@@ -213,12 +312,20 @@ def capture_document(lm, input_ids, segment_len: int = runner.DEFAULT_SEGMENT_LE
     if ids.numel() == 0:
         raise EmptyDocument("the document has no tokens")
     T = ids.shape[1]
-    cb = CaptureCallback(lm.info, T, segment_len, progress=progress, cancel=cancel)
+    cb = CaptureCallback(lm.info, T, segment_len, progress=progress, cancel=cancel, pipeline=pipeline)
     t0 = time.perf_counter()
-    out = runner.forward(lm, ids, segment_len=segment_len, callbacks=[cb], keep_hidden=False,
-                         fast_states=fast_states)
+    try:
+        out = runner.forward(lm, ids, segment_len=segment_len, callbacks=[cb], keep_hidden=False,
+                             fast_states=fast_states)
+    except BaseException:
+        try:
+            cb.close()  # let the statistics in flight finish before the error leaves (no thread left running)
+        except Exception:  # noqa: BLE001 - the forward's own error is the one to report
+            pass
+        raise
+    cb.close()
     meta = dict(version=CAPTURE_VERSION, name=name, n_tokens=T, segment_len=segment_len,
                 model=lm.info.to_dict(), gdn_layers=list(lm.info.gdn_layers), num_heads=lm.info.num_heads,
                 d_k=lm.info.d_k, d_v=lm.info.d_v, backends=sorted(out.backends), readouts=sorted(out.readouts),
-                seconds=round(time.perf_counter() - t0, 4))
+                pipelined=bool(cb._pipe), seconds=round(time.perf_counter() - t0, 4))
     return cb.result(meta)

@@ -120,3 +120,42 @@ def test_batched_svdvals_cpu_matches_svd_reference():
     assert ((ours - ref).abs() / ref[:, :1]).max() < 1e-7
     np.testing.assert_array_equal(spectra.numerical_rank(ours.numpy()), spectra.numerical_rank(ref.numpy()))
     np.testing.assert_allclose(spectra.effective_rank(ours.numpy()), spectra.effective_rank(ref.numpy()), rtol=1e-6)
+
+
+def _same_capture(a: CaptureResult, b: CaptureResult) -> None:
+    for f in ("positions", "sv", "final_state", "g", "beta", "key_mean", "key_sample", "key_sample_pos"):
+        np.testing.assert_array_equal(getattr(a, f), getattr(b, f), err_msg=f)
+    assert a.keycone.keys() == b.keycone.keys()
+    for k in a.keycone:
+        np.testing.assert_array_equal(a.keycone[k], b.keycone[k], err_msg=k)
+
+
+def test_pipelined_statistics_equal_inline_ones(lm):
+    """The background-thread pipeline (the CUDA default) gives bit-identical captures, keeps progress in layer order
+    and ends with no thread left behind."""
+    import threading
+
+    ids = doc(300, seed=3)
+    seen = []
+    inline = capture_document(lm, ids, 64, pipeline=False)
+    piped = capture_document(lm, ids, 64, pipeline=True, progress=lambda d, n: seen.append((d, n)))
+    assert inline.meta["pipelined"] is False and piped.meta["pipelined"] is True
+    _same_capture(inline, piped)
+    n = len(lm.info.gdn_layers)
+    assert seen == [(i, n) for i in range(1, n + 1)]
+    assert not [t for t in threading.enumerate() if t.name == "gdnviz-capture-stats"]
+
+
+def test_pipelined_statistics_errors_reach_the_caller(lm):
+    """An error inside a layer's statistics (here the progress callback, which runs with them) surfaces from
+    capture_document, in the main thread, and no thread is left running."""
+    import threading
+
+    def boom(done, total):
+        if done == 2:
+            raise RuntimeError("stats failed at layer 2")
+
+    ids = doc(200, seed=4)
+    with pytest.raises(RuntimeError, match="stats failed at layer 2"):
+        capture_document(lm, ids, 64, pipeline=True, progress=boom)
+    assert not [t for t in threading.enumerate() if t.name == "gdnviz-capture-stats"]

@@ -125,3 +125,24 @@ def test_one_pass_direct_states_match_scan():
         prev = c
     torch.testing.assert_close(final, st, rtol=1e-4, atol=1e-4)
     torch.testing.assert_close(out, torch.cat(outs, 1), rtol=2e-3, atol=2e-3)
+
+
+@pytest.mark.parametrize("fast_states", [True, False])
+def test_pipelined_capture_equals_inline_on_gpu(lm, fast_states):
+    """On CUDA the statistics run on a side stream in a background thread (the default): the same numbers, bit for
+    bit, as running them inline on the main stream, with the one-pass read-out and with the segment loop."""
+    import threading
+
+    import numpy as np
+
+    from gdnviz.capture import capture_document
+
+    x = ids(2000, seed=5)[0].cpu()
+    inline = capture_document(lm, x, 256, pipeline=False, fast_states=fast_states)
+    piped = capture_document(lm, x, 256, fast_states=fast_states)
+    assert piped.meta["pipelined"] is True and inline.meta["pipelined"] is False
+    for f in ("sv", "final_state", "g", "beta", "key_mean", "key_sample"):
+        np.testing.assert_array_equal(getattr(inline, f), getattr(piped, f), err_msg=f)
+    for k in inline.keycone:
+        np.testing.assert_array_equal(inline.keycone[k], piped.keycone[k], err_msg=k)
+    assert not [t for t in threading.enumerate() if t.name == "gdnviz-capture-stats"]
