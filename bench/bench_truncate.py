@@ -189,12 +189,19 @@ def graph_replay_ms(S: torch.Tensor, r: int, warmup: int, repeats: int):
 
 
 def micro(dev: torch.device, n: int, repeats: int) -> None:
-    """Building blocks on this device: batched eigh by size (≤ 32 is cuSOLVER's batched Jacobi), Cholesky, GEMMs."""
+    """Building blocks on this device: batched eigh by size (≤ 32 is cuSOLVER's batched Jacobi; on CUDA also the
+    Triton Jacobi kernel of gdnviz.gpu.jacobi), Cholesky, GEMMs, and which of them sync the host."""
+    if dev.type == "cuda":
+        from gdnviz.gpu.jacobi import eigh_jacobi
     for q in (16, 32, 33, 48, 64):
         A = torch.randn(n, q, q, device=dev, dtype=F64)
         A = A @ A.mT + torch.eye(q, device=dev, dtype=F64)
         reps = repeats if q <= 32 else min(repeats, 5)  # > 32 may be one cuSOLVER call per matrix: slow
         emit(what=f"micro:eigh_f64_{q}x{q}", device=str(dev), n=n, ms=round(time_ms(lambda: torch.linalg.eigh(A), dev, 1, reps), 4))
+        if dev.type == "cuda":  # the sync-free Jacobi kernel _ritz uses on CUDA (max_sweeps: over the batch)
+            sweeps = eigh_jacobi(A, return_sweeps=True)[2].max().item()
+            emit(what=f"micro:eigh_jacobi_f64_{q}x{q}", device=str(dev), n=n, max_sweeps=sweeps,
+                 ms=round(time_ms(lambda: eigh_jacobi(A), dev, 2, repeats), 4))
         emit(what=f"micro:cholesky_ex_f64_{q}x{q}", device=str(dev), n=n,
              ms=round(time_ms(lambda: torch.linalg.cholesky_ex(A), dev, 2, repeats), 4))
     if dev.type == "cuda":
@@ -203,6 +210,7 @@ def micro(dev: torch.device, n: int, repeats: int) -> None:
         eye = torch.eye(32, device=dev, dtype=F64).expand_as(A)
         blocks = {
             "torch.linalg.eigh": lambda: torch.linalg.eigh(A),
+            "gdnviz.gpu.jacobi.eigh_jacobi": lambda: eigh_jacobi(A),
             "aten._linalg_eigh": lambda: torch.ops.aten._linalg_eigh(A, "L", True),
             "torch.linalg.cholesky_ex": lambda: torch.linalg.cholesky_ex(A),
             "torch.linalg.solve_triangular": lambda: torch.linalg.solve_triangular(A.triu(), eye, upper=True),

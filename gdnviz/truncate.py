@@ -26,9 +26,10 @@ Block subspace iteration in float64 on the Gram matrix ``G = S Sᵀ / ‖S‖²_
    original float64 state.
 
 One pass finds at most 16 directions with its 32-column block: oversampling ≥ 16 is what makes the *energy*
-converge fast without a gap at r, and ``torch.linalg.eigh`` is batched on CUDA only up to 32×32 (larger sizes run one
-cuSOLVER call per matrix). For 16 < r ≤ 32 a second pass runs on the deflated state ``S − U₁₆U₁₆ᵀS`` and the two
-bases are joined. Ranks > 32 (or K < 64) use the exact float64 ``eigh`` of ``S Sᵀ``.
+converge fast without a gap at r, and a 32×32 Rayleigh quotient is cheap for the batched eigensolver (the Triton
+Jacobi kernel on CUDA, see below; ``torch.linalg.eigh`` batches on CUDA only up to 32×32). For 16 < r ≤ 32 a
+second pass runs on the deflated state ``S − U₁₆U₁₆ᵀS`` and the two bases are joined. Ranks > 32 (or K < 64) use
+the exact float64 ``eigh`` of ``S Sᵀ``.
 
 Accuracy: the retained energy ``‖S_r‖²_F`` is within 1e-5 of the exact one, relative to ``‖S‖²_F``, for every state
 of the test batteries — clustered and repeated singular values (σ_r = σ_{r+1}: the truncation is not unique, its
@@ -44,11 +45,17 @@ Host synchronisation and CUDA graphs
 ------------------------------------
 No ``.item()``, no data-dependent Python branch, no data-dependent shape: iteration counts and block sizes depend
 only on the host-side rank, and the start matrices are cached per device (the first call on a device copies them
-host→device, so call once before capturing a graph). One caveat is outside this file: ``torch.linalg.eigh`` checks
-its ``info`` with ``infos.any().item()`` (``at::_linalg_check_errors``), i.e. one host sync per call — one per pass
-here (two with the Chebyshev filter) — and that blocks CUDA-graph capture until the Rayleigh–Ritz ``eigh`` is
-replaced by a sync-free batched 32×32 eigensolver (e.g. ``cusolverDnDsyevjBatched`` called without the check).
-``bench/bench_truncate.py`` reports where the first sync happens and whether capture works.
+host→device, so call once before capturing a graph). The Rayleigh–Ritz ``eigh`` of the 32×32 ``QᵀGQ`` runs, on
+CUDA, in a Triton kernel (``gdnviz.gpu.jacobi.eigh_jacobi``: cyclic parallel Jacobi, one program per matrix, the
+convergence test inside the kernel) instead of ``torch.linalg.eigh``, whose ``info`` check
+(``infos.any().item()``, ``at::_linalg_check_errors``) syncs the host once per call and so made CUDA-graph capture
+of the subspace path impossible. The Cholesky factorisations call ``cholesky_ex`` without its error check and
+``solve_triangular`` has none, so neither reads anything back. The subspace path is therefore meant to run without
+a host sync and to be capturable in a CUDA graph once warmed up; ``tests/test_jacobi.py`` has CUDA tests for both
+(no sync under ``torch.cuda.set_sync_debug_mode("error")``; capture and replay), which have not been run on a GPU
+yet. The exact paths (``"eigh"``, ``"svd"``, ranks > 32, K < 64) still call ``torch.linalg.eigh`` / ``svd`` on
+large matrices and sync. On CPU the Rayleigh–Ritz step keeps ``torch.linalg.eigh``. ``bench/bench_truncate.py``
+reports where the first sync happens and whether capture works.
 
 Per-head ranks must be known on the host (validation, grouping): pass a list or a CPU tensor (a CUDA rank tensor
 costs one device→host copy). States are grouped by path (unchanged / subspace / exact); inside a group the basis is
@@ -58,6 +65,7 @@ computed for the group's largest rank and each state keeps its own leading ``r_i
 from __future__ import annotations
 
 import operator
+import os
 from collections.abc import Sequence
 
 import torch
@@ -75,7 +83,7 @@ __all__ = [
 
 SUBSPACE_MAX_RANK = 32  # above this, "auto" uses an exact decomposition
 _STAGE_RANK = 16  # directions found per subspace pass (block of _BLOCK columns)
-_BLOCK = 32  # block width q; ≤ 32 keeps every eigh on cuSOLVER's batched Jacobi path
+_BLOCK = 32  # block width q: the size of the Rayleigh–Ritz eigh (the Jacobi kernel takes ≤ 64)
 _MIN_K_SUBSPACE = 2 * _BLOCK  # below this the exact eigh of the K×K Gram is as cheap
 _CHOL_SHIFT = 1e-13  # relative diagonal shift of Cholesky-QR
 _FILL = 1e-6  # size of the refill of damped basis columns (relative to a unit column)
@@ -176,10 +184,23 @@ def _refill(Q: torch.Tensor, seed: int) -> torch.Tensor:
     return _cholqr(_cholqr(Q))
 
 
+def _eigh_small(T: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """``eigh`` of the batched q×q Rayleigh quotients (q ≤ 32): ascending values, vectors as columns.
+
+    CUDA: the sync-free Triton Jacobi kernel (``gdnviz.gpu.jacobi``; ``torch.linalg.eigh`` would read its ``info``
+    on the host). CPU: ``torch.linalg.eigh`` (LAPACK), without importing Triton — except under ``TRITON_INTERPRET=1``,
+    where ``eigh_jacobi`` runs the kernel in the interpreter (tests)."""
+    if T.device.type == "cpu" and os.environ.get("TRITON_INTERPRET", "0") in ("", "0"):
+        return torch.linalg.eigh(T)
+    from gdnviz.gpu.jacobi import eigh_jacobi  # lazy: imports triton
+
+    return eigh_jacobi(T)
+
+
 def _ritz(Q: torch.Tensor, G: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """Rayleigh–Ritz on span(Q): (Ritz values, descending; Ritz vectors, same order). ``q ≤ 32`` (batched eigh)."""
+    """Rayleigh–Ritz on span(Q): (Ritz values, descending; Ritz vectors, same order). ``q ≤ 32``."""
     T = Q.mT @ (G @ Q)
-    theta, W = torch.linalg.eigh(T)
+    theta, W = _eigh_small(T)
     return theta.flip(-1), Q @ W.flip(-1)
 
 

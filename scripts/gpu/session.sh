@@ -9,7 +9,7 @@ mkdir -p /tmp/site && for w in .whl/*.whl; do python3 -m zipfile -e "$w" /tmp/si
 export PYTHONPATH=/tmp/site:$PWD PYTHONUNBUFFERED=1
 nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv
 python3 -c "import torch, transformers, triton, fla; print(torch.__version__, transformers.__version__, triton.__version__, fla.__version__)"
-TESTS=${*:-tests/test_gpu_runner.py tests/test_symeig.py tests/test_truncate.py tests/test_kernels_vs_reference.py tests/test_fla_adapter.py}
+TESTS=${*:-tests/test_gpu_runner.py tests/test_symeig.py tests/test_jacobi.py tests/test_truncate.py tests/test_kernels_vs_reference.py tests/test_fla_adapter.py}
 timeout ${GPU_TEST_SECONDS:-200} python3 -m pytest -v -m gpu -p no:cacheprovider --timeout 100 --tb=short \
     $TESTS > $OUT/gpu_tests.log 2>&1; echo "pytest rc=$?" >> $OUT/gpu_tests.log
 grep -E "PASSED|FAILED|ERROR|SKIPPED|rc=|Error|assert" $OUT/gpu_tests.log | tail -40
