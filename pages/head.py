@@ -34,18 +34,23 @@ if qp_layer is not None or qp_head is not None:
     ql, qh = _int(qp_layer), _int(qp_head)
     if ql is None or qh is None:
         C.show_error(f"The link asks for layer={qp_layer!r}, head={qp_head!r}: both must be integers.",
-                     f"GDN layers of this run: {gl}; heads 0–{H - 1}. Showing the first head instead.")
+                     f"GDN layers of this run: {gl}; heads 0–{H - 1}. Showing the head with the largest effective rank instead.")
     elif ql not in gl:
         C.show_error(f"Layer {ql} is not a Gated DeltaNet layer of this model.",
                      f"GDN layers: {gl} (full-attention layers {list(model['attn_layers'])} have no state). "
-                     "Showing the first head instead.")
+                     "Showing the head with the largest effective rank instead.")
     elif not 0 <= qh < H:
         C.show_error(f"Head {qh} is out of range: GDN layers of this model have {H} heads (0–{H - 1}).",
-                     "Showing the first head instead.")
+                     "Showing the head with the largest effective rank instead.")
     else:
         layer, head = ql, qh
 if layer not in gl or head is None or not 0 <= int(head) < H:
-    layer, head = gl[0], 0
+    # nothing chosen yet: open the head with the largest effective rank of this run (the one using the most of
+    # its state), not an arbitrary first head
+    top = table.sort_values(["erank", "layer", "head"], ascending=[False, True, True], na_position="last").iloc[0]
+    layer, head = int(top["layer"]), int(top["head"])
+    st.caption(f"Showing layer {layer} head {head}, the head with the largest effective rank in this run "
+               "(median over its documents). Pick another below, or click a cell on the Heatmap.")
 layer, head = int(layer), int(head)
 st.session_state["layer"], st.session_state["head"] = layer, head
 st.session_state["head_sel_layer"], st.session_state["head_sel_head"] = layer, head

@@ -404,7 +404,15 @@ def test_head_bad_deep_links(env, populated, layer, head, message):
     at.run()
     assert not at.exception
     assert any(message in e for e in texts(at, "error"))
-    assert any("Layer 0 · head 0" in m for m in texts(at, "markdown"))  # falls back to the first head
+    # falls back to the run's head with the largest effective rank, and says so
+    from gdnviz.summary import document_set_table
+
+    cache_, run = populated
+    table = document_set_table(jobs.load_run_captures(Store(cache_), run))
+    top = table.sort_values(["erank", "layer", "head"], ascending=[False, True, True]).iloc[0]
+    assert (at.session_state["layer"], at.session_state["head"]) == (int(top["layer"]), int(top["head"]))
+    assert any(f"Layer {int(top['layer'])} · head {int(top['head'])}" in m for m in texts(at, "markdown"))
+    assert any("the head with the largest effective rank in this run" in c for c in texts(at, "caption"))
 
 
 # =============================================================================================================

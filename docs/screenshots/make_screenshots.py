@@ -74,11 +74,11 @@ def main() -> int:
     ap.add_argument("--model", default=None)
     ap.add_argument("--out", default=str(ROOT / "docs" / "screenshots"))
     ap.add_argument("--head", default=None,
-                    help="LAYER,HEAD for the Head page (default 4,1 with --model demo: its longest-lived head; else 4,3)")
+                    help="LAYER,HEAD for the Head page (default 5,1 with --model demo: its longest-lived head; else 4,3)")
     ap.add_argument("--only", choices=["sweeps"], default=None,
                     help="only the Retrieval sweeps page (no capture; a tiny sweep on the inspected model)")
     args = ap.parse_args()
-    args.head = [int(x) for x in (args.head or ("4,1" if args.model == "demo" else "4,3")).split(",")]
+    args.head = [int(x) for x in (args.head or ("5,1" if args.model == "demo" else "4,3")).split(",")]
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     tmp = Path(tempfile.mkdtemp(prefix="gdnviz-shots-"))
