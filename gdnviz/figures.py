@@ -407,7 +407,8 @@ def horizon_hist_chart(table: pd.DataFrame, segment_len: int):
     bars = alt.Chart(df).mark_rect(stroke="white", strokeWidth=0.5).encode(
         x=alt.X("lo:Q", title="decay horizon 1/(1 − ᾱ) (tokens, log scale)",
                 scale=alt.Scale(type="log", domain=[float(edges[0]), float(edges[-1])], nice=False)),
-        x2="hi:Q", y=alt.Y("heads:Q", title="number of heads", scale=alt.Scale(domainMin=0)), y2="zero:Q",
+        x2="hi:Q", y=alt.Y("heads:Q", title="number of heads", scale=alt.Scale(domainMin=0),
+                                 axis=alt.Axis(tickMinStep=1, format="d")), y2="zero:Q",
         color=alt.Color("side:N", title="", scale=alt.Scale(domain=["forgets within a segment", "longer"],
                                                              range=["#ff7f0e", "#1f77b4"]),
                         legend=alt.Legend(orient="top")),

@@ -118,13 +118,13 @@ def main() -> int:
             def sweeps():  # a small sweep: two tasks, two lengths, seed 000's ranks up to d_k, 2 samples each
                 page.goto(base + "/sweeps")
                 idle()
-                for label, value in (("Lengths (tokens, comma-separated)", "1024, 1536"), ("Samples n", "2"),
+                for label, value in (("Lengths (tokens, comma-separated)", "1024, 2048"), ("Samples n", "2"),
                                      ("Batch size", "4")):
                     page.locator(f"input[aria-label='{label}']").fill(value)
                     page.keyboard.press("Enter")
                     idle()
                 page.get_by_text("More settings").click()
-                page.locator("input[aria-label=\"New tokens (0 = each task's own)\"]").fill("8")
+                page.locator("input[aria-label=\"New tokens (0 = each task's own)\"]").fill("0")
                 page.keyboard.press("Enter")
                 idle()
                 page.get_by_role("button", name="Run the sweep").click()
