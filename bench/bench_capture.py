@@ -35,6 +35,8 @@ def main():
     ap.add_argument("--new-lengths", default="",
                     help="comma-separated token counts: time the first capture at each new length vs the second")
     ap.add_argument("--profile", type=int, default=0, help="print the top N ops of one capture (torch.profiler)")
+    ap.add_argument("--no-compare", action="store_true",
+                    help="skip the inline-statistics and segment-loop captures (long documents: time and memory only)")
     args = ap.parse_args()
 
     from gdnviz import runner
@@ -85,7 +87,7 @@ def main():
     emit(what="capture", seconds=t_cap, baseline="plain_prefill", ratio=t_cap / t_plain,
          stored_mb=len(c.to_bytes()) / 2**20, boundaries=len(c.positions), backends=c.meta["backends"],
          readouts=c.meta.get("readouts"), pipelined=c.meta.get("pipelined"), **base)
-    if dev.type == "cuda":  # the same capture with each layer's statistics inline (no side stream / thread)
+    if dev.type == "cuda" and not args.no_compare:  # the same capture with each layer's statistics inline
         def cap_inline():
             holder["i"] = capture_document(lm, ids[0].cpu(), L, pipeline=False)
 
@@ -98,7 +100,7 @@ def main():
     def cap_loop():
         holder["s"] = capture_document(lm, ids[0].cpu(), L, fast_states=False)
 
-    if dev.type == "cuda":  # the one-pass state read-out is CUDA-only; on CPU both are the segment loop
+    if dev.type == "cuda" and not args.no_compare:  # the one-pass read-out is CUDA-only (CPU: both are the loop)
         t_loop = timeit(cap_loop, dev, repeats=args.repeats)
         emit(what="capture_segment_loop", seconds=t_loop, baseline="plain_prefill", ratio=t_loop / t_plain, **base)
         import numpy as np
@@ -151,6 +153,9 @@ def main():
              ratio=t_naive / t_plain, **base)
     if dev.type == "cuda":
         emit(what="peak_gpu_memory_gib", value=torch.cuda.max_memory_allocated() / 2**30, **base)
+    import resource
+
+    emit(what="peak_host_rss_gib", value=resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**20, **base)
 
 
 if __name__ == "__main__":

@@ -17,6 +17,11 @@ timeout ${TRUNC_SECONDS:-150} python3 bench/bench_truncate.py --device cuda --mi
 timeout 60 python3 bench/bench_spectra.py --device cuda 2>&1 | tee $OUT/bench_spectra.jsonl
 timeout ${CAPTURE_SECONDS:-170} python3 bench/bench_capture.py --device cuda --tokens 16384 --repeats 3 --profile 25 --new-lengths 3000,7777,20000 \
     > $OUT/bench_capture.log 2>&1; grep '^{' $OUT/bench_capture.log
+# scale (issue #6 target 4): one 128K-token capture, peak GPU memory and stored size (skipped with CAPTURE128K_SECONDS=0)
+if [ "${CAPTURE128K_SECONDS:-150}" != 0 ]; then
+  timeout ${CAPTURE128K_SECONDS:-150} python3 bench/bench_capture.py --device cuda --tokens 131072 --repeats 1 --no-compare \
+      > $OUT/bench_capture_128k.log 2>&1; grep '^{' $OUT/bench_capture_128k.log | cut -c1-300
+fi
 # one retrieval sweep on the GPU (issue #4): batched greedy answers with fla, demo model, bf16; batch 8 vs 1
 for b in 8 1; do
   rm -rf /tmp/sweep_b$b; t0=$(date +%s%N)
