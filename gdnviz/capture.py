@@ -54,7 +54,8 @@ PIPELINE_DEPTH = 4  # layers whose statistics may be in flight on the background
 
 
 class _Pipeline:
-    """Runs jobs in order on one background thread; on CUDA each job runs on a side stream that first waits for
+    """Runs jobs in order on background threads (one per job, each joining the one before, so at most one runs at a
+    time); on CUDA each job runs on a side stream that first waits for
     the work the main stream had queued when the job was submitted. Tensors a job reads are kept alive by the job
     and marked with ``record_stream``, so the caching allocator does not hand their memory to the main stream
     before the side stream is done with it. ``drain()`` waits for every job and re-raises the first error."""
@@ -222,8 +223,7 @@ class CaptureCallback:
         self._states: list = []
         self._done = 0
         self._pipeline_flag = pipeline
-        self._pipe: _Pipeline | None = None
-        self._lock = threading.Lock()
+        self._pipe: _Pipeline | bool | None = None  # None: not decided yet (first layer); False: inline
 
     def _run(self, fn: Callable, *tensors) -> None:
         """Run ``fn`` now, or queue it on the pipeline (created at the first layer, on the keys' device)."""
@@ -235,6 +235,11 @@ class CaptureCallback:
             self._pipe.submit(fn, *tensors)
         else:
             fn()
+
+    @property
+    def pipelined(self) -> bool:
+        """True when the statistics ran on the background pipeline."""
+        return bool(self._pipe)
 
     def close(self) -> None:
         """Wait for the statistics still in flight (re-raising the first error)."""
@@ -258,9 +263,7 @@ class CaptureCallback:
         summary = self._kc.keycone_summary(k0, g0)
         for name, val in summary.items():
             arr = val.detach().cpu().numpy() if torch.is_tensor(val) else np.asarray(val)
-            with self._lock:
-                slot = self.keycone.setdefault(name, np.zeros((len(self.layers), self.info.num_heads), np.float64))
-            slot[li] = arr
+            self.keycone.setdefault(name, np.zeros((len(self.layers), self.info.num_heads), np.float64))[li] = arr
 
     def on_boundary(self, layer, position, state):
         self._states.append(state.detach().clone())  # [1, H, K, V]
@@ -327,5 +330,5 @@ def capture_document(lm, input_ids, segment_len: int = runner.DEFAULT_SEGMENT_LE
     meta = dict(version=CAPTURE_VERSION, name=name, n_tokens=T, segment_len=segment_len,
                 model=lm.info.to_dict(), gdn_layers=list(lm.info.gdn_layers), num_heads=lm.info.num_heads,
                 d_k=lm.info.d_k, d_v=lm.info.d_v, backends=sorted(out.backends), readouts=sorted(out.readouts),
-                pipelined=bool(cb._pipe), seconds=round(time.perf_counter() - t0, 4))
+                pipelined=cb.pipelined, seconds=round(time.perf_counter() - t0, 4))
     return cb.result(meta)
