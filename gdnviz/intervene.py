@@ -36,7 +36,7 @@ class TruncationSpec:
 
     @classmethod
     def from_dict(cls, mapping: dict) -> "TruncationSpec":
-        return cls(tuple(sorted(((int(l), int(h)), int(r)) for (l, h), r in mapping.items())))
+        return cls(mapping)  # __post_init__ normalises it
 
     @classmethod
     def uniform(cls, heads: Iterable, r: int) -> "TruncationSpec":
