@@ -107,6 +107,9 @@ def parse_args(argv=None):
     ap.add_argument("--attn-drop", type=float, default=0.5,
                     help="chance per step and full-attention layer that the layer's attention output is zeroed "
                          "(stochastic depth on attention only), so that the GDN heads learn to carry retrieval")
+    ap.add_argument("--attn-drop-mode", choices=["layer", "all"], default="layer",
+                    help="'layer': each attention layer dropped independently; 'all': every attention layer "
+                         "dropped together (GDN-only steps with chance --attn-drop, full-model steps otherwise)")
     ap.add_argument("--lr", type=float, default=1e-3)
     ap.add_argument("--warmup", type=int, default=None, help="default 200 (smoke 5)")
     ap.add_argument("--decay-frac", type=float, default=0.25)
@@ -407,7 +410,11 @@ class AttentionDrop:
     def set(self, layers) -> None:
         self.active = set(layers or ())
 
-    def draw(self, rng, p: float) -> list:
+    def draw(self, rng, p: float, mode: str = "layer") -> list:
+        """Attention layers to zero this step: each with chance ``p`` (``mode="layer"``), or all of them together
+        with chance ``p`` (``mode="all"``: the other steps keep every attention layer)."""
+        if mode == "all":
+            return list(self.layers) if rng.random() < p else []
         return [i for i in self.layers if rng.random() < p]
 
 
@@ -815,7 +822,8 @@ def main(argv=None) -> int:
         for g in opt.param_groups:
             g["lr"] = lr_at(step, a)
         x, y, m = x.to(dev, non_blocking=True), y.to(dev, non_blocking=True), m.to(dev, non_blocking=True)
-        dropped = drop["hooks"].draw(random.Random(a.seed * 7919 + step), a.attn_drop) if a.attn_drop > 0 else []
+        dropped = drop["hooks"].draw(random.Random(a.seed * 7919 + step), a.attn_drop,
+                                      a.attn_drop_mode) if a.attn_drop > 0 else []
         drop["hooks"].set(dropped)
         with torch.autocast(dev.type, dtype=torch.bfloat16, enabled=dev.type == "cuda"):
             logits = model(input_ids=x, use_cache=False).logits
