@@ -72,6 +72,20 @@ class TruncationSpec:
                                      f"r = {rmax} keeps the state untouched")
 
 
+def _graph_truncation(heads_d: torch.Tensor, r: int):
+    """A capture-safe boundary function: heads ``heads_d`` (device index tensor) of ``state [B, H, K, V]`` cut to
+    rank ``r`` ≤ 32 by ``truncate_states``'s subspace path (one integer rank: no host→device copy inside it)."""
+    from gdnviz.truncate import truncate_states
+
+    def fn(state: torch.Tensor) -> torch.Tensor:
+        B, _, K, V = state.shape
+        x = state.index_select(1, heads_d).reshape(-1, K, V)
+        y = truncate_states(x, r, method="subspace")
+        return state.index_copy(1, heads_d, y.reshape(B, -1, K, V).to(state.dtype))
+
+    return fn
+
+
 class TruncateCallback:
     """Runner callback that projects the chosen heads onto their top-r directions at every boundary."""
 
@@ -86,7 +100,35 @@ class TruncateCallback:
                           for l, v in per_layer.items()}
         self.warm_start = warm_start
         self._basis: dict = {}
+        self._graph_fns: dict = {}
         self.n_calls = 0
+        self.d_k, self.d_v = info.d_k, info.d_v
+
+    def graph_boundary(self, layer, device):
+        """For ``gdnviz.runner``'s CUDA-graph windows: ``"noop"`` when no head of ``layer`` is truncated; else
+        ``(fn, key)`` with ``fn(state [B, H, K, V]) -> state`` free of host syncs (the subspace path of
+        ``truncate_states`` for one rank ≤ 32 per layer, cold start: warm starts keep per-call host state), ``key``
+        naming what it does (heads, ranks) so that layers doing the same share a graph; None when the layer's
+        truncation cannot be captured (mixed ranks, r > 32, K < 64: exact paths sync)."""
+        sel = self.per_layer.get(layer)
+        if sel is None:
+            return "noop"
+        from gdnviz.truncate import SUBSPACE_MAX_RANK, _MIN_K_SUBSPACE
+
+        heads, ranks = sel
+        rl = ranks.tolist()
+        if len(set(rl)) != 1 or rl[0] > SUBSPACE_MAX_RANK or self.d_k < _MIN_K_SUBSPACE:
+            return None
+        key = ("truncate-subspace", tuple(heads.tolist()), rl[0], str(device))
+        fn = self._graph_fns.get(key)
+        if fn is None:
+            fn = self._graph_fns[key] = _graph_truncation(heads.to(device), rl[0])
+        return fn, key
+
+    def note_graph_boundaries(self, layer, n: int) -> None:
+        """``n`` boundaries of ``layer`` ran inside a CUDA graph: count them; the warm start is stale now."""
+        self.n_calls += n
+        self._basis.pop(layer, None)
 
     def on_boundary(self, layer, position, state, rows=None):
         """``rows``: batch indices of ``state``'s rows in a left-padded batch (``gdnviz.runner`` passes them when

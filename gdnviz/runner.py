@@ -49,6 +49,7 @@ import torch
 
 from gdnviz.errors import BadSegmentLength
 from gdnviz.gdn import kernels
+from gdnviz.gpu import scan_graph
 
 DEFAULT_SEGMENT_LEN = 256
 
@@ -64,7 +65,9 @@ class RunContext:
     backends: set = field(default_factory=set)  # kernel paths that ran: {"fla", "torch"}
     row_starts: list | None = None  # left-padded batch: leading pad tokens per row (see the module docstring)
     fast_states: bool = True  # allow the one-pass state read-out when every callback only reads (see gdn_scan)
-    readouts: set = field(default_factory=set)  # how boundary states were produced: {"one-pass", "segment-loop"}
+    readouts: set = field(default_factory=set)  # how the GDN calls ran: "one-pass", "segment-loop", "segment-graph", ...
+    graphs: bool | str = True  # CUDA-graph windows for state-replacing runs on CUDA (see _graph_plan); "eager": the
+    # same windows without a graph, on any device (tests)
 
 
 _ACTIVE: contextvars.ContextVar[RunContext | None] = contextvars.ContextVar("gdnviz_run", default=None)
@@ -166,12 +169,11 @@ def gdn_scan(ctx: RunContext, layer: int, q_hat, k_hat, v, g, beta, initial_stat
                 if offset + c - start > 0}
     else:
         cuts = boundary_cuts(offset, T, ctx.segment_len)
-    edges = sorted(set(cuts) | {T})
     one_pass = None
     if not rows_mode and ctx.fast_states and _reads_only(ctx) and kernels.states_fast_path(v.device, T, cuts):
         one_pass = _try_one_pass(q_in, k_in, v, g, beta, state, cuts)
-    ctx.readouts.add("segment-loop" if one_pass is None else "one-pass")
     if one_pass is not None:
+        ctx.readouts.add("one-pass")
         out, state, states = one_pass
         positions = [offset + c for c in cuts]
         for cb in ctx.callbacks:
@@ -184,7 +186,47 @@ def gdn_scan(ctx: RunContext, layer: int, q_hat, k_hat, v, g, beta, initial_stat
                 for i, pos in enumerate(positions):
                     fn(layer, pos, states[i])
         return _finish(ctx, layer, offset, T, out, state, v.dtype)
-    outs, start = [], 0
+    plan = None if rows_mode else _graph_plan(ctx, layer, v)
+    if plan == "noop":  # no callback does anything in this layer: one kernel call (fla: same result as the loop)
+        ctx.readouts.add("one-call")
+        out, state = kernels.core(q_in, k_in, v, g, beta, state)
+        return _finish(ctx, layer, offset, T, out, state, v.dtype)
+    if plan is not None:
+        fn, fn_key, owner = plan
+        starts, spans = scan_graph.plan_windows(offset, T, ctx.segment_len)
+        if starts:
+            out = torch.empty_like(v)
+            n_win = scan_graph.WINDOW * ctx.segment_len
+            head = [sp for sp in spans if sp[1] <= starts[0]]
+            tail = [sp for sp in spans if sp[0] >= starts[-1] + n_win]
+            for a, b in head:
+                o, state = _segment_loop(ctx, layer, offset, q_in, k_in, v, g, beta, state, cuts, a, b)
+                out[:, a:b] = o
+            new = scan_graph.run_windows(q_in, k_in, v, g, beta, state, starts, ctx.segment_len, scan_graph.WINDOW,
+                                         fn, fn_key, out, eager=ctx.graphs == "eager")
+            if new is not None:
+                ctx.readouts.add("segment-graph")
+                owner.note_graph_boundaries(layer, len(starts) * scan_graph.WINDOW)
+                state = new
+                for a, b in tail:
+                    o, state = _segment_loop(ctx, layer, offset, q_in, k_in, v, g, beta, state, cuts, a, b)
+                    out[:, a:b] = o
+                return _finish(ctx, layer, offset, T, out, state, v.dtype)
+            lo = head[-1][1] if head else 0  # no graph: the rest runs the ordinary loop
+            o, state = _segment_loop(ctx, layer, offset, q_in, k_in, v, g, beta, state, cuts, lo, T)
+            out[:, lo:] = o
+            return _finish(ctx, layer, offset, T, out, state, v.dtype)
+    out, state = _segment_loop(ctx, layer, offset, q_in, k_in, v, g, beta, state, cuts, 0, T)
+    return _finish(ctx, layer, offset, T, out, state, v.dtype)
+
+
+def _segment_loop(ctx: RunContext, layer: int, offset: int, q_in, k_in, v, g, beta, state, cuts, lo: int, hi: int):
+    """The plain scan of local tokens [lo, hi): one kernel call per segment, callbacks at every cut in (lo, hi].
+    Returns (out [B, hi - lo, H, V], state)."""
+    rows_mode = ctx.row_starts is not None
+    edges = sorted({c for c in cuts if lo < c <= hi} | {hi})
+    outs, start = [], lo
+    ctx.readouts.add("segment-loop")
     for end in edges:
         if end > start:
             o, state = kernels.core(q_in[:, start:end], k_in[:, start:end], v[:, start:end],
@@ -204,7 +246,39 @@ def gdn_scan(ctx: RunContext, layer: int, q_hat, k_hat, v, g, beta, initial_stat
                     cb.on_boundaries(layer, [offset + end], state[None])
         start = end
     out = torch.cat(outs, dim=1) if len(outs) > 1 else outs[0]
-    return _finish(ctx, layer, offset, T, out, state, v.dtype)
+    return out, state
+
+
+def _graph_plan(ctx: RunContext, layer: int, v):
+    """How this layer's segments may run (not for left-padded batches):
+
+    - ``"noop"``: every boundary callback says it does nothing in this layer (``graph_boundary`` returned
+      ``"noop"``) and fla runs the core: one kernel call over all tokens (the boundaries change nothing);
+    - ``(fn, key, owner)``: exactly one callback replaces states here, with a capture-safe boundary function
+      ``fn(state) -> state``, and the others do nothing: segments run in CUDA-graph windows (``gdnviz.gpu.scan_graph``)
+      on CUDA with fla, or in the same windows without a graph when ``ctx.graphs == "eager"`` (tests);
+    - None: the ordinary segment loop (CPU, callbacks without ``graph_boundary``, ``ctx.graphs`` False, ...).
+    """
+    if not ctx.graphs or not ctx.callbacks:
+        return None
+    fla = kernels.backend_for(v.device) == "fla"
+    if ctx.graphs is True and not fla:
+        return None
+    found = []
+    for cb in ctx.callbacks:
+        if not (hasattr(cb, "on_boundary") or hasattr(cb, "on_boundaries")):
+            continue
+        gb = getattr(cb, "graph_boundary", None)
+        if gb is None:
+            return None
+        p = gb(layer, v.device)
+        if p is None:
+            return None
+        if p != "noop":
+            found.append((p[0], p[1], cb))
+    if not found:
+        return "noop" if fla else None
+    return found[0] if len(found) == 1 else None
 
 
 _ONE_PASS_BROKEN: list = []  # the first failure of the one-pass read-out in this process (then never tried again)

@@ -1,45 +1,76 @@
 #!/usr/bin/env bash
-# One H200 call: the GPU-marked tests + the benchmarks, outputs under $OUT (each step has its own time limit so
-# that one slow step cannot starve the others; fla's first call at a new shape autotunes for seconds).
-# Device tool: command `bash scripts/gpu/session.sh [TESTS...]`, carry [".whl"], timeout_s 600.
+# One H200 call: the GPU-marked tests + the benchmarks, outputs under $OUT. Each step has its own time limit (env
+# var, seconds; 0 skips the step) so that one slow step cannot starve the others and the sum fits the device tool's
+# 600 s per call. fla's first call at a new shape autotunes for seconds.
+# Device tool: command `[STEP_SECONDS...] bash scripts/gpu/session.sh [TESTS...]`, carry [".whl"], timeout_s 600.
 # .whl holds flash_linear_attention-0.6.0 and fla_core-0.6.0 (pure-Python wheels; README "GPU"). Both wheels
 # fill the same fla/ package, so they are unpacked with zipfile rather than `pip --target --upgrade`.
+#
+# Steps and their limits (defaults add up to more than 600 s: pick what a call should measure):
+#   GPU_TEST_SECONDS (150)      pytest -m gpu on TESTS (default: the GPU test files below)
+#   TRUNC_SECONDS (100)         bench_truncate.py --micro: one boundary of 288 states (+ fused kernel rows)
+#   SPECTRA_SECONDS (0)         bench_spectra.py
+#   TRUNCRUN_SECONDS (150)      bench_truncated_run.py: 16K tokens, every head truncated at every boundary
+#   CAPTURE_SECONDS (120)       bench_capture.py 16K (pipelined vs inline statistics, segment loop), new lengths
+#   CAPTURE128K_SECONDS (90)    bench_capture.py 128K, time and memory only
+#   SWEEP_SECONDS (0)           the demo model's CLI sweep, batch 8 vs 1 (rows compared)
+#   BENCH_SWEEP_SECONDS (90)    bench_sweep.py: prompts/s batched vs one at a time, 0.8B shape, 4K and 16K
+#   DEMO_SECONDS (0)            the demo model's capture in two consecutive processes (autotune cache check)
 set -x
 mkdir -p /tmp/site && for w in .whl/*.whl; do python3 -m zipfile -e "$w" /tmp/site; done
 export PYTHONPATH=/tmp/site:$PWD PYTHONUNBUFFERED=1
 nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv
 python3 -c "import torch, transformers, triton, fla; print(torch.__version__, transformers.__version__, triton.__version__, fla.__version__)"
-TESTS=${*:-tests/test_gpu_runner.py tests/test_symeig.py tests/test_jacobi.py tests/test_truncate.py tests/test_kernels_vs_reference.py tests/test_fla_adapter.py}
-timeout ${GPU_TEST_SECONDS:-200} python3 -m pytest -v -m gpu -p no:cacheprovider --timeout 100 --tb=short \
-    $TESTS > $OUT/gpu_tests.log 2>&1; echo "pytest rc=$?" >> $OUT/gpu_tests.log
-grep -E "PASSED|FAILED|ERROR|SKIPPED|rc=|Error|assert" $OUT/gpu_tests.log | tail -40
-timeout ${TRUNC_SECONDS:-150} python3 bench/bench_truncate.py --device cuda --micro --profile 30 > $OUT/bench_truncate.log 2>&1; grep "^{" $OUT/bench_truncate.log
-timeout 60 python3 bench/bench_spectra.py --device cuda 2>&1 | tee $OUT/bench_spectra.jsonl
-timeout ${CAPTURE_SECONDS:-170} python3 bench/bench_capture.py --device cuda --tokens 16384 --repeats 3 --profile 25 --new-lengths 3000,7777,20000 \
-    > $OUT/bench_capture.log 2>&1; grep '^{' $OUT/bench_capture.log
-# scale (issue #6 target 4): one 128K-token capture, peak GPU memory and stored size (skipped with CAPTURE128K_SECONDS=0)
-if [ "${CAPTURE128K_SECONDS:-150}" != 0 ]; then
-  timeout ${CAPTURE128K_SECONDS:-150} python3 bench/bench_capture.py --device cuda --tokens 131072 --repeats 1 --no-compare \
-      > $OUT/bench_capture_128k.log 2>&1; grep '^{' $OUT/bench_capture_128k.log | cut -c1-300
+on() { [ "${1:-0}" != 0 ]; }
+TESTS=${*:-tests/test_scan_graph.py tests/test_fused_truncate.py tests/test_gpu_runner.py tests/test_jacobi.py tests/test_truncate.py tests/test_symeig.py tests/test_kernels_vs_reference.py tests/test_fla_adapter.py}
+if on ${GPU_TEST_SECONDS:-150}; then
+  timeout ${GPU_TEST_SECONDS:-150} python3 -m pytest -v -m gpu -p no:cacheprovider --timeout 100 --tb=short \
+      $(ls $TESTS 2>/dev/null) > $OUT/gpu_tests.log 2>&1; echo "pytest rc=$?" >> $OUT/gpu_tests.log
+  grep -E "PASSED|FAILED|ERROR|SKIPPED|rc=|Error|assert" $OUT/gpu_tests.log | tail -40
+fi
+if on ${TRUNC_SECONDS:-100}; then
+  timeout ${TRUNC_SECONDS:-100} python3 bench/bench_truncate.py --device cuda --micro > $OUT/bench_truncate.log 2>&1
+  grep "^{" $OUT/bench_truncate.log | cut -c1-400
+fi
+if on ${SPECTRA_SECONDS:-0}; then
+  timeout ${SPECTRA_SECONDS} python3 bench/bench_spectra.py --device cuda 2>&1 | tee $OUT/bench_spectra.jsonl
+fi
+if on ${TRUNCRUN_SECONDS:-150}; then
+  timeout ${TRUNCRUN_SECONDS:-150} python3 bench/bench_truncated_run.py --device cuda --tokens 16384 --profile 25 \
+      > $OUT/bench_truncated_run.log 2>&1; grep '^{' $OUT/bench_truncated_run.log | cut -c1-400
+fi
+if on ${CAPTURE_SECONDS:-120}; then
+  timeout ${CAPTURE_SECONDS:-120} python3 bench/bench_capture.py --device cuda --tokens 16384 --repeats 3 --profile 25 \
+      --new-lengths 3000,7777,20000 > $OUT/bench_capture.log 2>&1; grep '^{' $OUT/bench_capture.log | cut -c1-400
+fi
+# scale (issue #6 target 4): one 128K-token capture, peak GPU memory and stored size
+if on ${CAPTURE128K_SECONDS:-90}; then
+  timeout ${CAPTURE128K_SECONDS:-90} python3 bench/bench_capture.py --device cuda --tokens 131072 --repeats 1 --no-compare \
+      > $OUT/bench_capture_128k.log 2>&1; grep '^{' $OUT/bench_capture_128k.log | cut -c1-400
 fi
 # one retrieval sweep on the GPU (issue #4): batched greedy answers with fla, demo model, bf16; batch 8 vs 1
-for b in 8 1; do
-  rm -rf /tmp/sweep_b$b; t0=$(date +%s%N)
-  timeout ${SWEEP_SECONDS:-60} python3 -m gdnviz.cli sweep demo --tasks niah_single_1,vt --lengths 2048 --ranks 1,4,128 \
-      --n 8 --batch $b --device cuda --dtype bfloat16 --chat off --out /tmp/sweep_b$b > /tmp/sweep_b$b.log 2>&1
-  echo "sweep batch $b rc=$? wall $(( ($(date +%s%N) - t0) / 1000000 )) ms (process start and model load included)" \
-       "$(grep -c . /tmp/sweep_b$b/rows.csv 2>/dev/null) lines in rows.csv"; tail -3 /tmp/sweep_b$b.log
-done
-cp /tmp/sweep_b8/table.csv $OUT/sweep_table_b8.csv 2>/dev/null
-cmp /tmp/sweep_b8/rows.csv /tmp/sweep_b1/rows.csv && echo "sweep rows: batch 8 == batch 1"
+if on ${SWEEP_SECONDS:-0}; then
+  for b in 8 1; do
+    rm -rf /tmp/sweep_b$b; t0=$(date +%s%N)
+    timeout ${SWEEP_SECONDS} python3 -m gdnviz.cli sweep demo --tasks niah_single_1,vt --lengths 2048 --ranks 1,4,128 \
+        --n 8 --batch $b --device cuda --dtype bfloat16 --chat off --out /tmp/sweep_b$b > /tmp/sweep_b$b.log 2>&1
+    echo "sweep batch $b rc=$? wall $(( ($(date +%s%N) - t0) / 1000000 )) ms (process start and model load included)" \
+         "$(grep -c . /tmp/sweep_b$b/rows.csv 2>/dev/null) lines in rows.csv"; tail -3 /tmp/sweep_b$b.log
+  done
+  cp /tmp/sweep_b8/table.csv $OUT/sweep_table_b8.csv 2>/dev/null
+  cmp /tmp/sweep_b8/rows.csv /tmp/sweep_b1/rows.csv && echo "sweep rows: batch 8 == batch 1"
+fi
 # prompts per second, batched vs one at a time, on the 0.8B shape at 4K and 16K (issue #6 target 5), warm
-timeout ${BENCH_SWEEP_SECONDS:-150} python3 bench/bench_sweep.py --device cuda --model 0.8b --lengths 4096,16384 \
-    --n 8 --batch 8 > $OUT/bench_sweep.log 2>&1; grep '^{' $OUT/bench_sweep.log
+if on ${BENCH_SWEEP_SECONDS:-90}; then
+  timeout ${BENCH_SWEEP_SECONDS:-90} python3 bench/bench_sweep.py --device cuda --model 0.8b --lengths 4096,16384 \
+      --n 8 --batch 8 > $OUT/bench_sweep.log 2>&1; grep '^{' $OUT/bench_sweep.log | cut -c1-400
+fi
 # the bundled demo model on the GPU: load, capture 4K tokens of a sample document (bf16, fla), time it -- in two
 # processes one after the other: the second shows whether fla's on-disk autotune cache (FLA_CACHE_RESULTS=1) and
 # Triton's kernel cache remove the first-call stall for every later process on the same machine
+if on ${DEMO_SECONDS:-0}; then
 for proc in first second; do echo "demo capture, $proc process"
-timeout 60 python3 - <<'PY' 2>&1 | grep -v Warn | tail -5
+timeout ${DEMO_SECONDS} python3 - <<'PY' 2>&1 | grep -v Warn | tail -5
 import time, torch
 from gdnviz.models import load
 from gdnviz.capture import capture_document
@@ -52,4 +83,5 @@ for i in range(2):
     print("demo capture", len(ids), "tokens", round(time.perf_counter() - t, 3), "s", c.meta["readouts"], c.meta["backends"])
 PY
 done
+fi
 exit 0

@@ -1,0 +1,125 @@
+"""The segment loop in windows (gdnviz.gpu.scan_graph) against the plain segment loop.
+
+On CPU the windows run without a graph (``RunContext(graphs="eager")``): the same static buffers, window body and
+state hand-over as the CUDA graph, so these tests pin the plumbing (window planning, copies in and out, the state
+carried between windows and eager pieces, the callback's bookkeeping) to the ordinary loop bit for bit. The graph
+itself (capture and replay with fla) is checked on CUDA (``@pytest.mark.gpu``).
+"""
+import pytest
+import torch
+
+from gdnviz import runner
+from gdnviz.gpu import scan_graph
+from gdnviz.intervene import TruncateCallback, TruncationSpec
+from gdnviz.models import load
+
+
+@pytest.mark.parametrize("offset,T,L,W,starts,eager", [
+    (0, 64, 4, 16, [0], []),
+    (0, 63, 4, 16, [], [(0, 63)]),
+    (0, 150, 4, 16, [0, 64], [(128, 150)]),
+    (3, 150, 4, 16, [1, 65], [(0, 1), (129, 150)]),
+    (4, 64, 4, 16, [0], []),
+    (5, 70, 4, 16, [3], [(0, 3), (67, 70)]),
+    (0, 0, 4, 16, [], []),
+    (7, 10, 256, 16, [], [(0, 10)]),
+])
+def test_plan_windows(offset, T, L, W, starts, eager):
+    got_starts, got_eager = scan_graph.plan_windows(offset, T, L, W)
+    assert (got_starts, got_eager) == (starts, eager)
+    for s in got_starts:  # every window starts on the boundary grid and fits
+        assert (offset + s) % L == 0 and s + W * L <= T
+    covered = sorted([(s, s + W * L) for s in got_starts] + got_eager)
+    assert all(a[1] == b[0] for a, b in zip(covered, covered[1:]))
+    if T:
+        assert covered[0][0] == 0 and covered[-1][1] == T
+
+
+@pytest.fixture(scope="module")
+def demo():
+    torch.manual_seed(0)
+    return load("demo", device="cpu", dtype="float32")
+
+
+def _ids(lm, T, seed):
+    return torch.randint(10, lm.tokenizer.vocab_size - 10, (1, T), generator=torch.Generator().manual_seed(seed))
+
+
+def _run(lm, x, spec, graphs, L, warm_start=False, split=None):
+    cb = TruncateCallback(lm.info, spec, warm_start=warm_start)
+    if split is None:
+        ctx = runner.RunContext(segment_len=L, callbacks=[cb], graphs=graphs)
+        out = runner.forward(lm, x, logits_positions="all", ctx=ctx)
+        return out.logits, ctx, cb
+    ctx = runner.RunContext(segment_len=L, callbacks=[cb], graphs=graphs)
+    a = runner.forward(lm, x[:, :split], use_cache=True, logits_positions="all", ctx=ctx)
+    b = runner.forward(lm, x[:, split:], use_cache=True, cache=a.cache, logits_positions="all", ctx=ctx)
+    return torch.cat([a.logits, b.logits], 1), ctx, cb
+
+
+L = 4  # 16 segments of 4 tokens = one window of 64 tokens
+
+
+def test_windows_equal_the_segment_loop_bit_for_bit(demo):
+    x = _ids(demo, 2 * 64 + 37, seed=1)  # two windows and an eager tail
+    spec = TruncationSpec.all_heads(demo.info, 3)
+    ref, ctx_ref, cb_ref = _run(demo, x, spec, graphs=False, L=L)
+    got, ctx, cb = _run(demo, x, spec, graphs="eager", L=L)
+    assert "segment-graph" in ctx.readouts and "segment-graph" not in ctx_ref.readouts
+    assert torch.equal(got, ref)
+    assert cb.n_calls == cb_ref.n_calls  # every boundary counted, inside windows or not
+    plain = runner.forward(demo, x, segment_len=L, logits_positions="all").logits
+    assert (plain - got).abs().max() > 1e-3, "rank-3 truncation must change the output"
+
+
+def test_windows_after_an_offset(demo):
+    """A continued run (decode-style second call) starts off the boundary grid: eager head, windows, eager tail."""
+    x = _ids(demo, 3 * 64 + 11, seed=2)
+    spec = TruncationSpec.all_heads(demo.info, 2)
+    ref, _, _ = _run(demo, x, spec, graphs=False, L=L, split=45)
+    got, ctx, _ = _run(demo, x, spec, graphs="eager", L=L, split=45)
+    assert "segment-graph" in ctx.readouts
+    assert torch.equal(got, ref)
+
+
+def test_mixed_ranks_in_a_layer_use_the_plain_loop(demo):
+    l0 = demo.info.gdn_layers[0]
+    spec = TruncationSpec({(l0, 0): 1, (l0, 1): 4})
+    x = _ids(demo, 2 * 64, seed=3)
+    ref, _, _ = _run(demo, x, spec, graphs=False, L=L)
+    got, ctx, _ = _run(demo, x, spec, graphs="eager", L=L)
+    assert "segment-graph" not in ctx.readouts
+    assert torch.equal(got, ref)
+
+
+def test_warm_start_path_stays_within_the_energy_tolerance_of_cold(demo):
+    """The graph path truncates from a cold start; the eager loop warm-starts: same truncation within tolerance."""
+    x = _ids(demo, 2 * 64, seed=4)
+    spec = TruncationSpec.all_heads(demo.info, 4)
+    warm, _, _ = _run(demo, x, spec, graphs=False, L=L, warm_start=True)
+    cold, _, _ = _run(demo, x, spec, graphs="eager", L=L)
+    lp_w, lp_c = warm.log_softmax(-1), cold.log_softmax(-1)
+    assert (lp_w - lp_c).abs().max() < 1e-3
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+def test_cuda_graph_windows_match_the_loop_on_gpu():
+    from gdnviz.gdn import kernels
+
+    if kernels.fla_ops() is None:
+        pytest.skip("fla not importable")
+    lm = load("demo", device="cuda", dtype="bfloat16")
+    x = _ids(lm, 5000, seed=5).cuda()
+    spec = TruncationSpec.all_heads(lm.info, 4)
+    ref, _, _ = _run(lm, x, spec, graphs=False, L=256)
+    eager, _, _ = _run(lm, x, spec, graphs="eager", L=256)
+    got, ctx, _ = _run(lm, x, spec, graphs=True, L=256)
+    got2, _, _ = _run(lm, x, spec, graphs=True, L=256)  # replay of the cached graph
+    assert "segment-graph" in ctx.readouts, ctx.readouts
+    assert torch.equal(got, eager) and torch.equal(got, got2)
+    assert (got.log_softmax(-1) - ref.log_softmax(-1)).abs().max() < 0.05  # bf16 model: cold vs warm start
+    # a layer without truncated heads runs as one kernel call
+    one = TruncationSpec.layers(lm.info, [lm.info.gdn_layers[0]], 4)
+    _, ctx1, _ = _run(lm, x, one, graphs=True, L=256)
+    assert {"one-call", "segment-graph"} <= ctx1.readouts
