@@ -141,6 +141,8 @@ def test_interpreted_mixed_ranks_in_one_launch():
                          S12[n12.index("clustered")], S4[n4.index("lowrank_noise")]]).float()
         ranks = torch.tensor([1, 12, 20, 128, 4])
         out = ft.truncate_fused(S, ranks)
+        R, nr = hard_states(12, K=64, V=128, seed=30)
+        R = R[[nr.index("toy_gdn")]]  # K = 64: the kernel's other tile size
         ref = ft.reference_fused(S, ranks).float()
         S64, o64 = S.double(), out.double()
         print(json.dumps(dict(
@@ -151,6 +153,7 @@ def test_interpreted_mixed_ranks_in_one_launch():
             vs_reference=(retained_energy(S64, o64) - retained_energy(S64, ref.double())).abs().max().item(),
             finite=bool(torch.isfinite(out).all()),
             same_as_single=bool(torch.equal(ft.truncate_fused(S[4:5], 4), out[4:5])),
+            rect_err=energy_error(R, ft.truncate_fused(R, 12), 12).max().item(),
         )))
     ''')
     assert res["dtype_ok"] and res["finite"], res
@@ -158,6 +161,16 @@ def test_interpreted_mixed_ranks_in_one_launch():
     assert res["zero"] and res["kept"], res
     assert res["vs_reference"] <= 1e-6, res  # float32 output: rounding
     assert res["same_as_single"], res  # a state's answer does not depend on its neighbours or on the rank path
+    assert res["rect_err"] <= TOL, res
+
+
+@pytest.mark.parametrize("K,V,r", [(128, 64, 4), (128, 64, 32), (64, 128, 1), (64, 128, 20), (64, 64, 12)])
+def test_reference_rectangular_states(K, V, r):
+    from gdnviz.gpu.fused_truncate import reference_fused
+
+    S, names = hard_states(r, K=K, V=V, seed=10 + r)
+    err = energy_error(S, reference_fused(S, torch.full((S.shape[0],), r)), r)
+    assert err.max() <= TOL, [(names[i], err[i].item()) for i in range(len(names)) if err[i] > TOL]
 
 
 # --------------------------------------------------------------------------- float64 mirror, every state

@@ -36,8 +36,8 @@ them); the loops are ``while`` loops with per-program trip counts, so heads with
 
 Precision: float64 throughout. Triton 3.6 accepts float64 ``tl.dot`` operands (``language/semantic.py``) and, for
 sm_90, lowers them to float64 tensor-core MMA (``mma.sync.aligned.m16n8k16.row.col.f64.f64.f64.f64``, checked on
-the PTX of this kernel compiled offline; the float64 MMA path for SM80/SM90 is triton-lang/triton PR #7307's
-design — other targets fall back to float64 FMA). ``input_precision="ieee"`` is passed everywhere; nothing is
+the PTX of this kernel compiled offline with the installed Triton; the interpreter computes them with NumPy in
+float64). ``input_precision="ieee"`` is passed everywhere; nothing is
 TF32. float32 ``ieee`` products would run on the same 67 TFLOP/s of the H200's plain FMA units as float64 MMA, so
 float32 would buy no speed and cost the margin at condition numbers to 1e16.
 
