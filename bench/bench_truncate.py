@@ -20,6 +20,13 @@ slow-drift model (small rotation of the key space, 3% decay, a few new rank-1 wr
 On CUDA it also reports which operation (if any) synchronises the host (``torch.cuda.set_sync_debug_mode``) and
 whether the call can be captured in a CUDA graph (and then the replay time).
 
+Fused kernel (CUDA only; ``--no-fused`` skips it): ``gdnviz.gpu.fused_truncate.truncate_fused`` for 16 states (one
+layer boundary, the runner's per-call batch) and for all n states, eager and CUDA-graph replay, for each r ≤ 32,
+next to the subspace path (``truncate_states``, eager and graph) and ``torch.linalg.svd`` on the same states:
+
+    {"what": "<source>:fused_{eager,cuda_graph}:vs_svd_fp32", ..., "ours_ms", "ratio" (svd / fused),
+     "subspace_ms", "subspace_graph_ms", "vs_subspace" (subspace graph (else eager) / fused), "host_sync"}
+
     python bench/bench_truncate.py --device cpu --quick
     python bench/bench_truncate.py --device cuda [--states states.npy] [--micro]
 """
@@ -188,6 +195,62 @@ def graph_replay_ms(S: torch.Tensor, r: int, warmup: int, repeats: int):
         return None, f"{type(e).__name__}: {str(e).splitlines()[0][:200]}"
 
 
+def capture_replay_ms(fn, static_in: torch.Tensor, warmup: int, repeats: int):
+    """Capture ``fn(static_in)`` in a CUDA graph: (replay ms, static output), or (None, error text) if capture fails."""
+    try:
+        s = torch.cuda.Stream()
+        s.wait_stream(torch.cuda.current_stream())
+        with torch.cuda.stream(s):
+            for _ in range(2):
+                fn(static_in)
+        torch.cuda.current_stream().wait_stream(s)
+        g = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(g):
+            static_out = fn(static_in)
+        return time_ms(g.replay, static_in.device, warmup, repeats), static_out
+    except Exception as e:  # noqa: BLE001 - report, do not crash the benchmark
+        torch.cuda.synchronize()
+        return None, f"{type(e).__name__}: {str(e).splitlines()[0][:200]}"
+
+
+def fused_rows(source: str, dev: torch.device, S: torch.Tensor, S64: torch.Tensor, ranks, warmup: int,
+               repeats: int, svd_repeats: int) -> None:
+    """JSON lines for the fused kernel on 16 states and on all states: eager and CUDA-graph replay per r ≤ 32, with the
+    subspace path and the float32 SVD on the same states, the max energy error, and whether a call syncs the host."""
+    from gdnviz.gpu.fused_truncate import truncate_fused
+
+    for n in sorted({min(16, S.shape[0]), S.shape[0]}):
+        Sn, Sn64 = S[:n].contiguous(), S64[:n]
+        svd_ms = time_ms(lambda: svd_truncate(Sn, 4), dev, 1, svd_repeats)
+        for r in [r for r in ranks if r <= 32]:
+            out = truncate_fused(Sn, r)  # also compiles and caches the constants before any capture
+            err = energy_error(Sn64, out.cpu(), r).max().item()
+            torch.cuda.synchronize()
+            torch.cuda.set_sync_debug_mode("error")
+            try:
+                truncate_fused(Sn, r)
+                host_sync = "none"
+            except RuntimeError as e:
+                host_sync = str(e).splitlines()[0][:160]
+            finally:
+                torch.cuda.set_sync_debug_mode(0)
+            eager = time_ms(lambda: truncate_fused(Sn, r), dev, warmup, repeats)
+            graph, gout = capture_replay_ms(lambda x: truncate_fused(x, r), Sn.clone(), warmup, repeats)
+            sub = time_ms(lambda: truncate_states(Sn, r), dev, warmup, repeats)
+            sub_graph, _ = capture_replay_ms(lambda x: truncate_states(x, r), Sn.clone(), warmup, repeats)
+            base = sub_graph if sub_graph is not None else sub
+            extra = dict(iters=iterations_for(r), dtype=str(Sn.dtype).replace("torch.", ""), host_sync=host_sync,
+                         subspace_ms=round(sub, 4), subspace_graph_ms=None if sub_graph is None else round(sub_graph, 4))
+            line(f"{source}:fused_eager:vs_svd_fp32", dev, Sn, r, svd_ms, eager, err,
+                 vs_subspace=round(base / eager, 2), **extra)
+            if graph is None:
+                emit(what=f"{source}:fused_cuda_graph", device=str(dev), n=n, r=r, graph_error=gout)
+            else:
+                same = bool(torch.equal(gout, out))
+                line(f"{source}:fused_cuda_graph:vs_svd_fp32", dev, Sn, r, svd_ms, graph, err,
+                     vs_subspace=round(base / graph, 2), replay_equals_eager=same, **extra)
+
+
 def micro(dev: torch.device, n: int, repeats: int) -> None:
     """Building blocks on this device: batched eigh by size (≤ 32 is cuSOLVER's batched Jacobi; on CUDA also the
     Triton Jacobi kernel of gdnviz.gpu.jacobi), Cholesky, GEMMs, and which of them sync the host."""
@@ -251,6 +314,7 @@ def main() -> None:
     ap.add_argument("--threads", type=int, default=None, help="torch CPU threads (default: torch's)")
     ap.add_argument("--micro", action="store_true", help="also time the building blocks (eigh by size, ...)")
     ap.add_argument("--no-warm", action="store_true")
+    ap.add_argument("--no-fused", action="store_true", help="skip the fused-kernel rows (CUDA only anyway)")
     ap.add_argument("--profile", type=int, default=0,
                     help="print the top N ops (torch.profiler, by device time) of one truncate_states call at r=4")
     ap.add_argument("--filter", choices=("power", "chebyshev"), default=None,
@@ -364,6 +428,8 @@ def main() -> None:
         target_le_1ms=all(v <= 1.0 for v in best.values()) if N == 288 else None,
         target_ge_1000x=all(base["fp32"] / v >= 1000 for v in best.values()) if N == 288 else None,
     )
+    if dev.type == "cuda" and not a.no_fused:
+        fused_rows(source, dev, S, S64, ranks, warmup, repeats, svd_repeats)
     if a.micro:
         micro(dev, N, repeats)
 

@@ -67,7 +67,7 @@ try:
 except Exception:  # pragma: no cover
     triton = None
 
-__all__ = ["eigh_jacobi", "uses_kernel", "MAX_N", "MAX_SWEEPS", "TOL"]
+__all__ = ["eigh_jacobi", "uses_kernel", "MAX_N", "MAX_SWEEPS", "TOL"]  # and, with Triton, jacobi_sweeps
 
 MAX_N = 64  # largest matrix the kernel takes (A and V of 64×64 float64 in one program's registers)
 MAX_SWEEPS = 24  # default cap on sweeps (typical: 3–8; graded random-basis PSD 64×64: up to 20)
@@ -87,17 +87,16 @@ _WARPS = {2: 1, 4: 1, 8: 2, 16: 4, 32: 4, 64: 8}
 if triton is not None:
 
     @triton.jit
-    def _jacobi_kernel(T, W, V, SW, n, max_sweeps, P: tl.constexpr, TOL2: tl.constexpr, SKIP: tl.constexpr):
-        """Cyclic parallel Jacobi on one zero-padded P×P symmetric matrix (see the module docstring)."""
-        pid = tl.program_id(0).to(tl.int64)
+    def jacobi_sweeps(A, max_sweeps, P: tl.constexpr, TOL2: tl.constexpr, SKIP: tl.constexpr):
+        """Cyclic parallel Jacobi on a symmetric ``[P, P]`` float64 block ``A`` (zero-padded rows and columns stay decoupled), in
+        the calling program's registers (see the module docstring). Returns ``(d [P], V [P, P], sweeps)``: the
+        eigenvalues in index order (unsorted), the eigenvectors as columns, and the sweeps used (int32 scalar).
+
+        Shared by ``_jacobi_kernel`` and the fused truncation kernel (``gdnviz.gpu.fused_truncate``)."""
         idx = tl.arange(0, P)
         rows = idx[:, None]
         cols = idx[None, :]
         diag = rows == cols
-        inside = (rows < n) & (cols < n)
-        # Lower triangle, mirrored (torch.linalg.eigh's UPLO="L"); zero outside n×n.
-        offs = tl.where(rows >= cols, rows * n + cols, cols * n + rows)
-        A = tl.load(T + pid * n * n + offs, mask=inside, other=0.0)
         Vm = tl.where(diag, 1.0, 0.0).to(tl.float64)
         fro2 = tl.sum(A * A)
         thresh = TOL2 * fro2
@@ -140,6 +139,20 @@ if triton is not None:
             off2 = tl.sum(tl.where(diag, 0.0, A * A))
             nrot = tl.sum(rotated.to(tl.int32))
             sweep += 1
+        return d, Vm, sweep
+
+    @triton.jit
+    def _jacobi_kernel(T, W, V, SW, n, max_sweeps, P: tl.constexpr, TOL2: tl.constexpr, SKIP: tl.constexpr):
+        """Cyclic parallel Jacobi on one zero-padded P×P symmetric matrix (see the module docstring)."""
+        pid = tl.program_id(0).to(tl.int64)
+        idx = tl.arange(0, P)
+        rows = idx[:, None]
+        cols = idx[None, :]
+        inside = (rows < n) & (cols < n)
+        # Lower triangle, mirrored (torch.linalg.eigh's UPLO="L"); zero outside n×n.
+        offs = tl.where(rows >= cols, rows * n + cols, cols * n + rows)
+        A = tl.load(T + pid * n * n + offs, mask=inside, other=0.0)
+        d, Vm, sweep = jacobi_sweeps(A, max_sweeps, P, TOL2, SKIP)
         tl.store(SW + pid, sweep)
         # Ascending order, ties by index: rank[i] = #{j < n : d_j < d_i or (d_j = d_i and j < i)}.
         d_r = d[:, None]  # d_j, by row j
