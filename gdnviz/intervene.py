@@ -9,6 +9,7 @@ the truncated state is what the next segment reads and writes into.
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+import os
 from collections.abc import Mapping
 from typing import Iterable
 
@@ -72,18 +73,38 @@ class TruncationSpec:
                                      f"r = {rmax} keeps the state untouched")
 
 
-def _graph_truncation(heads_d: torch.Tensor, r: int):
+def _graph_truncation(heads_d: torch.Tensor, ranks, fused: bool):
     """A capture-safe boundary function: heads ``heads_d`` (device index tensor) of ``state [B, H, K, V]`` cut to
-    rank ``r`` ≤ 32 by ``truncate_states``'s subspace path (one integer rank: no host→device copy inside it)."""
+    their ranks (≤ 32). ``fused``: ``gdnviz.gpu.fused_truncate.truncate_fused`` (one Triton launch, one program per
+    state; ``ranks`` a device tensor [len(heads)] repeated over the batch inside); else ``truncate_states``'s
+    subspace path (``ranks`` one int: no host→device copy inside it)."""
     from gdnviz.truncate import truncate_states
+
+    if fused:
+        from gdnviz.gpu.fused_truncate import truncate_fused
 
     def fn(state: torch.Tensor) -> torch.Tensor:
         B, _, K, V = state.shape
         x = state.index_select(1, heads_d).reshape(-1, K, V)
-        y = truncate_states(x, r, method="subspace")
+        if fused:
+            y = truncate_fused(x, ranks if B == 1 else ranks.repeat(B))
+        else:
+            y = truncate_states(x, ranks, method="subspace")
         return state.index_copy(1, heads_d, y.reshape(B, -1, K, V).to(state.dtype))
 
     return fn
+
+
+def fused_truncation_enabled(device) -> bool:
+    """Whether CUDA-graph windows truncate with the fused kernel: on CUDA with Triton, unless the environment
+    variable ``GDNVIZ_FUSED_TRUNCATE=0`` turns it off (benchmarks compare both)."""
+    if torch.device(device).type != "cuda" or os.environ.get("GDNVIZ_FUSED_TRUNCATE", "1") == "0":
+        return False
+    try:
+        import triton  # noqa: F401
+    except Exception:  # pragma: no cover
+        return False
+    return True
 
 
 class TruncateCallback:
@@ -106,23 +127,32 @@ class TruncateCallback:
 
     def graph_boundary(self, layer, device):
         """For ``gdnviz.runner``'s CUDA-graph windows: ``"noop"`` when no head of ``layer`` is truncated; else
-        ``(fn, key)`` with ``fn(state [B, H, K, V]) -> state`` free of host syncs (the subspace path of
-        ``truncate_states`` for one rank ≤ 32 per layer, cold start: warm starts keep per-call host state), ``key``
-        naming what it does (heads, ranks) so that layers doing the same share a graph; None when the layer's
-        truncation cannot be captured (mixed ranks, r > 32, K < 64: exact paths sync)."""
+        ``(fn, key)`` with ``fn(state [B, H, K, V]) -> state`` free of host syncs — on CUDA the fused Triton kernel
+        (``gdnviz.gpu.fused_truncate``, any ranks ≤ 32, K and V in {64, 128}), otherwise the subspace path of
+        ``truncate_states`` (one rank ≤ 32 for the layer's heads) — from a cold start (a warm start keeps host-side
+        state per call); ``key`` names what it does so that layers doing the same share a graph. None when the
+        layer's truncation cannot be captured (r > 32, small K, mixed ranks without the fused kernel: exact paths
+        sync)."""
         sel = self.per_layer.get(layer)
         if sel is None:
             return "noop"
+        from gdnviz.gpu.fused_truncate import DIMS, MAX_RANK
         from gdnviz.truncate import SUBSPACE_MAX_RANK, _MIN_K_SUBSPACE
 
         heads, ranks = sel
         rl = ranks.tolist()
-        if len(set(rl)) != 1 or rl[0] > SUBSPACE_MAX_RANK or self.d_k < _MIN_K_SUBSPACE:
+        dev = torch.device(device)
+        if fused_truncation_enabled(dev) and max(rl) <= MAX_RANK and self.d_k in DIMS and self.d_v in DIMS:
+            key = ("truncate-fused", tuple(heads.tolist()), tuple(rl), str(dev))
+            make = lambda: _graph_truncation(heads.to(dev), ranks.to(dev, torch.int32), fused=True)  # noqa: E731
+        elif len(set(rl)) == 1 and rl[0] <= SUBSPACE_MAX_RANK and self.d_k >= _MIN_K_SUBSPACE:
+            key = ("truncate-subspace", tuple(heads.tolist()), rl[0], str(dev))
+            make = lambda: _graph_truncation(heads.to(dev), rl[0], fused=False)  # noqa: E731
+        else:
             return None
-        key = ("truncate-subspace", tuple(heads.tolist()), rl[0], str(device))
         fn = self._graph_fns.get(key)
         if fn is None:
-            fn = self._graph_fns[key] = _graph_truncation(heads.to(device), rl[0])
+            fn = self._graph_fns[key] = make()
         return fn, key
 
     def note_graph_boundaries(self, layer, n: int) -> None:

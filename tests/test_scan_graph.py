@@ -104,11 +104,16 @@ def test_warm_start_path_stays_within_the_energy_tolerance_of_cold(demo):
 
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
-def test_cuda_graph_windows_match_the_loop_on_gpu():
+@pytest.mark.parametrize("fused", ["1", "0"])
+def test_cuda_graph_windows_match_the_loop_on_gpu(fused, monkeypatch):
+    """Graph replay == the same windows run eagerly (bit for bit), and close to the warm-started eager loop; with the
+    fused kernel (default on CUDA) and with truncate_states' subspace path."""
     from gdnviz.gdn import kernels
 
     if kernels.fla_ops() is None:
         pytest.skip("fla not importable")
+    monkeypatch.setenv("GDNVIZ_FUSED_TRUNCATE", fused)
+    scan_graph.clear()
     lm = load("demo", device="cuda", dtype="bfloat16")
     x = _ids(lm, 5000, seed=5).cuda()
     spec = TruncationSpec.all_heads(lm.info, 4)
@@ -123,3 +128,19 @@ def test_cuda_graph_windows_match_the_loop_on_gpu():
     one = TruncationSpec.layers(lm.info, [lm.info.gdn_layers[0]], 4)
     _, ctx1, _ = _run(lm, x, one, graphs=True, L=256)
     assert {"one-call", "segment-graph"} <= ctx1.readouts
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+def test_mixed_ranks_run_in_graphs_with_the_fused_kernel():
+    from gdnviz.gdn import kernels
+
+    if kernels.fla_ops() is None:
+        pytest.skip("fla not importable")
+    lm = load("demo", device="cuda", dtype="float32")
+    x = _ids(lm, 4096 + 300, seed=6).cuda()
+    spec = TruncationSpec({(l, h): 1 + 7 * ((l + h) % 5) for l in lm.info.gdn_layers for h in range(lm.info.num_heads)})
+    got, ctx, _ = _run(lm, x, spec, graphs=True, L=256)
+    ref, _, _ = _run(lm, x, spec, graphs=False, L=256)
+    assert "segment-graph" in ctx.readouts
+    assert (got.log_softmax(-1) - ref.log_softmax(-1)).abs().max() < 1e-3  # fp32 model: cold vs warm start only

@@ -8,7 +8,7 @@
 #
 # Steps and their limits (defaults add up to more than 600 s: pick what a call should measure):
 #   GPU_TEST_SECONDS (150)      pytest -m gpu on TESTS (default: the GPU test files below)
-#   TRUNC_SECONDS (100)         bench_truncate.py --micro: one boundary of 288 states (+ fused kernel rows)
+#   TRUNC_SECONDS (100)         bench_truncate.py --quick: one boundary of 288 states (+ fused kernel rows)
 #   SPECTRA_SECONDS (0)         bench_spectra.py
 #   TRUNCRUN_SECONDS (150)      bench_truncated_run.py: 16K tokens, every head truncated at every boundary
 #   CAPTURE_SECONDS (120)       bench_capture.py 16K (pipelined vs inline statistics, segment loop), new lengths
@@ -29,7 +29,7 @@ if on ${GPU_TEST_SECONDS:-150}; then
   grep -E "PASSED|FAILED|ERROR|SKIPPED|rc=|Error|assert" $OUT/gpu_tests.log | tail -40
 fi
 if on ${TRUNC_SECONDS:-100}; then
-  timeout ${TRUNC_SECONDS:-100} python3 bench/bench_truncate.py --device cuda --micro > $OUT/bench_truncate.log 2>&1
+  timeout ${TRUNC_SECONDS:-100} python3 bench/bench_truncate.py --device cuda --quick > $OUT/bench_truncate.log 2>&1
   grep "^{" $OUT/bench_truncate.log | cut -c1-400
 fi
 if on ${SPECTRA_SECONDS:-0}; then
