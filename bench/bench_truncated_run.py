@@ -6,8 +6,8 @@
 Issue #6 target 3: 16K tokens with all 288 heads truncated at all 64 boundaries in ≤ 2× the plain prefill. Rows
 (JSON lines): plain prefill (``model.model``, no cache, no logits); the segmented run without callbacks; for each
 r the truncated run with the segment loop in CUDA-graph windows (``gdnviz.gpu.scan_graph``; first call = capture,
-then the warm median; on CUDA the boundary work is the fused Triton kernel ``gdnviz.gpu.fused_truncate``), for one
-r the same graphs with ``truncate_states``' subspace path instead of the fused kernel, and for one r the eager loop (one fla call + one truncation call per segment); the max
+then the warm median; the boundary work is ``truncate_states``' subspace path), for one r the same graphs with the
+fused Triton kernel ``gdnviz.gpu.fused_truncate`` instead, and for one r the eager loop (one fla call + one truncation call per segment); the max
 |Δ log-prob| of the graph run against the eager run at the last 16 positions (cold vs warm-started truncation:
 both within the 1e-5 energy tolerance, so only rounding-level differences are expected). ``--profile N`` prints
 the top N ops of one warm graphed run.
@@ -32,9 +32,9 @@ def main():
     ap.add_argument("--segment-len", type=int, default=256)
     ap.add_argument("--ranks", default="1,4,12,32")
     ap.add_argument("--eager-rank", type=int, default=4, help="rank of the one eager-loop row (0: skip it)")
-    ap.add_argument("--subspace-rank", type=int, default=4,
-                    help="rank of one graphed row that truncates with truncate_states' subspace path instead of the "
-                         "fused kernel (GDNVIZ_FUSED_TRUNCATE=0; 0: skip it)")
+    ap.add_argument("--fused-rank", type=int, default=4,
+                    help="rank of one graphed row that truncates with the fused Triton kernel instead of "
+                         "truncate_states' subspace path (GDNVIZ_FUSED_TRUNCATE=1; 0: skip it)")
     ap.add_argument("--small", action="store_true", help="4 layers / 4 heads, vocab 32000: a CPU smoke run")
     ap.add_argument("--repeats", type=int, default=3)
     ap.add_argument("--profile", type=int, default=0)
@@ -89,17 +89,17 @@ def main():
         graphed[r] = h
         emit(what="truncated_run_graph", rank=r, seconds=t, first_call_seconds=t_first, baseline="plain_prefill",
              ratio=t / t_plain, readouts=h["readouts"], **base)
-    if args.subspace_rank and dev.type == "cuda":
-        r = args.subspace_rank
-        os.environ["GDNVIZ_FUSED_TRUNCATE"] = "0"
+    if args.fused_rank and dev.type == "cuda":
+        r = args.fused_rank
+        os.environ["GDNVIZ_FUSED_TRUNCATE"] = "1"
         h = {}
         t_first = timeit(lambda: truncated(r, True, h), dev, repeats=1, warmup=0)
         t = timeit(lambda: truncated(r, True), dev, repeats=args.repeats, warmup=0)
         os.environ.pop("GDNVIZ_FUSED_TRUNCATE")
-        row = dict(what="truncated_run_graph_subspace_path", rank=r, seconds=t, first_call_seconds=t_first,
+        row = dict(what="truncated_run_graph_fused_kernel", rank=r, seconds=t, first_call_seconds=t_first,
                    baseline="plain_prefill", ratio=t / t_plain, readouts=h["readouts"], **base)
         if r in graphed:
-            row["max_abs_dlogp_vs_fused"] = (graphed[r]["logp"] - h["logp"]).abs().max().item()
+            row["max_abs_dlogp_vs_subspace"] = (graphed[r]["logp"] - h["logp"]).abs().max().item()
         emit(**row)
     if args.eager_rank:
         r = args.eager_rank

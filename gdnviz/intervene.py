@@ -95,16 +95,21 @@ def _graph_truncation(heads_d: torch.Tensor, ranks, fused: bool):
     return fn
 
 
-def fused_truncation_enabled(device) -> bool:
-    """Whether CUDA-graph windows truncate with the fused kernel: on CUDA with Triton, unless the environment
-    variable ``GDNVIZ_FUSED_TRUNCATE=0`` turns it off (benchmarks compare both)."""
-    if torch.device(device).type != "cuda" or os.environ.get("GDNVIZ_FUSED_TRUNCATE", "1") == "0":
-        return False
+def fused_truncation_mode(device) -> str:
+    """How CUDA-graph windows use the fused kernel (``gdnviz.gpu.fused_truncate``): ``"mixed"`` (default on CUDA
+    with Triton: only for layers whose heads have different ranks, which the subspace path cannot capture),
+    ``"always"`` or ``"never"``; the environment variable ``GDNVIZ_FUSED_TRUNCATE`` = ``1`` / ``0`` forces it
+    (benchmarks compare both). Why not always: measured on an H200 (bench/RESULTS.md), one launch of the fused
+    kernel on a layer's 16 states takes ~1.2 ms against ~0.8 ms for the subspace path's kernels replayed in a graph
+    (its single program per state is latency-bound by its sequential Cholesky and Jacobi steps)."""
+    env = os.environ.get("GDNVIZ_FUSED_TRUNCATE", "")
+    if torch.device(device).type != "cuda" or env == "0":
+        return "never"
     try:
         import triton  # noqa: F401
     except Exception:  # pragma: no cover
-        return False
-    return True
+        return "never"
+    return "always" if env == "1" else "mixed"
 
 
 class TruncateCallback:
@@ -127,9 +132,10 @@ class TruncateCallback:
 
     def graph_boundary(self, layer, device):
         """For ``gdnviz.runner``'s CUDA-graph windows: ``"noop"`` when no head of ``layer`` is truncated; else
-        ``(fn, key)`` with ``fn(state [B, H, K, V]) -> state`` free of host syncs — on CUDA the fused Triton kernel
-        (``gdnviz.gpu.fused_truncate``, any ranks ≤ 32, K and V in {64, 128}), otherwise the subspace path of
-        ``truncate_states`` (one rank ≤ 32 for the layer's heads) — from a cold start (a warm start keeps host-side
+        ``(fn, key)`` with ``fn(state [B, H, K, V]) -> state`` free of host syncs — the subspace path of
+        ``truncate_states`` when the layer's heads share one rank ≤ 32, the fused Triton kernel
+        (``gdnviz.gpu.fused_truncate``, ranks ≤ 32, K and V in {64, 128}) for mixed ranks on CUDA (see
+        ``fused_truncation_mode``) — from a cold start (a warm start keeps host-side
         state per call); ``key`` names what it does so that layers doing the same share a graph. None when the
         layer's truncation cannot be captured (r > 32, small K, mixed ranks without the fused kernel: exact paths
         sync)."""
@@ -142,10 +148,13 @@ class TruncateCallback:
         heads, ranks = sel
         rl = ranks.tolist()
         dev = torch.device(device)
-        if fused_truncation_enabled(dev) and max(rl) <= MAX_RANK and self.d_k in DIMS and self.d_v in DIMS:
+        mode = fused_truncation_mode(dev)
+        uniform = len(set(rl)) == 1 and rl[0] <= SUBSPACE_MAX_RANK and self.d_k >= _MIN_K_SUBSPACE
+        fusable = max(rl) <= MAX_RANK and self.d_k in DIMS and self.d_v in DIMS
+        if fusable and (mode == "always" or (mode == "mixed" and not uniform)):
             key = ("truncate-fused", tuple(heads.tolist()), tuple(rl), str(dev))
             make = lambda: _graph_truncation(heads.to(dev), ranks.to(dev, torch.int32), fused=True)  # noqa: E731
-        elif len(set(rl)) == 1 and rl[0] <= SUBSPACE_MAX_RANK and self.d_k >= _MIN_K_SUBSPACE:
+        elif uniform:
             key = ("truncate-subspace", tuple(heads.tolist()), rl[0], str(dev))
             make = lambda: _graph_truncation(heads.to(dev), rl[0], fused=False)  # noqa: E731
         else:

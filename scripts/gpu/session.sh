@@ -11,6 +11,7 @@
 #   TRUNC_SECONDS (100)         bench_truncate.py --quick: one boundary of 288 states (+ fused kernel rows)
 #   SPECTRA_SECONDS (0)         bench_spectra.py
 #   TRUNCRUN_SECONDS (150)      bench_truncated_run.py: 16K tokens, every head truncated at every boundary
+#                               (TRUNCRUN_ARGS: extra arguments, e.g. "--ranks 4 --eager-rank 0")
 #   CAPTURE_SECONDS (120)       bench_capture.py 16K (pipelined vs inline statistics, segment loop), new lengths
 #   CAPTURE128K_SECONDS (90)    bench_capture.py 128K, time and memory only
 #   SWEEP_SECONDS (0)           the demo model's CLI sweep, batch 8 vs 1 (rows compared)
@@ -23,9 +24,10 @@ nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv
 python3 -c "import torch, transformers, triton, fla; print(torch.__version__, transformers.__version__, triton.__version__, fla.__version__)"
 on() { [ "${1:-0}" != 0 ]; }
 TESTS=${*:-tests/test_scan_graph.py tests/test_fused_truncate.py tests/test_gpu_runner.py tests/test_jacobi.py tests/test_truncate.py tests/test_symeig.py tests/test_kernels_vs_reference.py tests/test_fla_adapter.py}
+TESTS=$(for t in $TESTS; do [ -e "${t%%::*}" ] && echo "$t"; done)  # in the order given (pytest keeps it)
 if on ${GPU_TEST_SECONDS:-150}; then
   timeout ${GPU_TEST_SECONDS:-150} python3 -m pytest -v -m gpu -p no:cacheprovider --timeout 100 --tb=short \
-      $(ls $TESTS 2>/dev/null) > $OUT/gpu_tests.log 2>&1; echo "pytest rc=$?" >> $OUT/gpu_tests.log
+      $TESTS > $OUT/gpu_tests.log 2>&1; echo "pytest rc=$?" >> $OUT/gpu_tests.log
   grep -E "PASSED|FAILED|ERROR|SKIPPED|rc=|Error|assert" $OUT/gpu_tests.log | tail -40
 fi
 if on ${TRUNC_SECONDS:-100}; then
@@ -36,7 +38,7 @@ if on ${SPECTRA_SECONDS:-0}; then
   timeout ${SPECTRA_SECONDS} python3 bench/bench_spectra.py --device cuda 2>&1 | tee $OUT/bench_spectra.jsonl
 fi
 if on ${TRUNCRUN_SECONDS:-150}; then
-  timeout ${TRUNCRUN_SECONDS:-150} python3 bench/bench_truncated_run.py --device cuda --tokens 16384 --profile 25 \
+  timeout ${TRUNCRUN_SECONDS:-150} python3 bench/bench_truncated_run.py --device cuda --tokens 16384 --profile 25 ${TRUNCRUN_ARGS:-} \
       > $OUT/bench_truncated_run.log 2>&1; grep '^{' $OUT/bench_truncated_run.log | cut -c1-400
 fi
 if on ${CAPTURE_SECONDS:-120}; then
