@@ -133,14 +133,22 @@ def test_cuda_graph_windows_match_the_loop_on_gpu(fused, monkeypatch):
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
 def test_mixed_ranks_run_in_graphs_with_the_fused_kernel():
+    """Mixed ranks in a layer: the fused kernel in the graph; replay == the same windows run eagerly, bit for bit.
+    Against the warm-started eager loop only loosely: at r = 22 or 29 the tiny model's flat tails make the top-r
+    subspace nearly non-unique (equal energy, different directions), so two exact truncations may steer differently."""
     from gdnviz.gdn import kernels
 
     if kernels.fla_ops() is None:
         pytest.skip("fla not importable")
+    scan_graph.clear()
     lm = load("demo", device="cuda", dtype="float32")
     x = _ids(lm, 4096 + 300, seed=6).cuda()
     spec = TruncationSpec({(l, h): 1 + 7 * ((l + h) % 5) for l in lm.info.gdn_layers for h in range(lm.info.num_heads)})
-    got, ctx, _ = _run(lm, x, spec, graphs=True, L=256)
-    ref, _, _ = _run(lm, x, spec, graphs=False, L=256)
-    assert "segment-graph" in ctx.readouts
-    assert (got.log_softmax(-1) - ref.log_softmax(-1)).abs().max() < 1e-3  # fp32 model: cold vs warm start only
+    got, ctx, cb = _run(lm, x, spec, graphs=True, L=256)
+    eager, ctx_e, _ = _run(lm, x, spec, graphs="eager", L=256)
+    ref, _, cb_ref = _run(lm, x, spec, graphs=False, L=256)
+    assert "segment-graph" in ctx.readouts, (ctx.readouts, scan_graph._BROKEN)
+    assert any(k[-1][0] == "truncate-fused" for k in scan_graph._GRAPHS)
+    assert torch.equal(got, eager)
+    assert cb.n_calls == cb_ref.n_calls
+    assert (got.log_softmax(-1) - ref.log_softmax(-1)).abs().max() < 0.1
