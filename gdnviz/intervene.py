@@ -74,8 +74,8 @@ class TruncationSpec:
 
 
 def _graph_truncation(heads_d: torch.Tensor, ranks, fused: bool):
-    """A capture-safe boundary function: heads ``heads_d`` (device index tensor) of ``state [B, H, K, V]`` cut to
-    their ranks (≤ 32). ``fused``: ``gdnviz.gpu.fused_truncate.truncate_fused`` (one Triton launch, one program per
+    """A capture-safe boundary function ``fn(state [B, H, K, V], rows=None)``: heads ``heads_d`` (device index tensor)
+    of the batch rows ``rows`` (device index tensor; None = all) cut to their ranks (≤ 32). ``fused``: ``gdnviz.gpu.fused_truncate.truncate_fused`` (one Triton launch, one program per
     state; ``ranks`` a device tensor [len(heads)] repeated over the batch inside); else ``truncate_states``'s
     subspace path (``ranks`` one int: no host→device copy inside it)."""
     from gdnviz.truncate import truncate_states
@@ -83,14 +83,16 @@ def _graph_truncation(heads_d: torch.Tensor, ranks, fused: bool):
     if fused:
         from gdnviz.gpu.fused_truncate import truncate_fused
 
-    def fn(state: torch.Tensor) -> torch.Tensor:
-        B, _, K, V = state.shape
-        x = state.index_select(1, heads_d).reshape(-1, K, V)
+    def fn(state: torch.Tensor, rows: torch.Tensor | None = None) -> torch.Tensor:
+        sub = state if rows is None else state.index_select(0, rows)
+        B, _, K, V = sub.shape
+        x = sub.index_select(1, heads_d).reshape(-1, K, V)
         if fused:
             y = truncate_fused(x, ranks if B == 1 else ranks.repeat(B))
         else:
             y = truncate_states(x, ranks, method="subspace")
-        return state.index_copy(1, heads_d, y.reshape(B, -1, K, V).to(state.dtype))
+        sub = sub.index_copy(1, heads_d, y.reshape(B, -1, K, V).to(state.dtype))
+        return sub if rows is None else state.index_copy(0, rows, sub)
 
     return fn
 
@@ -132,7 +134,7 @@ class TruncateCallback:
 
     def graph_boundary(self, layer, device):
         """For ``gdnviz.runner``'s CUDA-graph windows: ``"noop"`` when no head of ``layer`` is truncated; else
-        ``(fn, key)`` with ``fn(state [B, H, K, V]) -> state`` free of host syncs — the subspace path of
+        ``(fn, key)`` with ``fn(state [B, H, K, V], rows=None) -> state`` free of host syncs — the subspace path of
         ``truncate_states`` when the layer's heads share one rank ≤ 32, the fused Triton kernel
         (``gdnviz.gpu.fused_truncate``, ranks ≤ 32, K and V in {64, 128}) for mixed ranks on CUDA (see
         ``fused_truncation_mode``) — from a cold start (a warm start keeps host-side
@@ -167,7 +169,8 @@ class TruncateCallback:
     def note_graph_boundaries(self, layer, n: int) -> None:
         """``n`` boundaries of ``layer`` ran inside a CUDA graph: count them; the warm start is stale now."""
         self.n_calls += n
-        self._basis.pop(layer, None)
+        for k in [k for k in self._basis if k == layer or (isinstance(k, tuple) and k[0] == layer)]:
+            del self._basis[k]  # per-layer and per-(layer, row) warm starts
 
     def on_boundary(self, layer, position, state, rows=None):
         """``rows``: batch indices of ``state``'s rows in a left-padded batch (``gdnviz.runner`` passes them when

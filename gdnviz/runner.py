@@ -186,28 +186,38 @@ def gdn_scan(ctx: RunContext, layer: int, q_hat, k_hat, v, g, beta, initial_stat
                 for i, pos in enumerate(positions):
                     fn(layer, pos, states[i])
         return _finish(ctx, layer, offset, T, out, state, v.dtype)
-    plan = None if rows_mode else _graph_plan(ctx, layer, v)
+    plan = _graph_plan(ctx, layer, v)
     if plan == "noop":  # no callback does anything in this layer: one kernel call (fla: same result as the loop)
         ctx.readouts.add("one-call")
         out, state = kernels.core(q_in, k_in, v, g, beta, state)
         return _finish(ctx, layer, offset, T, out, state, v.dtype)
     if plan is not None:
         fn, fn_key, owner = plan
-        starts, spans = scan_graph.plan_windows(offset, T, ctx.segment_len)
+        L = ctx.segment_len
+        if rows_mode:  # windows from the first cut after every row has started, with the rows' period pattern
+            # (starting at a cut keeps the kernel calls exactly the loop's: an extra split would change rounding)
+            begun = max(ctx.row_starts) - offset
+            first = min((c for c in cuts if c >= begun), default=T)
+            starts, spans = scan_graph.plan_windows(offset, T, L, first=first)
+            pattern = scan_graph.row_pattern(ctx.row_starts, offset, first, L) if starts else None
+        else:
+            starts, spans = scan_graph.plan_windows(offset, T, L)
+            pattern = ((L, "all"),)
         if starts:
             out = torch.empty_like(v)
-            n_win = scan_graph.WINDOW * ctx.segment_len
+            n_win = scan_graph.WINDOW * L
             head = [sp for sp in spans if sp[1] <= starts[0]]
             tail = [sp for sp in spans if sp[0] >= starts[-1] + n_win]
             for a, b in head:
                 o, state = _segment_loop(ctx, layer, offset, q_in, k_in, v, g, beta, state, cuts, a, b)
                 out[:, a:b] = o
-            new = scan_graph.run_windows(q_in, k_in, v, g, beta, state, starts, ctx.segment_len, scan_graph.WINDOW,
-                                         fn, fn_key, out, eager=ctx.graphs == "eager")
-            if new is not None:
+            res = scan_graph.run_windows(q_in, k_in, v, g, beta, state, starts, L, scan_graph.WINDOW, fn, fn_key, out,
+                                         pattern=pattern, eager=ctx.graphs == "eager",
+                                         row_starts=ctx.row_starts if rows_mode else None)
+            if res is not None:
                 ctx.readouts.add("segment-graph")
-                owner.note_graph_boundaries(layer, len(starts) * scan_graph.WINDOW)
-                state = new
+                state, n_calls = res
+                owner.note_graph_boundaries(layer, n_calls)
                 for a, b in tail:
                     o, state = _segment_loop(ctx, layer, offset, q_in, k_in, v, g, beta, state, cuts, a, b)
                     out[:, a:b] = o
@@ -250,12 +260,13 @@ def _segment_loop(ctx: RunContext, layer: int, offset: int, q_in, k_in, v, g, be
 
 
 def _graph_plan(ctx: RunContext, layer: int, v):
-    """How this layer's segments may run (not for left-padded batches):
+    """How this layer's segments may run:
 
     - ``"noop"``: every boundary callback says it does nothing in this layer (``graph_boundary`` returned
       ``"noop"``) and fla runs the core: one kernel call over all tokens (the boundaries change nothing);
     - ``(fn, key, owner)``: exactly one callback replaces states here, with a capture-safe boundary function
-      ``fn(state) -> state``, and the others do nothing: segments run in CUDA-graph windows (``gdnviz.gpu.scan_graph``)
+      ``fn(state, rows) -> state``, and the others do nothing: segments run in CUDA-graph windows (``gdnviz.gpu.scan_graph``;
+      in a left-padded batch once every row has started, with the rows' boundary pattern)
       on CUDA with fla, or in the same windows without a graph when ``ctx.graphs == "eager"`` (tests);
     - None: the ordinary segment loop (CPU, callbacks without ``graph_boundary``, ``ctx.graphs`` False, ...).
     """

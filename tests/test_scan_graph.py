@@ -35,6 +35,35 @@ def test_plan_windows(offset, T, L, W, starts, eager):
         assert covered[0][0] == 0 and covered[-1][1] == T
 
 
+def test_plan_windows_from_a_given_first_index():
+    assert scan_graph.plan_windows(0, 200, 4, 16, first=13) == ([13, 77], [(0, 13), (141, 200)])
+    assert scan_graph.plan_windows(5, 100, 4, 16, first=40) == ([], [(0, 100)])
+
+
+@pytest.mark.parametrize("starts,offset,L", [([0, 3, 5, 5], 0, 8), ([2, 9, 17], 4, 8), ([1, 6], 30, 8),
+                                              ([0, 7], 0, 8), ([12, 3, 0, 25], 0, 16)])
+def test_row_pattern_matches_the_loops_cut_positions(starts, offset, L):
+    """The pattern repeated over periods cuts every row exactly where the per-row loop does: the same (local end,
+    row) pairs. (The loop calls the callback once per distinct row position, the pattern once per end; the boundary
+    function treats every state on its own, so grouping does not change results.)"""
+    from gdnviz.runner import RunContext, _row_boundaries
+
+    first = max(0, max(starts) - offset)
+    pat = scan_graph.row_pattern(starts, offset, first, L)
+    assert sum(n for n, _ in pat) == L and all(n > 0 for n, _ in pat)
+    ctx = RunContext(segment_len=L, row_starts=starts)
+    want, got, t = [], [], first
+    for end in range(first + 1, first + 3 * L + 1):
+        for pos, rows in _row_boundaries(ctx, offset, end).items():
+            want += [(end, b) for b in rows]
+    for _ in range(3):
+        for n, rows in pat:
+            t += n
+            if rows is not None:
+                got += [(t, b) for b in (range(len(starts)) if rows == "all" else rows)]
+    assert sorted(got) == sorted(want)
+
+
 @pytest.fixture(scope="module")
 def demo():
     torch.manual_seed(0)
@@ -80,6 +109,30 @@ def test_windows_after_an_offset(demo):
     got, ctx, _ = _run(demo, x, spec, graphs="eager", L=L, split=45)
     assert "segment-graph" in ctx.readouts
     assert torch.equal(got, ref)
+
+
+def _batched(lm, prompts, spec, graphs, L):
+    from gdnviz.probes.batch import _position_ids, pad_left
+
+    ids, mask, starts = pad_left(prompts)
+    cb = TruncateCallback(lm.info, spec, warm_start=False)
+    ctx = runner.RunContext(segment_len=L, callbacks=[cb], row_starts=list(starts), graphs=graphs)
+    out = runner.forward(lm, ids, ctx=ctx, attention_mask=mask, position_ids=_position_ids(mask),
+                         logits_positions="all")
+    return out.logits, ctx, cb
+
+
+def test_left_padded_batch_windows_equal_the_per_row_loop(demo):
+    """Rows of different lengths reach their boundaries at different positions: windows with the rows' period
+    pattern (after every row has started) == the per-row segment loop, bit for bit, boundary counts included."""
+    g = torch.Generator().manual_seed(7)
+    prompts = [torch.randint(10, 8000, (n,), generator=g).tolist() for n in (2 * 64 + 30, 2 * 64 + 3, 2 * 64 + 17)]
+    spec = TruncationSpec.all_heads(demo.info, 2)
+    ref, ctx_ref, cb_ref = _batched(demo, prompts, spec, graphs=False, L=L)
+    got, ctx, cb = _batched(demo, prompts, spec, graphs="eager", L=L)
+    assert "segment-graph" in ctx.readouts and "segment-graph" not in ctx_ref.readouts
+    assert torch.equal(got, ref)
+    assert cb.n_calls == cb_ref.n_calls
 
 
 def test_mixed_ranks_in_a_layer_use_the_plain_loop(demo):
@@ -128,6 +181,28 @@ def test_cuda_graph_windows_match_the_loop_on_gpu(fused, monkeypatch):
     one = TruncationSpec.layers(lm.info, [lm.info.gdn_layers[0]], 4)
     _, ctx1, _ = _run(lm, x, one, graphs=True, L=256)
     assert {"one-call", "segment-graph"} <= ctx1.readouts
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+def test_left_padded_batch_graphs_on_gpu():
+    """A batch of prompts of different lengths: graph replay == eager windows bit for bit; close to the loop."""
+    from gdnviz.gdn import kernels
+
+    if kernels.fla_ops() is None:
+        pytest.skip("fla not importable")
+    scan_graph.clear()
+    lm = load("demo", device="cuda", dtype="float32")
+    g = torch.Generator().manual_seed(8)
+    prompts = [torch.randint(10, 8000, (n,), generator=g).tolist() for n in (4096 + 700, 4096 + 333, 4096 + 901)]
+    spec = TruncationSpec.all_heads(lm.info, 4)
+    got, ctx, cb = _batched(lm, prompts, spec, graphs=True, L=256)
+    eager, _, _ = _batched(lm, prompts, spec, graphs="eager", L=256)
+    ref, _, cb_ref = _batched(lm, prompts, spec, graphs=False, L=256)
+    assert "segment-graph" in ctx.readouts, (ctx.readouts, scan_graph._BROKEN)
+    assert torch.equal(got, eager)
+    assert cb.n_calls == cb_ref.n_calls
+    assert (got.log_softmax(-1) - ref.log_softmax(-1)).abs().max() < 1e-3
 
 
 @pytest.mark.gpu

@@ -5,21 +5,29 @@ changes the state the next segment reads, so each GDN layer scans its segments o
 boundary work between the calls. On an H200 that loop is host-bound: fla's chunk call costs ~0.7 ms of host time
 for ~44 µs of GPU work per 256-token segment (issue #6), and the truncation of a layer's 16 states launches dozens of
 small kernels. Recorded once in a CUDA graph, a window of ``W`` segments (fla call + boundary function, ``W`` times)
-is one ``replay()``.
+is one ``replay()`` (measured: bench/RESULTS.md, fourth session).
 
 Shapes (as in ``gdnviz.gdn.kernels``): q, k ``[B, T, H, K]`` (unit rows, unscaled), v ``[B, T, H, V]``, g ``[B, T, H]``
-float32, beta ``[B, T, H]``, state ``[B, H, K, V]`` float32. A window covers ``W·L`` tokens that start at a boundary
-(absolute position a multiple of ``L``) and is followed by a boundary after each of its ``W`` segments.
+float32, beta ``[B, T, H]``, state ``[B, H, K, V]`` float32.
 
-What is recorded: static input buffers (copied into before each replay), the ``W`` chunk calls on slices of them,
-the boundary function after each, the outputs written into a static output buffer and the final state copied into
-the static state buffer. Constraints on ``boundary_fn``: no host sync, no data-dependent shapes, all constants
-created before the capture (it is called twice eagerly on the static buffers before capture, which also runs fla's
-Triton autotuning for these shapes). ``gdnviz.intervene.TruncateCallback.graph_boundary`` provides such functions.
+A window covers ``W`` periods of ``L`` tokens. What happens inside one period is its *pattern*: a tuple of pieces
+``(length, rows)`` — one kernel call over ``length`` tokens, then the boundary function for ``rows`` (``"all"``:
+every row; a tuple of batch rows; None: no boundary). A plain run's windows start at a boundary and the pattern is
+``((L, "all"),)``. In a left-padded batch (``RunContext.row_starts``) rows reach their boundaries at different
+positions, but those positions repeat every L tokens, so once every row has started, every period has the same
+pattern (``row_pattern``): one graph serves every window of every layer of that batch.
 
-Graphs are cached per (device, shapes, dtypes, L, W, boundary key), a few at a time (``MAX_GRAPHS``, least recently
-used dropped): all layers that truncate the same heads to the same ranks share one graph. A capture that fails marks
-its key as not graphable and the caller falls back to the eager loop (logged once per key).
+What is recorded: static input buffers (copied into before each replay), the chunk calls on slices of them, the
+boundary function after each piece that ends at a boundary, the outputs written into a static output buffer and
+the final state copied into the static state buffer. Constraints on the boundary function ``fn(state, rows)``
+(``rows`` None for all rows, else a device index tensor): no host sync, no data-dependent shapes, constants created
+before the capture. The first window of a new graph runs eagerly on a side stream — that run is its real result
+and also the capture's warm-up (fla's autotuning for these shapes, lazy constants) — then the body is recorded;
+later windows replay. ``gdnviz.intervene.TruncateCallback.graph_boundary`` provides such functions.
+
+Graphs are cached per (device, shapes, dtypes, L, W, pattern, boundary key), a few at a time (``MAX_GRAPHS``,
+least recently used dropped): all layers that truncate the same heads to the same ranks share one graph. A capture
+that fails marks its key as not graphable and the caller falls back to the eager loop (logged once per key).
 
 ``plan_windows`` (pure Python) decides which segments run from a graph; ``eager=True`` in ``run_windows`` runs the
 same window body without a graph (CPU tests pin the window plumbing to the plain loop that way).
@@ -34,21 +42,24 @@ import torch
 
 from gdnviz.gdn import kernels
 
-WINDOW = 16  # segments per graph replay (4,096 tokens at L = 256)
+WINDOW = 16  # periods per graph replay (4,096 tokens at L = 256)
 MAX_GRAPHS = 4
 _GRAPHS: "OrderedDict[tuple, _WindowGraph]" = OrderedDict()
 _BROKEN: dict = {}  # key -> repr of the capture error
 log = logging.getLogger(__name__)
 
 
-def plan_windows(offset: int, T: int, L: int, W: int = WINDOW) -> tuple[list[int], list[tuple[int, int]]]:
+def plan_windows(offset: int, T: int, L: int, W: int = WINDOW, first: int | None = None
+                 ) -> tuple[list[int], list[tuple[int, int]]]:
     """Split a layer call of ``T`` tokens that starts after ``offset`` tokens into graph windows and eager pieces.
 
-    Returns ``(window_starts, eager_spans)``: local start indices of windows of ``W·L`` tokens (each starts at a
-    boundary, i.e. ``offset + start`` is a multiple of ``L``), and the remaining ``(start, end)`` spans in order, to
-    run with the ordinary segment loop. Nothing is planned when fewer than ``W`` whole segments fit.
+    Returns ``(window_starts, eager_spans)``: local start indices of consecutive windows of ``W·L`` tokens, the first
+    at ``first`` (default: the first local index on the boundary grid, ``offset + first`` a multiple of ``L``), and
+    the remaining ``(start, end)`` spans in order, to run with the ordinary segment loop. Nothing is planned when
+    fewer than ``W`` whole periods fit.
     """
-    first = (-offset) % L  # first local index on the boundary grid (0 when the call starts at a boundary)
+    if first is None:
+        first = (-offset) % L  # first local index on the boundary grid (0 when the call starts at a boundary)
     n_full = (T - first) // L if T >= first else 0
     n_win = n_full // W
     if n_win == 0:
@@ -63,11 +74,34 @@ def plan_windows(offset: int, T: int, L: int, W: int = WINDOW) -> tuple[list[int
     return starts, eager
 
 
-class _WindowGraph:
-    """Static buffers + (after ``capture``) the CUDA graph of one window of ``W`` segments."""
+def row_pattern(row_starts, offset: int, first: int, L: int) -> tuple:
+    """The period pattern of a left-padded batch for windows starting at local index ``first``, once every row has
+    started (``offset + first ≥ max(row_starts)``): row b reaches a boundary ``d_b = (start_b − offset − first) mod
+    L`` tokens into each period (L when 0). Pieces in order of d, each followed by the rows that reach a boundary
+    there, and a last piece without a boundary when no row's boundary ends the period. ``((L, "all"),)`` when every
+    row has its boundaries at the period's end."""
+    if offset + first < max(row_starts):
+        raise ValueError("windows must start after every row's first token")
+    at: dict = {}
+    for b, st in enumerate(row_starts):
+        d = (st - offset - first) % L or L
+        at.setdefault(d, []).append(b)
+    if list(at) == [L]:
+        return ((L, "all"),)
+    pieces, prev = [], 0
+    for d in sorted(at):
+        pieces.append((d - prev, tuple(at[d])))
+        prev = d
+    if prev < L:
+        pieces.append((L - prev, None))
+    return tuple(pieces)
 
-    def __init__(self, proto: dict, L: int, W: int, boundary_fn: Callable):
-        self.L, self.W, self.fn = L, W, boundary_fn
+
+class _WindowGraph:
+    """Static buffers, the window body and (after ``capture``) its CUDA graph."""
+
+    def __init__(self, proto: dict, L: int, W: int, boundary_fn: Callable, pattern: tuple):
+        self.L, self.W, self.fn, self.pattern = L, W, boundary_fn, pattern
         n = L * W
         self.buf = {name: torch.zeros((t.shape[0], n, *t.shape[2:]), dtype=t.dtype, device=t.device)
                     for name, t in proto.items() if name != "state"}
@@ -75,28 +109,48 @@ class _WindowGraph:
         self.state = torch.zeros(st.shape, dtype=torch.float32, device=st.device)
         v = proto["v"]
         self.out = torch.zeros((v.shape[0], n, *v.shape[2:]), dtype=v.dtype, device=v.device)
+        # the row groups' device index tensors, made before any capture
+        self.rows = [torch.tensor(r, dtype=torch.long, device=v.device) if isinstance(r, tuple) else None
+                     for _, r in pattern]
         self.graph = None
 
+    def boundaries_per_window(self, row_starts=None) -> int:
+        """Boundary callback calls the eager loop would make in one window: one per distinct row position at each
+        cut, i.e. per period one per distinct row start (``row_starts``; None: a plain run, one per period)."""
+        return self.W * (1 if row_starts is None else len(set(row_starts)))
+
     def body(self) -> None:
-        b, L = self.buf, self.L
+        b = self.buf
         S = self.state
-        for j in range(self.W):
-            sl = slice(j * L, (j + 1) * L)
-            o, S = kernels.core(b["q"][:, sl], b["k"][:, sl], b["v"][:, sl], b["g"][:, sl], b["beta"][:, sl], S)
-            self.out[:, sl].copy_(o)
-            S = self.fn(S)
+        t = 0
+        for _ in range(self.W):
+            for (n, rows), idx in zip(self.pattern, self.rows):
+                sl = slice(t, t + n)
+                o, S = kernels.core(b["q"][:, sl], b["k"][:, sl], b["v"][:, sl], b["g"][:, sl], b["beta"][:, sl], S)
+                self.out[:, sl].copy_(o)
+                if rows is not None:
+                    S = self.fn(S, idx)
+                t += n
         self.state.copy_(S)
 
     def capture(self) -> None:
-        side = torch.cuda.Stream(device=self.state.device)
-        side.wait_stream(torch.cuda.current_stream(self.state.device))
-        with torch.cuda.stream(side):  # warm-up: autotuning, lazy constants, allocator pools
-            for _ in range(2):
-                self.body()
-        torch.cuda.current_stream(self.state.device).wait_stream(side)
+        """Run the body once eagerly on a side stream on the loaded inputs (the first window's real result; also
+        the warm-up: autotuning, lazy constants, allocator pools), then record it. Recording executes nothing, so
+        the eager run's outputs are kept and the input state is restored for the recording's sake."""
+        dev = self.state.device
+        start = self.state.clone()
+        side = torch.cuda.Stream(device=dev)
+        side.wait_stream(torch.cuda.current_stream(dev))
+        with torch.cuda.stream(side):
+            self.body()
+        torch.cuda.current_stream(dev).wait_stream(side)
+        out, end = self.out.clone(), self.state.clone()
+        self.state.copy_(start)
         g = torch.cuda.CUDAGraph()
         with torch.cuda.graph(g):
             self.body()
+        self.out.copy_(out)
+        self.state.copy_(end)
         self.graph = g
 
     def load(self, q, k, v, g, beta, s: int) -> None:
@@ -111,49 +165,51 @@ class _WindowGraph:
             self.body()
 
 
-def _graph_for(key: tuple, proto: dict, L: int, W: int, fn: Callable, eager: bool) -> _WindowGraph | None:
-    if eager:
-        return _WindowGraph(proto, L, W, fn)
-    if key in _BROKEN:
-        return None
-    wg = _GRAPHS.get(key)
-    if wg is not None:
-        _GRAPHS.move_to_end(key)
-        return wg
-    wg = _WindowGraph(proto, L, W, fn)
-    try:
-        wg.capture()
-    except torch.OutOfMemoryError:
-        raise
-    except Exception as e:  # pragma: no cover - depends on the installed fla / driver
-        _BROKEN[key] = repr(e)
-        log.warning("CUDA graph capture of the segment loop failed (%r); this layer runs the eager loop", e)
-        torch.cuda.synchronize(proto["v"].device)
-        return None
-    _GRAPHS[key] = wg
-    while len(_GRAPHS) > MAX_GRAPHS:
-        _GRAPHS.popitem(last=False)
-    return wg
-
-
 def run_windows(q, k, v, g, beta, state, starts: list[int], L: int, W: int, fn: Callable, fn_key,
-                out: torch.Tensor, eager: bool = False) -> torch.Tensor | None:
-    """Run the windows at local ``starts`` (consecutive, from ``plan_windows``) starting from ``state``; writes their
-    outputs into ``out`` ([B, T, H, V]) and returns the state after the last window (float32, a new tensor), or None
-    when no graph could be made (the caller then runs these segments eagerly; ``out`` is untouched)."""
+                out: torch.Tensor, pattern: tuple | None = None, eager: bool = False, row_starts=None
+                ) -> tuple | None:
+    """Run the windows at local ``starts`` (consecutive, from ``plan_windows``) from ``state``.
+
+    Writes their outputs into ``out`` ([B, T, H, V]) and returns ``(state after the last window (float32, a new
+    tensor), boundary callback calls the eager loop would have made)``, or None when no graph could be made (the caller then runs these segments
+    eagerly; ``out`` is untouched). ``pattern``: see the module docstring (default: a plain run's).
+    """
+    pattern = pattern or ((L, "all"),)
     proto = {"q": q, "k": k, "v": v, "g": g, "beta": beta, "state": state}
     key = (str(v.device), tuple(q.shape[:1]) + tuple(q.shape[2:]), tuple(v.shape[2:]),
-           q.dtype, k.dtype, v.dtype, g.dtype, beta.dtype, L, W, fn_key)
-    wg = _graph_for(key, proto, L, W, fn, eager)
-    if wg is None:
+           q.dtype, k.dtype, v.dtype, g.dtype, beta.dtype, L, W, pattern, fn_key)
+    fresh = False
+    if eager:
+        wg = _WindowGraph(proto, L, W, fn, pattern)
+    elif key in _BROKEN:
         return None
+    else:
+        wg = _GRAPHS.get(key)
+        if wg is None:
+            wg, fresh = _WindowGraph(proto, L, W, fn, pattern), True
+        else:
+            _GRAPHS.move_to_end(key)
     wg.state.copy_(state)
     n = L * W
-    for s in starts:
+    for i, s in enumerate(starts):
         wg.load(q, k, v, g, beta, s)
-        wg.step()
+        if fresh and i == 0:
+            try:
+                wg.capture()
+            except torch.OutOfMemoryError:
+                raise
+            except Exception as e:  # pragma: no cover - depends on the installed fla / driver
+                _BROKEN[key] = repr(e)
+                log.warning("CUDA graph capture of the segment loop failed (%r); this layer runs the eager loop", e)
+                torch.cuda.synchronize(v.device)
+                return None
+            _GRAPHS[key] = wg
+            while len(_GRAPHS) > MAX_GRAPHS:
+                _GRAPHS.popitem(last=False)
+        else:
+            wg.step()
         out[:, s:s + n].copy_(wg.out)
-    return wg.state.clone()
+    return wg.state.clone(), len(starts) * wg.boundaries_per_window(row_starts)
 
 
 def clear() -> None:
