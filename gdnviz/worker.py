@@ -87,6 +87,7 @@ class Worker:
         self.current: str | None = None
         self._lm = None
         self._lm_key = None
+        self.warm_up_seconds: dict | None = None  # gdnviz.warmup's timings for the loaded model (CUDA only)
         self._stop = threading.Event()
 
     # -- model pool ------------------------------------------------------------------------------------------
@@ -100,15 +101,22 @@ class Worker:
         gc.collect()
         self._empty_cuda_cache()
         self.state = f"loading {name}"
-        self._lm = load(name, device=device, dtype=dtype)
-        self._lm_key = key
+        lm = load(name, device=device, dtype=dtype)
+        from gdnviz.warmup import needs_warm_up, warm_up
+
+        if needs_warm_up(lm):  # compile and autotune fla's kernels now, not during the user's first document
+            self.state = f"warming up kernels for {name}"
+            self.beat()
+            self.warm_up_seconds = warm_up(lm)
+        self._lm, self._lm_key = lm, key
         return self._lm
 
     def loaded_model(self) -> dict | None:
         if self._lm is None:
             return None
         i = self._lm.info
-        return dict(name=i.name, device=i.device, dtype=i.dtype, kernel_path=i.kernel_path, family=i.family)
+        return dict(name=i.name, device=i.device, dtype=i.dtype, kernel_path=i.kernel_path, family=i.family,
+                    warm_up=self.warm_up_seconds)
 
     @staticmethod
     def _empty_cuda_cache() -> None:

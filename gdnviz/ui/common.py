@@ -540,6 +540,11 @@ def worker_status_line() -> None:
     if m:
         bits.append(f"model {Path(str(m.get('name'))).name} ({m.get('device')}, {m.get('dtype')}, "
                     f"{m.get('kernel_path')} kernels)")
+        wu = m.get("warm_up") or {}
+        if wu.get("error"):
+            bits.append(f"kernel warm-up failed ({wu['error'][:120]})")
+        elif wu:
+            bits.append(f"kernels compiled and tuned at load in {sum(wu.values()):.1f} s")
     if ws.get("queued"):
         bits.append(f"{ws['queued']} queued")
     if ws.get("restarts"):

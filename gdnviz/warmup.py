@@ -1,0 +1,64 @@
+"""Kernel warm-up right after a model is loaded on CUDA, so that the user's first document does not pay it.
+
+On an H200 the first capture in a process on a fresh machine took 15.7 s for the bundled demo model (2,261 tokens),
+the next 0.1 s (bench/RESULTS.md, fourth session): Triton compiles fla's kernels and autotunes them for the model's
+head shapes. Later documents of other lengths cost at most ~1.2 s more than warm (the autotune keys are the head
+shapes, not the length), and later processes on the same machine start in ~1 s (fla's and Triton's on-disk caches).
+So the worker runs every kernel family a user's jobs will need once, at load time, on a short dummy input:
+
+* a capture (one fla chunk pass per GDN layer with the state read-out, the Triton spectra kernels, the statistics);
+* a truncated run with every head at rank 4 over 16 segments (fla's chunk call per segment, the truncation kernels
+  — the Jacobi Rayleigh–Ritz — and the CUDA-graph window of ``gdnviz.gpu.scan_graph`` for this model's layers);
+* two greedy decoding steps (fla's fused recurrent kernel).
+
+On CPU nothing is compiled or tuned, so ``needs_warm_up`` is False and loading stays as fast as it was.
+"""
+from __future__ import annotations
+
+import logging
+import time
+
+import torch
+
+log = logging.getLogger(__name__)
+SEGMENT = 256
+SEGMENTS = 16  # one CUDA-graph window at L = 256
+
+
+def needs_warm_up(lm) -> bool:
+    """True for models whose GDN layers run fla's Triton kernels (CUDA): their first calls compile and autotune."""
+    return lm.info.kernel_path == "fla" and torch.device(lm.device).type == "cuda"
+
+
+def warm_up(lm, tokens: int = SEGMENT * SEGMENTS, segment_len: int = SEGMENT) -> dict:
+    """Run a capture, a truncated run and two decoding steps on ``tokens`` dummy tokens; returns seconds per step.
+
+    Failures are logged and reported in the result (``{"error": ...}``), never raised: a model that loads but
+    cannot warm up still gets to run the user's job, which then reports its own error.
+    """
+    from gdnviz.capture import capture_document
+    from gdnviz.generate import greedy_generate
+    from gdnviz.intervene import TruncationSpec
+
+    vocab = int(getattr(lm.info, "vocab_size", 0) or 1000)
+    ids = torch.randint(0, max(2, min(vocab, 1000)), (tokens,), generator=torch.Generator().manual_seed(0)).tolist()
+    out: dict = {}
+    steps = [
+        ("capture", lambda: capture_document(lm, ids, segment_len)),
+        ("truncated_run", lambda: greedy_generate(lm, ids, 2, segment_len=segment_len,
+                                                  spec=TruncationSpec.all_heads(lm.info, 4), stop_ids=set())),
+    ]
+    for name, fn in steps:
+        t = time.perf_counter()
+        try:
+            fn()
+            if torch.device(lm.device).type == "cuda":
+                torch.cuda.synchronize(lm.device)
+        except torch.OutOfMemoryError:
+            raise
+        except Exception as e:  # noqa: BLE001 - reported, not raised (see docstring)
+            log.warning("kernel warm-up step %s failed: %r", name, e)
+            out["error"] = f"{name}: {e!r}"[:300]
+            break
+        out[name] = round(time.perf_counter() - t, 3)
+    return out
