@@ -319,7 +319,14 @@ def main() -> None:
                     help="print the top N ops (torch.profiler, by device time) of one truncate_states call at r=4")
     ap.add_argument("--filter", choices=("power", "chebyshev"), default=None,
                     help="subspace filter (default: the library's; chebyshev = 1 step fewer, 1 more eigh per pass)")
+    ap.add_argument("--triton-cholqr", action="store_true",
+                    help="every Cholesky-QR of the subspace path in one Triton launch (gdnviz.gpu.cholqr; CUDA only; "
+                         "sets GDNVIZ_TRITON_CHOLQR=1) — compare with a run without it")
     a = ap.parse_args()
+    if a.triton_cholqr:
+        import os
+
+        os.environ["GDNVIZ_TRITON_CHOLQR"] = "1"
 
     dev = torch.device(a.device)
     cpu = dev.type == "cpu"

@@ -88,6 +88,8 @@ _MIN_K_SUBSPACE = 2 * _BLOCK  # below this the exact eigh of the K×K Gram is as
 _CHOL_SHIFT = 1e-13  # relative diagonal shift of Cholesky-QR
 _FILL = 1e-6  # size of the refill of damped basis columns (relative to a unit column)
 _TINY = 1e-300  # absolute floor: zero columns / zero states stay finite
+# Tests only: "cholqr" makes _cholqr run the Triton kernel (gdnviz.gpu.cholqr) in the interpreter on CPU.
+_TRITON_INTERPRET = os.environ.get("GDNVIZ_TEST_TRITON_CHOLQR", "") if os.environ.get("TRITON_INTERPRET") == "1" else ""
 _FILTER = "power"  # "power": P = G² (one eigh per pass); "chebyshev": degree-2 Chebyshev (two eigh per pass)
 
 # Filter steps (each = 2 powers of G) per pass, by the largest rank of the pass (ranks > 16: two passes, each with the
@@ -161,6 +163,11 @@ def _cholqr(Z: torch.Tensor) -> torch.Tensor:
     ``info`` is never read (reading it would sync the host). Directions of ``Z`` below ~sqrt(s) of their column are
     damped rather than orthonormalised; ``_refill`` repairs them where orthonormality matters.
     """
+    if Z.is_cuda or _TRITON_INTERPRET:
+        from gdnviz.gpu import cholqr as _tc  # lazy: imports triton
+
+        if (_tc.enabled() or _TRITON_INTERPRET == "cholqr") and _tc.supports(Z):
+            return _tc.cholqr(Z, _CHOL_SHIFT, _TINY)
     C = Z.mT @ Z
     d = C.diagonal(dim1=-2, dim2=-1)
     d.mul_(1.0 + _CHOL_SHIFT).add_(_TINY)

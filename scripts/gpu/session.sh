@@ -9,6 +9,7 @@
 # Steps and their limits (defaults add up to more than 600 s: pick what a call should measure):
 #   GPU_TEST_SECONDS (150)      pytest -m gpu on TESTS (default: the GPU test files below)
 #   TRUNC_SECONDS (100)         bench_truncate.py --quick: one boundary of 288 states (+ fused kernel rows)
+#   TRITON_CHOLQR_SECONDS (0)   bench_truncate.py --quick --triton-cholqr (Cholesky-QR in one Triton launch)
 #   SPECTRA_SECONDS (0)         bench_spectra.py
 #   TRUNCRUN_SECONDS (150)      bench_truncated_run.py: 16K tokens, every head truncated at every boundary
 #                               (TRUNCRUN_ARGS: extra arguments, e.g. "--ranks 4 --eager-rank 0")
@@ -33,6 +34,10 @@ fi
 if on ${TRUNC_SECONDS:-100}; then
   timeout ${TRUNC_SECONDS:-100} python3 bench/bench_truncate.py --device cuda --quick > $OUT/bench_truncate.log 2>&1
   grep "^{" $OUT/bench_truncate.log | cut -c1-400
+fi
+if on ${TRITON_CHOLQR_SECONDS:-0}; then  # the same with every Cholesky-QR in one Triton launch (gdnviz.gpu.cholqr)
+  timeout ${TRITON_CHOLQR_SECONDS} python3 bench/bench_truncate.py --device cuda --quick --no-fused --triton-cholqr \
+      > $OUT/bench_truncate_triton_cholqr.log 2>&1; grep "cuda_graph\|summary" $OUT/bench_truncate_triton_cholqr.log | cut -c1-400
 fi
 if on ${SPECTRA_SECONDS:-0}; then
   timeout ${SPECTRA_SECONDS} python3 bench/bench_spectra.py --device cuda 2>&1 | tee $OUT/bench_spectra.jsonl
