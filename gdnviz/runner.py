@@ -265,9 +265,9 @@ def _graph_plan(ctx: RunContext, layer: int, v):
     - ``"noop"``: every boundary callback says it does nothing in this layer (``graph_boundary`` returned
       ``"noop"``) and fla runs the core: one kernel call over all tokens (the boundaries change nothing);
     - ``(fn, key, owner)``: exactly one callback replaces states here, with a capture-safe boundary function
-      ``fn(state, rows) -> state``, and the others do nothing: segments run in CUDA-graph windows (``gdnviz.gpu.scan_graph``;
-      in a left-padded batch once every row has started, with the rows' boundary pattern)
-      on CUDA with fla, or in the same windows without a graph when ``ctx.graphs == "eager"`` (tests);
+      ``fn(state, rows) -> state``, and the others do nothing: segments run in CUDA-graph windows
+      (``gdnviz.gpu.scan_graph``; in a left-padded batch once every row has started, with the rows' boundary
+      pattern) on CUDA with fla, or in the same windows without a graph when ``ctx.graphs == "eager"`` (tests);
     - None: the ordinary segment loop (CPU, callbacks without ``graph_boundary``, ``ctx.graphs`` False, ...).
     """
     if not ctx.graphs or not ctx.callbacks:
