@@ -18,11 +18,13 @@ from gdnviz.intervene import TruncateCallback, TruncationSpec
 
 @dataclass
 class Generation:
-    """prompt_len: tokens in the prompt; tokens: generated ids (stop token excluded); text: decoded tokens."""
+    """prompt_len: tokens in the prompt; tokens: generated ids (stop token excluded); text: decoded tokens;
+    readouts: how the GDN layers ran (``gdnviz.runner.RunContext.readouts``: "segment-loop", "segment-graph", ...)."""
 
     prompt_len: int
     tokens: list
     text: str
+    readouts: tuple = ()
 
 
 def greedy_generate(lm, prompt_ids, max_new_tokens: int = 32, *, segment_len: int = runner.DEFAULT_SEGMENT_LEN,
@@ -43,7 +45,7 @@ def greedy_generate(lm, prompt_ids, max_new_tokens: int = 32, *, segment_len: in
         out = runner.forward(lm, torch.tensor([[nxt]]), use_cache=True, cache=cache, logits_positions="last",
                              keep_hidden=False, ctx=ctx)
     text = lm.tokenizer.decode(tokens, skip_special_tokens=True) if lm.tokenizer is not None else ""
-    return Generation(prompt_len=ids.shape[1], tokens=tokens, text=text)
+    return Generation(prompt_len=ids.shape[1], tokens=tokens, text=text, readouts=tuple(sorted(ctx.readouts)))
 
 
 def _stop_ids(lm) -> set:

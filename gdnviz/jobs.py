@@ -378,6 +378,7 @@ def run_truncate(spec: TruncateCompareJob, ctx: JobContext) -> dict:
         n_heads=len(tspec), ranks=tspec.to_list(), segment_len=spec.segment_len, max_new_tokens=max_new,
         boundaries_in_prompt=len(prompt_ids) // spec.segment_len, model=info.name, fingerprint=info.fingerprint,
         dtype=info.dtype, device=info.device, kernel_path=info.kernel_path, memo_key=key,
+        readouts=dict(untouched=list(g0.readouts), truncated=list(g1.readouts)),
     )
     ctx.store.memo_put_json(key, result)
     ctx.progress(steps, steps, "done")

@@ -189,6 +189,7 @@ if rec is not None and rec["status"] == "done":
     st.markdown(f"**{res['n_heads']} heads truncated** (r = {', '.join(map(str, rs))}) · {res['prompt_tokens']:,} "
                 f"prompt tokens, {res['boundaries_in_prompt']} boundar{'y' if res['boundaries_in_prompt'] == 1 else 'ies'}"
                 f" inside the prompt · up to {res['max_new_tokens']} new tokens · {res['kernel_path']} kernels"
+                + T.readout_note(res.get("readouts", {}).get("truncated"))
                 + (" · reopened from the store" if res.get("memo_hit") else ""))
     a, b = st.columns(2)
     for col, key, title in ((a, "untouched", "Untouched model"), (b, "truncated", "Truncated model")):

@@ -76,3 +76,12 @@ def test_previous_sweeps_lists_finished_sweeps_newest_first(tmp_path):
     assert [g["id"] for g in got] == [b, a] and c not in [g["id"] for g in got]
     assert "demo · niah_single_1, vt · 1,024 tokens · r = 1, 4, 128 (untouched) · n = 5" in got[0]["label"]
     assert got[1]["label"].endswith("n = 5 · 1 rank map(s)")
+
+
+def test_readout_note_names_how_the_truncated_run_ran():
+    from gdnviz.ui.truncation import readout_note
+
+    assert readout_note(None) == "" and readout_note([]) == ""
+    assert readout_note(["segment-loop"]) == " · truncated prefill: segment loop"
+    assert readout_note(["one-call", "segment-graph"]) == (
+        " · truncated prefill: one kernel call per untouched layer, CUDA-graph windows")

@@ -68,3 +68,13 @@ def resolve(groups: list, info: dict, table=None, segment_len: int | None = None
                          d_k=int(info["d_k"]), d_v=int(info["d_v"]))
     TruncationSpec.from_dict(ranks).validate(ns)
     return ranks, counts
+
+
+_READOUT_WORDS = {"segment-graph": "CUDA-graph windows", "segment-loop": "segment loop",
+                  "one-call": "one kernel call per untouched layer", "one-pass": "one pass"}
+
+
+def readout_note(readouts) -> str:
+    """' · truncated prefill: …' naming how the truncated run's GDN layers ran (``Generation.readouts``), or ''."""
+    words = [_READOUT_WORDS.get(r, r) for r in (readouts or [])]
+    return f" · truncated prefill: {', '.join(words)}" if words else ""
