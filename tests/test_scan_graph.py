@@ -207,7 +207,7 @@ def test_left_padded_batch_graphs_on_gpu():
 
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
-def test_mixed_ranks_run_in_graphs_with_the_fused_kernel():
+def test_mixed_ranks_run_in_graphs_with_the_fused_kernel(monkeypatch):
     """Mixed ranks in a layer: the fused kernel in the graph; replay == the same windows run eagerly, bit for bit.
     Against the warm-started eager loop only loosely: at r = 22 or 29 the tiny model's flat tails make the top-r
     subspace nearly non-unique (equal energy, different directions), so two exact truncations may steer differently."""
@@ -215,6 +215,7 @@ def test_mixed_ranks_run_in_graphs_with_the_fused_kernel():
 
     if kernels.fla_ops() is None:
         pytest.skip("fla not importable")
+    monkeypatch.setenv("GDNVIZ_FUSED_TRUNCATE", "mixed")
     scan_graph.clear()
     lm = load("demo", device="cuda", dtype="float32")
     x = _ids(lm, 4096 + 300, seed=6).cuda()
@@ -227,3 +228,13 @@ def test_mixed_ranks_run_in_graphs_with_the_fused_kernel():
     assert torch.equal(got, eager)
     assert cb.n_calls == cb_ref.n_calls
     assert (got.log_softmax(-1) - ref.log_softmax(-1)).abs().max() < 0.1
+
+
+def test_fused_truncation_mode_from_the_environment(monkeypatch):
+    from gdnviz.intervene import fused_truncation_mode
+
+    for env, want in (("", "never"), ("0", "never"), ("mixed", "mixed"), ("1", "always"), ("always", "always")):
+        monkeypatch.setenv("GDNVIZ_FUSED_TRUNCATE", env)
+        assert fused_truncation_mode("cpu") == "never"
+        if torch.cuda.is_available():
+            assert fused_truncation_mode("cuda") == want
