@@ -98,6 +98,9 @@ class Worker:
         from gdnviz.models import load
 
         self._lm, self._lm_key = None, None
+        from gdnviz.gpu import scan_graph
+
+        scan_graph.clear()  # the previous model's CUDA graphs hold static buffers on the GPU
         gc.collect()
         self._empty_cuda_cache()
         self.state = f"loading {name}"
