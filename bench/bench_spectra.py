@@ -30,6 +30,10 @@ def main():
     ap = argparse.ArgumentParser()
     ap.add_argument("--device", default="cuda")
     ap.add_argument("--big", type=int, default=18432)
+    ap.add_argument("--candidates", action="store_true",
+                    help="also time what might replace the Triton tridiagonalisation (issue #6, capture ≤ 1.5×): "
+                         "cuSOLVER's batched gesvda (torch.linalg.svd driver='gesvda', f64 and f32) on 288 states, "
+                         "and the tridiagonalisation kernel at num_warps 4/8/16/32 on the big batch")
     args = ap.parse_args()
     from gdnviz.gpu import symeig
 
@@ -55,6 +59,24 @@ def main():
              tridiag_ms=t_tri * 1e3, bisect_ms=(t_big - t_gram - t_tri) * 1e3,
              baseline="torch.linalg.svdvals(float64), extrapolated from 288", baseline_ms=t_svd * 1e3 * args.big / 288,
              ratio=t_svd * args.big / 288 / t_big, **base)
+    if args.candidates and dev.type == "cuda":
+        for dt in (torch.float64, torch.float32):
+            try:
+                X = S.to(dt)
+                sv = torch.linalg.svd(X, full_matrices=False, driver="gesvda")[1].double()
+                t = timeit(lambda: torch.linalg.svd(X, full_matrices=False, driver="gesvda"), dev, repeats=3)
+                emit(what="candidate_gesvda_288", dtype=str(dt), ms=t * 1e3, ours_ms=t_ours * 1e3,
+                     max_abs_err_rel_sigma_max=((sv - ref).abs() / ref[:, :1]).max().item(), **base)
+            except Exception as e:  # noqa: BLE001 - a candidate that does not run is a result too
+                emit(what="candidate_gesvda_288", dtype=str(dt), error=repr(e)[:300], **base)
+        if args.big:
+            for nw in (4, 8, 16, 32):
+                try:
+                    t = timeit(lambda: symeig._tridiag_kernel[(args.big,)](G, D, E, N=128, num_warps=nw), dev,
+                               repeats=3)
+                    emit(what="candidate_tridiag_num_warps", num_warps=nw, n=args.big, ms=t * 1e3, **base)
+                except Exception as e:  # noqa: BLE001
+                    emit(what="candidate_tridiag_num_warps", num_warps=nw, error=repr(e)[:300], **base)
 
 
 if __name__ == "__main__":

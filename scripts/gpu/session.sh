@@ -10,7 +10,7 @@
 #   GPU_TEST_SECONDS (150)      pytest -m gpu on TESTS (default: the GPU test files below)
 #   TRUNC_SECONDS (100)         bench_truncate.py --quick: one boundary of 288 states (+ fused kernel rows)
 #   TRITON_CHOLQR_SECONDS (0)   bench_truncate.py --quick --triton-cholqr (Cholesky-QR in one Triton launch)
-#   SPECTRA_SECONDS (0)         bench_spectra.py
+#   SPECTRA_SECONDS (0)         bench_spectra.py --candidates (gesvda, tridiagonalisation num_warps)
 #   TRUNCRUN_SECONDS (150)      bench_truncated_run.py: 16K tokens, every head truncated at every boundary
 #                               (TRUNCRUN_ARGS: extra arguments, e.g. "--ranks 4 --eager-rank 0")
 #   CAPTURE_SECONDS (120)       bench_capture.py 16K (pipelined vs inline statistics, segment loop), new lengths
@@ -40,7 +40,7 @@ if on ${TRITON_CHOLQR_SECONDS:-0}; then  # the same with every Cholesky-QR in on
       > $OUT/bench_truncate_triton_cholqr.log 2>&1; grep "cuda_graph\|summary" $OUT/bench_truncate_triton_cholqr.log | cut -c1-400
 fi
 if on ${SPECTRA_SECONDS:-0}; then
-  timeout ${SPECTRA_SECONDS} python3 bench/bench_spectra.py --device cuda 2>&1 | tee $OUT/bench_spectra.jsonl
+  timeout ${SPECTRA_SECONDS} python3 bench/bench_spectra.py --device cuda --candidates 2>&1 | tee $OUT/bench_spectra.jsonl
 fi
 if on ${TRUNCRUN_SECONDS:-150}; then
   timeout ${TRUNCRUN_SECONDS:-150} python3 bench/bench_truncated_run.py --device cuda --tokens 16384 --profile 25 ${TRUNCRUN_ARGS:-} \
