@@ -8,9 +8,9 @@ the truncated state is what the next segment reads and writes into.
 """
 from __future__ import annotations
 
-from dataclasses import dataclass, field
 import os
 from collections.abc import Mapping
+from dataclasses import dataclass, field
 from typing import Iterable
 
 import torch
@@ -74,10 +74,12 @@ class TruncationSpec:
 
 
 def _graph_truncation(heads_d: torch.Tensor, ranks, fused: bool):
-    """A capture-safe boundary function ``fn(state [B, H, K, V], rows=None)``: heads ``heads_d`` (device index tensor)
-    of the batch rows ``rows`` (device index tensor; None = all) cut to their ranks (≤ 32). ``fused``: ``gdnviz.gpu.fused_truncate.truncate_fused`` (one Triton launch, one program per
-    state; ``ranks`` a device tensor [len(heads)] repeated over the batch inside); else ``truncate_states``'s
-    subspace path (``ranks`` one int: no host→device copy inside it)."""
+    """A capture-safe boundary function ``fn(state [B, H, K, V], rows=None)``: heads ``heads_d`` (device index
+    tensor) of the batch rows ``rows`` (device index tensor; None = all) cut to their ranks (≤ 32).
+
+    ``fused``: ``gdnviz.gpu.fused_truncate.truncate_fused`` (one Triton launch, one program per state; ``ranks`` a
+    device tensor [len(heads)], repeated over the batch inside); else ``truncate_states``'s subspace path (``ranks``
+    one int: no host→device copy inside it)."""
     from gdnviz.truncate import truncate_states
 
     if fused:
@@ -138,10 +140,9 @@ class TruncateCallback:
         ``(fn, key)`` with ``fn(state [B, H, K, V], rows=None) -> state`` free of host syncs — the subspace path of
         ``truncate_states`` when the layer's heads share one rank ≤ 32, or the fused Triton kernel
         (``gdnviz.gpu.fused_truncate``, ranks ≤ 32, K and V in {64, 128}) when ``fused_truncation_mode`` allows it —
-        from a cold start (a warm start keeps host-side
-        state per call); ``key`` names what it does so that layers doing the same share a graph. None when the
-        layer's truncation cannot be captured (r > 32, small K, mixed ranks without the fused kernel: exact paths
-        sync)."""
+        from a cold start (a warm start keeps host-side state per call); ``key`` names what it does so that layers
+        doing the same share a graph. None when the layer's truncation cannot be captured (r > 32, small K, mixed
+        ranks without the fused kernel: exact paths sync)."""
         sel = self.per_layer.get(layer)
         if sel is None:
             return "noop"

@@ -65,7 +65,7 @@ class RunContext:
     backends: set = field(default_factory=set)  # kernel paths that ran: {"fla", "torch"}
     row_starts: list | None = None  # left-padded batch: leading pad tokens per row (see the module docstring)
     fast_states: bool = True  # allow the one-pass state read-out when every callback only reads (see gdn_scan)
-    readouts: set = field(default_factory=set)  # how the GDN calls ran: "one-pass", "segment-loop", "segment-graph", ...
+    readouts: set = field(default_factory=set)  # how GDN calls ran: "one-pass", "segment-loop", "segment-graph", ...
     graphs: bool | str = True  # CUDA-graph windows for state-replacing runs on CUDA (see _graph_plan); "eager": the
     # same windows without a graph, on any device (tests)
 

@@ -104,6 +104,7 @@ class Worker:
         gc.collect()
         self._empty_cuda_cache()
         self.state = f"loading {name}"
+        self.warm_up_seconds = None
         lm = load(name, device=device, dtype=dtype)
         from gdnviz.warmup import needs_warm_up, warm_up
 
