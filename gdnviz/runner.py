@@ -30,6 +30,10 @@ call is ONE chunk pass that also writes the fp32 state at every chunk start
 (``gdnviz.gdn.kernels.core_with_states``) instead of one kernel call per segment; ``RunContext.fast_states=False``
 forces the segment loop (tests pin the two together on CUDA).
 
+Runs without boundary callbacks (untouched generation, losses, untouched rows of a sweep) on CUDA with fla: one
+kernel call per GDN layer call, nothing read out (``readouts`` "one-call"). State-replacing runs (truncation) on
+CUDA replay their segment loop from CUDA-graph windows (``gdnviz.gpu.scan_graph``, see ``_graph_plan``).
+
 Left-padded batches (``gdnviz.probes.batch``): ``RunContext.row_starts`` gives each row's number of leading pad
 tokens. Then every pad position is the exact core no-op (g = 0 i.e. alpha = 1, beta = 0, q = k = v = 0), each row's
 positions count from its own first real token, and boundaries fall at each row's own multiples of L: the scan cuts
@@ -169,6 +173,12 @@ def gdn_scan(ctx: RunContext, layer: int, q_hat, k_hat, v, g, beta, initial_stat
                 if offset + c - start > 0}
     else:
         cuts = boundary_cuts(offset, T, ctx.segment_len)
+    if not _boundary_callbacks(ctx) and kernels.backend_for(v.device) == "fla":
+        # nothing happens at any boundary: one kernel call (pads are the exact no-op; fla's chunk kernel gives the
+        # loop's result, and no state read-out is computed for nobody)
+        ctx.readouts.add("one-call")
+        out, state = kernels.core(q_in, k_in, v, g, beta, state)
+        return _finish(ctx, layer, offset, T, out, state, v.dtype)
     one_pass = None
     if not rows_mode and ctx.fast_states and _reads_only(ctx) and kernels.states_fast_path(v.device, T, cuts):
         one_pass = _try_one_pass(q_in, k_in, v, g, beta, state, cuts)
@@ -259,6 +269,11 @@ def _segment_loop(ctx: RunContext, layer: int, offset: int, q_in, k_in, v, g, be
     return out, state
 
 
+def _boundary_callbacks(ctx: RunContext) -> list:
+    """The callbacks that act at boundaries (``on_boundary`` or ``on_boundaries``)."""
+    return [cb for cb in ctx.callbacks if hasattr(cb, "on_boundary") or hasattr(cb, "on_boundaries")]
+
+
 def _graph_plan(ctx: RunContext, layer: int, v):
     """How this layer's segments may run:
 
@@ -276,9 +291,7 @@ def _graph_plan(ctx: RunContext, layer: int, v):
     if ctx.graphs is True and not fla:
         return None
     found = []
-    for cb in ctx.callbacks:
-        if not (hasattr(cb, "on_boundary") or hasattr(cb, "on_boundaries")):
-            continue
+    for cb in _boundary_callbacks(ctx):
         gb = getattr(cb, "graph_boundary", None)
         if gb is None:
             return None
@@ -323,8 +336,7 @@ def _finish(ctx: RunContext, layer: int, offset: int, T: int, out, state, dtype)
 
 def _reads_only(ctx: RunContext) -> bool:
     """True when no callback can replace a state: each boundary callback says ``modifies_state = False``."""
-    return all(getattr(cb, "modifies_state", True) is False for cb in ctx.callbacks
-               if hasattr(cb, "on_boundary") or hasattr(cb, "on_boundaries"))
+    return all(getattr(cb, "modifies_state", True) is False for cb in _boundary_callbacks(ctx))
 
 
 def _row_callbacks(ctx: RunContext, layer: int, offset: int, end: int, state):

@@ -238,3 +238,37 @@ def test_fused_truncation_mode_from_the_environment(monkeypatch):
         assert fused_truncation_mode("cpu") == "never"
         if torch.cuda.is_available():
             assert fused_truncation_mode("cuda") == want
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+def test_runs_without_boundary_callbacks_are_one_kernel_call_on_gpu():
+    """No boundary callback: one fla call per layer; same logits as the one-pass read-out with a read-only callback,
+    and a left-padded untouched batch gives each row what it gets alone."""
+    from gdnviz.gdn import kernels
+    from gdnviz.probes.batch import batched_forward
+
+    if kernels.fla_ops() is None:
+        pytest.skip("fla not importable")
+    lm = load("demo", device="cuda", dtype="float32")
+    x = _ids(lm, 3000, seed=9).cuda()
+
+    class Reader:
+        modifies_state = False
+
+        def on_boundary(self, layer, pos, state):
+            return None
+
+    ctx = runner.RunContext(segment_len=256)
+    plain = runner.forward(lm, x, logits_positions="all", ctx=ctx).logits
+    assert ctx.readouts == {"one-call"}
+    ctx2 = runner.RunContext(segment_len=256, callbacks=[Reader()])
+    read = runner.forward(lm, x, logits_positions="all", ctx=ctx2).logits
+    assert ctx2.readouts == {"one-pass"}
+    assert (plain - read).abs().max() < 1e-3
+    prompts = [x[0, :n].tolist() for n in (3000, 2100, 777)]
+    out, bctx, _, starts = batched_forward(lm, prompts, segment_len=256, logits_positions="all")
+    assert bctx.readouts == {"one-call"}
+    for b, p in enumerate(prompts):
+        alone = runner.forward(lm, torch.tensor([p], device="cuda"), segment_len=256, logits_positions="all").logits
+        assert (out.logits[b, starts[b]:] - alone[0]).abs().max() < 1e-3
