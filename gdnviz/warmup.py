@@ -11,11 +11,13 @@ So the worker runs every kernel family a user's jobs will need once, at load tim
   — the Jacobi Rayleigh–Ritz — and the CUDA-graph window of ``gdnviz.gpu.scan_graph`` for this model's layers);
 * two greedy decoding steps (fla's fused recurrent kernel).
 
-On CPU nothing is compiled or tuned, so ``needs_warm_up`` is False and loading stays as fast as it was.
+On CPU nothing is compiled or tuned, so ``needs_warm_up`` is False and loading stays as fast as it was;
+``GDNVIZ_WARMUP=0`` turns it off on CUDA too.
 """
 from __future__ import annotations
 
 import logging
+import os
 import time
 
 import torch
@@ -26,7 +28,10 @@ SEGMENTS = 16  # one CUDA-graph window at L = 256
 
 
 def needs_warm_up(lm) -> bool:
-    """True for models whose GDN layers run fla's Triton kernels (CUDA): their first calls compile and autotune."""
+    """True for models whose GDN layers run fla's Triton kernels (CUDA): their first calls compile and autotune.
+    ``GDNVIZ_WARMUP=0`` in the environment turns the warm-up off."""
+    if os.environ.get("GDNVIZ_WARMUP", "1") == "0":
+        return False
     return lm.info.kernel_path == "fla" and torch.device(lm.device).type == "cuda"
 
 

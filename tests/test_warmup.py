@@ -16,6 +16,18 @@ def test_cpu_models_need_no_warm_up(demo):
     assert not needs_warm_up(demo)
 
 
+def test_warm_up_can_be_turned_off(demo, monkeypatch):
+    class FakeInfo:
+        kernel_path = "fla"
+
+    class FakeLM:  # only what needs_warm_up reads: a CUDA model on fla's kernels
+        info, device = FakeInfo(), "cuda:0"
+
+    assert needs_warm_up(FakeLM())
+    monkeypatch.setenv("GDNVIZ_WARMUP", "0")
+    assert not needs_warm_up(FakeLM())
+
+
 def test_warm_up_runs_every_step_and_reports_seconds(demo):
     out = warm_up(demo, tokens=64, segment_len=16)
     assert "error" not in out, out
