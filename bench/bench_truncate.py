@@ -176,37 +176,19 @@ def sync_check(S: torch.Tensor, r: int) -> str:
 
 def graph_replay_ms(S: torch.Tensor, r: int, warmup: int, repeats: int):
     """Capture ``truncate_states`` in a CUDA graph; (replay ms, error) — error is set when capture fails."""
-    static_in = S.clone()
-    try:
-        s = torch.cuda.Stream()
-        s.wait_stream(torch.cuda.current_stream())
-        with torch.cuda.stream(s):
-            for _ in range(2):
-                truncate_states(static_in, r)
-        torch.cuda.current_stream().wait_stream(s)
-        g = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(g):
-            static_out = truncate_states(static_in, r)
-        ms = time_ms(g.replay, S.device, warmup, repeats)
-        ok = torch.allclose(static_out, truncate_states(S, r), rtol=0, atol=1e-6 * S.abs().max().item())
-        return ms, None if ok else "replay differs from eager"
-    except Exception as e:  # noqa: BLE001 - report, do not crash the benchmark
-        torch.cuda.synchronize()
-        return None, f"{type(e).__name__}: {str(e).splitlines()[0][:200]}"
+    ms, out = capture_replay_ms(lambda x: truncate_states(x, r), S.clone(), warmup, repeats)
+    if ms is None:
+        return None, out
+    ok = torch.allclose(out, truncate_states(S, r), rtol=0, atol=1e-6 * S.abs().max().item())
+    return ms, None if ok else "replay differs from eager"
 
 
 def capture_replay_ms(fn, static_in: torch.Tensor, warmup: int, repeats: int):
     """Capture ``fn(static_in)`` in a CUDA graph: (replay ms, static output), or (None, error text) if capture fails."""
+    from gdnviz.gpu.cuda_graph import capture
+
     try:
-        s = torch.cuda.Stream()
-        s.wait_stream(torch.cuda.current_stream())
-        with torch.cuda.stream(s):
-            for _ in range(2):
-                fn(static_in)
-        torch.cuda.current_stream().wait_stream(s)
-        g = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(g):
-            static_out = fn(static_in)
+        g, static_out = capture(fn, static_in)
         return time_ms(g.replay, static_in.device, warmup, repeats), static_out
     except Exception as e:  # noqa: BLE001 - report, do not crash the benchmark
         torch.cuda.synchronize()

@@ -342,20 +342,13 @@ def test_cuda_no_host_sync():
 def test_cuda_graph_capture_and_replay():
     """One layer boundary (16 states, per-state ranks on the device) captured in a CUDA graph; replays on new data
     copied into the static input equal eager calls."""
+    from gdnviz.gpu.cuda_graph import capture
     from gdnviz.gpu.fused_truncate import truncate_fused
 
     S1, S2 = _gdn_batch(16, seed=42), _gdn_batch(16, seed=43)
     ranks = torch.tensor([1, 4, 12, 32] * 4, device="cuda")
     static_in = S1.clone()
-    side = torch.cuda.Stream()
-    side.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(side):
-        for _ in range(2):
-            truncate_fused(static_in, ranks)
-    torch.cuda.current_stream().wait_stream(side)
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        static_out = truncate_fused(static_in, ranks)
+    graph, static_out = capture(truncate_fused, static_in, ranks)
     for S in (S1, S2):
         static_in.copy_(S)
         graph.replay()

@@ -356,21 +356,14 @@ def test_cuda_truncation_has_no_host_sync_and_matches_eigh():
 
 @pytest.mark.gpu
 def test_cuda_truncation_can_be_captured_in_a_graph():
+    from gdnviz.gpu.cuda_graph import capture
     from gdnviz.truncate import retained_energy, truncate_states
 
     r = 4
     S1 = _cuda_states(seed=1, dtype=torch.float64)
     S2 = _cuda_states(seed=2, dtype=torch.float64)
     static_in = S1.clone()
-    side = torch.cuda.Stream()
-    side.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(side):  # warm-up on a side stream, as torch.cuda.graphs recommends
-        for _ in range(2):
-            truncate_states(static_in, r)
-    torch.cuda.current_stream().wait_stream(side)
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        static_out = truncate_states(static_in, r)
+    graph, static_out = capture(truncate_states, static_in, r)  # warm-up on a side stream, then record
     for S in (S1, S2):  # replay on the captured input, then on new data copied into it
         static_in.copy_(S)
         graph.replay()
