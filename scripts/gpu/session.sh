@@ -17,6 +17,7 @@
 #   CAPTURE128K_SECONDS (90)    bench_capture.py 128K, time and memory only
 #   SWEEP_SECONDS (0)           the demo model's CLI sweep, batch 8 vs 1 (rows compared)
 #   BENCH_SWEEP_SECONDS (90)    bench_sweep.py: prompts/s batched vs one at a time, 0.8B shape, 4K and 16K
+#                               (BENCH_SWEEP_ARGS replaces "--lengths 4096,16384 --n 8 --batch 8")
 #   DEMO_SECONDS (0)            the demo model's capture in two consecutive processes (autotune cache check)
 set -x
 mkdir -p /tmp/site && for w in .whl/*.whl; do python3 -m zipfile -e "$w" /tmp/site; done
@@ -69,8 +70,8 @@ if on ${SWEEP_SECONDS:-0}; then
 fi
 # prompts per second, batched vs one at a time, on the 0.8B shape at 4K and 16K (issue #6 target 5), warm
 if on ${BENCH_SWEEP_SECONDS:-90}; then
-  timeout ${BENCH_SWEEP_SECONDS:-90} python3 bench/bench_sweep.py --device cuda --model 0.8b --lengths 4096,16384 \
-      --n 8 --batch 8 > $OUT/bench_sweep.log 2>&1; grep '^{' $OUT/bench_sweep.log | cut -c1-400
+  timeout ${BENCH_SWEEP_SECONDS:-90} python3 bench/bench_sweep.py --device cuda --model 0.8b \
+      ${BENCH_SWEEP_ARGS:---lengths 4096,16384 --n 8 --batch 8} > $OUT/bench_sweep.log 2>&1; grep '^{' $OUT/bench_sweep.log | cut -c1-400
 fi
 # the bundled demo model on the GPU: load, capture 4K tokens of a sample document (bf16, fla), time it -- in two
 # processes one after the other: the second shows whether fla's on-disk autotune cache (FLA_CACHE_RESULTS=1) and
