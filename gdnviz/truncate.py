@@ -177,6 +177,21 @@ def _cholqr(Z: torch.Tensor) -> torch.Tensor:
     return Z @ Rinv
 
 
+def _subspace_kernel_mode(Z: torch.Tensor) -> str:
+    """``gdnviz.gpu.subspace_kernels.mode()`` for a CUDA block the kernels take ("off" / "split" / "fused"); "off" on
+    CPU, except in tests under ``TRITON_INTERPRET=1`` with ``GDNVIZ_TEST_TRITON_CHOLQR=subspace`` or
+    ``subspace-fused``."""
+    if not (Z.is_cuda or _TRITON_INTERPRET.startswith("subspace")):
+        return "off"
+    from gdnviz.gpu import subspace_kernels as _sk  # lazy: imports triton
+
+    if Z.shape[1] not in _sk.SHAPES_R or Z.shape[2] != _sk.BLOCK_Q:
+        return "off"
+    if _TRITON_INTERPRET.startswith("subspace") and not Z.is_cuda:
+        return "fused" if _TRITON_INTERPRET == "subspace-fused" else "split"
+    return _sk.mode()
+
+
 def _refill(Q: torch.Tensor, seed: int) -> torch.Tensor:
     """Orthonormal basis from a nearly orthonormal one whose damped columns are refilled with fixed random directions.
 
@@ -228,6 +243,15 @@ def _subspace_pass(X: torch.Tensor, r: int, iters: int, warm: torch.Tensor | Non
         # block, so a stale warm basis (a head that forgot everything) costs nothing but the saved iterations.
         c = min(warm.shape[-1], r)
         Z = torch.cat([G @ warm[..., :c], (X @ omega[:, : q - c]) * inv], dim=-1)
+    if _FILTER == "power" and _subspace_kernel_mode(Z) != "off":
+        # The same pass with its Cholesky-QRs in a few Triton launches (gdnviz.gpu.subspace_kernels).
+        from gdnviz.gpu import subspace_kernels as _sk
+
+        Q, T = _sk.orthonormal_iterations(
+            Z, G @ G, G, iters, _gaussian(K, q, X.device, seed=0x5EED + seed, unit_columns=True),
+            fuse=_subspace_kernel_mode(Z) == "fused", shift=_CHOL_SHIFT, tiny=_TINY, fill_size=_FILL)
+        _, W = _eigh_small(T)
+        return Q @ W.flip(-1)
     Q = _cholqr(_cholqr(Z))
     if _FILTER == "chebyshev":
         theta, Q = _ritz(Q, G)

@@ -1,0 +1,120 @@
+"""Truncation of one layer (16 states) and one boundary (288 states) with the subspace pass's Cholesky-QRs in torch
+vs in the split Triton kernels (gdnviz.gpu.subspace_kernels), each captured in a CUDA graph and replayed.
+
+    python bench/bench_subspace_kernels.py --device cuda
+
+One JSON line per (variant, states, rank): replay ms, ratio to the torch path in the same run, max energy error
+against the exact float64 SVD energies, and whether replay equals the eager call. Variants: ``torch`` (the default
+path), ``split`` (step kernel + 1-warp Cholesky kernel) at several warp counts, ``fused`` (Cholesky inside the step
+kernel). Then the kernels alone: one step kernel and one Cholesky kernel per launch, replayed 100 times in a graph.
+"""
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+
+import torch
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+from bench.bench_truncate import capture_replay_ms, gdn_like_states, time_ms  # noqa: E402
+from bench.common import device_name, emit  # noqa: E402
+from gdnviz import truncate as tr  # noqa: E402
+from gdnviz.gpu import subspace_kernels as sk  # noqa: E402
+
+VARIANTS = [  # (name, mode, step warps, Cholesky warps)
+    ("torch", "off", None, None),
+    ("split_s8_c1", "split", 8, 1),
+    ("split_s4_c1", "split", 4, 1),
+    ("split_s8_c2", "split", 8, 2),
+    ("split_s8_c4", "split", 8, 4),
+    ("fused_s8", "fused", 8, None),
+    ("fused_s4", "fused", 4, None),
+]
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--device", default="cuda")
+    ap.add_argument("--ranks", default="4,1,12,32")
+    ap.add_argument("--sizes", default="16,288")
+    ap.add_argument("--variants", default=",".join(v[0] for v in VARIANTS))
+    ap.add_argument("--repeats", type=int, default=20)
+    a = ap.parse_args()
+    dev = torch.device(a.device)
+    sizes = [int(x) for x in a.sizes.split(",")]
+    ranks = [int(x) for x in a.ranks.split(",")]
+    wanted = a.variants.split(",")
+    S64 = gdn_like_states(max(sizes), 128, 128, seed=0)
+    s2 = torch.linalg.svdvals(S64).square()
+    base = dict(device=device_name(dev))
+
+    def energy_err(S, out, r):
+        n = S.shape[0]
+        exact = s2[:n, :r].sum(-1)
+        got = out.double().cpu().square().sum((-1, -2))
+        return ((got - exact).abs() / s2[:n].sum(-1)).max().item()
+
+    for n in sizes:
+        S = S64[:n].float().to(dev).contiguous()
+        for r in ranks:
+            ref_ms = None
+            for name, mode, sw, cw in VARIANTS:
+                if name not in wanted:
+                    continue
+                os.environ["GDNVIZ_TRITON_SUBSPACE"] = mode
+                sk.STEP_WARPS = sw or 8
+                sk.CHOL_WARPS = cw or 1
+                try:
+                    eager = tr.truncate_states(S, r)
+                    torch.cuda.synchronize()
+                    err = energy_err(S64, eager, r)
+                    ms, out = capture_replay_ms(lambda x: tr.truncate_states(x, r), S.clone(), 3, a.repeats)
+                except Exception as e:  # noqa: BLE001 - report and go on
+                    emit(what="subspace_kernels", variant=name, n=n, r=r, error=f"{type(e).__name__}: {e}"[:300],
+                         **base)
+                    continue
+                if ms is None:
+                    emit(what="subspace_kernels", variant=name, n=n, r=r, error=out, energy_err=err, **base)
+                    continue
+                if name == "torch":
+                    ref_ms = ms
+                emit(what="subspace_kernels", variant=name, n=n, r=r, replay_ms=round(ms, 4),
+                     vs_torch=None if ref_ms is None else round(ref_ms / ms, 2), energy_err=float(f"{err:.3e}"),
+                     replay_equals_eager=bool(torch.equal(out, eager)), **base)
+    os.environ["GDNVIZ_TRITON_SUBSPACE"] = "off"
+
+    # the kernels alone, per launch: 100 launches in one graph
+    for n in sizes:
+        g = torch.Generator().manual_seed(0)
+        Y = torch.randn(n, 128, 32, generator=g, dtype=torch.float64).to(dev)
+        P = torch.randn(n, 128, 128, generator=g, dtype=torch.float64).to(dev) * 0.01
+        M = torch.eye(32, dtype=torch.float64, device=dev).repeat(n, 1, 1)
+        fill = torch.randn(128, 32, generator=g, dtype=torch.float64).to(dev)
+        C = (Y.mT @ Y).contiguous()  # in place, launch after launch: the values turn to NaN, the time does not change
+        cases = [(f"chol_c{w}", lambda w=w: sk._chol_kernel[(n,)](C, Q=32, num_warps=w)) for w in (1, 2, 4)]
+        for sw in (4, 8):
+            for mode_ in (0, 1):
+                for fuse in (False, True):
+                    Yb = Y.clone()
+                    cases.append((f"step_mode{mode_}_s{sw}_fuse{int(fuse)}", lambda sw=sw, m=mode_, f=fuse, Yb=Yb:
+                                  sk._step_kernel[(n,)](Yb, M, P, fill, R=128, Q=32, APPLY=True, MODE=m,
+                                                        FUSE=f, SHIFT=1e-13, TINY=1e-300, FILL=1e-6, num_warps=sw)))
+        cases.append(("torch_bmm_128x128x32", lambda: torch.bmm(P, Y)))
+        cases.append(("torch_cholqr", lambda: tr._cholqr(Y)))
+        for name, fn in cases:
+            try:
+                fn()
+                torch.cuda.synchronize()
+                graph = torch.cuda.CUDAGraph()
+                with torch.cuda.graph(graph):
+                    for _ in range(100):
+                        fn()
+                ms = time_ms(graph.replay, dev, 2, 5) / 100
+                emit(what="kernel_alone", name=name, n=n, us_per_launch=round(ms * 1e3, 2), **base)
+            except Exception as e:  # noqa: BLE001
+                emit(what="kernel_alone", name=name, n=n, error=f"{type(e).__name__}: {e}"[:300], **base)
+
+
+if __name__ == "__main__":
+    main()
