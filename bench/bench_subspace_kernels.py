@@ -22,8 +22,9 @@ from bench.common import device_name, emit  # noqa: E402
 from gdnviz import truncate as tr  # noqa: E402
 from gdnviz.gpu import subspace_kernels as sk  # noqa: E402
 
-VARIANTS = [  # (name, mode, step warps, Cholesky warps)
+VARIANTS = [  # (name, Triton mode, step warps, Cholesky warps); "cuda_cholqr": torch path + NVRTC Cholesky-QR kernel
     ("torch", "off", None, None),
+    ("cuda_cholqr", "off", None, None),
     ("split_s8_c1", "split", 8, 1),
     ("split_s4_c1", "split", 4, 1),
     ("split_s8_c2", "split", 8, 2),
@@ -63,12 +64,13 @@ def main() -> None:
                 if name not in wanted:
                     continue
                 os.environ["GDNVIZ_TRITON_SUBSPACE"] = mode
+                os.environ["GDNVIZ_CUDA_CHOLQR"] = "1" if name == "cuda_cholqr" else "0"
                 sk.STEP_WARPS = sw or 8
                 sk.CHOL_WARPS = cw or 1
                 try:
                     eager = tr.truncate_states(S, r)
                     torch.cuda.synchronize()
-                    err = energy_err(S64, eager, r)
+                    err = energy_err(S64[:n], eager, r)
                     ms, out = capture_replay_ms(lambda x: tr.truncate_states(x, r), S.clone(), 3, a.repeats)
                 except Exception as e:  # noqa: BLE001 - report and go on
                     emit(what="subspace_kernels", variant=name, n=n, r=r, error=f"{type(e).__name__}: {e}"[:300],
@@ -83,6 +85,10 @@ def main() -> None:
                      vs_torch=None if ref_ms is None else round(ref_ms / ms, 2), energy_err=float(f"{err:.3e}"),
                      replay_equals_eager=bool(torch.equal(out, eager)), **base)
     os.environ["GDNVIZ_TRITON_SUBSPACE"] = "off"
+    os.environ["GDNVIZ_CUDA_CHOLQR"] = "0"
+    from gdnviz.gpu import cuda_cholqr
+
+    emit(what="cuda_cholqr_status", available=cuda_cholqr.available, reason=cuda_cholqr.unavailable_reason, **base)
 
     # the kernels alone, per launch: 100 launches in one graph
     for n in sizes:
@@ -100,8 +106,24 @@ def main() -> None:
                     cases.append((f"step_mode{mode_}_s{sw}_fuse{int(fuse)}", lambda sw=sw, m=mode_, f=fuse, Yb=Yb:
                                   sk._step_kernel[(n,)](Yb, M, P, fill, R=128, Q=32, APPLY=True, MODE=m,
                                                         FUSE=f, SHIFT=1e-13, TINY=1e-300, FILL=1e-6, num_warps=sw)))
+        S = gdn_like_states(n, 128, 128, seed=2).float().to(dev)
+        G2, P2 = torch.empty(n, 128, 128, dtype=torch.float64, device=dev), torch.empty(n, 128, 128, dtype=torch.float64,
+                                                                                       device=dev)
+        Ys, Ms, out = torch.empty_like(Y), torch.empty_like(M), torch.empty_like(S)
+        omega = tr._gaussian(128, 32, dev, seed=12345)
+        from gdnviz.gpu.jacobi import eigh_jacobi
+
+        T = (Y.mT @ Y).contiguous()
+        for sw in (4, 8, 16):
+            cases.append((f"setup_s{sw}", lambda sw=sw: sk._setup_kernel[(n,)](
+                S, G2, P2, Ys, Ms, omega, K=128, V=128, Q=32, FUSE=False, SHIFT=1e-13, TINY=1e-300, num_warps=sw)))
+            cases.append((f"project_s{sw}", lambda sw=sw: sk._project_kernel[(n,)](
+                Y, M, S, out, 4, K=128, V=128, Q=32, num_warps=sw)))
+        cases.append(("jacobi_32", lambda: eigh_jacobi(T)))
         cases.append(("torch_bmm_128x128x32", lambda: torch.bmm(P, Y)))
         cases.append(("torch_cholqr", lambda: tr._cholqr(Y)))
+        if cuda_cholqr.available:
+            cases.append(("cuda_cholqr", lambda: cuda_cholqr.cholqr(Y)))
         for name, fn in cases:
             try:
                 fn()

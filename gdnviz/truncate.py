@@ -163,6 +163,12 @@ def _cholqr(Z: torch.Tensor) -> torch.Tensor:
     ``info`` is never read (reading it would sync the host). Directions of ``Z`` below ~sqrt(s) of their column are
     damped rather than orthonormalised; ``_refill`` repairs them where orthonormality matters.
     """
+    if Z.is_cuda:
+        from gdnviz.gpu import cuda_cholqr as _cc
+
+        # one CUDA launch instead of ~7 kernels (compiled on first use; None if NVRTC is unavailable)
+        if _cc.enabled() and _cc.supports(Z) and _cc._kernel(Z.shape[1], Z.device) is not None:
+            return _cc.cholqr(Z, _CHOL_SHIFT, _TINY)
     if Z.is_cuda or _TRITON_INTERPRET:
         from gdnviz.gpu import cholqr as _tc  # lazy: imports triton
 
@@ -177,15 +183,15 @@ def _cholqr(Z: torch.Tensor) -> torch.Tensor:
     return Z @ Rinv
 
 
-def _subspace_kernel_mode(Z: torch.Tensor) -> str:
-    """``gdnviz.gpu.subspace_kernels.mode()`` for a CUDA block the kernels take ("off" / "split" / "fused"); "off" on
-    CPU, except in tests under ``TRITON_INTERPRET=1`` with ``GDNVIZ_TEST_TRITON_CHOLQR=subspace`` or
-    ``subspace-fused``."""
+def _subspace_kernel_mode(Z: torch.Tensor, whole: bool = False) -> str:
+    """``gdnviz.gpu.subspace_kernels.mode()`` for a CUDA block ``Z [N, K, 32]`` (or, ``whole=True``, states
+    ``[N, K, V]``) the kernels take ("off" / "split" / "fused"); "off" on CPU, except in tests under
+    ``TRITON_INTERPRET=1`` with ``GDNVIZ_TEST_TRITON_CHOLQR=subspace`` or ``subspace-fused``."""
     if not (Z.is_cuda or _TRITON_INTERPRET.startswith("subspace")):
         return "off"
     from gdnviz.gpu import subspace_kernels as _sk  # lazy: imports triton
 
-    if Z.shape[1] not in _sk.SHAPES_R or Z.shape[2] != _sk.BLOCK_Q:
+    if Z.shape[1] not in _sk.SHAPES_R or (Z.shape[2] not in _sk.SHAPES_R if whole else Z.shape[2] != _sk.BLOCK_Q):
         return "off"
     if _TRITON_INTERPRET.startswith("subspace") and not Z.is_cuda:
         return "fused" if _TRITON_INTERPRET == "subspace-fused" else "split"
@@ -416,6 +422,17 @@ def truncate_states(
             return out, _placeholder_basis(N, K, min(_BLOCK, K), S.device)
         return out
 
+    if (r_int is not None and warm_start is None and not return_basis and _FILTER == "power"
+            and _path_of(method, r_int, m, K) == "subspace" and r_int <= _STAGE_RANK):
+        km = _subspace_kernel_mode(S, whole=True)
+        if km != "off":  # the whole truncation in a few Triton launches (gdnviz.gpu.subspace_kernels)
+            from gdnviz.gpu import subspace_kernels as _sk
+
+            out = _sk.truncate_cold(
+                S, r_int, iterations_for(r_int) if iters is None else int(iters),
+                _gaussian(V, _BLOCK, S.device, seed=12345), _gaussian(K, _BLOCK, S.device, seed=0x5EED, unit_columns=True),
+                fuse=km == "fused", shift=_CHOL_SHIFT, tiny=_TINY, fill_size=_FILL)
+            return out.reshape(shape)
     X = S.to(torch.float64)
     if r_int is not None:
         basis, out64 = _truncate_group(X, r_int, None, _path_of(method, r_int, m, K), warm_start, iters)

@@ -265,12 +265,12 @@ def test_runs_without_boundary_callbacks_are_one_kernel_call_on_gpu():
     ctx2 = runner.RunContext(segment_len=256, callbacks=[Reader()])
     read = runner.forward(lm, x, logits_positions="all", ctx=ctx2).logits
     assert ctx2.readouts == {"one-pass"}, ctx2.readouts
-    d = (plain - read).abs().max().item()
-    assert d < 1e-3, f"one call vs one-pass read-out: max |Δlogit| {d:.3g}"
+    # float32 model on fla's kernels (tf32 products inside): the tolerance of test_gpu_runner's float32 runs
+    torch.testing.assert_close(plain, read, atol=2e-3, rtol=2e-3, msg=lambda m: f"one call vs one-pass read-out: {m}")
     prompts = [x[0, :n].tolist() for n in (3000, 2100, 777)]
     out, bctx, _, starts = batched_forward(lm, prompts, segment_len=256, logits_positions="all")
     assert bctx.readouts == {"one-call"}, bctx.readouts
     for b, p in enumerate(prompts):
         alone = runner.forward(lm, torch.tensor([p], device="cuda"), segment_len=256, logits_positions="all").logits
-        d = (out.logits[b, starts[b]:] - alone[0]).abs().max().item()
-        assert d < 1e-3, f"row {b} ({len(p)} tokens) in the left-padded batch vs alone: max |Δlogit| {d:.3g}"
+        torch.testing.assert_close(out.logits[b, starts[b]:], alone[0], atol=2e-3, rtol=2e-3,
+                                   msg=lambda m, b=b, p=p: f"row {b} ({len(p)} tokens), left-padded batch vs alone: {m}")

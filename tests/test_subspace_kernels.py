@@ -144,8 +144,11 @@ def test_cuda_kernels_match_torch_and_keep_the_energy(monkeypatch, mode):
         ref = tr.truncate_states(S, r)
         monkeypatch.setenv("GDNVIZ_TRITON_SUBSPACE", mode)
         y = tr.truncate_states(S, r)
-        assert tr.energy_error(S, y, r).max().item() <= 1e-5
-        assert ((y - ref).norm() / ref.norm()).item() < 1e-5  # float32 output of the same float64 algorithm
+        err = tr.energy_error(S, y, r)
+        assert err.max().item() <= 1e-5, (r, err.max().item())
+        # per state the same energy as the torch path (states may differ where σ_r ≈ σ_r+1: both are truncations)
+        gap = (tr.retained_energy(S, y) - tr.retained_energy(S, ref)).abs().max().item()
+        assert gap <= 1e-5, (r, gap)
         assert y[-1].abs().max().item() == 0.0
         graph, out = capture(lambda x: tr.truncate_states(x, r), S.clone())
         graph.replay()

@@ -132,6 +132,46 @@ if triton is not None:
         tl.store(T + moffs, tl.dot(tl.trans(Qb), GQ, input_precision="ieee"))
 
 
+    @triton.jit
+    def _setup_kernel(S, G, P, Y, M, OMEGA, K: tl.constexpr, V: tl.constexpr, Q: tl.constexpr, FUSE: tl.constexpr,
+                      SHIFT: tl.constexpr, TINY: tl.constexpr):
+        """Cold start of a pass for state ``pid`` of ``S [N, K, V]`` (any float dtype, read as float64):
+        ``G = S Sᵀ/‖S‖²_F``, ``P = G²``, sketch ``Y = S Ω/‖S‖_F`` and ``M`` = its shifted Gram (FUSE: its L⁻ᵀ)."""
+        pid = tl.program_id(0).to(tl.int64)
+        kk = tl.arange(0, K)
+        vv = tl.arange(0, V)
+        qq = tl.arange(0, Q)
+        X = tl.load(S + pid * K * V + kk[:, None] * V + vv[None, :]).to(tl.float64)
+        tr = tl.sum(tl.sum(X * X, axis=1), axis=0)
+        inv = tl.where(tr > 0, 1.0 / tl.sqrt(tl.where(tr > 0, tr, 1.0)), 0.0)  # 1/‖S‖_F, 0 for a zero state
+        Z = tl.dot(X, tl.load(OMEGA + vv[:, None] * Q + qq[None, :]), input_precision="ieee") * inv
+        tl.store(Y + pid * K * Q + kk[:, None] * Q + qq[None, :], Z)
+        C = _shifted_gram(Z, Q, SHIFT, TINY)
+        if FUSE:
+            C = _chol_inv_t(C, Q)
+        tl.store(M + pid * Q * Q + qq[:, None] * Q + qq[None, :], C)
+        Gm = tl.dot(X, tl.trans(X), input_precision="ieee") * (inv * inv)
+        goffs = pid * K * K + kk[:, None] * K + kk[None, :]
+        tl.store(G + goffs, Gm)
+        tl.store(P + goffs, tl.dot(Gm, Gm, input_precision="ieee"))
+
+    @triton.jit
+    def _project_kernel(Y, W, S, OUT, r, K: tl.constexpr, V: tl.constexpr, Q: tl.constexpr):
+        """``OUT[pid] = U Uᵀ S[pid]`` with ``U = Y·W[:, Q−r:]`` (the Ritz vectors of the r largest Ritz values:
+        ``W`` holds eigenvectors in ascending order), stored in OUT's dtype."""
+        pid = tl.program_id(0).to(tl.int64)
+        kk = tl.arange(0, K)
+        vv = tl.arange(0, V)
+        qq = tl.arange(0, Q)
+        Wm = tl.load(W + pid * Q * Q + qq[:, None] * Q + qq[None, :])
+        Wm = tl.where(qq[None, :] >= Q - r, Wm, 0.0)
+        U = tl.dot(tl.load(Y + pid * K * Q + kk[:, None] * Q + qq[None, :]), Wm, input_precision="ieee")
+        soffs = pid * K * V + kk[:, None] * V + vv[None, :]
+        X = tl.load(S + soffs).to(tl.float64)
+        out = tl.dot(U, tl.dot(tl.trans(U), X, input_precision="ieee"), input_precision="ieee")
+        tl.store(OUT + soffs, out.to(OUT.dtype.element_ty))
+
+
 def mode() -> str:
     """``"off"``, ``"split"`` or ``"fused"``: how ``truncate_states`` runs the subspace pass's orthonormalisations
     on CUDA, from ``GDNVIZ_TRITON_SUBSPACE`` (``0``/``off``, ``1``/``split``, ``fused``), else ``DEFAULT_MODE``."""
@@ -156,27 +196,75 @@ def orthonormal_iterations(Z: torch.Tensor, P: torch.Tensor, G: torch.Tensor, it
     N, R, Q = Z.shape
     Y = Z.contiguous().clone()
     M = torch.empty(N, Q, Q, dtype=torch.float64, device=Z.device)
-    T = torch.empty_like(M)
     if N == 0:
-        return Y, T
-    P = P.contiguous()
-    G = G.contiguous()
-    fill = fill.contiguous()
-    sw = STEP_WARPS if step_warps is None else step_warps
-    cw = CHOL_WARPS if chol_warps is None else chol_warps
-    consts = dict(R=R, Q=Q, FUSE=fuse, SHIFT=shift, TINY=tiny, FILL=fill_size)
-
-    def step(apply: bool, mode_: int) -> None:
-        _step_kernel[(N,)](Y, M, P, fill, APPLY=apply, MODE=mode_, num_warps=sw, **consts)
-        if not fuse:
-            _chol_kernel[(N,)](M, Q=Q, num_warps=cw)
-
+        return Y, torch.empty_like(M)
+    pipe = _Pipeline(Y, M, P.contiguous(), G.contiguous(), fill.contiguous(), fuse, shift, tiny, fill_size,
+                     step_warps, chol_warps)
     with torch.cuda.device(Z.device) if Z.is_cuda else nullcontext():
-        step(False, 0)  # Cholesky-QR of the sketch: Gram of Z
-        step(True, 0)  # ... applied; second pass (CholQR²)
+        pipe.step(False, 0)  # Cholesky-QR of the sketch: Gram of Z
+        return pipe.finish(iters)
+
+
+def truncate_cold(S: torch.Tensor, r: int, iters: int, omega: torch.Tensor, fill: torch.Tensor, *,
+                  fuse: bool = False, shift: float = 1e-13, tiny: float = 1e-300, fill_size: float = 1e-6,
+                  step_warps: int | None = None, chol_warps: int | None = None) -> torch.Tensor:
+    """One whole cold-started single-pass truncation (r ≤ 16) of ``S [N, K, V]`` (K, V in SHAPES_R; any float dtype)
+    to rank ``r``: ``truncate._subspace_pass`` + ``_project`` in ``iters + 8`` (fused) or ``2·iters + 12`` (split)
+    launches — the setup kernel (Gram, G², sketch), the orthonormalisations, Rayleigh–Ritz (``eigh_jacobi``) and the
+    projection kernel, which stores the result in ``S``'s dtype. ``omega [V, q]``: the sketch; ``fill [K, q]``."""
+    from gdnviz.gpu.jacobi import eigh_jacobi
+
+    N, K, V = S.shape
+    Q = BLOCK_Q
+    if K not in SHAPES_R or V not in SHAPES_R or not 1 <= r <= 16:
+        raise ValueError(f"truncate_cold takes [N, K, V] with K, V in {SHAPES_R} and 1 ≤ r ≤ 16; got "
+                         f"{tuple(S.shape)}, r = {r}")
+    S = S.contiguous()
+    out = torch.empty_like(S)
+    if N == 0:
+        return out
+    dev = S.device
+    f64 = dict(dtype=torch.float64, device=dev)
+    G, P = torch.empty(N, K, K, **f64), torch.empty(N, K, K, **f64)
+    Y, M = torch.empty(N, K, Q, **f64), torch.empty(N, Q, Q, **f64)
+    pipe = _Pipeline(Y, M, P, G, fill.contiguous(), fuse, shift, tiny, fill_size, step_warps, chol_warps)
+    with torch.cuda.device(dev) if S.is_cuda else nullcontext():
+        _setup_kernel[(N,)](S, G, P, Y, M, omega.contiguous(), K=K, V=V, Q=Q, FUSE=fuse, SHIFT=shift, TINY=tiny,
+                            num_warps=pipe.sw)
+        if not fuse:
+            _chol_kernel[(N,)](M, Q=Q, num_warps=pipe.cw)
+        Y, T = pipe.finish(iters)
+        _, W = eigh_jacobi(T)
+        _project_kernel[(N,)](Y, W, S, out, int(r), K=K, V=V, Q=Q, num_warps=pipe.sw)
+    return out
+
+
+class _Pipeline:
+    """The launches after the sketch's Gram matrix: Y holds the block, M the pending L⁻ᵀ (or the Gram matrix
+    until the Cholesky kernel has run)."""
+
+    def __init__(self, Y, M, P, G, fill, fuse, shift, tiny, fill_size, step_warps, chol_warps):
+        self.Y, self.M, self.P, self.G, self.fill = Y, M, P, G, fill
+        self.fuse = fuse
+        self.sw = STEP_WARPS if step_warps is None else step_warps
+        self.cw = CHOL_WARPS if chol_warps is None else chol_warps
+        self.consts = dict(R=Y.shape[1], Q=Y.shape[2], FUSE=fuse, SHIFT=shift, TINY=tiny, FILL=fill_size)
+
+    def step(self, apply: bool, mode_: int) -> None:
+        N = self.Y.shape[0]
+        _step_kernel[(N,)](self.Y, self.M, self.P, self.fill, APPLY=apply, MODE=mode_, num_warps=self.sw,
+                           **self.consts)
+        if not self.fuse:
+            _chol_kernel[(N,)](self.M, Q=self.Y.shape[2], num_warps=self.cw)
+
+    def finish(self, iters: int):
+        """From a pending first Cholesky-QR of the sketch to (Q, T)."""
+        self.step(True, 0)  # ... applied; second pass (CholQR²)
         for _ in range(int(iters)):
-            step(True, 1)  # Q ← cholqr(P Q)
-        step(True, 2)  # refill of damped columns
-        step(True, 0)  # CholQR² of the refilled block
-        _ritz_kernel[(N,)](Y, M, G, T, R=R, Q=Q, num_warps=sw)
-    return Y, T
+            self.step(True, 1)  # Q ← cholqr(P Q)
+        self.step(True, 2)  # refill of damped columns
+        self.step(True, 0)  # CholQR² of the refilled block
+        N, R, Q = self.Y.shape
+        T = torch.empty(N, Q, Q, dtype=torch.float64, device=self.Y.device)
+        _ritz_kernel[(N,)](self.Y, self.M, self.G, T, R=R, Q=Q, num_warps=self.sw)
+        return self.Y, T

@@ -12,6 +12,7 @@
 #   TRITON_CHOLQR_SECONDS (0)   bench_truncate.py --quick --triton-cholqr (Cholesky-QR in one Triton launch)
 #   SUBSPACE_KERNELS_SECONDS (0) bench_subspace_kernels.py: truncation with the split Triton Cholesky-QR kernels
 #                               vs the torch path, 16 and 288 states, CUDA graphs; the kernels alone
+#                               (SUBSPACE_KERNELS_ARGS: e.g. "--variants torch,cuda_cholqr")
 #   TRUNCRUN_SPLIT_SECONDS (0)  bench_truncated_run.py --ranks 4 with GDNVIZ_TRITON_SUBSPACE=1 (split kernels)
 #   SPECTRA_SECONDS (0)         bench_spectra.py --candidates (gesvda, tridiagonalisation num_warps)
 #   TRUNCRUN_SECONDS (150)      bench_truncated_run.py: 16K tokens, every head truncated at every boundary
@@ -44,7 +45,7 @@ if on ${TRITON_CHOLQR_SECONDS:-0}; then  # the same with every Cholesky-QR in on
       > $OUT/bench_truncate_triton_cholqr.log 2>&1; grep "cuda_graph\|summary" $OUT/bench_truncate_triton_cholqr.log | cut -c1-400
 fi
 if on ${SUBSPACE_KERNELS_SECONDS:-0}; then
-  timeout ${SUBSPACE_KERNELS_SECONDS} python3 bench/bench_subspace_kernels.py --device cuda > $OUT/bench_subspace_kernels.log 2>&1
+  timeout ${SUBSPACE_KERNELS_SECONDS} python3 bench/bench_subspace_kernels.py --device cuda ${SUBSPACE_KERNELS_ARGS:-} > $OUT/bench_subspace_kernels.log 2>&1
   grep '^{' $OUT/bench_subspace_kernels.log | cut -c1-300
 fi
 if on ${TRUNCRUN_SPLIT_SECONDS:-0}; then

@@ -1,0 +1,111 @@
+"""The NVRTC Cholesky-QR kernel (gdnviz.gpu.cuda_cholqr) pinned to gdnviz.truncate._cholqr's torch definition.
+
+CPU: the switch (GDNVIZ_CUDA_CHOLQR), the shapes it takes, and — where an NVRTC library can be found (CUDA builds
+of torch, or the nvidia-cuda-nvrtc wheel) — that the source compiles for sm_90 without spills of consequence.
+CUDA: equal to the torch path to 1e-12 on well-conditioned blocks, the same answer on graded, rank-deficient and zero
+blocks, truncate_states with the kernel keeps the 1e-5 energy criterion, and a CUDA graph replays it.
+"""
+import ctypes
+import glob
+import os
+
+import pytest
+import torch
+
+from gdnviz.gpu import cuda_cholqr
+
+
+def test_switch_and_shapes(monkeypatch):
+    monkeypatch.setenv("GDNVIZ_CUDA_CHOLQR", "0")
+    assert not cuda_cholqr.enabled()
+    monkeypatch.setenv("GDNVIZ_CUDA_CHOLQR", "1")
+    assert cuda_cholqr.enabled() == cuda_cholqr.available
+    monkeypatch.delenv("GDNVIZ_CUDA_CHOLQR")
+    assert cuda_cholqr.enabled() == (cuda_cholqr.DEFAULT_ON and cuda_cholqr.available)
+    assert not cuda_cholqr.supports(torch.zeros(2, 128, 32, dtype=torch.float64))  # CPU tensors: never
+    with pytest.raises(ValueError):
+        cuda_cholqr.cholqr(torch.zeros(2, 128, 32, dtype=torch.float64))
+
+
+def _nvrtc():
+    """An NVRTC library from a CUDA torch or the nvidia-cuda-nvrtc wheel, else None."""
+    import site
+
+    roots = [os.path.dirname(torch.__file__)] + site.getsitepackages() + [site.getusersitepackages()]
+    for root in roots:
+        for path in sorted(glob.glob(os.path.join(root, "**", "libnvrtc.so*"), recursive=True)):
+            if "builtins" not in path:
+                try:
+                    return ctypes.CDLL(path)
+                except OSError:
+                    continue
+    return None
+
+
+@pytest.mark.parametrize("R", [64, 128])
+def test_source_compiles_for_hopper(R):
+    lib = _nvrtc()
+    if lib is None:
+        pytest.skip("no NVRTC library here (CPU torch without the nvidia-cuda-nvrtc wheel)")
+    prog = ctypes.c_void_p()
+    assert lib.nvrtcCreateProgram(ctypes.byref(prog), (cuda_cholqr.SOURCE % {"R": R}).encode(), b"k.cu", 0, None,
+                                  None) == 0
+    opts = [b"--gpu-architecture=sm_90", b"--ptxas-options=-v"]
+    rc = lib.nvrtcCompileProgram(prog, len(opts), (ctypes.c_char_p * len(opts))(*opts))
+    n = ctypes.c_size_t()
+    lib.nvrtcGetProgramLogSize(prog, ctypes.byref(n))
+    log = ctypes.create_string_buffer(n.value)
+    lib.nvrtcGetProgramLog(prog, log)
+    assert rc == 0, log.value.decode()
+    assert "smem" in log.value.decode()
+
+
+cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+
+
+@pytest.mark.gpu
+@cuda
+def test_cuda_kernel_equals_the_torch_definition(monkeypatch):
+    from gdnviz import truncate
+
+    monkeypatch.setenv("GDNVIZ_CUDA_CHOLQR", "0")  # the reference is the torch path
+    assert cuda_cholqr._kernel(128, torch.device("cuda")) is not None, cuda_cholqr.unavailable_reason
+    g = torch.Generator().manual_seed(0)
+    for R in (128, 64):
+        Z = torch.randn(288, R, 32, generator=g, dtype=torch.float64).cuda()
+        a, b = cuda_cholqr.cholqr(Z), truncate._cholqr(Z)
+        assert ((a - b).norm() / b.norm()).item() < 1e-12
+        assert (a.mT @ a - torch.eye(32, dtype=torch.float64, device="cuda")).abs().max().item() < 1e-12
+    Zg = Z * torch.logspace(0, -9, 32, dtype=torch.float64, device="cuda")  # graded columns
+    a, b = cuda_cholqr.cholqr(Zg), truncate._cholqr(Zg)
+    assert ((a - b).norm() / b.norm()).item() < 1e-8
+    Zd = Z.clone()
+    Zd[:, :, 16:] = Zd[:, :, :16]  # rank-deficient
+    a, b = cuda_cholqr.cholqr(Zd), truncate._cholqr(Zd)
+    assert torch.isfinite(a).all() and ((a - b).norm() / b.norm()).item() < 1e-6
+    assert cuda_cholqr.cholqr(torch.zeros(3, 128, 32, dtype=torch.float64, device="cuda")).abs().max().item() == 0
+
+
+@pytest.mark.gpu
+@cuda
+def test_truncation_with_the_cuda_kernel_keeps_the_energy_and_replays(monkeypatch):
+    from bench.bench_truncate import gdn_like_spectra
+    from gdnviz import truncate
+    from gdnviz.gpu.cuda_graph import capture
+
+    g = torch.Generator().manual_seed(1)
+    sig = gdn_like_spectra(288, 128, g)
+    U = torch.linalg.qr(torch.randn(288, 128, 128, generator=g, dtype=torch.float64))[0]
+    W = torch.linalg.qr(torch.randn(288, 128, 128, generator=g, dtype=torch.float64))[0]
+    S = ((U * sig[:, None, :]) @ W.mT).float().cuda()
+    S[-1] = 0
+    monkeypatch.setenv("GDNVIZ_CUDA_CHOLQR", "1")
+    for r in (1, 4, 12, 32):
+        y = truncate.truncate_states(S, r)
+        err = truncate.energy_error(S, y, r).max().item()
+        assert err <= 1e-5, (r, err)
+        assert y[-1].abs().max().item() == 0.0
+        graph, out = capture(lambda x: truncate.truncate_states(x, r), S.clone())
+        graph.replay()
+        torch.cuda.synchronize()
+        assert torch.equal(out, y)
