@@ -41,6 +41,7 @@ def main() -> None:
     ap.add_argument("--sizes", default="16,288")
     ap.add_argument("--variants", default=",".join(v[0] for v in VARIANTS))
     ap.add_argument("--repeats", type=int, default=20)
+    ap.add_argument("--alone", default="", help="comma-separated names of the kernels-alone cases to run (default all)")
     a = ap.parse_args()
     dev = torch.device(a.device)
     sizes = [int(x) for x in a.sizes.split(",")]
@@ -125,6 +126,8 @@ def main() -> None:
         if cuda_cholqr.available:
             cases.append(("cuda_cholqr", lambda: cuda_cholqr.cholqr(Y)))
         for name, fn in cases:
+            if a.alone and name not in a.alone.split(","):
+                continue
             try:
                 fn()
                 torch.cuda.synchronize()
