@@ -183,21 +183,6 @@ def _cholqr(Z: torch.Tensor) -> torch.Tensor:
     return Z @ Rinv
 
 
-def _subspace_kernel_mode(Z: torch.Tensor, whole: bool = False) -> str:
-    """``gdnviz.gpu.subspace_kernels.mode()`` for a CUDA block ``Z [N, K, 32]`` (or, ``whole=True``, states
-    ``[N, K, V]``) the kernels take ("off" / "split" / "fused"); "off" on CPU, except in tests under
-    ``TRITON_INTERPRET=1`` with ``GDNVIZ_TEST_TRITON_CHOLQR=subspace`` or ``subspace-fused``."""
-    if not (Z.is_cuda or _TRITON_INTERPRET.startswith("subspace")):
-        return "off"
-    from gdnviz.gpu import subspace_kernels as _sk  # lazy: imports triton
-
-    if Z.shape[1] not in _sk.SHAPES_R or (Z.shape[2] not in _sk.SHAPES_R if whole else Z.shape[2] != _sk.BLOCK_Q):
-        return "off"
-    if _TRITON_INTERPRET.startswith("subspace") and not Z.is_cuda:
-        return "fused" if _TRITON_INTERPRET == "subspace-fused" else "split"
-    return _sk.mode()
-
-
 def _refill(Q: torch.Tensor, seed: int) -> torch.Tensor:
     """Orthonormal basis from a nearly orthonormal one whose damped columns are refilled with fixed random directions.
 
@@ -249,15 +234,6 @@ def _subspace_pass(X: torch.Tensor, r: int, iters: int, warm: torch.Tensor | Non
         # block, so a stale warm basis (a head that forgot everything) costs nothing but the saved iterations.
         c = min(warm.shape[-1], r)
         Z = torch.cat([G @ warm[..., :c], (X @ omega[:, : q - c]) * inv], dim=-1)
-    if _FILTER == "power" and _subspace_kernel_mode(Z) != "off":
-        # The same pass with its Cholesky-QRs in a few Triton launches (gdnviz.gpu.subspace_kernels).
-        from gdnviz.gpu import subspace_kernels as _sk
-
-        Q, T = _sk.orthonormal_iterations(
-            Z, G @ G, G, iters, _gaussian(K, q, X.device, seed=0x5EED + seed, unit_columns=True),
-            fuse=_subspace_kernel_mode(Z) == "fused", shift=_CHOL_SHIFT, tiny=_TINY, fill_size=_FILL)
-        _, W = _eigh_small(T)
-        return Q @ W.flip(-1)
     Q = _cholqr(_cholqr(Z))
     if _FILTER == "chebyshev":
         theta, Q = _ritz(Q, G)
@@ -422,17 +398,6 @@ def truncate_states(
             return out, _placeholder_basis(N, K, min(_BLOCK, K), S.device)
         return out
 
-    if (r_int is not None and warm_start is None and not return_basis and _FILTER == "power"
-            and _path_of(method, r_int, m, K) == "subspace" and r_int <= _STAGE_RANK):
-        km = _subspace_kernel_mode(S, whole=True)
-        if km != "off":  # the whole truncation in a few Triton launches (gdnviz.gpu.subspace_kernels)
-            from gdnviz.gpu import subspace_kernels as _sk
-
-            out = _sk.truncate_cold(
-                S, r_int, iterations_for(r_int) if iters is None else int(iters),
-                _gaussian(V, _BLOCK, S.device, seed=12345), _gaussian(K, _BLOCK, S.device, seed=0x5EED, unit_columns=True),
-                fuse=km == "fused", shift=_CHOL_SHIFT, tiny=_TINY, fill_size=_FILL)
-            return out.reshape(shape)
     X = S.to(torch.float64)
     if r_int is not None:
         basis, out64 = _truncate_group(X, r_int, None, _path_of(method, r_int, m, K), warm_start, iters)

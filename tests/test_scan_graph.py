@@ -272,5 +272,8 @@ def test_runs_without_boundary_callbacks_are_one_kernel_call_on_gpu():
     assert bctx.readouts == {"one-call"}, bctx.readouts
     for b, p in enumerate(prompts):
         alone = runner.forward(lm, torch.tensor([p], device="cuda"), segment_len=256, logits_positions="all").logits
-        torch.testing.assert_close(out.logits[b, starts[b]:], alone[0], atol=2e-3, rtol=2e-3,
+        # batch 3 vs batch 1 tiles fla's tf32 products and cuBLAS GEMMs differently: on the H200 row 0 (no padding
+        # at all) differed by up to 7.5e-3 in 0.03% of its logits (fifth session), so 1.5e-2 — a padding leak
+        # would show as O(1) differences
+        torch.testing.assert_close(out.logits[b, starts[b]:], alone[0], atol=1.5e-2, rtol=2e-3,
                                    msg=lambda m, b=b, p=p: f"row {b} ({len(p)} tokens), left-padded batch vs alone: {m}")

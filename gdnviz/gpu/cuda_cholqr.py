@@ -12,11 +12,17 @@ block of R threads per block ``Z[n]``:
    memory as broadcasts, and stores it.
 
 Why: a Cholesky-QR in torch is ~7 kernels (GEMM, two diagonal updates, ``cholesky_ex``, ``solve_triangular``,
-GEMM), measured at 52 µs for 16 blocks and 70 µs for 288 in a CUDA graph on an H200, and the subspace truncation
-runs 8–10 of them per call (bench/RESULTS.md, fifth session). Triton versions of the same factorisation
-(``gdnviz.gpu.cholqr``, ``gdnviz.gpu.subspace_kernels``) were slower still (64–190 µs per launch): each of their 32
-column steps is a cross-warp reduction over a register tile. Here a column step is a few shared-memory operations
-of one warp.
+GEMM) and the subspace truncation runs 8–10 of them per call. Triton versions of the same factorisation
+(``gdnviz.gpu.cholqr``; the fifth session's split kernels, since removed) were slower (64–190 µs per launch): each of
+their 32 column steps is a cross-warp reduction over a register tile. Here a column step is a few shared-memory
+operations of one warp.
+
+Measured (H200, bench/bench_cholqr.py, fifth session; 100 launches replayed from a CUDA graph): 45.8 µs per launch
+for 16 blocks (torch: 51.8 µs), 73.6 µs for 288 (torch: 70.3 µs); inside ``truncate_states`` replayed from a graph,
+1.02–1.12× faster for 16 states and 1.01–1.04× for 288, same energies. So one launch did not make it cheap: the
+Cholesky loop is latency-bound — lane t's update of row t (up to 31 dependent shared-memory read-modify-writes per
+column step, 32 steps) is ~30 µs by itself. A register-resident factorisation (lane t holds row t, column entries
+broadcast by shuffles) is the next thing to try.
 
 Compiled with ``torch.cuda._compile_kernel`` (NVRTC, bundled with CUDA builds of PyTorch; no ``nvcc`` needed), once
 per (R, device), on first use — call it once outside a CUDA-graph capture (``truncate_states``' callers do: the
@@ -24,8 +30,9 @@ first window of ``gdnviz.gpu.scan_graph`` and ``gdnviz.gpu.cuda_graph.capture`` 
 goes to the current stream, so graphs capture it. If compilation fails (no NVRTC, an unsupported GPU), ``available``
 is False with the reason in ``unavailable_reason`` and ``gdnviz.truncate`` keeps its torch path.
 
-Status: used by ``gdnviz.truncate._cholqr`` on CUDA for float64 ``[N, 64|128, 32]`` blocks when
-``GDNVIZ_CUDA_CHOLQR`` is ``1``, or by default (``DEFAULT_ON``) once measured; ``0`` turns it off.
+Status: used by ``gdnviz.truncate._cholqr`` on CUDA for float64 ``[N, 64|128, 32]`` blocks by default
+(``DEFAULT_ON``: inside ``truncate_states`` faster in all 8 measured cases, by 1–12%); ``GDNVIZ_CUDA_CHOLQR=0``
+turns it off.
 Accuracy: same definition as the torch path, other summation order; the CUDA tests in tests/test_cuda_cholqr.py pin
 it to ``truncate._cholqr`` (1e-12 relative on well-conditioned blocks) and keep the 1e-5 energy criterion inside
 ``truncate_states``.
@@ -39,7 +46,7 @@ import torch
 
 SHAPES_R = (64, 128)
 Q = 32
-DEFAULT_ON = False  # until measured on the GPU
+DEFAULT_ON = True  # measured on an H200 (module docstring)
 
 SOURCE = r"""
 #define RROWS %(R)d

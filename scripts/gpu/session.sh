@@ -10,10 +10,9 @@
 #   GPU_TEST_SECONDS (150)      pytest -m gpu on TESTS (default: the GPU test files below)
 #   TRUNC_SECONDS (100)         bench_truncate.py --quick: one boundary of 288 states (+ fused kernel rows)
 #   TRITON_CHOLQR_SECONDS (0)   bench_truncate.py --quick --triton-cholqr (Cholesky-QR in one Triton launch)
-#   SUBSPACE_KERNELS_SECONDS (0) bench_subspace_kernels.py: truncation with the split Triton Cholesky-QR kernels
-#                               vs the torch path, 16 and 288 states, CUDA graphs; the kernels alone
-#                               (SUBSPACE_KERNELS_ARGS: e.g. "--variants torch,cuda_cholqr")
-#   TRUNCRUN_SPLIT_SECONDS (0)  bench_truncated_run.py --ranks 4 with GDNVIZ_TRITON_SUBSPACE=1 (split kernels)
+#   CHOLQR_KERNEL_SECONDS (0)   bench_cholqr.py: truncation with the CUDA Cholesky-QR kernel vs the torch path, 16 and
+#                               288 states, CUDA graphs; the building blocks alone (Jacobi, Cholesky-QR, GEMM)
+#                               (CHOLQR_KERNEL_ARGS: extra arguments, e.g. "--sizes 16")
 #   SPECTRA_SECONDS (0)         bench_spectra.py --candidates (gesvda, tridiagonalisation num_warps)
 #   TRUNCRUN_SECONDS (150)      bench_truncated_run.py: 16K tokens, every head truncated at every boundary
 #                               (TRUNCRUN_ARGS: extra arguments, e.g. "--ranks 4 --eager-rank 0")
@@ -44,14 +43,9 @@ if on ${TRITON_CHOLQR_SECONDS:-0}; then  # the same with every Cholesky-QR in on
   timeout ${TRITON_CHOLQR_SECONDS} python3 bench/bench_truncate.py --device cuda --quick --no-fused --triton-cholqr \
       > $OUT/bench_truncate_triton_cholqr.log 2>&1; grep "cuda_graph\|summary" $OUT/bench_truncate_triton_cholqr.log | cut -c1-400
 fi
-if on ${SUBSPACE_KERNELS_SECONDS:-0}; then
-  timeout ${SUBSPACE_KERNELS_SECONDS} python3 bench/bench_subspace_kernels.py --device cuda ${SUBSPACE_KERNELS_ARGS:-} > $OUT/bench_subspace_kernels.log 2>&1
-  grep '^{' $OUT/bench_subspace_kernels.log | cut -c1-300
-fi
-if on ${TRUNCRUN_SPLIT_SECONDS:-0}; then
-  GDNVIZ_TRITON_SUBSPACE=1 timeout ${TRUNCRUN_SPLIT_SECONDS} python3 bench/bench_truncated_run.py --device cuda --tokens 16384 \
-      --ranks 4 --eager-rank 0 --fused-rank 0 --repeats 2 > $OUT/bench_truncated_run_split.log 2>&1
-  grep '^{' $OUT/bench_truncated_run_split.log | cut -c1-300
+if on ${CHOLQR_KERNEL_SECONDS:-0}; then
+  timeout ${CHOLQR_KERNEL_SECONDS} python3 bench/bench_cholqr.py --device cuda ${CHOLQR_KERNEL_ARGS:-} > $OUT/bench_cholqr.log 2>&1
+  grep '^{' $OUT/bench_cholqr.log | cut -c1-300
 fi
 if on ${SPECTRA_SECONDS:-0}; then
   timeout ${SPECTRA_SECONDS} python3 bench/bench_spectra.py --device cuda --candidates 2>&1 | tee $OUT/bench_spectra.jsonl

@@ -1,12 +1,15 @@
 """Truncation of one layer (16 states) and one boundary (288 states) with the subspace pass's Cholesky-QRs in torch
-vs in the split Triton kernels (gdnviz.gpu.subspace_kernels), each captured in a CUDA graph and replayed.
+vs in one NVRTC-compiled CUDA kernel (gdnviz.gpu.cuda_cholqr), each captured in a CUDA graph and replayed; then the
+building blocks alone, per launch (100 launches replayed from one graph): Cholesky-QR in torch and in the CUDA kernel,
+the Jacobi Rayleigh–Ritz eigensolver (gdnviz.gpu.jacobi) on random 32×32 SPD matrices, a batched GEMM.
 
     python bench/bench_subspace_kernels.py --device cuda
 
 One JSON line per (variant, states, rank): replay ms, ratio to the torch path in the same run, max energy error
-against the exact float64 SVD energies, and whether replay equals the eager call. Variants: ``torch`` (the default
-path), ``split`` (step kernel + 1-warp Cholesky kernel) at several warp counts, ``fused`` (Cholesky inside the step
-kernel). Then the kernels alone: one step kernel and one Cholesky kernel per launch, replayed 100 times in a graph.
+against the exact float64 SVD energies, and whether replay equals the eager call.
+
+(The fifth session's split/fused Triton Cholesky-QR kernels, measured with this script at commit 2d6dfd9 and found
+slower — bench/RESULTS.md — were removed afterwards.)
 """
 from __future__ import annotations
 
@@ -20,18 +23,9 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 from bench.bench_truncate import capture_replay_ms, gdn_like_states, time_ms  # noqa: E402
 from bench.common import device_name, emit  # noqa: E402
 from gdnviz import truncate as tr  # noqa: E402
-from gdnviz.gpu import subspace_kernels as sk  # noqa: E402
+from gdnviz.gpu import cuda_cholqr  # noqa: E402
 
-VARIANTS = [  # (name, Triton mode, step warps, Cholesky warps); "cuda_cholqr": torch path + NVRTC Cholesky-QR kernel
-    ("torch", "off", None, None),
-    ("cuda_cholqr", "off", None, None),
-    ("split_s8_c1", "split", 8, 1),
-    ("split_s4_c1", "split", 4, 1),
-    ("split_s8_c2", "split", 8, 2),
-    ("split_s8_c4", "split", 8, 4),
-    ("fused_s8", "fused", 8, None),
-    ("fused_s4", "fused", 4, None),
-]
+VARIANTS = ["torch", "cuda_cholqr"]  # the torch path; the same with every 128×32 Cholesky-QR in the CUDA kernel
 
 
 def main() -> None:
@@ -39,7 +33,7 @@ def main() -> None:
     ap.add_argument("--device", default="cuda")
     ap.add_argument("--ranks", default="4,1,12,32")
     ap.add_argument("--sizes", default="16,288")
-    ap.add_argument("--variants", default=",".join(v[0] for v in VARIANTS))
+    ap.add_argument("--variants", default=",".join(VARIANTS))
     ap.add_argument("--repeats", type=int, default=20)
     ap.add_argument("--alone", default="", help="comma-separated names of the kernels-alone cases to run (default all)")
     a = ap.parse_args()
@@ -61,13 +55,10 @@ def main() -> None:
         S = S64[:n].float().to(dev).contiguous()
         for r in ranks:
             ref_ms = None
-            for name, mode, sw, cw in VARIANTS:
+            for name in VARIANTS:
                 if name not in wanted:
                     continue
-                os.environ["GDNVIZ_TRITON_SUBSPACE"] = mode
                 os.environ["GDNVIZ_CUDA_CHOLQR"] = "1" if name == "cuda_cholqr" else "0"
-                sk.STEP_WARPS = sw or 8
-                sk.CHOL_WARPS = cw or 1
                 try:
                     eager = tr.truncate_states(S, r)
                     torch.cuda.synchronize()
@@ -85,10 +76,7 @@ def main() -> None:
                 emit(what="subspace_kernels", variant=name, n=n, r=r, replay_ms=round(ms, 4),
                      vs_torch=None if ref_ms is None else round(ref_ms / ms, 2), energy_err=float(f"{err:.3e}"),
                      replay_equals_eager=bool(torch.equal(out, eager)), **base)
-    os.environ["GDNVIZ_TRITON_SUBSPACE"] = "off"
     os.environ["GDNVIZ_CUDA_CHOLQR"] = "0"
-    from gdnviz.gpu import cuda_cholqr
-
     emit(what="cuda_cholqr_status", available=cuda_cholqr.available, reason=cuda_cholqr.unavailable_reason, **base)
 
     # the kernels alone, per launch: 100 launches in one graph
@@ -96,31 +84,10 @@ def main() -> None:
         g = torch.Generator().manual_seed(0)
         Y = torch.randn(n, 128, 32, generator=g, dtype=torch.float64).to(dev)
         P = torch.randn(n, 128, 128, generator=g, dtype=torch.float64).to(dev) * 0.01
-        M = torch.eye(32, dtype=torch.float64, device=dev).repeat(n, 1, 1)
-        fill = torch.randn(128, 32, generator=g, dtype=torch.float64).to(dev)
-        C = (Y.mT @ Y).contiguous()  # in place, launch after launch: the values turn to NaN, the time does not change
-        cases = [(f"chol_c{w}", lambda w=w: sk._chol_kernel[(n,)](C, Q=32, num_warps=w)) for w in (1, 2, 4)]
-        for sw in (4, 8):
-            for mode_ in (0, 1):
-                for fuse in (False, True):
-                    Yb = Y.clone()
-                    cases.append((f"step_mode{mode_}_s{sw}_fuse{int(fuse)}", lambda sw=sw, m=mode_, f=fuse, Yb=Yb:
-                                  sk._step_kernel[(n,)](Yb, M, P, fill, R=128, Q=32, APPLY=True, MODE=m,
-                                                        FUSE=f, SHIFT=1e-13, TINY=1e-300, FILL=1e-6, num_warps=sw)))
-        S = gdn_like_states(n, 128, 128, seed=2).float().to(dev)
-        G2, P2 = torch.empty(n, 128, 128, dtype=torch.float64, device=dev), torch.empty(n, 128, 128, dtype=torch.float64,
-                                                                                       device=dev)
-        Ys, Ms, out = torch.empty_like(Y), torch.empty_like(M), torch.empty_like(S)
-        omega = tr._gaussian(128, 32, dev, seed=12345)
         from gdnviz.gpu.jacobi import eigh_jacobi
 
-        T = (Y.mT @ Y).contiguous()
-        for sw in (4, 8, 16):
-            cases.append((f"setup_s{sw}", lambda sw=sw: sk._setup_kernel[(n,)](
-                S, G2, P2, Ys, Ms, omega, K=128, V=128, Q=32, FUSE=False, SHIFT=1e-13, TINY=1e-300, num_warps=sw)))
-            cases.append((f"project_s{sw}", lambda sw=sw: sk._project_kernel[(n,)](
-                Y, M, S, out, 4, K=128, V=128, Q=32, num_warps=sw)))
-        cases.append(("jacobi_32", lambda: eigh_jacobi(T)))
+        T = (Y.mT @ Y).contiguous()  # random SPD 32×32: 7–8 sweeps (the truncation's Rayleigh quotients: 3–6)
+        cases = [("jacobi_32", lambda: eigh_jacobi(T))]
         cases.append(("torch_bmm_128x128x32", lambda: torch.bmm(P, Y)))
         cases.append(("torch_cholqr", lambda: tr._cholqr(Y)))
         if cuda_cholqr.available:
