@@ -19,9 +19,9 @@ def test_switch_and_shapes(monkeypatch):
     monkeypatch.setenv("GDNVIZ_CUDA_CHOLQR", "0")
     assert not cuda_cholqr.enabled()
     monkeypatch.setenv("GDNVIZ_CUDA_CHOLQR", "1")
-    assert cuda_cholqr.enabled() == cuda_cholqr.available
+    assert cuda_cholqr.enabled() == (cuda_cholqr.available and torch.version.hip is None)
     monkeypatch.delenv("GDNVIZ_CUDA_CHOLQR")
-    assert cuda_cholqr.enabled() == (cuda_cholqr.DEFAULT_ON and cuda_cholqr.available)
+    assert cuda_cholqr.enabled() == (cuda_cholqr.DEFAULT_ON and cuda_cholqr.available and torch.version.hip is None)
     assert not cuda_cholqr.supports(torch.zeros(2, 128, 32, dtype=torch.float64))  # CPU tensors: never
     with pytest.raises(ValueError):
         cuda_cholqr.cholqr(torch.zeros(2, 128, 32, dtype=torch.float64))

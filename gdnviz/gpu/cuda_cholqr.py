@@ -114,10 +114,10 @@ unavailable_reason = ""
 
 def enabled() -> bool:
     """Whether ``gdnviz.truncate._cholqr`` uses this kernel on CUDA (``GDNVIZ_CUDA_CHOLQR``: ``1`` on, ``0`` off;
-    unset: ``DEFAULT_ON``) and it compiled."""
+    unset: ``DEFAULT_ON``), it has not failed to compile, and the build is NVIDIA's (not ROCm: 64-lane wavefronts)."""
     env = os.environ.get("GDNVIZ_CUDA_CHOLQR", "").strip()
     on = DEFAULT_ON if env == "" else env == "1"
-    return on and available
+    return on and available and torch.version.hip is None  # the factorisation assumes 32-lane warps
 
 
 def supports(Z: torch.Tensor) -> bool:
