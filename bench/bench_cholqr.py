@@ -1,9 +1,10 @@
 """Truncation of one layer (16 states) and one boundary (288 states) with the subspace pass's Cholesky-QRs in torch
-vs in one NVRTC-compiled CUDA kernel (gdnviz.gpu.cuda_cholqr), each captured in a CUDA graph and replayed; then the
-building blocks alone, per launch (100 launches replayed from one graph): Cholesky-QR in torch and in the CUDA kernel,
-the Jacobi Rayleigh–Ritz eigensolver (gdnviz.gpu.jacobi) on random 32×32 SPD matrices, a batched GEMM.
+vs in one NVRTC-compiled CUDA kernel (gdnviz.gpu.cuda_cholqr; its shared-memory and its shuffle factorisation), each
+captured in a CUDA graph and replayed; then the building blocks alone, per launch (100 launches replayed from one
+graph): Cholesky-QR in torch and in the CUDA kernel, the Jacobi Rayleigh–Ritz eigensolver (gdnviz.gpu.jacobi) on
+random 32×32 SPD matrices, a batched GEMM.
 
-    python bench/bench_subspace_kernels.py --device cuda
+    python bench/bench_cholqr.py --device cuda
 
 One JSON line per (variant, states, rank): replay ms, ratio to the torch path in the same run, max energy error
 against the exact float64 SVD energies, and whether replay equals the eager call.
@@ -25,7 +26,8 @@ from bench.common import device_name, emit  # noqa: E402
 from gdnviz import truncate as tr  # noqa: E402
 from gdnviz.gpu import cuda_cholqr  # noqa: E402
 
-VARIANTS = ["torch", "cuda_cholqr"]  # the torch path; the same with every 128×32 Cholesky-QR in the CUDA kernel
+# the torch path; the same with every 128×32 Cholesky-QR in the CUDA kernel (shared-memory / shuffle factorisation)
+VARIANTS = ["torch", "cuda_cholqr", "cuda_cholqr_shfl"]
 
 
 def main() -> None:
@@ -58,7 +60,7 @@ def main() -> None:
             for name in VARIANTS:
                 if name not in wanted:
                     continue
-                os.environ["GDNVIZ_CUDA_CHOLQR"] = "1" if name == "cuda_cholqr" else "0"
+                os.environ["GDNVIZ_CUDA_CHOLQR"] = {"cuda_cholqr": "1", "cuda_cholqr_shfl": "shfl"}.get(name, "0")
                 try:
                     eager = tr.truncate_states(S, r)
                     torch.cuda.synchronize()
@@ -91,7 +93,8 @@ def main() -> None:
         cases.append(("torch_bmm_128x128x32", lambda: torch.bmm(P, Y)))
         cases.append(("torch_cholqr", lambda: tr._cholqr(Y)))
         if cuda_cholqr.available:
-            cases.append(("cuda_cholqr", lambda: cuda_cholqr.cholqr(Y)))
+            cases.append(("cuda_cholqr", lambda: cuda_cholqr.cholqr(Y, form="smem")))
+            cases.append(("cuda_cholqr_shfl", lambda: cuda_cholqr.cholqr(Y, form="shfl")))
         for name, fn in cases:
             if a.alone and name not in a.alone.split(","):
                 continue

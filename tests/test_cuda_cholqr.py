@@ -18,6 +18,11 @@ from gdnviz.gpu import cuda_cholqr
 def test_switch_and_shapes(monkeypatch):
     monkeypatch.setenv("GDNVIZ_CUDA_CHOLQR", "0")
     assert not cuda_cholqr.enabled()
+    if cuda_cholqr.available and torch.version.hip is None:
+        monkeypatch.setenv("GDNVIZ_CUDA_CHOLQR", "shfl")
+        assert cuda_cholqr.variant() == "shfl"
+        monkeypatch.setenv("GDNVIZ_CUDA_CHOLQR", "1")
+        assert cuda_cholqr.variant() == "smem"
     monkeypatch.setenv("GDNVIZ_CUDA_CHOLQR", "1")
     assert cuda_cholqr.enabled() == (cuda_cholqr.available and torch.version.hip is None)
     monkeypatch.delenv("GDNVIZ_CUDA_CHOLQR")
@@ -42,13 +47,14 @@ def _nvrtc():
     return None
 
 
+@pytest.mark.parametrize("form", ["smem", "shfl"])
 @pytest.mark.parametrize("R", [64, 128])
-def test_source_compiles_for_hopper(R):
+def test_source_compiles_for_hopper(R, form):
     lib = _nvrtc()
     if lib is None:
         pytest.skip("no NVRTC library here (CPU torch without the nvidia-cuda-nvrtc wheel)")
     prog = ctypes.c_void_p()
-    assert lib.nvrtcCreateProgram(ctypes.byref(prog), (cuda_cholqr.SOURCE % {"R": R}).encode(), b"k.cu", 0, None,
+    assert lib.nvrtcCreateProgram(ctypes.byref(prog), cuda_cholqr.source(R, form).encode(), b"k.cu", 0, None,
                                   None) == 0
     opts = [b"--gpu-architecture=sm_90", b"--ptxas-options=-v"]
     rc = lib.nvrtcCompileProgram(prog, len(opts), (ctypes.c_char_p * len(opts))(*opts))
@@ -57,7 +63,10 @@ def test_source_compiles_for_hopper(R):
     log = ctypes.create_string_buffer(n.value)
     lib.nvrtcGetProgramLog(prog, log)
     assert rc == 0, log.value.decode()
-    assert "smem" in log.value.decode()
+    out = log.value.decode()
+    assert "smem" in out  # ptxas reported the kernel's resources
+    if form == "shfl":
+        assert "0 bytes spill stores" in out, out  # the register-resident rows must not spill
 
 
 cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
@@ -109,3 +118,23 @@ def test_truncation_with_the_cuda_kernel_keeps_the_energy_and_replays(monkeypatc
         graph.replay()
         torch.cuda.synchronize()
         assert torch.equal(out, y)
+
+
+@pytest.mark.gpu
+@cuda
+def test_shuffle_form_gives_the_same_bits_and_energy(monkeypatch):
+    """The register/shuffle factorisation does the same arithmetic as the shared-memory one: equal bit for bit."""
+    from gdnviz import truncate
+
+    g = torch.Generator().manual_seed(2)
+    Z = torch.randn(288, 128, 32, generator=g, dtype=torch.float64).cuda()
+    Zg = Z * torch.logspace(0, -9, 32, dtype=torch.float64, device="cuda")
+    for blocks in (Z, Zg, Z[:16, :64].contiguous(), torch.zeros(2, 128, 32, dtype=torch.float64, device="cuda")):
+        a = cuda_cholqr.cholqr(blocks, form="smem")
+        b = cuda_cholqr.cholqr(blocks, form="shfl")
+        assert torch.equal(a, b)
+    monkeypatch.setenv("GDNVIZ_CUDA_CHOLQR", "shfl")
+    S = torch.randn(32, 128, 128, generator=g).cuda()
+    for r in (4, 32):
+        y = truncate.truncate_states(S, r)
+        assert truncate.energy_error(S, y, r).max().item() <= 1e-5

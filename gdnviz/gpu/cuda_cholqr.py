@@ -21,8 +21,10 @@ Measured (H200, bench/bench_cholqr.py, fifth session; 100 launches replayed from
 for 16 blocks (torch: 51.8 µs), 73.6 µs for 288 (torch: 70.3 µs); inside ``truncate_states`` replayed from a graph,
 1.02–1.12× faster for 16 states and 1.01–1.04× for 288, same energies. So one launch did not make it cheap: the
 Cholesky loop is latency-bound — lane t's update of row t (up to 31 dependent shared-memory read-modify-writes per
-column step, 32 steps) is ~30 µs by itself. A register-resident factorisation (lane t holds row t, column entries
-broadcast by shuffles) is the next thing to try.
+column step, 32 steps) is ~30 µs by itself (an estimate from the instruction chain, not a profile). The second form
+of step 3, ``"shfl"`` (``GDNVIZ_CUDA_CHOLQR=shfl``), keeps row t in lane t's registers and fetches each ``L[k][j]``
+by a warp shuffle — the same arithmetic, so the same bits (a CUDA test checks it) — and compiles without spills
+(160 registers); it is **not measured yet** (the session's device time ran out), so it is not the default.
 
 Compiled with ``torch.cuda._compile_kernel`` (NVRTC, bundled with CUDA builds of PyTorch; no ``nvcc`` needed), once
 per (R, device), on first use — call it once outside a CUDA-graph capture (``truncate_states``' callers do: the
@@ -30,9 +32,9 @@ first window of ``gdnviz.gpu.scan_graph`` and ``gdnviz.gpu.cuda_graph.capture`` 
 goes to the current stream, so graphs capture it. If compilation fails (no NVRTC, an unsupported GPU), ``available``
 is False with the reason in ``unavailable_reason`` and ``gdnviz.truncate`` keeps its torch path.
 
-Status: used by ``gdnviz.truncate._cholqr`` on CUDA for float64 ``[N, 64|128, 32]`` blocks by default
-(``DEFAULT_ON``: inside ``truncate_states`` faster in all 8 measured cases, by 1–12%); ``GDNVIZ_CUDA_CHOLQR=0``
-turns it off.
+Status: used by ``gdnviz.truncate._cholqr`` on CUDA for float64 ``[N, 64|128, 32]`` blocks by default, in the
+``"smem"`` form (``DEFAULT_ON``: inside ``truncate_states`` faster in all 8 measured cases, by 1–12%);
+``GDNVIZ_CUDA_CHOLQR=0`` turns it off, ``=shfl`` picks the shuffle form.
 Accuracy: same definition as the torch path, other summation order; the CUDA tests in tests/test_cuda_cholqr.py pin
 it to ``truncate._cholqr`` (1e-12 relative on well-conditioned blocks) and keep the 1e-5 energy criterion inside
 ``truncate_states``.
@@ -77,21 +79,7 @@ gdnviz_cholqr(const double* __restrict__ Z, double* __restrict__ OUT, double shi
         }
     }
     __syncthreads();
-    // C = L L^T in place (lower triangle), one warp, lane t owns row t
-    if (t < 32) {
-        for (int j = 0; j < QC; ++j) {
-            if (t == j) cs[j][j] = sqrt(cs[j][j]);
-            __syncwarp();
-            if (t > j) cs[t][j] = cs[t][j] / cs[j][j];
-            __syncwarp();
-            if (t > j) {
-                const double ltj = cs[t][j];
-                for (int k = j + 1; k <= t; ++k) cs[t][k] = fma(-ltj, cs[k][j], cs[t][k]);
-            }
-            __syncwarp();
-        }
-    }
-    __syncthreads();
+%(CHOL)s    __syncthreads();
     // row t of Z L^{-T}: forward substitution L q = z_t
     double q[QC];
 #pragma unroll
@@ -106,18 +94,65 @@ gdnviz_cholqr(const double* __restrict__ Z, double* __restrict__ OUT, double shi
 }
 """
 
+# Step 3, the factorisation C = L Lᵀ by one warp (lane t owns row t), in two forms with the same arithmetic (the same
+# fma / division / sqrt sequence per entry, so the same bits): "smem" updates row t in shared memory; "shfl" keeps row t
+# in registers and fetches L[k][j] from lane k by a warp shuffle (no shared-memory round trip in the dependent chain).
+CHOL = {
+    "smem": r"""
+    // C = L L^T in place (lower triangle), one warp, lane t owns row t
+    if (t < 32) {
+        for (int j = 0; j < QC; ++j) {
+            if (t == j) cs[j][j] = sqrt(cs[j][j]);
+            __syncwarp();
+            if (t > j) cs[t][j] = cs[t][j] / cs[j][j];
+            __syncwarp();
+            if (t > j) {
+                const double ltj = cs[t][j];
+                for (int k = j + 1; k <= t; ++k) cs[t][k] = fma(-ltj, cs[k][j], cs[t][k]);
+            }
+            __syncwarp();
+        }
+    }
+""",
+    "shfl": r"""
+    // C = L L^T, one warp, row t of C in lane t's registers; L[k][j] from lane k by __shfl_sync
+    if (t < 32) {
+        double c[QC];
+#pragma unroll
+        for (int k = 0; k < QC; ++k) c[k] = (k <= t) ? cs[t][k] : 0.0;
+#pragma unroll
+        for (int j = 0; j < QC; ++j) {
+            const double ljj = sqrt(__shfl_sync(0xffffffffu, c[j], j));
+            const double l = (t == j) ? ljj : c[j] / ljj;  // L[t][j] (lanes t < j: unused)
+            c[j] = l;
+#pragma unroll
+            for (int k = j + 1; k < QC; ++k) c[k] = fma(-l, __shfl_sync(0xffffffffu, l, k), c[k]);
+        }
+#pragma unroll
+        for (int k = 0; k < QC; ++k)
+            if (k <= t) cs[t][k] = c[k];
+    }
+""",
+}
+
 _KERNELS: dict = {}
 _LOCK = threading.Lock()
 available = True
 unavailable_reason = ""
 
 
+def variant() -> str | None:
+    """The factorisation used by ``gdnviz.truncate._cholqr`` on CUDA, from ``GDNVIZ_CUDA_CHOLQR``: ``0`` → None (torch's
+    kernels), ``1`` → ``"smem"``, ``shfl`` → ``"shfl"`` (not yet measured on a GPU); unset → ``"smem"`` if
+    ``DEFAULT_ON``. None also once compilation failed, and on ROCm builds (the factorisation assumes 32-lane warps)."""
+    env = os.environ.get("GDNVIZ_CUDA_CHOLQR", "").strip().lower()
+    v = {"": "smem" if DEFAULT_ON else None, "1": "smem", "smem": "smem", "shfl": "shfl"}.get(env)
+    return v if available and torch.version.hip is None else None
+
+
 def enabled() -> bool:
-    """Whether ``gdnviz.truncate._cholqr`` uses this kernel on CUDA (``GDNVIZ_CUDA_CHOLQR``: ``1`` on, ``0`` off;
-    unset: ``DEFAULT_ON``), it has not failed to compile, and the build is NVIDIA's (not ROCm: 64-lane wavefronts)."""
-    env = os.environ.get("GDNVIZ_CUDA_CHOLQR", "").strip()
-    on = DEFAULT_ON if env == "" else env == "1"
-    return on and available and torch.version.hip is None  # the factorisation assumes 32-lane warps
+    """Whether ``gdnviz.truncate._cholqr`` uses this kernel on CUDA (see ``variant``)."""
+    return variant() is not None
 
 
 def supports(Z: torch.Tensor) -> bool:
@@ -125,10 +160,12 @@ def supports(Z: torch.Tensor) -> bool:
     return Z.is_cuda and Z.dim() == 3 and Z.dtype == torch.float64 and Z.shape[1] in SHAPES_R and Z.shape[2] == Q
 
 
-def _kernel(R: int, device: torch.device):
-    """The compiled kernel for R rows on ``device`` (compiled on first use), or None if compilation failed."""
+def _kernel(R: int, device: torch.device, form: str | None = None):
+    """The compiled kernel for R rows on ``device`` in ``form`` ("smem" / "shfl"; default: ``variant()`` or "smem"),
+    compiled on first use, or None if compilation failed."""
     global available, unavailable_reason
-    key = (R, device.index)
+    form = form or variant() or "smem"
+    key = (R, device.index, form)
     k = _KERNELS.get(key)
     if k is None:
         with _LOCK:
@@ -136,7 +173,7 @@ def _kernel(R: int, device: torch.device):
             if k is None:
                 try:
                     with torch.cuda.device(device):
-                        k = torch.cuda._compile_kernel(SOURCE % {"R": R}, "gdnviz_cholqr")
+                        k = torch.cuda._compile_kernel(source(R, form), "gdnviz_cholqr")
                 except Exception as e:  # noqa: BLE001 - no NVRTC / unsupported GPU: the torch path stays
                     available = False
                     unavailable_reason = f"{type(e).__name__}: {str(e)[:300]}"
@@ -145,13 +182,19 @@ def _kernel(R: int, device: torch.device):
     return k
 
 
-def cholqr(Z: torch.Tensor, shift: float = 1e-13, tiny: float = 1e-300) -> torch.Tensor:
-    """``Z L⁻ᵀ`` (module docstring) for float64 CUDA ``Z [N, R, 32]``; RuntimeError if the kernel is unavailable."""
+def source(R: int, form: str = "smem") -> str:
+    """The CUDA source for R rows with the factorisation ``form``."""
+    return SOURCE % {"R": R, "CHOL": CHOL[form]}
+
+
+def cholqr(Z: torch.Tensor, shift: float = 1e-13, tiny: float = 1e-300, form: str | None = None) -> torch.Tensor:
+    """``Z L⁻ᵀ`` (module docstring) for float64 CUDA ``Z [N, R, 32]``; ``form`` as in ``_kernel``; RuntimeError if
+    the kernel is unavailable."""
     if not supports(Z):
         raise ValueError(f"cholqr takes float64 CUDA [N, R, {Q}] with R in {SHAPES_R}; got {Z.dtype} "
                          f"{tuple(Z.shape)} on {Z.device}")
     N, R, _ = Z.shape
-    k = _kernel(R, Z.device)
+    k = _kernel(R, Z.device, form)
     if k is None:
         raise RuntimeError(f"the CUDA Cholesky-QR kernel is unavailable: {unavailable_reason}")
     Z = Z.contiguous()

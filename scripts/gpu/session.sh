@@ -11,7 +11,7 @@
 #   TRUNC_SECONDS (100)         bench_truncate.py --quick: one boundary of 288 states (+ fused kernel rows)
 #   TRITON_CHOLQR_SECONDS (0)   bench_truncate.py --quick --triton-cholqr (Cholesky-QR in one Triton launch)
 #   CHOLQR_KERNEL_SECONDS (0)   bench_cholqr.py: truncation with the CUDA Cholesky-QR kernel vs the torch path, 16 and
-#                               288 states, CUDA graphs; the building blocks alone (Jacobi, Cholesky-QR, GEMM)
+#                               288 states (shared-memory and shuffle forms), CUDA graphs; the building blocks alone
 #                               (CHOLQR_KERNEL_ARGS: extra arguments, e.g. "--sizes 16")
 #   SPECTRA_SECONDS (0)         bench_spectra.py --candidates (gesvda, tridiagonalisation num_warps)
 #   TRUNCRUN_SECONDS (150)      bench_truncated_run.py: 16K tokens, every head truncated at every boundary
