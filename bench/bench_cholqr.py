@@ -9,7 +9,7 @@ random 32×32 SPD matrices, a batched GEMM.
 One JSON line per (variant, states, rank): replay ms, ratio to the torch path in the same run, max energy error
 against the exact float64 SVD energies, and whether replay equals the eager call.
 
-(The fifth session's split/fused Triton Cholesky-QR kernels, measured with this script at commit 2d6dfd9 and found
+(The fifth session's split/fused Triton Cholesky-QR kernels, measured with this script at commits 53f9ec5 and a2ec8d3 and found
 slower — bench/RESULTS.md — were removed afterwards.)
 """
 from __future__ import annotations
