@@ -162,6 +162,9 @@ def _cholqr(Z: torch.Tensor) -> torch.Tensor:
     diagonal scaling), so graded columns are fine. It makes ``cholesky_ex`` succeed for every finite block, so its
     ``info`` is never read (reading it would sync the host). Directions of ``Z`` below ~sqrt(s) of their column are
     damped rather than orthonormalised; ``_refill`` repairs them where orthonormality matters.
+
+    On CUDA a float64 ``[N, 64|128, 32]`` block goes through one NVRTC-compiled kernel with the same definition
+    (``gdnviz.gpu.cuda_cholqr``; ``GDNVIZ_CUDA_CHOLQR=0`` keeps the torch kernels below).
     """
     if Z.is_cuda:
         from gdnviz.gpu import cuda_cholqr as _cc
