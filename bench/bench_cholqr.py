@@ -1,8 +1,8 @@
 """Truncation of one layer (16 states) and one boundary (288 states) with the subspace pass's Cholesky-QRs in torch
 vs in one NVRTC-compiled CUDA kernel (gdnviz.gpu.cuda_cholqr; its shared-memory and its shuffle factorisation), each
 captured in a CUDA graph and replayed; then the building blocks alone, per launch (100 launches replayed from one
-graph): Cholesky-QR in torch and in the CUDA kernel, the Jacobi Rayleigh–Ritz eigensolver (gdnviz.gpu.jacobi) on
-random 32×32 SPD matrices, a batched GEMM.
+graph): Cholesky-QR in torch and in the CUDA kernel, the Jacobi Rayleigh–Ritz eigensolver on random 32×32 SPD
+matrices (the Triton kernel gdnviz.gpu.jacobi and the one-warp CUDA kernel gdnviz.gpu.cuda_jacobi), a batched GEMM.
 
     python bench/bench_cholqr.py --device cuda
 
@@ -26,8 +26,10 @@ from bench.common import device_name, emit  # noqa: E402
 from gdnviz import truncate as tr  # noqa: E402
 from gdnviz.gpu import cuda_cholqr  # noqa: E402
 
-# the torch path; the same with every 128×32 Cholesky-QR in the CUDA kernel (shared-memory / shuffle factorisation)
-VARIANTS = ["torch", "cuda_cholqr", "cuda_cholqr_shfl"]
+# variant: (GDNVIZ_CUDA_CHOLQR, GDNVIZ_CUDA_JACOBI) — the torch Cholesky-QR path; the CUDA Cholesky-QR kernel
+# (shared-memory / shuffle factorisation); the latter with the one-warp CUDA Jacobi for the Rayleigh–Ritz step
+VARIANTS = {"torch": ("0", "0"), "cuda_cholqr": ("1", "0"), "cuda_cholqr_shfl": ("shfl", "0"),
+            "cuda_shfl_jacobi": ("shfl", "1")}
 
 
 def main() -> None:
@@ -35,7 +37,7 @@ def main() -> None:
     ap.add_argument("--device", default="cuda")
     ap.add_argument("--ranks", default="4,1,12,32")
     ap.add_argument("--sizes", default="16,288")
-    ap.add_argument("--variants", default=",".join(VARIANTS))
+    ap.add_argument("--variants", default=",".join(VARIANTS))  # dict keys
     ap.add_argument("--repeats", type=int, default=20)
     ap.add_argument("--alone", default="", help="comma-separated names of the kernels-alone cases to run (default all)")
     a = ap.parse_args()
@@ -60,7 +62,7 @@ def main() -> None:
             for name in VARIANTS:
                 if name not in wanted:
                     continue
-                os.environ["GDNVIZ_CUDA_CHOLQR"] = {"cuda_cholqr": "1", "cuda_cholqr_shfl": "shfl"}.get(name, "0")
+                os.environ["GDNVIZ_CUDA_CHOLQR"], os.environ["GDNVIZ_CUDA_JACOBI"] = VARIANTS[name]
                 try:
                     eager = tr.truncate_states(S, r)
                     torch.cuda.synchronize()
@@ -78,8 +80,11 @@ def main() -> None:
                 emit(what="subspace_kernels", variant=name, n=n, r=r, replay_ms=round(ms, 4),
                      vs_torch=None if ref_ms is None else round(ref_ms / ms, 2), energy_err=float(f"{err:.3e}"),
                      replay_equals_eager=bool(torch.equal(out, eager)), **base)
-    os.environ["GDNVIZ_CUDA_CHOLQR"] = "0"
-    emit(what="cuda_cholqr_status", available=cuda_cholqr.available, reason=cuda_cholqr.unavailable_reason, **base)
+    os.environ["GDNVIZ_CUDA_CHOLQR"], os.environ["GDNVIZ_CUDA_JACOBI"] = "0", "0"
+    from gdnviz.gpu import cuda_jacobi
+
+    emit(what="cuda_kernels_status", cholqr_available=cuda_cholqr.available, cholqr_reason=cuda_cholqr.unavailable_reason,
+         jacobi_available=cuda_jacobi.available, jacobi_reason=cuda_jacobi.unavailable_reason, **base)
 
     # the kernels alone, per launch: 100 launches in one graph
     for n in sizes:
@@ -90,6 +95,8 @@ def main() -> None:
 
         T = (Y.mT @ Y).contiguous()  # random SPD 32×32: 7–8 sweeps (the truncation's Rayleigh quotients: 3–6)
         cases = [("jacobi_32", lambda: eigh_jacobi(T))]
+        if cuda_jacobi.available:
+            cases.append(("jacobi_32_cuda", lambda: cuda_jacobi.eigh32(T)))
         cases.append(("torch_bmm_128x128x32", lambda: torch.bmm(P, Y)))
         cases.append(("torch_cholqr", lambda: tr._cholqr(Y)))
         if cuda_cholqr.available:

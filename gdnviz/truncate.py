@@ -204,10 +204,17 @@ def _eigh_small(T: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """``eigh`` of the batched q×q Rayleigh quotients (q ≤ 32): ascending values, vectors as columns.
 
     CUDA: the sync-free Triton Jacobi kernel (``gdnviz.gpu.jacobi``; ``torch.linalg.eigh`` would read its ``info``
-    on the host). CPU: ``torch.linalg.eigh`` (LAPACK), without importing Triton — except under ``TRITON_INTERPRET=1``,
-    where ``eigh_jacobi`` runs the kernel in the interpreter (tests)."""
+    on the host); with ``GDNVIZ_CUDA_JACOBI=1`` the same Jacobi as one warp per matrix in an NVRTC-compiled kernel
+    (``gdnviz.gpu.cuda_jacobi``, opt-in until measured). CPU: ``torch.linalg.eigh`` (LAPACK), without importing
+    Triton — except under ``TRITON_INTERPRET=1``, where ``eigh_jacobi`` runs the kernel in the interpreter (tests)."""
     if T.device.type == "cpu" and os.environ.get("TRITON_INTERPRET", "0") in ("", "0"):
         return torch.linalg.eigh(T)
+    if T.is_cuda:
+        from gdnviz.gpu import cuda_jacobi as _cj
+
+        # opt-in (GDNVIZ_CUDA_JACOBI=1, not yet measured): the same Jacobi, one warp per matrix, NVRTC-compiled
+        if _cj.enabled() and _cj.supports(T) and _cj._kernel(T.device) is not None:
+            return _cj.eigh32(T)
     from gdnviz.gpu.jacobi import eigh_jacobi  # lazy: imports triton
 
     return eigh_jacobi(T)

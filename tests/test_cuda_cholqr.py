@@ -6,13 +6,12 @@ CUDA: equal to the torch path to 1e-12 on well-conditioned blocks, the same answ
 blocks, truncate_states with the kernel keeps the 1e-5 energy criterion, and a CUDA graph replays it.
 """
 import ctypes
-import glob
-import os
 
 import pytest
 import torch
 
 from gdnviz.gpu import cuda_cholqr
+from nvrtc_lib import nvrtc as _nvrtc
 
 
 def test_switch_and_shapes(monkeypatch):
@@ -30,21 +29,6 @@ def test_switch_and_shapes(monkeypatch):
     assert not cuda_cholqr.supports(torch.zeros(2, 128, 32, dtype=torch.float64))  # CPU tensors: never
     with pytest.raises(ValueError):
         cuda_cholqr.cholqr(torch.zeros(2, 128, 32, dtype=torch.float64))
-
-
-def _nvrtc():
-    """An NVRTC library from a CUDA torch or the nvidia-cuda-nvrtc wheel, else None."""
-    import site
-
-    roots = [os.path.dirname(torch.__file__)] + site.getsitepackages() + [site.getusersitepackages()]
-    for root in roots:
-        for path in sorted(glob.glob(os.path.join(root, "**", "libnvrtc.so*"), recursive=True)):
-            if "builtins" not in path:
-                try:
-                    return ctypes.CDLL(path)
-                except OSError:
-                    continue
-    return None
 
 
 @pytest.mark.parametrize("form", ["smem", "shfl"])
