@@ -17,7 +17,8 @@
 #                               (CHOLQR_KERNEL_ARGS: extra arguments, e.g. "--sizes 16")
 #   SPECTRA_SECONDS (0)         bench_spectra.py --candidates (gesvda, tridiagonalisation num_warps)
 #   TRUNCRUN_SECONDS (150)      bench_truncated_run.py: 16K tokens, every head truncated at every boundary
-#                               (TRUNCRUN_ARGS: extra arguments, e.g. "--ranks 4 --eager-rank 0")
+#                               (TRUNCRUN_ARGS: extra arguments, e.g. "--ranks 4 --eager-rank 0"; TRUNCRUN_PROFILE=25
+#                               adds a profiler table, which took the step past 70 s three times)
 #   CAPTURE_SECONDS (120)       bench_capture.py 16K (pipelined vs inline statistics, segment loop), new lengths
 #   CAPTURE128K_SECONDS (90)    bench_capture.py 128K, time and memory only
 #   SWEEP_SECONDS (0)           the demo model's CLI sweep, batch 8 vs 1 (rows compared)
@@ -53,7 +54,7 @@ if on ${SPECTRA_SECONDS:-0}; then
   timeout ${SPECTRA_SECONDS} python3 bench/bench_spectra.py --device cuda --candidates 2>&1 | tee $OUT/bench_spectra.jsonl
 fi
 if on ${TRUNCRUN_SECONDS:-150}; then
-  timeout ${TRUNCRUN_SECONDS:-150} python3 bench/bench_truncated_run.py --device cuda --tokens 16384 --profile 25 ${TRUNCRUN_ARGS:-} \
+  timeout ${TRUNCRUN_SECONDS:-150} python3 bench/bench_truncated_run.py --device cuda --tokens 16384 --profile ${TRUNCRUN_PROFILE:-0} ${TRUNCRUN_ARGS:-} \
       > $OUT/bench_truncated_run.log 2>&1; grep '^{' $OUT/bench_truncated_run.log | cut -c1-400
 fi
 if on ${CAPTURE_SECONDS:-120}; then
