@@ -5,13 +5,11 @@ of torch, or the nvidia-cuda-nvrtc wheel) — that the source compiles for sm_90
 CUDA: equal to the torch path to 1e-12 on well-conditioned blocks, the same answer on graded, rank-deficient and zero
 blocks, truncate_states with the kernel keeps the 1e-5 energy criterion, and a CUDA graph replays it.
 """
-import ctypes
-
 import pytest
 import torch
 
 from gdnviz.gpu import cuda_cholqr
-from nvrtc_lib import nvrtc as _nvrtc
+from cuda_kernel_checks import compile_log, truncation_checks
 
 
 def test_switch_and_shapes(monkeypatch):
@@ -34,20 +32,11 @@ def test_switch_and_shapes(monkeypatch):
 @pytest.mark.parametrize("form", ["smem", "shfl"])
 @pytest.mark.parametrize("R", [64, 128])
 def test_source_compiles_for_hopper(R, form):
-    lib = _nvrtc()
-    if lib is None:
+    res = compile_log(cuda_cholqr.source(R, form))
+    if res is None:
         pytest.skip("no NVRTC library here (CPU torch without the nvidia-cuda-nvrtc wheel)")
-    prog = ctypes.c_void_p()
-    assert lib.nvrtcCreateProgram(ctypes.byref(prog), cuda_cholqr.source(R, form).encode(), b"k.cu", 0, None,
-                                  None) == 0
-    opts = [b"--gpu-architecture=sm_90", b"--ptxas-options=-v"]
-    rc = lib.nvrtcCompileProgram(prog, len(opts), (ctypes.c_char_p * len(opts))(*opts))
-    n = ctypes.c_size_t()
-    lib.nvrtcGetProgramLogSize(prog, ctypes.byref(n))
-    log = ctypes.create_string_buffer(n.value)
-    lib.nvrtcGetProgramLog(prog, log)
-    assert rc == 0, log.value.decode()
-    out = log.value.decode()
+    rc, out = res
+    assert rc == 0, out
     assert "smem" in out  # ptxas reported the kernel's resources
     if form == "shfl":
         assert "0 bytes spill stores" in out, out  # the register-resident rows must not spill
@@ -82,26 +71,7 @@ def test_cuda_kernel_equals_the_torch_definition(monkeypatch):
 @pytest.mark.gpu
 @cuda
 def test_truncation_with_the_cuda_kernel_keeps_the_energy_and_replays(monkeypatch):
-    from bench.bench_truncate import gdn_like_spectra
-    from gdnviz import truncate
-    from gdnviz.gpu.cuda_graph import capture
-
-    g = torch.Generator().manual_seed(1)
-    sig = gdn_like_spectra(288, 128, g)
-    U = torch.linalg.qr(torch.randn(288, 128, 128, generator=g, dtype=torch.float64))[0]
-    W = torch.linalg.qr(torch.randn(288, 128, 128, generator=g, dtype=torch.float64))[0]
-    S = ((U * sig[:, None, :]) @ W.mT).float().cuda()
-    S[-1] = 0
-    monkeypatch.setenv("GDNVIZ_CUDA_CHOLQR", "1")
-    for r in (1, 4, 12, 32):
-        y = truncate.truncate_states(S, r)
-        err = truncate.energy_error(S, y, r).max().item()
-        assert err <= 1e-5, (r, err)
-        assert y[-1].abs().max().item() == 0.0
-        graph, out = capture(lambda x: truncate.truncate_states(x, r), S.clone())
-        graph.replay()
-        torch.cuda.synchronize()
-        assert torch.equal(out, y)
+    truncation_checks(monkeypatch, "GDNVIZ_CUDA_CHOLQR", "1")
 
 
 @pytest.mark.gpu

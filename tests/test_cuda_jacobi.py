@@ -5,13 +5,11 @@ CUDA: eigenvalues within 1e-13·‖A‖_F of float64 ``torch.linalg.eigh``, resi
 on random, graded (to 1e-16), clustered, zero and diagonal 32×32 matrices; eigenvalues equal to the Triton kernel's
 to 1e-14·‖A‖_F; ``truncate_states`` with it keeps the 1e-5 energy criterion and replays in a CUDA graph.
 """
-import ctypes
-
 import pytest
 import torch
 
 from gdnviz.gpu import cuda_jacobi
-from nvrtc_lib import nvrtc as _nvrtc
+from cuda_kernel_checks import compile_log, truncation_checks
 
 
 def test_off_by_default(monkeypatch):
@@ -25,18 +23,10 @@ def test_off_by_default(monkeypatch):
 
 
 def test_source_compiles_for_hopper():
-    lib = _nvrtc()
-    if lib is None:
+    res = compile_log(cuda_jacobi.SOURCE)
+    if res is None:
         pytest.skip("no NVRTC library here (CPU torch without the nvidia-cuda-nvrtc wheel)")
-    prog = ctypes.c_void_p()
-    assert lib.nvrtcCreateProgram(ctypes.byref(prog), cuda_jacobi.SOURCE.encode(), b"k.cu", 0, None, None) == 0
-    opts = [b"--gpu-architecture=sm_90", b"--ptxas-options=-v"]
-    rc = lib.nvrtcCompileProgram(prog, len(opts), (ctypes.c_char_p * len(opts))(*opts))
-    n = ctypes.c_size_t()
-    lib.nvrtcGetProgramLogSize(prog, ctypes.byref(n))
-    log = ctypes.create_string_buffer(n.value)
-    lib.nvrtcGetProgramLog(prog, log)
-    out = log.value.decode()
+    rc, out = res
     assert rc == 0, out
     assert "0 bytes spill stores" in out, out
 
@@ -81,19 +71,4 @@ def test_cuda_jacobi_matches_eigh_and_the_triton_kernel():
 @pytest.mark.gpu
 @cuda
 def test_truncation_with_the_cuda_jacobi_keeps_the_energy_and_replays(monkeypatch):
-    from bench.bench_truncate import gdn_like_spectra
-    from gdnviz import truncate
-    from gdnviz.gpu.cuda_graph import capture
-
-    g = torch.Generator().manual_seed(3)
-    sig = gdn_like_spectra(288, 128, g)
-    U = torch.linalg.qr(torch.randn(288, 128, 128, generator=g, dtype=torch.float64))[0]
-    S = ((U * sig[:, None, :]) @ U.mT).float().cuda()
-    monkeypatch.setenv("GDNVIZ_CUDA_JACOBI", "1")
-    for r in (1, 4, 12, 32):
-        y = truncate.truncate_states(S, r)
-        assert truncate.energy_error(S, y, r).max().item() <= 1e-5
-        graph, out = capture(lambda x: truncate.truncate_states(x, r), S.clone())
-        graph.replay()
-        torch.cuda.synchronize()
-        assert torch.equal(out, y)
+    truncation_checks(monkeypatch, "GDNVIZ_CUDA_JACOBI", "1", seed=3)

@@ -1,0 +1,66 @@
+"""Shared checks for the NVRTC-compiled CUDA kernels' tests (tests/test_cuda_cholqr.py, tests/test_cuda_jacobi.py).
+
+``compile_log(source)``: compile a kernel for sm_90 with an NVRTC library found here (a CUDA build of torch or the
+nvidia-cuda-nvrtc wheel) and return (return code, ptxas log), or None without one. ``truncation_checks(monkeypatch,
+env, value)``: with the switch set, ``truncate_states`` on 288 GDN-like states (the last one zero) keeps the 1e-5
+energy criterion at r = 1, 4, 12, 32, leaves the zero state zero, and replays from a CUDA graph bit for bit.
+"""
+import ctypes
+import glob
+import os
+
+import torch
+
+
+def nvrtc():
+    """An NVRTC library from a CUDA torch or the nvidia-cuda-nvrtc wheel, else None."""
+    import site
+
+    roots = [os.path.dirname(torch.__file__)] + site.getsitepackages() + [site.getusersitepackages()]
+    for root in roots:
+        for path in sorted(glob.glob(os.path.join(root, "**", "libnvrtc.so*"), recursive=True)):
+            if "builtins" not in path:
+                try:
+                    return ctypes.CDLL(path)
+                except OSError:
+                    continue
+    return None
+
+
+def compile_log(source: str):
+    """(NVRTC return code, log with ptxas's resource report) for ``source`` on sm_90, or None without NVRTC."""
+    lib = nvrtc()
+    if lib is None:
+        return None
+    prog = ctypes.c_void_p()
+    assert lib.nvrtcCreateProgram(ctypes.byref(prog), source.encode(), b"k.cu", 0, None, None) == 0
+    opts = [b"--gpu-architecture=sm_90", b"--ptxas-options=-v"]
+    rc = lib.nvrtcCompileProgram(prog, len(opts), (ctypes.c_char_p * len(opts))(*opts))
+    n = ctypes.c_size_t()
+    lib.nvrtcGetProgramLogSize(prog, ctypes.byref(n))
+    log = ctypes.create_string_buffer(n.value)
+    lib.nvrtcGetProgramLog(prog, log)
+    return rc, log.value.decode()
+
+
+def truncation_checks(monkeypatch, env: str, value: str, seed: int = 1) -> None:
+    from bench.bench_truncate import gdn_like_spectra
+    from gdnviz import truncate
+    from gdnviz.gpu.cuda_graph import capture
+
+    g = torch.Generator().manual_seed(seed)
+    sig = gdn_like_spectra(288, 128, g)
+    U = torch.linalg.qr(torch.randn(288, 128, 128, generator=g, dtype=torch.float64))[0]
+    W = torch.linalg.qr(torch.randn(288, 128, 128, generator=g, dtype=torch.float64))[0]
+    S = ((U * sig[:, None, :]) @ W.mT).float().cuda()
+    S[-1] = 0
+    monkeypatch.setenv(env, value)
+    for r in (1, 4, 12, 32):
+        y = truncate.truncate_states(S, r)
+        err = truncate.energy_error(S, y, r).max().item()
+        assert err <= 1e-5, (r, err)
+        assert y[-1].abs().max().item() == 0.0
+        graph, out = capture(lambda x: truncate.truncate_states(x, r), S.clone())
+        graph.replay()
+        torch.cuda.synchronize()
+        assert torch.equal(out, y)
