@@ -33,7 +33,8 @@ def main():
     ap.add_argument("--candidates", action="store_true",
                     help="also time what might replace the Triton tridiagonalisation (issue #6, capture ≤ 1.5×): "
                          "cuSOLVER's batched gesvda (torch.linalg.svd driver='gesvda', f64 and f32) on 288 states, "
-                         "and the tridiagonalisation kernel at num_warps 4/8/16/32 on the big batch")
+                         "the CUDA kernel gdnviz.gpu.cuda_tridiag and the Triton kernel at num_warps 32/8/4 on the "
+                         "big batch")
     args = ap.parse_args()
     from gdnviz.gpu import symeig
 
@@ -70,6 +71,22 @@ def main():
             except Exception as e:  # noqa: BLE001 - a candidate that does not run is a result too
                 emit(what="candidate_gesvda_288", dtype=str(dt), error=repr(e)[:300], **base)
         if args.big:
+            from gdnviz.gpu import cuda_tridiag
+
+            try:  # the one-block-per-matrix CUDA tridiagonalisation (same reflections), then the same bisection
+                t = timeit(lambda: cuda_tridiag.tridiag(G), dev, repeats=3)
+                D2, E2 = cuda_tridiag.tridiag(G)
+                W1, W2 = torch.empty_like(D), torch.empty_like(D)
+                symeig._tridiag_kernel[(args.big,)](G, D, E, N=128, num_warps=16)
+                bm = max(1, 512 // 128)
+                for d_, e_, w_ in ((D, E, W1), (D2, E2, W2)):
+                    symeig._bisect_kernel[((args.big + bm - 1) // bm,)](d_, e_, w_, args.big, N=128, BM=bm,
+                                                                        STEPS=symeig.BISECT_STEPS, num_warps=4)
+                scale = W1.abs().amax(dim=1, keepdim=True).clamp_min(1e-300)
+                emit(what="candidate_tridiag_cuda", n=args.big, ms=t * 1e3, triton_tridiag_ms=t_tri * 1e3,
+                     ratio=t_tri / t, max_eig_diff_rel=((W2 - W1).abs() / scale).max().item(), **base)
+            except Exception as e:  # noqa: BLE001
+                emit(what="candidate_tridiag_cuda", error=repr(e)[:300], reason=cuda_tridiag.unavailable_reason, **base)
             for nw in (32, 8, 4):  # 16 is the library's (tridiag_ms above); 4 spills most, so last
                 try:
                     t = timeit(lambda: symeig._tridiag_kernel[(args.big,)](G, D, E, N=128, num_warps=nw), dev,

@@ -132,8 +132,14 @@ def eigvalsh_tridiag(G: torch.Tensor) -> torch.Tensor:
     D = torch.empty(N, n, dtype=torch.float64, device=G.device)
     E = torch.empty_like(D)
     W = torch.empty_like(D)
-    if N:
+    from gdnviz.gpu import cuda_tridiag  # opt-in (GDNVIZ_CUDA_TRIDIAG=1, not yet measured): same reflections in CUDA
+
+    cuda_ok = N and cuda_tridiag.enabled() and cuda_tridiag.supports(G) and cuda_tridiag._kernel(n, G.device)
+    if cuda_ok:
+        D, E = cuda_tridiag.tridiag(G)
+    elif N:
         _tridiag_kernel[(N,)](G, D, E, N=n, num_warps=16 if n >= 128 else 4)
+    if N:
         bm = max(1, 512 // n)
         _bisect_kernel[(triton.cdiv(N, bm),)](D, E, W, N, N=n, BM=bm, STEPS=BISECT_STEPS, num_warps=4)
     return W
