@@ -18,13 +18,19 @@ $(STAMP): requirements.txt
 
 setup: $(STAMP)
 
+# tests only, and only beside a CPU torch (a CUDA torch brings its own NVRTC, which must stay): NVRTC needs no GPU,
+# so the CPU test run compiles the CUDA kernels' sources for sm_90 (tests/cuda_kernel_checks.py)
+nvrtc: $(STAMP)
+	@if $(BIN)/python -c "import sys, torch; sys.exit(torch.version.cuda is not None)" && \
+		! $(BIN)/python -c "import nvidia.cu13" 2>/dev/null; then $(BIN)/pip install -q nvidia-cuda-nvrtc==13.5.37; fi
+
 chromium:
 	@command -v chromium >/dev/null 2>&1 || (apt-get install -y -q chromium >/dev/null 2>&1 || (apt-get update -q >/dev/null && apt-get install -y -q chromium))
 
 app: $(STAMP)
 	$(BIN)/python -m streamlit run app.py
 
-test: $(STAMP) chromium
+test: $(STAMP) chromium nvrtc
 	$(BIN)/python -m pytest -q
 
-.PHONY: setup chromium app test
+.PHONY: setup chromium nvrtc app test
