@@ -83,8 +83,9 @@ def main() -> None:
     os.environ["GDNVIZ_CUDA_CHOLQR"], os.environ["GDNVIZ_CUDA_JACOBI"] = "0", "0"
     from gdnviz.gpu import cuda_jacobi
 
-    emit(what="cuda_kernels_status", cholqr_available=cuda_cholqr.available, cholqr_reason=cuda_cholqr.unavailable_reason,
-         jacobi_available=cuda_jacobi.available, jacobi_reason=cuda_jacobi.unavailable_reason, **base)
+    emit(what="cuda_kernels_status", cholqr_available=cuda_cholqr.KERNELS.available,
+         cholqr_reason=cuda_cholqr.KERNELS.reason, jacobi_available=cuda_jacobi.KERNELS.available,
+         jacobi_reason=cuda_jacobi.KERNELS.reason, **base)
 
     # the kernels alone, per launch: 100 launches in one graph
     for n in sizes:
@@ -95,11 +96,11 @@ def main() -> None:
 
         T = (Y.mT @ Y).contiguous()  # random SPD 32×32: 7–8 sweeps (the truncation's Rayleigh quotients: 3–6)
         cases = [("jacobi_32", lambda: eigh_jacobi(T))]
-        if cuda_jacobi.available:
+        if cuda_jacobi.KERNELS.available:
             cases.append(("jacobi_32_cuda", lambda: cuda_jacobi.eigh32(T)))
         cases.append(("torch_bmm_128x128x32", lambda: torch.bmm(P, Y)))
         cases.append(("torch_cholqr", lambda: tr._cholqr(Y)))
-        if cuda_cholqr.available:
+        if cuda_cholqr.KERNELS.available:
             cases.append(("cuda_cholqr", lambda: cuda_cholqr.cholqr(Y, form="smem")))
             cases.append(("cuda_cholqr_shfl", lambda: cuda_cholqr.cholqr(Y, form="shfl")))
         for name, fn in cases:

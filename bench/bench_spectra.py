@@ -86,7 +86,7 @@ def main():
                 emit(what="candidate_tridiag_cuda", n=args.big, ms=t * 1e3, triton_tridiag_ms=t_tri * 1e3,
                      ratio=t_tri / t, max_eig_diff_rel=((W2 - W1).abs() / scale).max().item(), **base)
             except Exception as e:  # noqa: BLE001
-                emit(what="candidate_tridiag_cuda", error=repr(e)[:300], reason=cuda_tridiag.unavailable_reason, **base)
+                emit(what="candidate_tridiag_cuda", error=repr(e)[:300], reason=cuda_tridiag.KERNELS.reason, **base)
             for nw in (32, 8, 4):  # 16 is the library's (tridiag_ms above); 4 spills most, so last
                 try:
                     t = timeit(lambda: symeig._tridiag_kernel[(args.big,)](G, D, E, N=128, num_warps=nw), dev,

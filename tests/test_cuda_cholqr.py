@@ -15,18 +15,29 @@ from cuda_kernel_checks import compile_log, truncation_checks
 def test_switch_and_shapes(monkeypatch):
     monkeypatch.setenv("GDNVIZ_CUDA_CHOLQR", "0")
     assert not cuda_cholqr.enabled()
-    if cuda_cholqr.available and torch.version.hip is None:
+    if cuda_cholqr.KERNELS.available and torch.version.hip is None:
         monkeypatch.setenv("GDNVIZ_CUDA_CHOLQR", "shfl")
         assert cuda_cholqr.variant() == "shfl"
         monkeypatch.setenv("GDNVIZ_CUDA_CHOLQR", "1")
         assert cuda_cholqr.variant() == "smem"
     monkeypatch.setenv("GDNVIZ_CUDA_CHOLQR", "1")
-    assert cuda_cholqr.enabled() == (cuda_cholqr.available and torch.version.hip is None)
+    assert cuda_cholqr.enabled() == (cuda_cholqr.KERNELS.available and torch.version.hip is None)
     monkeypatch.delenv("GDNVIZ_CUDA_CHOLQR")
-    assert cuda_cholqr.enabled() == (cuda_cholqr.DEFAULT_ON and cuda_cholqr.available and torch.version.hip is None)
+    assert cuda_cholqr.enabled() == (cuda_cholqr.DEFAULT_ON and cuda_cholqr.KERNELS.usable())
     assert not cuda_cholqr.supports(torch.zeros(2, 128, 32, dtype=torch.float64))  # CPU tensors: never
     with pytest.raises(ValueError):
         cuda_cholqr.cholqr(torch.zeros(2, 128, 32, dtype=torch.float64))
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="checks the failure path: no CUDA here")
+def test_a_failed_compilation_leaves_the_fallback():
+    """gdnviz.gpu.nvrtc.Kernels: the first failure is recorded, later calls return None without trying again."""
+    from gdnviz.gpu.nvrtc import Kernels
+
+    kernels = Kernels()
+    assert kernels.get(0, torch.device("cuda", 0), cuda_cholqr.source(128), "gdnviz_cholqr") is None
+    assert not kernels.available and not kernels.usable() and kernels.reason
+    assert kernels.get(1, torch.device("cuda", 0), cuda_cholqr.source(64), "gdnviz_cholqr") is None
 
 
 @pytest.mark.parametrize("form", ["smem", "shfl"])
@@ -51,7 +62,7 @@ def test_cuda_kernel_equals_the_torch_definition(monkeypatch):
     from gdnviz import truncate
 
     monkeypatch.setenv("GDNVIZ_CUDA_CHOLQR", "0")  # the reference is the torch path
-    assert cuda_cholqr._kernel(128, torch.device("cuda")) is not None, cuda_cholqr.unavailable_reason
+    assert cuda_cholqr._kernel(128, torch.device("cuda")) is not None, cuda_cholqr.KERNELS.reason
     g = torch.Generator().manual_seed(0)
     for R in (128, 64):
         Z = torch.randn(288, R, 32, generator=g, dtype=torch.float64).cuda()

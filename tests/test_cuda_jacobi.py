@@ -16,7 +16,7 @@ def test_off_by_default(monkeypatch):
     monkeypatch.delenv("GDNVIZ_CUDA_JACOBI", raising=False)
     assert not cuda_jacobi.enabled()
     monkeypatch.setenv("GDNVIZ_CUDA_JACOBI", "1")
-    assert cuda_jacobi.enabled() == (cuda_jacobi.available and torch.version.hip is None)
+    assert cuda_jacobi.enabled() == (cuda_jacobi.KERNELS.available and torch.version.hip is None)
     assert not cuda_jacobi.supports(torch.zeros(2, 32, 32, dtype=torch.float64))  # CPU: never
     with pytest.raises(ValueError):
         cuda_jacobi.eigh32(torch.zeros(2, 32, 32, dtype=torch.float64))
@@ -53,7 +53,7 @@ cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
 def test_cuda_jacobi_matches_eigh_and_the_triton_kernel():
     from gdnviz.gpu.jacobi import eigh_jacobi
 
-    assert cuda_jacobi._kernel(torch.device("cuda")) is not None, cuda_jacobi.unavailable_reason
+    assert cuda_jacobi._kernel(torch.device("cuda")) is not None, cuda_jacobi.KERNELS.reason
     A = _matrices(torch.Generator().manual_seed(0))
     w, V, sweeps = cuda_jacobi.eigh32(A, return_sweeps=True)
     w_ref, _ = torch.linalg.eigh(A)

@@ -10,7 +10,7 @@ import torch
 
 from gdnviz.gpu import cuda_tridiag
 from cuda_kernel_checks import compile_log
-from test_symeig import CASES, _max_errors
+from test_symeig import assert_matches_svdvals, cuda_cases
 
 
 def test_off_by_default_and_sizes(monkeypatch):
@@ -35,21 +35,14 @@ def test_source_compiles_for_hopper(n):
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
 def test_cuda_tridiag_spectra_match(monkeypatch):
-    from gdnviz.analysis import spectra
     from gdnviz.gpu import symeig
 
-    assert cuda_tridiag._kernel(128, torch.device("cuda")) is not None, cuda_tridiag.unavailable_reason
-    ns = {}
-    exec(CASES, ns)
-    for name, S in ns["cases"](288, 128, 128, "cuda").items():
+    assert cuda_tridiag._kernel(128, torch.device("cuda")) is not None, cuda_tridiag.KERNELS.reason
+    for name, S in cuda_cases().items():
         monkeypatch.setenv("GDNVIZ_CUDA_TRIDIAG", "1")
         ours = symeig.svdvals(S)
         monkeypatch.setenv("GDNVIZ_CUDA_TRIDIAG", "0")
         triton = symeig.svdvals(S)
-        ref = torch.linalg.svdvals(S.double())
-        abs_err, rel_err = _max_errors(ours, ref)
-        assert abs_err < 1e-7 and rel_err < 1e-9, (name, abs_err, rel_err)
-        o, r = ours.cpu().numpy(), ref.cpu().numpy()
-        assert (spectra.numerical_rank(o) == spectra.numerical_rank(r)).all(), name
+        assert_matches_svdvals(ours, torch.linalg.svdvals(S.double()), name)
         smax = triton[:, :1].clamp_min(1e-300)
         assert ((ours.square() - triton.square()).abs() / smax.square()).max().item() < 1e-12, name

@@ -45,6 +45,24 @@ def _max_errors(ours, ref):
     return abs_err, (rel.max().item() if rel.numel() else 0.0)
 
 
+def cuda_cases() -> dict:
+    """CASES' test states at full size on CUDA: name -> [288, 128, 128]."""
+    ns = {}
+    exec(CASES, ns)
+    return ns["cases"](288, 128, 128, "cuda")
+
+
+def assert_matches_svdvals(ours, ref, name) -> None:
+    """GPU singular values vs float64 ``torch.linalg.svdvals``: 1e-7·σ_max absolute, 1e-9 relative for σ ≥ 1e-3·σ_max,
+    the same numerical ranks."""
+    from gdnviz.analysis import spectra
+
+    abs_err, rel_err = _max_errors(ours, ref)
+    assert abs_err < 1e-7 and rel_err < 1e-9, (name, abs_err, rel_err)
+    o, r = ours.cpu().numpy(), ref.cpu().numpy()
+    assert (spectra.numerical_rank(o) == spectra.numerical_rank(r)).all(), name
+
+
 def test_symeig_interpreted_matches_svdvals():
     code = CASES + textwrap.dedent('''
         import json, os, sys
@@ -78,15 +96,11 @@ def test_symeig_cuda_full_size_matches_svdvals():
     from gdnviz.analysis import spectra
     from gdnviz.gpu import symeig
 
-    ns = {}
-    exec(CASES, ns)
-    for name, S in ns["cases"](288, 128, 128, "cuda").items():
+    for name, S in cuda_cases().items():
         ours = symeig.svdvals(S)
         ref = torch.linalg.svdvals(S.double())
-        abs_err, rel_err = _max_errors(ours, ref)
-        assert abs_err < 1e-7 and rel_err < 1e-9, (name, abs_err, rel_err)
+        assert_matches_svdvals(ours, ref, name)
         o, r = ours.cpu().numpy(), ref.cpu().numpy()
-        assert (spectra.numerical_rank(o) == spectra.numerical_rank(r)).all(), name
         import numpy as np
 
         # σ agrees to ~1e-8·σ_max (sqrt(ε_f64) of the Gram route); the entropy sums 128 such terms, so erank

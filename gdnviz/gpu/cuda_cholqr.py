@@ -29,8 +29,8 @@ by a warp shuffle — the same arithmetic, so the same bits (a CUDA test checks 
 Compiled with ``torch.cuda._compile_kernel`` (NVRTC, bundled with CUDA builds of PyTorch; no ``nvcc`` needed), once
 per (R, device), on first use — call it once outside a CUDA-graph capture (``truncate_states``' callers do: the
 first window of ``gdnviz.gpu.scan_graph`` and ``gdnviz.gpu.cuda_graph.capture`` run eagerly first). The launch
-goes to the current stream, so graphs capture it. If compilation fails (no NVRTC, an unsupported GPU), ``available``
-is False with the reason in ``unavailable_reason`` and ``gdnviz.truncate`` keeps its torch path.
+goes to the current stream, so graphs capture it. If compilation fails (no NVRTC, an unsupported GPU),
+``KERNELS.available`` is False with the reason in ``KERNELS.reason`` and ``gdnviz.truncate`` keeps its torch path.
 
 Status: used by ``gdnviz.truncate._cholqr`` on CUDA for float64 ``[N, 64|128, 32]`` blocks by default, in the
 ``"smem"`` form (``DEFAULT_ON``: inside ``truncate_states`` faster in all 8 measured cases, by 1–12%);
@@ -42,9 +42,10 @@ it to ``truncate._cholqr`` (1e-12 relative on well-conditioned blocks) and keep 
 from __future__ import annotations
 
 import os
-import threading
 
 import torch
+
+from gdnviz.gpu.nvrtc import Kernels
 
 SHAPES_R = (64, 128)
 Q = 32
@@ -135,10 +136,7 @@ CHOL = {
 """,
 }
 
-_KERNELS: dict = {}
-_LOCK = threading.Lock()
-available = True
-unavailable_reason = ""
+KERNELS = Kernels()  # KERNELS.available / KERNELS.reason: whether compilation worked, and why not
 
 
 def variant() -> str | None:
@@ -147,7 +145,7 @@ def variant() -> str | None:
     ``DEFAULT_ON``. None also once compilation failed, and on ROCm builds (the factorisation assumes 32-lane warps)."""
     env = os.environ.get("GDNVIZ_CUDA_CHOLQR", "").strip().lower()
     v = {"": "smem" if DEFAULT_ON else None, "1": "smem", "smem": "smem", "shfl": "shfl"}.get(env)
-    return v if available and torch.version.hip is None else None
+    return v if KERNELS.usable() else None
 
 
 def enabled() -> bool:
@@ -163,23 +161,8 @@ def supports(Z: torch.Tensor) -> bool:
 def _kernel(R: int, device: torch.device, form: str | None = None):
     """The compiled kernel for R rows on ``device`` in ``form`` ("smem" / "shfl"; default: ``variant()`` or "smem"),
     compiled on first use, or None if compilation failed."""
-    global available, unavailable_reason
     form = form or variant() or "smem"
-    key = (R, device.index, form)
-    k = _KERNELS.get(key)
-    if k is None:
-        with _LOCK:
-            k = _KERNELS.get(key)
-            if k is None:
-                try:
-                    with torch.cuda.device(device):
-                        k = torch.cuda._compile_kernel(source(R, form), "gdnviz_cholqr")
-                except Exception as e:  # noqa: BLE001 - no NVRTC / unsupported GPU: the torch path stays
-                    available = False
-                    unavailable_reason = f"{type(e).__name__}: {str(e)[:300]}"
-                    return None
-                _KERNELS[key] = k
-    return k
+    return KERNELS.get((R, device.index, form), device, source(R, form), "gdnviz_cholqr")
 
 
 def source(R: int, form: str = "smem") -> str:
@@ -196,7 +179,7 @@ def cholqr(Z: torch.Tensor, shift: float = 1e-13, tiny: float = 1e-300, form: st
     N, R, _ = Z.shape
     k = _kernel(R, Z.device, form)
     if k is None:
-        raise RuntimeError(f"the CUDA Cholesky-QR kernel is unavailable: {unavailable_reason}")
+        raise RuntimeError(f"the CUDA Cholesky-QR kernel is unavailable: {KERNELS.reason}")
     Z = Z.contiguous()
     out = torch.empty_like(Z)
     if N:

@@ -20,14 +20,15 @@ the largest single item of a truncation.
 Status: **not measured on a GPU yet** (written when the session's device time had run out); off unless
 ``GDNVIZ_CUDA_JACOBI=1``. ``bench/bench_cholqr.py`` times it (``jacobi_32_cuda``) and ``tests/test_cuda_jacobi.py``
 pins it to ``torch.linalg.eigh`` on CUDA; on CPU the source is only compiled (where an NVRTC library is found).
-If compilation fails, ``available`` is False (reason in ``unavailable_reason``) and the Triton kernel stays.
+If compilation fails, ``KERNELS.available`` is False (reason in ``KERNELS.reason``) and the Triton kernel stays.
 """
 from __future__ import annotations
 
 import os
-import threading
 
 import torch
+
+from gdnviz.gpu.nvrtc import Kernels
 
 N = 32
 MAX_SWEEPS = 24  # gdnviz.gpu.jacobi.MAX_SWEEPS
@@ -144,15 +145,12 @@ gdnviz_jacobi32(const double* __restrict__ T, double* __restrict__ W, double* __
 }
 """
 
-_KERNELS: dict = {}
-_LOCK = threading.Lock()
-available = True
-unavailable_reason = ""
+KERNELS = Kernels()  # KERNELS.available / KERNELS.reason: whether compilation worked, and why not
 
 
 def enabled() -> bool:
     """``GDNVIZ_CUDA_JACOBI=1`` (off by default: not yet measured), compiled, and an NVIDIA build (32-lane warps)."""
-    return os.environ.get("GDNVIZ_CUDA_JACOBI", "").strip() == "1" and available and torch.version.hip is None
+    return os.environ.get("GDNVIZ_CUDA_JACOBI", "").strip() == "1" and KERNELS.usable()
 
 
 def supports(T: torch.Tensor) -> bool:
@@ -161,21 +159,7 @@ def supports(T: torch.Tensor) -> bool:
 
 
 def _kernel(device: torch.device):
-    global available, unavailable_reason
-    k = _KERNELS.get(device.index)
-    if k is None:
-        with _LOCK:
-            k = _KERNELS.get(device.index)
-            if k is None:
-                try:
-                    with torch.cuda.device(device):
-                        k = torch.cuda._compile_kernel(SOURCE, "gdnviz_jacobi32")
-                except Exception as e:  # noqa: BLE001 - no NVRTC: the Triton kernel stays
-                    available = False
-                    unavailable_reason = f"{type(e).__name__}: {str(e)[:300]}"
-                    return None
-                _KERNELS[device.index] = k
-    return k
+    return KERNELS.get(device.index, device, SOURCE, "gdnviz_jacobi32")
 
 
 def eigh32(T: torch.Tensor, sweeps: int | None = None, *, return_sweeps: bool = False):
@@ -185,7 +169,7 @@ def eigh32(T: torch.Tensor, sweeps: int | None = None, *, return_sweeps: bool = 
         raise ValueError(f"eigh32 takes float64 CUDA [..., {N}, {N}]; got {T.dtype} {tuple(T.shape)} on {T.device}")
     k = _kernel(T.device)
     if k is None:
-        raise RuntimeError(f"the CUDA Jacobi kernel is unavailable: {unavailable_reason}")
+        raise RuntimeError(f"the CUDA Jacobi kernel is unavailable: {KERNELS.reason}")
     batch = T.shape[:-2]
     A = T.reshape(-1, N, N).contiguous()
     M = A.shape[0]

@@ -18,15 +18,16 @@ a 16K-token capture (bench/RESULTS.md), the largest item of the capture's GPU ti
 Status: **not run on a GPU yet** (written when the session's device time had run out); off unless
 ``GDNVIZ_CUDA_TRIDIAG=1``. ``bench/bench_spectra.py --candidates`` times it; ``tests/test_cuda_tridiag.py`` pins its
 eigenvalues (through the unchanged bisection) to ``torch.linalg.eigvalsh`` and its (D, E) to the Triton kernel's on
-CUDA; on CPU the source is only compiled where an NVRTC library is found. If compilation fails, ``available`` is
-False (reason in ``unavailable_reason``) and the Triton kernel stays.
+CUDA; on CPU the source is only compiled where an NVRTC library is found. If compilation fails,
+``KERNELS.available`` is False (reason in ``KERNELS.reason``) and the Triton kernel stays.
 """
 from __future__ import annotations
 
 import os
-import threading
 
 import torch
+
+from gdnviz.gpu.nvrtc import Kernels
 
 SIZES = (64, 128)
 
@@ -84,10 +85,7 @@ gdnviz_tridiag(const double* __restrict__ G, double* __restrict__ D, double* __r
 }
 """
 
-_KERNELS: dict = {}
-_LOCK = threading.Lock()
-available = True
-unavailable_reason = ""
+KERNELS = Kernels()  # KERNELS.available / KERNELS.reason: whether compilation worked, and why not
 
 
 def smem_bytes(n: int) -> int:
@@ -97,7 +95,7 @@ def smem_bytes(n: int) -> int:
 
 def enabled() -> bool:
     """``GDNVIZ_CUDA_TRIDIAG=1`` (off by default: not yet measured), compiled, and an NVIDIA build."""
-    return os.environ.get("GDNVIZ_CUDA_TRIDIAG", "").strip() == "1" and available and torch.version.hip is None
+    return os.environ.get("GDNVIZ_CUDA_TRIDIAG", "").strip() == "1" and KERNELS.usable()
 
 
 def supports(G: torch.Tensor) -> bool:
@@ -106,23 +104,7 @@ def supports(G: torch.Tensor) -> bool:
 
 
 def _kernel(n: int, device: torch.device):
-    global available, unavailable_reason
-    key = (n, device.index)
-    k = _KERNELS.get(key)
-    if k is None:
-        with _LOCK:
-            k = _KERNELS.get(key)
-            if k is None:
-                try:
-                    with torch.cuda.device(device):
-                        k = torch.cuda._compile_kernel(SOURCE % {"N": n}, "gdnviz_tridiag")
-                        k.set_shared_memory_config(smem_bytes(n))
-                except Exception as e:  # noqa: BLE001 - no NVRTC / too little shared memory: Triton stays
-                    available = False
-                    unavailable_reason = f"{type(e).__name__}: {str(e)[:300]}"
-                    return None
-                _KERNELS[key] = k
-    return k
+    return KERNELS.get((n, device.index), device, SOURCE % {"N": n}, "gdnviz_tridiag", shared_mem=smem_bytes(n))
 
 
 def tridiag(G: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -134,7 +116,7 @@ def tridiag(G: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     N, n, _ = G.shape
     k = _kernel(n, G.device)
     if k is None:
-        raise RuntimeError(f"the CUDA tridiagonalisation kernel is unavailable: {unavailable_reason}")
+        raise RuntimeError(f"the CUDA tridiagonalisation kernel is unavailable: {KERNELS.reason}")
     G = G.contiguous()
     D = torch.empty(N, n, dtype=torch.float64, device=G.device)
     E = torch.empty_like(D)
