@@ -1,8 +1,9 @@
 """Truncation of one layer (16 states) and one boundary (288 states) with the subspace pass's Cholesky-QRs in torch
-vs in one NVRTC-compiled CUDA kernel (gdnviz.gpu.cuda_cholqr; its shared-memory and its shuffle factorisation), each
-captured in a CUDA graph and replayed; then the building blocks alone, per launch (100 launches replayed from one
-graph): Cholesky-QR in torch and in the CUDA kernel, the Jacobi Rayleigh–Ritz eigensolver on random 32×32 SPD
-matrices (the Triton kernel gdnviz.gpu.jacobi and the one-warp CUDA kernel gdnviz.gpu.cuda_jacobi), a batched GEMM.
+vs in one NVRTC-compiled CUDA kernel (gdnviz.gpu.cuda_cholqr; its shared-memory form, variant ``cuda_cholqr`` — the
+name kept from the fifth session's rows — and its shuffle form, ``cuda_cholqr_shfl``, the default since the sixth
+session), each captured in a CUDA graph and replayed; then the building blocks alone, per launch (100 launches
+replayed from one graph): Cholesky-QR in torch and in the CUDA kernel (both forms), the Triton Jacobi Rayleigh–Ritz
+eigensolver (gdnviz.gpu.jacobi) on random 32×32 SPD matrices, a batched GEMM.
 
     python bench/bench_cholqr.py --device cuda
 
@@ -10,7 +11,8 @@ One JSON line per (variant, states, rank): replay ms, ratio to the torch path in
 against the exact float64 SVD energies, and whether replay equals the eager call.
 
 (The fifth session's split/fused Triton Cholesky-QR kernels, measured with this script at commits 53f9ec5 and a2ec8d3 and found
-slower — bench/RESULTS.md — were removed afterwards.)
+slower — bench/RESULTS.md — were removed afterwards; so was the one-warp CUDA Jacobi, variant ``cuda_shfl_jacobi`` and
+kernel ``jacobi_32_cuda``, measured slower than the Triton Jacobi in the sixth session at commit 6e49d9f.)
 """
 from __future__ import annotations
 
@@ -26,10 +28,9 @@ from bench.common import device_name, emit  # noqa: E402
 from gdnviz import truncate as tr  # noqa: E402
 from gdnviz.gpu import cuda_cholqr  # noqa: E402
 
-# variant: (GDNVIZ_CUDA_CHOLQR, GDNVIZ_CUDA_JACOBI) — the torch Cholesky-QR path; the CUDA Cholesky-QR kernel
-# (shared-memory / shuffle factorisation); the latter with the one-warp CUDA Jacobi for the Rayleigh–Ritz step
-VARIANTS = {"torch": ("0", "0"), "cuda_cholqr": ("1", "0"), "cuda_cholqr_shfl": ("shfl", "0"),
-            "cuda_shfl_jacobi": ("shfl", "1")}
+# variant: GDNVIZ_CUDA_CHOLQR — the torch Cholesky-QR path; the CUDA Cholesky-QR kernel with the shared-memory /
+# the shuffle factorisation (named explicitly: "1" means the default form, which changed from smem to shfl)
+VARIANTS = {"torch": "0", "cuda_cholqr": "smem", "cuda_cholqr_shfl": "shfl"}
 
 
 def main() -> None:
@@ -62,7 +63,7 @@ def main() -> None:
             for name in VARIANTS:
                 if name not in wanted:
                     continue
-                os.environ["GDNVIZ_CUDA_CHOLQR"], os.environ["GDNVIZ_CUDA_JACOBI"] = VARIANTS[name]
+                os.environ["GDNVIZ_CUDA_CHOLQR"] = VARIANTS[name]
                 try:
                     eager = tr.truncate_states(S, r)
                     torch.cuda.synchronize()
@@ -80,12 +81,9 @@ def main() -> None:
                 emit(what="subspace_kernels", variant=name, n=n, r=r, replay_ms=round(ms, 4),
                      vs_torch=None if ref_ms is None else round(ref_ms / ms, 2), energy_err=float(f"{err:.3e}"),
                      replay_equals_eager=bool(torch.equal(out, eager)), **base)
-    os.environ["GDNVIZ_CUDA_CHOLQR"], os.environ["GDNVIZ_CUDA_JACOBI"] = "0", "0"
-    from gdnviz.gpu import cuda_jacobi
-
+    os.environ["GDNVIZ_CUDA_CHOLQR"] = "0"
     emit(what="cuda_kernels_status", cholqr_available=cuda_cholqr.KERNELS.available,
-         cholqr_reason=cuda_cholqr.KERNELS.reason, jacobi_available=cuda_jacobi.KERNELS.available,
-         jacobi_reason=cuda_jacobi.KERNELS.reason, **base)
+         cholqr_reason=cuda_cholqr.KERNELS.reason, **base)
 
     # the kernels alone, per launch: 100 launches in one graph
     for n in sizes:
@@ -95,11 +93,8 @@ def main() -> None:
         from gdnviz.gpu.jacobi import eigh_jacobi
 
         T = (Y.mT @ Y).contiguous()  # random SPD 32×32: 7–8 sweeps (the truncation's Rayleigh quotients: 3–6)
-        cases = [("jacobi_32", lambda: eigh_jacobi(T))]
-        if cuda_jacobi.KERNELS.available:
-            cases.append(("jacobi_32_cuda", lambda: cuda_jacobi.eigh32(T)))
-        cases.append(("torch_bmm_128x128x32", lambda: torch.bmm(P, Y)))
-        cases.append(("torch_cholqr", lambda: tr._cholqr(Y)))
+        cases = [("jacobi_32", lambda: eigh_jacobi(T)), ("torch_bmm_128x128x32", lambda: torch.bmm(P, Y)),
+                 ("torch_cholqr", lambda: tr._cholqr(Y))]
         if cuda_cholqr.KERNELS.available:
             cases.append(("cuda_cholqr", lambda: cuda_cholqr.cholqr(Y, form="smem")))
             cases.append(("cuda_cholqr_shfl", lambda: cuda_cholqr.cholqr(Y, form="shfl")))

@@ -52,7 +52,8 @@ convergence test inside the kernel) instead of ``torch.linalg.eigh``, whose ``in
 of the subspace path impossible. The Cholesky factorisations call ``cholesky_ex`` without its error check and
 ``solve_triangular`` has none, so neither reads anything back. On an H200 (``bench/bench_truncate.py``,
 bench/RESULTS.md) ``torch.cuda.set_sync_debug_mode`` finds no host sync in the subspace path, and the whole call is
-captured in a CUDA graph and replayed (1.2–1.4 ms per 288 states for r ≤ 12). ``tests/test_jacobi.py`` has CUDA
+captured in a CUDA graph and replayed (1.2–1.4 ms per 288 states for r ≤ 12 with torch's Cholesky-QR kernels;
+1.05–1.19 ms with the CUDA Cholesky-QR kernel, the default, in the sixth session). ``tests/test_jacobi.py`` has CUDA
 tests for both. The exact paths (``"eigh"``, ``"svd"``, ranks > 32, K < 64) still call ``torch.linalg.eigh`` / ``svd`` on
 large matrices and sync. On CPU the Rayleigh–Ritz step keeps ``torch.linalg.eigh``. ``bench/bench_truncate.py``
 reports where the first sync happens and whether capture works.
@@ -164,7 +165,8 @@ def _cholqr(Z: torch.Tensor) -> torch.Tensor:
     damped rather than orthonormalised; ``_refill`` repairs them where orthonormality matters.
 
     On CUDA a float64 ``[N, 64|128, 32]`` block goes through one NVRTC-compiled kernel with the same definition
-    (``gdnviz.gpu.cuda_cholqr``; ``GDNVIZ_CUDA_CHOLQR=0`` keeps the torch kernels below).
+    (``gdnviz.gpu.cuda_cholqr``, its register/shuffle form by default; ``GDNVIZ_CUDA_CHOLQR=smem`` picks its
+    shared-memory form, ``=0`` keeps the torch kernels below).
     """
     if Z.is_cuda:
         from gdnviz.gpu import cuda_cholqr as _cc
@@ -204,17 +206,11 @@ def _eigh_small(T: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """``eigh`` of the batched q×q Rayleigh quotients (q ≤ 32): ascending values, vectors as columns.
 
     CUDA: the sync-free Triton Jacobi kernel (``gdnviz.gpu.jacobi``; ``torch.linalg.eigh`` would read its ``info``
-    on the host); with ``GDNVIZ_CUDA_JACOBI=1`` the same Jacobi as one warp per matrix in an NVRTC-compiled kernel
-    (``gdnviz.gpu.cuda_jacobi``, opt-in until measured). CPU: ``torch.linalg.eigh`` (LAPACK), without importing
-    Triton — except under ``TRITON_INTERPRET=1``, where ``eigh_jacobi`` runs the kernel in the interpreter (tests)."""
+    on the host). (A one-warp-per-matrix CUDA version of the same Jacobi was measured slower on an H200 in the sixth
+    session — bench/RESULTS.md — and removed.) CPU: ``torch.linalg.eigh`` (LAPACK), without importing Triton —
+    except under ``TRITON_INTERPRET=1``, where ``eigh_jacobi`` runs the kernel in the interpreter (tests)."""
     if T.device.type == "cpu" and os.environ.get("TRITON_INTERPRET", "0") in ("", "0"):
         return torch.linalg.eigh(T)
-    if T.is_cuda:
-        from gdnviz.gpu import cuda_jacobi as _cj
-
-        # opt-in (GDNVIZ_CUDA_JACOBI=1, not yet measured): the same Jacobi, one warp per matrix, NVRTC-compiled
-        if _cj.enabled() and _cj.supports(T) and _cj._kernel(T.device) is not None:
-            return _cj.eigh32(T)
     from gdnviz.gpu.jacobi import eigh_jacobi  # lazy: imports triton
 
     return eigh_jacobi(T)

@@ -1,4 +1,4 @@
-"""Shared checks for the NVRTC-compiled CUDA kernels' tests (tests/test_cuda_cholqr.py, tests/test_cuda_jacobi.py).
+"""Shared checks for the NVRTC-compiled CUDA kernels' tests (tests/test_cuda_cholqr.py, tests/test_cuda_tridiag.py).
 
 ``compile_log(source)``: compile a kernel for sm_90 with an NVRTC library found here (a CUDA build of torch or the
 nvidia-cuda-nvrtc wheel) and return (return code, ptxas log), or None without one. ``truncation_checks(monkeypatch,

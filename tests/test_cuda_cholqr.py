@@ -15,11 +15,13 @@ from cuda_kernel_checks import compile_log, truncation_checks
 def test_switch_and_shapes(monkeypatch):
     monkeypatch.setenv("GDNVIZ_CUDA_CHOLQR", "0")
     assert not cuda_cholqr.enabled()
+    assert cuda_cholqr.DEFAULT_FORM == "shfl"  # measured faster than "smem" on the H200 (sixth session)
     if cuda_cholqr.KERNELS.available and torch.version.hip is None:
-        monkeypatch.setenv("GDNVIZ_CUDA_CHOLQR", "shfl")
-        assert cuda_cholqr.variant() == "shfl"
-        monkeypatch.setenv("GDNVIZ_CUDA_CHOLQR", "1")
-        assert cuda_cholqr.variant() == "smem"
+        for env, form in (("shfl", "shfl"), ("1", "shfl"), ("smem", "smem"), ("SMEM ", "smem")):
+            monkeypatch.setenv("GDNVIZ_CUDA_CHOLQR", env)
+            assert cuda_cholqr.variant() == form, env
+        monkeypatch.delenv("GDNVIZ_CUDA_CHOLQR")
+        assert cuda_cholqr.variant() == ("shfl" if cuda_cholqr.DEFAULT_ON else None)
     monkeypatch.setenv("GDNVIZ_CUDA_CHOLQR", "1")
     assert cuda_cholqr.enabled() == (cuda_cholqr.KERNELS.available and torch.version.hip is None)
     monkeypatch.delenv("GDNVIZ_CUDA_CHOLQR")
@@ -81,8 +83,9 @@ def test_cuda_kernel_equals_the_torch_definition(monkeypatch):
 
 @pytest.mark.gpu
 @cuda
-def test_truncation_with_the_cuda_kernel_keeps_the_energy_and_replays(monkeypatch):
-    truncation_checks(monkeypatch, "GDNVIZ_CUDA_CHOLQR", "1")
+@pytest.mark.parametrize("form", ["shfl", "smem"])
+def test_truncation_with_the_cuda_kernel_keeps_the_energy_and_replays(monkeypatch, form):
+    truncation_checks(monkeypatch, "GDNVIZ_CUDA_CHOLQR", form)
 
 
 @pytest.mark.gpu

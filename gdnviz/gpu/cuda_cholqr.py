@@ -14,17 +14,22 @@ block of R threads per block ``Z[n]``:
 Why: a Cholesky-QR in torch is ~7 kernels (GEMM, two diagonal updates, ``cholesky_ex``, ``solve_triangular``,
 GEMM) and the subspace truncation runs 8–10 of them per call. Triton versions of the same factorisation
 (``gdnviz.gpu.cholqr``; the fifth session's split kernels, since removed) were slower (64–190 µs per launch): each of
-their 32 column steps is a cross-warp reduction over a register tile. Here a column step is a few shared-memory
-operations of one warp.
+their 32 column steps is a cross-warp reduction over a register tile. Here a column step is a few warp shuffles
+(or shared-memory operations) of one warp.
 
-Measured (H200, bench/bench_cholqr.py, fifth session; 100 launches replayed from a CUDA graph): 45.8 µs per launch
-for 16 blocks (torch: 51.8 µs), 73.6 µs for 288 (torch: 70.3 µs); inside ``truncate_states`` replayed from a graph,
-1.02–1.12× faster for 16 states and 1.01–1.04× for 288, same energies. So one launch did not make it cheap: the
-Cholesky loop is latency-bound — lane t's update of row t (up to 31 dependent shared-memory read-modify-writes per
-column step, 32 steps) is ~30 µs by itself (an estimate from the instruction chain, not a profile). The second form
-of step 3, ``"shfl"`` (``GDNVIZ_CUDA_CHOLQR=shfl``), keeps row t in lane t's registers and fetches each ``L[k][j]``
-by a warp shuffle — the same arithmetic, so the same bits (a CUDA test checks it) — and compiles without spills
-(160 registers); it is **not measured yet** (the session's device time ran out), so it is not the default.
+Measured (H200, bench/bench_cholqr.py, fifth session; 100 launches replayed from a CUDA graph): the first form of
+step 3, ``"smem"`` (row t updated in shared memory), 45.8 µs per launch for 16 blocks (torch: 51.8 µs), 73.6 µs for
+288 (torch: 70.3 µs); inside ``truncate_states`` replayed from a graph, 1.02–1.12× faster for 16 states and
+1.01–1.04× for 288. One launch did not make it cheap: that Cholesky loop is latency-bound — lane t's update of row t
+(up to 31 dependent shared-memory read-modify-writes per column step, 32 steps) is ~30 µs by itself (an estimate
+from the instruction chain, not a profile). The second form, ``"shfl"``, keeps row t in lane t's registers and
+fetches each ``L[k][j]`` by a warp shuffle — the same arithmetic, so the same bits (a CUDA test checks it) — and
+compiles without spills (160 registers). Sixth session (H200, same script, both forms in one run; bench/RESULTS.md):
+per launch **27.6 µs for 16 blocks** (smem 45.6, torch 52.3) and **54.1 µs for 288** (smem 72.6, torch 71.1);
+inside ``truncate_states`` replayed from a graph, r = 1 / 4 / 12 / 32: 16 states 0.583 / 0.578 / 0.609 / 1.380 ms
+(smem 0.710 / 0.719 / 0.772 / 1.741, torch 0.716 / 0.810 / 0.793 / 1.869), 288 states 1.048 / 1.090 / 1.185 /
+2.710 ms (smem 1.172 / 1.233 / 1.340 / 3.069, torch 1.196 / 1.291 / 1.351 / 3.150) — faster than both in all 8
+cases (1.14–1.40× the torch path), energy error ≤ 2.5e-8 (the smem form's, bit for bit).
 
 Compiled with ``torch.cuda._compile_kernel`` (NVRTC, bundled with CUDA builds of PyTorch; no ``nvcc`` needed), once
 per (R, device), on first use — call it once outside a CUDA-graph capture (``truncate_states``' callers do: the
@@ -33,8 +38,8 @@ goes to the current stream, so graphs capture it. If compilation fails (no NVRTC
 ``KERNELS.available`` is False with the reason in ``KERNELS.reason`` and ``gdnviz.truncate`` keeps its torch path.
 
 Status: used by ``gdnviz.truncate._cholqr`` on CUDA for float64 ``[N, 64|128, 32]`` blocks by default, in the
-``"smem"`` form (``DEFAULT_ON``: inside ``truncate_states`` faster in all 8 measured cases, by 1–12%);
-``GDNVIZ_CUDA_CHOLQR=0`` turns it off, ``=shfl`` picks the shuffle form.
+``"shfl"`` form (``DEFAULT_ON``; measured above). ``GDNVIZ_CUDA_CHOLQR=0`` turns it off (torch's kernels),
+``=smem`` picks the shared-memory form, ``=1`` or ``=shfl`` the default form.
 Accuracy: same definition as the torch path, other summation order; the CUDA tests in tests/test_cuda_cholqr.py pin
 it to ``truncate._cholqr`` (1e-12 relative on well-conditioned blocks) and keep the 1e-5 energy criterion inside
 ``truncate_states``.
@@ -50,6 +55,7 @@ from gdnviz.gpu.nvrtc import Kernels
 SHAPES_R = (64, 128)
 Q = 32
 DEFAULT_ON = True  # measured on an H200 (module docstring)
+DEFAULT_FORM = "shfl"  # the faster form on the H200 (sixth session), same bits as "smem"
 
 SOURCE = r"""
 #define RROWS %(R)d
@@ -141,10 +147,10 @@ KERNELS = Kernels()  # KERNELS.available / KERNELS.reason: whether compilation w
 
 def variant() -> str | None:
     """The factorisation used by ``gdnviz.truncate._cholqr`` on CUDA, from ``GDNVIZ_CUDA_CHOLQR``: ``0`` → None (torch's
-    kernels), ``1`` → ``"smem"``, ``shfl`` → ``"shfl"`` (not yet measured on a GPU); unset → ``"smem"`` if
-    ``DEFAULT_ON``. None also once compilation failed, and on ROCm builds (the factorisation assumes 32-lane warps)."""
+    kernels), unset, ``1`` or ``shfl`` → ``"shfl"`` (``DEFAULT_FORM``; unset only if ``DEFAULT_ON``), ``smem`` →
+    ``"smem"``. None also once compilation failed, and on ROCm builds (the factorisation assumes 32-lane warps)."""
     env = os.environ.get("GDNVIZ_CUDA_CHOLQR", "").strip().lower()
-    v = {"": "smem" if DEFAULT_ON else None, "1": "smem", "smem": "smem", "shfl": "shfl"}.get(env)
+    v = {"": DEFAULT_FORM if DEFAULT_ON else None, "1": DEFAULT_FORM, "smem": "smem", "shfl": "shfl"}.get(env)
     return v if KERNELS.usable() else None
 
 
@@ -159,13 +165,13 @@ def supports(Z: torch.Tensor) -> bool:
 
 
 def _kernel(R: int, device: torch.device, form: str | None = None):
-    """The compiled kernel for R rows on ``device`` in ``form`` ("smem" / "shfl"; default: ``variant()`` or "smem"),
-    compiled on first use, or None if compilation failed."""
-    form = form or variant() or "smem"
+    """The compiled kernel for R rows on ``device`` in ``form`` ("smem" / "shfl"; default: ``variant()`` or
+    ``DEFAULT_FORM``), compiled on first use, or None if compilation failed."""
+    form = form or variant() or DEFAULT_FORM
     return KERNELS.get((R, device.index, form), device, source(R, form), "gdnviz_cholqr")
 
 
-def source(R: int, form: str = "smem") -> str:
+def source(R: int, form: str = DEFAULT_FORM) -> str:
     """The CUDA source for R rows with the factorisation ``form``."""
     return SOURCE % {"R": R, "CHOL": CHOL[form]}
 

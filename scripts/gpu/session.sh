@@ -3,7 +3,7 @@
 # var, seconds; 0 skips the step) so that one slow step cannot starve the others and the sum fits the device tool's
 # 600 s per call. fla's first call at a new shape autotunes for seconds.
 # Device tool: command `[STEP_SECONDS...] bash scripts/gpu/session.sh [TESTS...]`, carry [".whl"], timeout_s 600.
-# Library switches (GDNVIZ_CUDA_CHOLQR=0|1|shfl, GDNVIZ_CUDA_JACOBI=1, ...) set before the command reach every bench.
+# Library switches (GDNVIZ_CUDA_CHOLQR=0|smem|shfl, GDNVIZ_CUDA_TRIDIAG=0, ...) set before the command reach every bench.
 # .whl holds flash_linear_attention-0.6.0 and fla_core-0.6.0 (pure-Python wheels; README "GPU"). Both wheels
 # fill the same fla/ package, so they are unpacked with zipfile rather than `pip --target --upgrade`.
 #
@@ -12,8 +12,8 @@
 #   TRUNC_SECONDS (100)         bench_truncate.py --quick: one boundary of 288 states (+ fused kernel rows)
 #   TRITON_CHOLQR_SECONDS (0)   bench_truncate.py --quick --triton-cholqr (Cholesky-QR in one Triton launch)
 #   CHOLQR_KERNEL_SECONDS (0)   bench_cholqr.py: truncation with the CUDA Cholesky-QR kernel (shared-memory and
-#                               shuffle forms, and with the CUDA Jacobi) vs the torch path, 16 and 288 states, CUDA
-#                               graphs; the building blocks alone (Jacobi Triton / CUDA, Cholesky-QR, GEMM)
+#                               shuffle forms) vs the torch path, 16 and 288 states, CUDA graphs; the building
+#                               blocks alone (Triton Jacobi, Cholesky-QR torch / CUDA, GEMM)
 #                               (CHOLQR_KERNEL_ARGS: extra arguments, e.g. "--sizes 16")
 #   SPECTRA_SECONDS (0)         bench_spectra.py --candidates (gesvda, CUDA tridiagonalisation, Triton num_warps)
 #   TRUNCRUN_SECONDS (150)      bench_truncated_run.py: 16K tokens, every head truncated at every boundary
@@ -31,7 +31,7 @@ export PYTHONPATH=/tmp/site:$PWD PYTHONUNBUFFERED=1
 nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv
 python3 -c "import torch, transformers, triton, fla; print(torch.__version__, transformers.__version__, triton.__version__, fla.__version__)"
 on() { [ "${1:-0}" != 0 ]; }
-TESTS=${*:-tests/test_cuda_cholqr.py tests/test_cuda_jacobi.py tests/test_cuda_tridiag.py tests/test_scan_graph.py tests/test_fused_truncate.py tests/test_gpu_runner.py tests/test_jacobi.py tests/test_truncate.py tests/test_symeig.py tests/test_kernels_vs_reference.py tests/test_fla_adapter.py}
+TESTS=${*:-tests/test_cuda_cholqr.py tests/test_cuda_tridiag.py tests/test_scan_graph.py tests/test_fused_truncate.py tests/test_gpu_runner.py tests/test_jacobi.py tests/test_truncate.py tests/test_symeig.py tests/test_kernels_vs_reference.py tests/test_fla_adapter.py}
 TESTS=$(for t in $TESTS; do [ -e "${t%%::*}" ] && echo "$t"; done)  # in the order given (pytest keeps it)
 if on ${GPU_TEST_SECONDS:-150}; then
   timeout ${GPU_TEST_SECONDS:-150} python3 -m pytest -v -m gpu -p no:cacheprovider --timeout 100 --tb=short \
