@@ -1,4 +1,5 @@
-"""Singular values of many 128×128 head states: gdnviz's Triton kernels vs torch.linalg on the same states.
+"""Singular values of many 128×128 head states: gdnviz.gpu.symeig (tridiagonalisation in the CUDA kernel
+gdnviz.gpu.cuda_tridiag by default, else Triton; Triton bisection) vs torch.linalg on the same states.
 
     python bench/bench_spectra.py --device cuda
 
@@ -55,9 +56,15 @@ def main():
         t_gram = timeit(lambda: symeig.gram(B), dev, repeats=3)
         D = torch.empty(args.big, 128, dtype=torch.float64, device=dev)
         E, W = torch.empty_like(D), torch.empty_like(D)
-        t_tri = timeit(lambda: symeig._tridiag_kernel[(args.big,)](G, D, E, N=128, num_warps=16), dev, repeats=3)
+        t_tri_triton = timeit(lambda: symeig._tridiag_kernel[(args.big,)](G, D, E, N=128, num_warps=16), dev,
+                              repeats=3)
+        from gdnviz.gpu import cuda_tridiag
+
+        # the tridiagonalisation symeig.svdvals used above (the CUDA kernel by default since the sixth session)
+        use_cuda = bool(dev.type == "cuda" and cuda_tridiag.enabled() and cuda_tridiag._kernel(128, dev) is not None)
+        t_tri = timeit(lambda: cuda_tridiag.tridiag(G), dev, repeats=3) if use_cuda else t_tri_triton
         emit(what=f"svdvals_{args.big}", n=args.big, ours_ms=t_big * 1e3, gram_ms=t_gram * 1e3,
-             tridiag_ms=t_tri * 1e3, bisect_ms=(t_big - t_gram - t_tri) * 1e3,
+             tridiag="cuda" if use_cuda else "triton", tridiag_ms=t_tri * 1e3, bisect_ms=(t_big - t_gram - t_tri) * 1e3,
              baseline="torch.linalg.svdvals(float64), extrapolated from 288", baseline_ms=t_svd * 1e3 * args.big / 288,
              ratio=t_svd * args.big / 288 / t_big, **base)
     if args.candidates and dev.type == "cuda":
@@ -71,8 +78,6 @@ def main():
             except Exception as e:  # noqa: BLE001 - a candidate that does not run is a result too
                 emit(what="candidate_gesvda_288", dtype=str(dt), error=repr(e)[:300], **base)
         if args.big:
-            from gdnviz.gpu import cuda_tridiag
-
             try:  # the one-block-per-matrix CUDA tridiagonalisation (same reflections), then the same bisection
                 t = timeit(lambda: cuda_tridiag.tridiag(G), dev, repeats=3)
                 D2, E2 = cuda_tridiag.tridiag(G)
@@ -83,11 +88,11 @@ def main():
                     symeig._bisect_kernel[((args.big + bm - 1) // bm,)](d_, e_, w_, args.big, N=128, BM=bm,
                                                                         STEPS=symeig.BISECT_STEPS, num_warps=4)
                 scale = W1.abs().amax(dim=1, keepdim=True).clamp_min(1e-300)
-                emit(what="candidate_tridiag_cuda", n=args.big, ms=t * 1e3, triton_tridiag_ms=t_tri * 1e3,
-                     ratio=t_tri / t, max_eig_diff_rel=((W2 - W1).abs() / scale).max().item(), **base)
+                emit(what="candidate_tridiag_cuda", n=args.big, ms=t * 1e3, triton_tridiag_ms=t_tri_triton * 1e3,
+                     ratio=t_tri_triton / t, max_eig_diff_rel=((W2 - W1).abs() / scale).max().item(), **base)
             except Exception as e:  # noqa: BLE001
                 emit(what="candidate_tridiag_cuda", error=repr(e)[:300], reason=cuda_tridiag.KERNELS.reason, **base)
-            for nw in (32, 8, 4):  # 16 is the library's (tridiag_ms above); 4 spills most, so last
+            for nw in (32, 8, 4):  # 16 is the library's Triton setting (triton_tridiag_ms); 4 spills most, so last
                 try:
                     t = timeit(lambda: symeig._tridiag_kernel[(args.big,)](G, D, E, N=128, num_warps=nw), dev,
                                repeats=3)

@@ -6,7 +6,8 @@ head shapes. Later documents of other lengths cost at most ~1.2 s more than warm
 shapes, not the length), and later processes on the same machine start in ~1 s (fla's and Triton's on-disk caches).
 So the worker runs every kernel family a user's jobs will need once, at load time, on a short dummy input:
 
-* a capture (one fla chunk pass per GDN layer with the state read-out, the Triton spectra kernels, the statistics);
+* a capture (one fla chunk pass per GDN layer with the state read-out, the spectra kernels — the NVRTC-compiled
+  CUDA tridiagonalisation and the Triton bisection — the statistics);
 * a truncated run with every head at rank 4 over 16 segments (fla's chunk call per segment, the truncation kernels
   — the Jacobi Rayleigh–Ritz — and the CUDA-graph window of ``gdnviz.gpu.scan_graph`` for this model's layers);
 * two greedy decoding steps (fla's fused recurrent kernel).
