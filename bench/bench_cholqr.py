@@ -1,7 +1,8 @@
 """Truncation of one layer (16 states) and one boundary (288 states) with the subspace pass's Cholesky-QRs in torch
 vs in one NVRTC-compiled CUDA kernel (gdnviz.gpu.cuda_cholqr; its shared-memory form, variant ``cuda_cholqr`` — the
 name kept from the fifth session's rows — and its shuffle form, ``cuda_cholqr_shfl``, the default since the sixth
-session), each captured in a CUDA graph and replayed; then the building blocks alone, per launch (100 launches
+session), and the whole truncation as one CUDA kernel (gdnviz.gpu.cuda_truncate, variant ``cuda_truncate``), each captured in a
+CUDA graph and replayed; then the building blocks alone, per launch (100 launches
 replayed from one graph): Cholesky-QR in torch and in the CUDA kernel (both forms), the Triton Jacobi Rayleigh–Ritz
 eigensolver (gdnviz.gpu.jacobi) on random 32×32 SPD matrices, a batched GEMM.
 
@@ -30,7 +31,8 @@ from gdnviz.gpu import cuda_cholqr  # noqa: E402
 
 # variant: GDNVIZ_CUDA_CHOLQR — the torch Cholesky-QR path; the CUDA Cholesky-QR kernel with the shared-memory /
 # the shuffle factorisation (named explicitly: "1" means the default form, which changed from smem to shfl)
-VARIANTS = {"torch": "0", "cuda_cholqr": "smem", "cuda_cholqr_shfl": "shfl"}
+# "cuda_truncate": the whole truncation as one CUDA kernel, one thread block per state (gdnviz.gpu.cuda_truncate)
+VARIANTS = {"torch": "0", "cuda_cholqr": "smem", "cuda_cholqr_shfl": "shfl", "cuda_truncate": "shfl"}
 
 
 def main() -> None:
@@ -64,11 +66,17 @@ def main() -> None:
                 if name not in wanted:
                     continue
                 os.environ["GDNVIZ_CUDA_CHOLQR"] = VARIANTS[name]
+                if name == "cuda_truncate":
+                    from gdnviz.gpu.cuda_truncate import truncate_cuda
+
+                    fn = lambda x, r=r: truncate_cuda(x, r)  # noqa: E731
+                else:
+                    fn = lambda x, r=r: tr.truncate_states(x, r)  # noqa: E731
                 try:
-                    eager = tr.truncate_states(S, r)
+                    eager = fn(S)
                     torch.cuda.synchronize()
                     err = energy_err(S64[:n], eager, r)
-                    ms, out = capture_replay_ms(lambda x: tr.truncate_states(x, r), S.clone(), 3, a.repeats)
+                    ms, out = capture_replay_ms(fn, S.clone(), 3, a.repeats)
                 except Exception as e:  # noqa: BLE001 - report and go on
                     emit(what="subspace_kernels", variant=name, n=n, r=r, error=f"{type(e).__name__}: {e}"[:300],
                          **base)

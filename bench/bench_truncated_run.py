@@ -32,9 +32,10 @@ def main():
     ap.add_argument("--segment-len", type=int, default=256)
     ap.add_argument("--ranks", default="1,4,12,32")
     ap.add_argument("--eager-rank", type=int, default=4, help="rank of the one eager-loop row (0: skip it)")
-    ap.add_argument("--fused-rank", type=int, default=4,
-                    help="rank of one graphed row that truncates with the fused Triton kernel instead of "
-                         "truncate_states' subspace path (GDNVIZ_FUSED_TRUNCATE=1; 0: skip it)")
+    ap.add_argument("--fused-rank", default="4",
+                    help="comma-separated ranks of graphed rows that truncate with the fused kernel instead of "
+                         "truncate_states' subspace path (GDNVIZ_FUSED_TRUNCATE=1; the CUDA kernel of "
+                         "gdnviz.gpu.cuda_truncate where it is on, else the Triton one; 0: skip)")
     ap.add_argument("--small", action="store_true", help="4 layers / 4 heads, vocab 32000: a CPU smoke run")
     ap.add_argument("--repeats", type=int, default=3)
     ap.add_argument("--profile", type=int, default=0)
@@ -89,14 +90,18 @@ def main():
         graphed[r] = h
         emit(what="truncated_run_graph", rank=r, seconds=t, first_call_seconds=t_first, baseline="plain_prefill",
              ratio=t / t_plain, readouts=h["readouts"], **base)
-    if args.fused_rank and dev.type == "cuda":
-        r = args.fused_rank
+    for r in [int(x) for x in str(args.fused_rank).split(",") if x and int(x) > 0]:
+        if dev.type != "cuda":
+            break
         os.environ["GDNVIZ_FUSED_TRUNCATE"] = "1"
         h = {}
         t_first = timeit(lambda: truncated(r, True, h), dev, repeats=1, warmup=0)
         t = timeit(lambda: truncated(r, True), dev, repeats=args.repeats, warmup=0)
         os.environ.pop("GDNVIZ_FUSED_TRUNCATE")
+        from gdnviz.gpu import cuda_truncate
+
         row = dict(what="truncated_run_graph_fused_kernel", rank=r, seconds=t, first_call_seconds=t_first,
+                   kernel="cuda_truncate" if cuda_truncate.enabled() else "triton_fused",
                    baseline="plain_prefill", ratio=t / t_plain, readouts=h["readouts"], **base)
         if r in graphed:
             row["max_abs_dlogp_vs_subspace"] = (graphed[r]["logp"] - h["logp"]).abs().max().item()

@@ -346,6 +346,15 @@ def truncate_fused(states: torch.Tensor, ranks, *, iters: int | None = None) -> 
     if not uses_kernel(X):
         r = rank_t if rank_t is not None else torch.full((N,), rank_int, dtype=torch.int32, device=dev)
         return reference_fused(X, r.expand(N), iters=iters).to(states.dtype).reshape(states.shape)
+    if X.is_cuda:
+        from gdnviz.gpu import cuda_truncate as _ct
+
+        # the same algorithm as one CUDA kernel, one thread block per state (NVRTC; GDNVIZ_CUDA_TRUNCATE)
+        if _ct.enabled():
+            Xc = X if X.dtype in (torch.float32, torch.float64) else X.float()
+            if _ct._kernel(K, V, Xc.dtype, dev) is not None:
+                y = _ct.truncate_cuda(Xc, rank_t if rank_t is not None else rank_int, iters)
+                return y.to(states.dtype).reshape(states.shape)
     omega, fill, table = _constants(K, V, dev)
     out = torch.empty_like(X)
     with torch.cuda.device(dev) if X.is_cuda else _nullcontext():  # Triton launches on the current device

@@ -1,0 +1,241 @@
+"""Run a CUDA kernel's source on the CPU: compile it with g++ against a small emulation of CUDA's thread model.
+
+Why: the development and CI machines have no GPU, but NVRTC-compiled kernels (``gdnviz.gpu.cuda_truncate``) hold
+whole algorithms — their arithmetic, their barriers, their shared-memory layout. Compiling *the same source* as C++
+and running every thread of a block as a user-level context (``ucontext``) checks what a compile check cannot: that
+the kernel computes what its float64 reference computes, that no thread reads shared memory another thread has not
+written yet (shared memory is filled with NaN before each block), and that every barrier is reached by every thread
+(a barrier that cannot complete is reported as a deadlock instead of hanging).
+
+Model (enough for kernels written against it, not all of CUDA):
+
+* one block at a time, its ``blockDim.x`` threads each on its own stack; a thread runs until it reaches
+  ``__syncthreads()`` / ``__syncwarp()`` (or a warp collective) or returns; ``__syncthreads()`` releases when every
+  live thread of the block waits there, ``__syncwarp()`` when every live lane of the warp does (exited threads count
+  as arrived, as on the GPU);
+* warp collectives over the full warp: ``__shfl_sync``, ``__shfl_xor_sync``, ``__any_sync``, ``__all_sync`` (a
+  write, a warp barrier, a read, a warp barrier);
+* dynamic shared memory only, declared as ``extern __shared__ double smem[];`` (statically sized ``__shared__``
+  arrays would be per-thread locals here);
+* math: ``sqrt``, ``rsqrt`` (as ``1/sqrt``: CUDA's is within 1 ulp), ``fma``, ``fabs``, ``__dmul_rn`` /
+  ``__dadd_rn`` / ``__dsub_rn`` and the rest of ``<cmath>``;
+  the host compiler does not contract ``a*b+c`` into FMAs as nvcc does, so results agree to rounding, not bit for bit.
+
+``Emulated(source, name, signature)`` compiles once per (source, name, signature) into a shared library under the
+temp directory; ``launch(grid, block, args, shared_mem)`` runs it on NumPy arrays (pointer arguments) and Python
+ints / floats, in place, and raises ``RuntimeError`` on a deadlock.
+"""
+from __future__ import annotations
+
+import ctypes
+import hashlib
+import os
+import shutil
+import subprocess
+import tempfile
+import threading
+
+import numpy as np
+
+SHIM = r"""
+#include <cmath>
+#include <cstdint>
+#include <cstring>
+#include <cstdlib>
+#include <algorithm>
+#include <ucontext.h>
+using std::min;
+using std::max;
+using std::sqrt;
+using std::fabs;
+using std::fma;
+#define __global__
+#define __device__
+#define __host__
+#define __forceinline__ inline
+#define __noinline__
+#define __restrict__ __restrict
+#define __launch_bounds__(...)
+#define __shared__
+#define __align__(n) alignas(n)
+struct emu_dim3 { unsigned x, y, z; };
+static emu_dim3 threadIdx = {0, 0, 0}, blockIdx = {0, 0, 0}, blockDim = {1, 1, 1}, gridDim = {1, 1, 1};
+static inline double rsqrt(double x) { return 1.0 / std::sqrt(x); }
+static inline float rsqrtf(float x) { return 1.0f / std::sqrt(x); }
+template <class T> static inline T __ldg(const T* p) { return *p; }
+static inline double __dmul_rn(double a, double b) { return a * b; }
+static inline double __dadd_rn(double a, double b) { return a + b; }
+static inline double __dsub_rn(double a, double b) { return a - b; }
+alignas(16) double smem[65536];  // 512 KiB: more than any GPU's shared memory per block
+
+namespace emu {
+enum { RUN = 0, WAIT_WARP = 1, WAIT_BLOCK = 2, DONE = 3 };
+static const size_t STACK = 256 * 1024;
+static int nthr = 0, cur = 0;
+static ucontext_t sched;
+static ucontext_t* ctx = nullptr;
+static char* stacks = nullptr;
+static int* st = nullptr;
+static int cap = 0;
+static uint64_t slot[32][32];
+static void (*entry)() = nullptr;
+static void yield_to_scheduler(int s) { st[cur] = s; swapcontext(&ctx[cur], &sched); }
+static void thread_main() { entry(); st[cur] = DONE; }
+}  // namespace emu
+
+static inline void __syncthreads() { emu::yield_to_scheduler(emu::WAIT_BLOCK); }
+static inline void __syncwarp(unsigned = 0xffffffffu) { emu::yield_to_scheduler(emu::WAIT_WARP); }
+template <class T> static inline T __shfl_sync(unsigned, T v, int src, int = 32) {
+    const int lane = threadIdx.x & 31, w = threadIdx.x >> 5;
+    uint64_t b = 0;
+    std::memcpy(&b, &v, sizeof(T));
+    emu::slot[w][lane] = b;
+    __syncwarp();
+    const uint64_t r = emu::slot[w][src & 31];
+    __syncwarp();
+    T out;
+    std::memcpy(&out, &r, sizeof(T));
+    return out;
+}
+template <class T> static inline T __shfl_xor_sync(unsigned m, T v, int lane_mask, int = 32) {
+    return __shfl_sync(m, v, (int)(threadIdx.x & 31) ^ lane_mask);
+}
+static inline int emu_vote(int p, int want_all) {
+    const int lane = threadIdx.x & 31, w = threadIdx.x >> 5;
+    emu::slot[w][lane] = p ? 1u : 0u;
+    __syncwarp();
+    int any = 0, all = 1;
+    for (int l = 0; l < 32; ++l) { any |= (int)emu::slot[w][l]; all &= (int)emu::slot[w][l]; }
+    __syncwarp();
+    return want_all ? all : any;
+}
+static inline int __any_sync(unsigned, int p) { return emu_vote(p, 0); }
+static inline int __all_sync(unsigned, int p) { return emu_vote(p, 1); }
+"""
+
+TRAMPOLINE = r"""
+static void* emu_args[32];
+static void emu_entry() { %(CALL)s; }
+extern "C" int emu_launch(void** args, int nargs, int grid, int nthr, long smem_bytes) {
+    using namespace emu;
+    for (int i = 0; i < nargs; ++i) emu_args[i] = args[i];
+    if (nthr > 1024 || smem_bytes > (long)sizeof(smem)) return -2;
+    if (nthr > cap) {
+        free(ctx); free(stacks); free(st);
+        ctx = (ucontext_t*)calloc(nthr, sizeof(ucontext_t));
+        stacks = (char*)malloc((size_t)nthr * STACK);
+        st = (int*)calloc(nthr, sizeof(int));
+        cap = nthr;
+    }
+    emu::nthr = nthr;
+    emu::entry = emu_entry;
+    blockDim.x = nthr; gridDim.x = grid;
+    for (int b = 0; b < grid; ++b) {
+        const double nan = std::nan("");
+        for (long i = 0; i < (long)(sizeof(smem) / sizeof(double)); ++i) smem[i] = nan;
+        blockIdx.x = b;
+        for (int t = 0; t < nthr; ++t) {
+            st[t] = RUN;
+            getcontext(&ctx[t]);
+            ctx[t].uc_stack.ss_sp = stacks + (size_t)t * STACK;
+            ctx[t].uc_stack.ss_size = STACK;
+            ctx[t].uc_link = &sched;
+            makecontext(&ctx[t], thread_main, 0);
+        }
+        for (;;) {
+            for (int t = 0; t < nthr; ++t) {
+                if (st[t] == RUN) { cur = t; threadIdx.x = t; swapcontext(&sched, &ctx[t]); }
+            }
+            int done = 0;
+            for (int t = 0; t < nthr; ++t) done += (st[t] == DONE);
+            if (done == nthr) break;
+            bool released = false;
+            for (int w0 = 0; w0 < nthr; w0 += 32) {
+                const int w1 = std::min(w0 + 32, nthr);
+                bool all = true, some = false;
+                for (int t = w0; t < w1; ++t) {
+                    all = all && (st[t] == WAIT_WARP || st[t] == DONE);
+                    some = some || st[t] == WAIT_WARP;
+                }
+                if (all && some) {
+                    for (int t = w0; t < w1; ++t) if (st[t] == WAIT_WARP) st[t] = RUN;
+                    released = true;
+                }
+            }
+            if (!released) {
+                bool all = true;
+                for (int t = 0; t < nthr; ++t) all = all && (st[t] == WAIT_BLOCK || st[t] == DONE);
+                if (!all) return -1;  // deadlock: a barrier some live thread never reaches
+                for (int t = 0; t < nthr; ++t) if (st[t] == WAIT_BLOCK) st[t] = RUN;
+            }
+        }
+    }
+    return 0;
+}
+"""
+
+_LOCK = threading.Lock()
+
+
+def available() -> bool:
+    """Whether a C++ compiler (``g++``) is on PATH."""
+    return shutil.which("g++") is not None
+
+
+class Emulated:
+    """A CUDA kernel compiled for the CPU emulation (module docstring).
+
+    ``signature``: the C types of the kernel's parameters in order, e.g. ``["const double*", "double*", "int",
+    "double"]``; pointer parameters take C-contiguous NumPy arrays, ``int`` / ``long long`` Python ints, ``double``
+    / ``float`` Python floats.
+    """
+
+    def __init__(self, source: str, name: str, signature: list[str]):
+        self.signature = list(signature)
+        call = f"{name}(" + ", ".join(f"*({t}*)emu_args[{i}]" for i, t in enumerate(self.signature)) + ")"
+        text = SHIM + "\n" + source + "\n" + TRAMPOLINE % {"CALL": call}
+        digest = hashlib.sha256(text.encode()).hexdigest()[:20]
+        path = os.path.join(tempfile.gettempdir(), f"gdnviz-emul-{digest}.so")
+        with _LOCK:
+            if not os.path.exists(path):
+                src = path[:-3] + ".cpp"
+                with open(src, "w") as f:
+                    f.write(text)
+                tmp = path + f".{os.getpid()}.tmp"
+                res = subprocess.run(["g++", "-O2", "-std=c++17", "-shared", "-fPIC", "-w", "-o", tmp, src],
+                                     capture_output=True, text=True)
+                if res.returncode != 0:
+                    raise RuntimeError(f"g++ failed for the emulation of {name}:\n{res.stderr[-4000:]}")
+                os.replace(tmp, path)
+        self._lib = ctypes.CDLL(path)
+        self._lib.emu_launch.restype = ctypes.c_int
+        self._lib.emu_launch.argtypes = [ctypes.c_void_p, ctypes.c_int, ctypes.c_int, ctypes.c_int, ctypes.c_long]
+
+    def launch(self, grid: int, block: int, args: list, shared_mem: int = 0) -> None:
+        """Run the kernel on ``grid`` blocks of ``block`` threads (1-D); pointer arguments are modified in place."""
+        if len(args) != len(self.signature):
+            raise ValueError(f"{len(self.signature)} arguments expected, got {len(args)}")
+        keep = []
+        for t, a in zip(self.signature, args):
+            t = t.strip()
+            if t.endswith("*"):
+                if not (isinstance(a, np.ndarray) and a.flags.c_contiguous):
+                    raise TypeError(f"a C-contiguous numpy array is needed for {t}")
+                keep.append(ctypes.c_void_p(a.ctypes.data))
+            elif t in ("int", "unsigned"):
+                keep.append(ctypes.c_int(int(a)))
+            elif t in ("long long", "long"):
+                keep.append(ctypes.c_longlong(int(a)))
+            elif t == "double":
+                keep.append(ctypes.c_double(float(a)))
+            elif t == "float":
+                keep.append(ctypes.c_float(float(a)))
+            else:
+                raise TypeError(f"unsupported parameter type {t!r}")
+        ptrs = (ctypes.c_void_p * len(keep))(*[ctypes.addressof(k) for k in keep])
+        with _LOCK:  # one emulated launch at a time: the shim's scheduler state is global
+            rc = self._lib.emu_launch(ptrs, len(keep), int(grid), int(block), int(shared_mem))
+        if rc == -1:
+            raise RuntimeError("emulated kernel deadlocked: a barrier that some live thread never reaches")
+        if rc == -2:
+            raise RuntimeError("emulated launch exceeds 1024 threads or the emulated shared memory")

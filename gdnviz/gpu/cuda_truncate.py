@@ -1,0 +1,146 @@
+"""Fused top-r truncation of GDN head states as one CUDA kernel (NVRTC): one thread block of 256 threads per state.
+
+``truncate_cuda(X, ranks)`` computes what ``gdnviz.gpu.fused_truncate.reference_fused`` computes — the projection
+``S_r = U_r U_rᵀ S`` of each state ``S [K, V]`` (K, V ∈ {64, 128}) onto its top-``r`` left singular directions by
+float64 block subspace iteration with Rayleigh–Ritz, ranks 1 … 32, the same start matrices, iteration counts,
+shifted Cholesky-QR, refill and second pass on the deflated state (see that module) — in one launch, with the whole
+algorithm of one state inside one thread block (source: ``cuda_truncate_src.cu`` beside this file):
+
+* ``G = S Sᵀ / ‖S‖²_F`` stays in shared memory (128 KiB for K = 128), with the 32-column block ``Q`` and a work
+  block (``[K, 33]`` each, padded against bank conflicts) and two 32×32 matrices: 211 KiB of the H200's 227 KiB per
+  block. Only ``U`` (the kept directions, ``[K, 32]``) goes to a global scratch buffer.
+* products ``G·Q`` as register-tiled float64 FMAs (4×4 per thread), ``S Sᵀ`` and ``U (Uᵀ S)`` 8×8 per thread;
+* Cholesky-QR: the Gram matrix, then one loop over the 32 columns with one barrier per column — threads < K keep
+  row t of ``Q`` in registers and forward-substitute it (right-looking), the other threads update the trailing
+  lower triangle of the Gram matrix;
+* Rayleigh–Ritz: the cyclic parallel Jacobi of ``gdnviz.gpu.jacobi`` (round-robin pairs, ``a_pq`` the mean of both
+  triangles, the skip test, Rutishauser's diagonal, the stop test once per sweep, ``MAX_SWEEPS`` / ``TOL``) with the
+  whole block: 32 threads compute a round's 16 rotations, all 256 apply ``Jᵀ A J`` and ``V J`` (two barriers per
+  round).
+
+Why: the subspace path of ``gdnviz.truncate`` launches ~40 small kernels per call and the Triton fused kernel runs
+~500 dependent cross-warp reductions with spills; both take ~0.6–1 ms for the 16 states of one layer-boundary on an
+H200, where the truncated run needs ≤ ~0.1 ms (bench/RESULTS.md, sixth session).
+
+Verified where: on CPU, the same source compiled with g++ against ``gdnviz.gpu.cuda_emul`` (every thread of a block
+as a user-level context, barriers and warp shuffles emulated, shared memory NaN-filled) equals ``reference_fused``
+on tests/test_truncate.py's batteries (tests/test_cuda_truncate.py); NVRTC compiles it for sm_90 without spills;
+on CUDA, tests/test_fused_truncate.py's GPU tests run through it when it is on.
+
+Contract (``truncate_cuda``): ``X [N, K, V]`` float32 or float64 CUDA, contiguous; ``ranks`` an int or an int32 CUDA
+tensor ``[N]`` (or 0-d) read by the kernel; ``iters`` filter steps per pass (None: ``iterations_for(r)`` per state).
+Ranks ≥ min(K, V) copy the state bit for bit; a device-side rank < 1 or 33 … min(K, V) − 1 gives a NaN state. No
+host sync; the constant buffers come from ``fused_truncate._constants`` (cached per device: first call outside a
+graph capture); one float64 ``[N, K, 32]`` scratch buffer per call.
+"""
+from __future__ import annotations
+
+import os
+
+import numpy as np
+import torch
+
+from gdnviz.gpu import jacobi as _jacobi
+from gdnviz.gpu.nvrtc import Kernels
+
+DIMS = (64, 128)
+Q = 32
+NT = 256
+DEFAULT_ON = False  # until measured on a GPU
+_SRC_PATH = os.path.join(os.path.dirname(os.path.abspath(__file__)), "cuda_truncate_src.cu")
+_CTYPES = {torch.float32: "float", torch.float64: "double"}
+SIGNATURE = ["const {T}*", "{T}*", "const int*", "int", "int", "const double*", "const double*", "const int*", "int",
+             "double*", "int", "double", "double"]
+
+KERNELS = Kernels()  # KERNELS.available / KERNELS.reason: whether compilation worked, and why not
+
+
+def source(K: int, V: int, ctype: str = "float") -> str:
+    """The kernel's CUDA source for ``[K, V]`` states of C type ``ctype`` ("float" or "double")."""
+    if K not in DIMS or V not in DIMS or ctype not in ("float", "double"):
+        raise ValueError(f"cuda_truncate takes K, V in {DIMS} and float/double; got {K}, {V}, {ctype}")
+    with open(_SRC_PATH) as f:
+        text = f.read()
+    return text.replace("@K@", str(K)).replace("@V@", str(V)).replace("@T@", ctype)
+
+
+def smem_bytes(K: int) -> int:
+    """Dynamic shared memory per block: G [K, K], two [K, 33] blocks, two [32, 33] matrices, 256 doubles of scalars."""
+    return 8 * (K * K + 2 * K * 33 + 2 * Q * 33 + 256)
+
+
+def enabled() -> bool:
+    """Whether ``fused_truncate.truncate_fused`` runs this kernel on CUDA: ``GDNVIZ_CUDA_TRUNCATE=1`` (``0`` off;
+    unset: ``DEFAULT_ON``), compiled, and an NVIDIA build (the kernel assumes 32-lane warps)."""
+    env = os.environ.get("GDNVIZ_CUDA_TRUNCATE", "").strip()
+    on = DEFAULT_ON if env == "" else env == "1"
+    return on and KERNELS.usable()
+
+
+def supports(X: torch.Tensor) -> bool:
+    """CUDA ``[N, K, V]`` float32/float64 with K, V in DIMS."""
+    return X.is_cuda and X.dim() == 3 and X.dtype in _CTYPES and X.shape[1] in DIMS and X.shape[2] in DIMS
+
+
+def _kernel(K: int, V: int, dtype: torch.dtype, device: torch.device):
+    ctype = _CTYPES[dtype]
+    return KERNELS.get((K, V, ctype, device.index), device, source(K, V, ctype), "gdnviz_truncate",
+                       shared_mem=smem_bytes(K))
+
+
+def _jacobi_args() -> tuple[int, float, float]:
+    return _jacobi.MAX_SWEEPS, _jacobi.TOL * _jacobi.TOL, _jacobi._SKIP
+
+
+def truncate_cuda(X: torch.Tensor, ranks, iters: int | None = None) -> torch.Tensor:
+    """``U_r U_rᵀ S`` for every state of ``X`` (module docstring); RuntimeError if the kernel is unavailable."""
+    from gdnviz.gpu.fused_truncate import _constants
+
+    if not supports(X):
+        raise ValueError(f"truncate_cuda takes float32/float64 CUDA [N, K, V] with K, V in {DIMS}; got {X.dtype} "
+                         f"{tuple(X.shape)} on {X.device}")
+    N, K, V = X.shape
+    k = _kernel(K, V, X.dtype, X.device)
+    if k is None:
+        raise RuntimeError(f"the CUDA truncation kernel is unavailable: {KERNELS.reason}")
+    X = X.contiguous()
+    omega, fill, table = _constants(K, V, X.device)
+    out = torch.empty_like(X)
+    if isinstance(ranks, torch.Tensor):
+        rt = ranks.to(X.device, torch.int32)
+        rank_int, stride = 0, (rt.stride(0) if rt.dim() == 1 else 0)
+    else:
+        rt, rank_int, stride = table, int(ranks), -1
+    if N:
+        scratch = torch.empty(N, K, Q, dtype=torch.float64, device=X.device)
+        sweeps, tol2, skip = _jacobi_args()
+        with torch.cuda.device(X.device):
+            k(grid=(N, 1, 1), block=(NT, 1, 1),
+              args=[X, out, rt, rank_int, stride, omega, fill, table, -1 if iters is None else int(iters), scratch,
+                    sweeps, tol2, skip], shared_mem=smem_bytes(K))
+    return out
+
+
+def emulate(X: torch.Tensor, ranks, iters: int | None = None) -> torch.Tensor:
+    """The same kernel source run on the CPU through ``gdnviz.gpu.cuda_emul`` (tests; needs ``g++``): ``X [N, K, V]``
+    float32/float64, ``ranks`` an int or N ints. Slow (~0.1–1 s per state): for checking, not for use."""
+    from gdnviz.gpu.cuda_emul import Emulated
+    from gdnviz.gpu.fused_truncate import _constants
+
+    N, K, V = X.shape
+    ctype = _CTYPES[X.dtype]
+    emu = Emulated(source(K, V, ctype), "gdnviz_truncate", [s.format(T=ctype) for s in SIGNATURE])
+    omega, fill, table = (t.cpu().numpy() for t in _constants(K, V, torch.device("cpu")))
+    x = np.ascontiguousarray(X.detach().cpu().numpy())
+    out = np.empty_like(x)
+    if isinstance(ranks, int):
+        rk, rank_int, stride = table.astype(np.int32), ranks, -1
+    else:
+        rk = np.ascontiguousarray(np.asarray([int(v) for v in ranks], dtype=np.int32))
+        rank_int, stride = 0, 1
+    scratch = np.empty((N, K, Q), dtype=np.float64)
+    sweeps, tol2, skip = _jacobi_args()
+    emu.launch(N, NT, [x, out, rk, rank_int, stride, np.ascontiguousarray(omega), np.ascontiguousarray(fill),
+                       np.ascontiguousarray(table.astype(np.int32)), -1 if iters is None else int(iters), scratch,
+                       sweeps, tol2, skip], smem_bytes(K))
+    return torch.from_numpy(out)

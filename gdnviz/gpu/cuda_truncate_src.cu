@@ -1,0 +1,516 @@
+// Fused top-r truncation of GDN head states: one thread block per state, everything but U in shared memory.
+// The algorithm of gdnviz.gpu.fused_truncate (reference_fused): see gdnviz/gpu/cuda_truncate.py for the contract.
+// Placeholders replaced by the Python side: @K@ (rows of a state), @V@ (columns), @T@ (float or double).
+// Written for gdnviz.gpu.cuda_emul too: dynamic shared memory only, barriers reached by every thread.
+#define K_ @K@
+#define V_ @V@
+#define M_ (K_ < V_ ? K_ : V_)
+#define QB 32
+#define QP 33
+#define HALF 16
+#define NT 256
+#define KR (K_ / 16)
+#define VR (V_ / 16)
+#define RA (K_ / 32)
+#define NU (NT - K_)
+#define NE ((496 + NU - 1) / NU)
+typedef @T@ scalar_t;
+#define SHIFT 1e-13
+#define TINY 1e-300
+#define FILLC 1e-6
+
+// shared memory map, in doubles
+#define OFF_A (K_ * K_)
+#define OFF_B (OFF_A + K_ * QP)
+#define OFF_C (OFF_B + K_ * QP)
+#define OFF_L (OFF_C + QB * QP)
+#define OFF_M (OFF_L + QB * QP)
+#define SMEM_DOUBLES (OFF_M + 256)
+// misc area (OFF_M): block-sum partials, Jacobi round arrays, refill norms, selection
+#define M_RED 0
+#define M_CC 8
+#define M_SG 40
+#define M_DD 72
+#define M_DN 104
+#define M_PP 136
+#define M_RT 168
+#define M_W 200
+#define M_SEL 232
+
+__device__ __forceinline__ double block_sum(double v, double* red) {
+    for (int o = 16; o > 0; o >>= 1) v += __shfl_xor_sync(0xffffffffu, v, o);
+    if ((threadIdx.x & 31) == 0) red[threadIdx.x >> 5] = v;
+    __syncthreads();
+    double s = 0.0;
+    for (int w = 0; w < NT / 32; ++w) s += red[w];
+    __syncthreads();
+    return s;
+}
+
+// Y [K][QP] = G [K][K] X [K][QP] (G symmetric: G[k][i] read for G[i][k]); no barrier inside.
+__device__ __forceinline__ void gemm_gx(const double* G, const double* X, double* Y) {
+    const int cg = threadIdx.x & 7, rg = threadIdx.x >> 3;
+    double acc[RA][4];
+#pragma unroll
+    for (int a = 0; a < RA; ++a)
+#pragma unroll
+        for (int b = 0; b < 4; ++b) acc[a][b] = 0.0;
+#pragma unroll 4
+    for (int k = 0; k < K_; ++k) {
+        double g[RA], x[4];
+#pragma unroll
+        for (int a = 0; a < RA; ++a) g[a] = G[k * K_ + rg + 32 * a];
+#pragma unroll
+        for (int b = 0; b < 4; ++b) x[b] = X[k * QP + cg + 8 * b];
+#pragma unroll
+        for (int a = 0; a < RA; ++a)
+#pragma unroll
+            for (int b = 0; b < 4; ++b) acc[a][b] = fma(g[a], x[b], acc[a][b]);
+    }
+#pragma unroll
+    for (int a = 0; a < RA; ++a)
+#pragma unroll
+        for (int b = 0; b < 4; ++b) Y[(rg + 32 * a) * QP + cg + 8 * b] = acc[a][b];
+}
+
+// T [QB][QP] = X^T Y over K rows (X, Y [K][QP]). mirror: T[i][j] = T[max][min] (the lower triangle, as eigh reads
+// it); shift: C_ii (1 + SHIFT) + TINY on the diagonal. No barrier inside.
+__device__ __forceinline__ void gemm_xty(const double* X, const double* Y, double* T, bool mirror, bool shift) {
+    const int j = threadIdx.x & 31, i0 = threadIdx.x >> 5;
+    double acc[4] = {0.0, 0.0, 0.0, 0.0};
+    int ii[4], jj[4];
+#pragma unroll
+    for (int a = 0; a < 4; ++a) {
+        const int i = i0 + 8 * a;
+        const bool sw = mirror && i < j;
+        ii[a] = sw ? j : i;
+        jj[a] = sw ? i : j;
+    }
+#pragma unroll 4
+    for (int k = 0; k < K_; ++k) {
+#pragma unroll
+        for (int a = 0; a < 4; ++a) acc[a] = fma(X[k * QP + ii[a]], Y[k * QP + jj[a]], acc[a]);
+    }
+#pragma unroll
+    for (int a = 0; a < 4; ++a) {
+        const int i = i0 + 8 * a;
+        double v = acc[a];
+        if (shift && i == j) v = v * (1.0 + SHIFT) + TINY;
+        T[i * QP + j] = v;
+    }
+}
+
+// X [K][QP] <- X L^{-T}, L L^T = X^T X + SHIFT diag + TINY I (shifted Cholesky-QR), C [QB][QP] scratch.
+// Threads < K own row t of X in registers (right-looking forward substitution); the others update the trailing
+// lower triangle of C. One barrier per column.
+__device__ void cholqr(double* X, double* C) {
+    const int t = threadIdx.x;
+    gemm_xty(X, X, C, false, true);
+    double x[QB];
+    int ei[NE], ek[NE];
+    if (t < K_) {
+#pragma unroll
+        for (int c = 0; c < QB; ++c) x[c] = X[t * QP + c];
+    } else {
+#pragma unroll
+        for (int m = 0; m < NE; ++m) {
+            const int e = (t - K_) + m * NU;  // entries (i, k), 1 <= k <= i <= 31, e = i'(i'+1)/2 + k'
+            if (e < 496) {
+                int i1 = (int)((sqrt(8.0 * e + 1.0) - 1.0) * 0.5);
+                while ((i1 + 1) * (i1 + 2) / 2 <= e) ++i1;
+                while (i1 * (i1 + 1) / 2 > e) --i1;
+                ei[m] = i1 + 1;
+                ek[m] = e - i1 * (i1 + 1) / 2 + 1;
+            } else {
+                ei[m] = 0;
+                ek[m] = 0;  // k = 0 is never updated
+            }
+        }
+    }
+    __syncthreads();
+#pragma unroll
+    for (int j = 0; j < QB; ++j) {
+        const double rj = rsqrt(C[j * QP + j]);
+        if (t < K_) {
+            const double y = x[j] * rj;
+            x[j] = y;
+#pragma unroll
+            for (int k = j + 1; k < QB; ++k) x[k] = fma(-(C[k * QP + j] * rj), y, x[k]);
+        } else {
+#pragma unroll
+            for (int m = 0; m < NE; ++m) {
+                const int i = ei[m], k = ek[m];
+                if (k > j) C[i * QP + k] = fma(-(C[i * QP + j] * rj), C[k * QP + j] * rj, C[i * QP + k]);
+            }
+        }
+        __syncthreads();
+    }
+    if (t < K_) {
+#pragma unroll
+        for (int c = 0; c < QB; ++c) X[t * QP + c] = x[c];
+    }
+    __syncthreads();
+}
+
+extern "C" __global__ void __launch_bounds__(NT, 1)
+gdnviz_truncate(const scalar_t* __restrict__ S, scalar_t* __restrict__ OUT, const int* __restrict__ RANKS,
+                int rank, int rank_stride, const double* __restrict__ OMEGA, const double* __restrict__ FILLD,
+                const int* __restrict__ ITER_TAB, int iters, double* __restrict__ USCR, int max_sweeps,
+                double tol2, double skip)
+{
+    extern __shared__ double smem[];
+    double* Gs = smem;
+    double* As = smem + OFF_A;
+    double* Bs = smem + OFF_B;
+    double* Cs = smem + OFF_C;
+    double* Ls = smem + OFF_L;
+    double* misc = smem + OFF_M;
+    const int t = threadIdx.x;
+    const long long n = blockIdx.x;
+    const scalar_t* Sn = S + n * (K_ * V_);
+    scalar_t* On = OUT + n * (K_ * V_);
+    double* Un = USCR + n * (K_ * QB);
+    const int r = (rank_stride >= 0) ? RANKS[n * rank_stride] : rank;
+    if (r >= M_) {  // kept: the state unchanged, bit for bit
+        for (int e = t; e < K_ * V_; e += NT) On[e] = Sn[e];
+        return;
+    }
+    if (r < 1 || r > 2 * HALF) {  // an invalid device-side rank: NaN, not a silent answer
+        for (int e = t; e < K_ * V_; e += NT) On[e] = (scalar_t)nan("");
+        return;
+    }
+    const int n_it = (iters >= 0) ? iters : ITER_TAB[r];
+    const int npass = (r > HALF) ? 2 : 1;
+    for (int e = t; e < K_ * QB; e += NT) Un[e] = 0.0;
+    const int tx = t & 15, ty = t >> 4;
+
+    // ---- G = S S^T / ||S||_F^2, S staged through As 32 columns at a time
+    {
+        double acc[KR][KR];
+#pragma unroll
+        for (int a = 0; a < KR; ++a)
+#pragma unroll
+            for (int b = 0; b < KR; ++b) acc[a][b] = 0.0;
+        for (int v0 = 0; v0 < V_; v0 += QB) {
+            for (int e = t; e < K_ * QB; e += NT) As[(e >> 5) * QP + (e & 31)] = (double)Sn[(e >> 5) * V_ + v0 + (e & 31)];
+            __syncthreads();
+#pragma unroll 1
+            for (int c = 0; c < QB; ++c) {
+                double rb[KR];
+#pragma unroll
+                for (int b = 0; b < KR; ++b) rb[b] = As[(tx + 16 * b) * QP + c];
+#pragma unroll
+                for (int a = 0; a < KR; ++a) {
+                    const double ra = As[(ty + 16 * a) * QP + c];
+#pragma unroll
+                    for (int b = 0; b < KR; ++b) acc[a][b] = fma(ra, rb[b], acc[a][b]);
+                }
+            }
+            __syncthreads();
+        }
+#pragma unroll
+        for (int a = 0; a < KR; ++a)
+#pragma unroll
+            for (int b = 0; b < KR; ++b) Gs[(ty + 16 * a) * K_ + tx + 16 * b] = acc[a][b];
+    }
+    __syncthreads();
+    double dsum = 0.0;
+    for (int i = t; i < K_; i += NT) dsum += Gs[i * K_ + i];
+    const double tr = block_sum(dsum, misc + M_RED);
+    const double inv = (tr > 0.0) ? 1.0 / sqrt(tr) : 0.0;
+    for (int e = t; e < K_ * K_; e += NT) Gs[e] *= inv * inv;
+    double zscale = inv;
+    __syncthreads();
+
+    for (int p = 0; p < npass; ++p) {
+        const int take = min(r - HALF * p, HALF);
+        // ---- Z = S Omega_p (S staged through Bs), deflated by U for the second pass, scaled to the state's norm
+        {
+            const int c = t & 31, r0 = t >> 5;
+            double acc[K_ / 8];
+#pragma unroll
+            for (int m = 0; m < K_ / 8; ++m) acc[m] = 0.0;
+            for (int v0 = 0; v0 < V_; v0 += QB) {
+                for (int e = t; e < K_ * QB; e += NT) Bs[(e >> 5) * QP + (e & 31)] = (double)Sn[(e >> 5) * V_ + v0 + (e & 31)];
+                __syncthreads();
+#pragma unroll 4
+                for (int vv = 0; vv < QB; ++vv) {
+                    const double o = OMEGA[(p * V_ + v0 + vv) * QB + c];
+#pragma unroll
+                    for (int m = 0; m < K_ / 8; ++m) acc[m] = fma(Bs[(r0 + 8 * m) * QP + vv], o, acc[m]);
+                }
+                __syncthreads();
+            }
+#pragma unroll
+            for (int m = 0; m < K_ / 8; ++m) As[(r0 + 8 * m) * QP + c] = acc[m];
+        }
+        if (p > 0) {
+            for (int e = t; e < K_ * QB; e += NT) Bs[(e >> 5) * QP + (e & 31)] = Un[e];
+            __syncthreads();
+            gemm_xty(Bs, As, Cs, false, false);  // U^T Z
+            __syncthreads();
+            for (int e = t; e < K_ * QB; e += NT) {
+                const int i = e >> 5, c = e & 31;
+                double s = 0.0;
+#pragma unroll 8
+                for (int m = 0; m < QB; ++m) s = fma(Bs[i * QP + m], Cs[m * QP + c], s);
+                As[i * QP + c] = (As[i * QP + c] - s) * zscale;
+            }
+        } else {
+            for (int e = t; e < K_ * QB; e += NT) As[(e >> 5) * QP + (e & 31)] *= zscale;
+        }
+        __syncthreads();
+        cholqr(As, Cs);
+        // ---- filter steps: Q <- cholqr(G (G Q))
+        for (int it = 0; it < n_it; ++it) {
+            gemm_gx(Gs, As, Bs);
+            __syncthreads();
+            gemm_gx(Gs, Bs, As);
+            __syncthreads();
+            cholqr(As, Cs);
+        }
+        // ---- refill damped columns with fixed unit directions, then Cholesky-QR twice
+        {
+            const int c = t & 31, g = t >> 5;
+            double s = 0.0;
+            for (int i = g; i < K_; i += NT / 32) s = fma(As[i * QP + c], As[i * QP + c], s);
+            Cs[g * QP + c] = s;
+            __syncthreads();
+            if (t < QB) {
+                double sum = 0.0;
+                for (int gg = 0; gg < NT / 32; ++gg) sum += Cs[gg * QP + t];
+                misc[M_W + t] = sqrt(fmax(1.0 - sum, 0.0));
+            }
+            __syncthreads();
+            for (int e = t; e < K_ * QB; e += NT) {
+                const int i = e >> 5, cc = e & 31;
+                As[i * QP + cc] += (FILLC * misc[M_W + cc]) * FILLD[(p * K_ + i) * QB + cc];
+            }
+            __syncthreads();
+        }
+        cholqr(As, Cs);
+        cholqr(As, Cs);
+        // ---- Rayleigh-Ritz: T = Q^T G Q (lower triangle), cyclic parallel Jacobi (A: Cs/Ls, V: Bs halves)
+        gemm_gx(Gs, As, Bs);
+        __syncthreads();
+        gemm_xty(As, Bs, Cs, true, false);
+        __syncthreads();
+        double* A = Cs;
+        double* A2 = Ls;
+        double* W = Bs;
+        double* W2 = Bs + QB * QP;
+        double* cc = misc + M_CC;
+        double* sg = misc + M_SG;
+        double* dd = misc + M_DD;
+        double* dn = misc + M_DN;
+        double* pp = misc + M_PP;
+        double* rt = misc + M_RT;
+        double fro = 0.0, off = 0.0;
+        for (int e = t; e < QB * QB; e += NT) {
+            const int i = e >> 5, j = e & 31;
+            W[i * QP + j] = (i == j) ? 1.0 : 0.0;
+            const double a = A[i * QP + j];
+            fro = fma(a, a, fro);
+            if (i != j) off = fma(a, a, off);
+        }
+        if (t < QB) dd[t] = A[t * QP + t];
+        fro = block_sum(fro, misc + M_RED);
+        off = block_sum(off, misc + M_RED);
+        const double thresh = tol2 * fro;
+        bool any = true;
+        for (int sweep = 0; sweep < max_sweeps && off > thresh && any; ++sweep) {
+            bool rotated = false;
+            for (int k = 0; k < QB - 1; ++k) {
+                if (t < QB) {  // the rotation of index t's pair in round k (both members compute the same one)
+                    const int j = (2 * k - t + (QB - 1)) % (QB - 1);
+                    const int pr = (t == QB - 1) ? k : ((j == t) ? QB - 1 : j);
+                    const double a_ip = A[t * QP + pr], a_pi = A[pr * QP + t];
+                    const double di = dd[t], dpr = dd[pr];
+                    const bool is_p = t < pr;
+                    const double app = is_p ? di : dpr, aqq = is_p ? dpr : di;
+                    const double apq = 0.5 * (a_ip + a_pi);
+                    const bool rot = fabs(apq) > skip * (sqrt(fabs(app)) * sqrt(fabs(aqq)));
+                    const double tau = (aqq - app) / (2.0 * (rot ? apq : 1.0));
+                    double tt = 1.0 / (fabs(tau) + sqrt(1.0 + tau * tau));
+                    tt = rot ? ((tau < 0.0) ? -tt : tt) : 0.0;
+                    const double c = 1.0 / sqrt(1.0 + tt * tt);
+                    const double s = tt * c;
+                    rotated = rotated || rot;
+                    cc[t] = c;
+                    sg[t] = is_p ? -s : s;
+                    pp[t] = (double)pr;
+                    rt[t] = rot ? 1.0 : 0.0;
+                    dn[t] = is_p ? app - tt * apq : aqq + tt * apq;
+                }
+                __syncthreads();
+                for (int e = t; e < QB * QB; e += NT) {  // A2 = J^T A J, W2 = W J
+                    const int i = e >> 5, j = e & 31;
+                    const int pi = (int)pp[i], pj = (int)pp[j];
+                    const double ci = cc[i], si = sg[i], cj = cc[j], sj = sg[j];
+                    double v = ci * (cj * A[i * QP + j] + sj * A[i * QP + pj])
+                             + si * (cj * A[pi * QP + j] + sj * A[pi * QP + pj]);
+                    if (i == j) v = dn[i];
+                    else if (j == pi && rt[i] != 0.0) v = 0.0;
+                    A2[i * QP + j] = v;
+                    W2[i * QP + j] = cj * W[i * QP + j] + sj * W[i * QP + pj];
+                }
+                if (t < QB) dd[t] = dn[t];
+                __syncthreads();
+                double* tmp = A; A = A2; A2 = tmp;
+                tmp = W; W = W2; W2 = tmp;
+            }
+            double o = 0.0;
+            for (int e = t; e < QB * QB; e += NT) {
+                const int i = e >> 5, j = e & 31;
+                if (i != j) o = fma(A[i * QP + j], A[i * QP + j], o);
+            }
+            off = block_sum(o, misc + M_RED);
+            any = block_sum(rotated ? 1.0 : 0.0, misc + M_RED) > 0.0;
+        }
+        // ---- the top `take` Ritz vectors (descending, ties by index) -> U columns HALF*p ...
+        if (t < QB) {
+            const double di = dd[t];
+            int rk = 0;
+            for (int j = 0; j < QB; ++j) {
+                const double dj = dd[j];
+                rk += (dj > di || (dj == di && j < t)) ? 1 : 0;
+            }
+            if (rk < take) misc[M_SEL + rk] = (double)t;
+        }
+        __syncthreads();
+        for (int e = t; e < K_ * HALF; e += NT) {
+            const int i = e >> 4, m = e & 15;
+            if (m < take) {
+                const int col = (int)misc[M_SEL + m];
+                double s = 0.0;
+#pragma unroll 8
+                for (int c = 0; c < QB; ++c) s = fma(As[i * QP + c], W[c * QP + col], s);
+                Un[i * QB + HALF * p + m] = s;
+            }
+        }
+        __syncthreads();
+        if (p + 1 < npass) {
+            // ---- deflate: G <- (I - UU^T) G (I - UU^T) = G - U Y^T - Y U^T, Y = GU - U (U^T G U) / 2; trace 1 again
+            for (int e = t; e < K_ * QB; e += NT) Bs[(e >> 5) * QP + (e & 31)] = Un[e];
+            __syncthreads();
+            gemm_gx(Gs, Bs, As);  // GU
+            __syncthreads();
+            gemm_xty(Bs, As, Cs, false, false);  // U^T G U
+            __syncthreads();
+            double y[K_ * QB / NT];
+#pragma unroll
+            for (int m = 0; m < K_ * QB / NT; ++m) {
+                const int e = t + m * NT, i = e >> 5, c = e & 31;
+                double s = 0.0;
+#pragma unroll 8
+                for (int mm = 0; mm < QB; ++mm) s = fma(Bs[i * QP + mm], Cs[mm * QP + c], s);
+                y[m] = As[i * QP + c] - 0.5 * s;
+            }
+            __syncthreads();
+#pragma unroll
+            for (int m = 0; m < K_ * QB / NT; ++m) {
+                const int e = t + m * NT;
+                As[(e >> 5) * QP + (e & 31)] = y[m];
+            }
+            __syncthreads();
+            {
+                double acc[KR][KR];
+#pragma unroll
+                for (int a = 0; a < KR; ++a)
+#pragma unroll
+                    for (int b = 0; b < KR; ++b) acc[a][b] = Gs[(ty + 16 * a) * K_ + tx + 16 * b];
+#pragma unroll 1
+                for (int m = 0; m < QB; ++m) {
+                    double uj[KR], yj[KR];
+#pragma unroll
+                    for (int b = 0; b < KR; ++b) {
+                        uj[b] = Bs[(tx + 16 * b) * QP + m];
+                        yj[b] = As[(tx + 16 * b) * QP + m];
+                    }
+#pragma unroll
+                    for (int a = 0; a < KR; ++a) {
+                        const double ui = Bs[(ty + 16 * a) * QP + m], yi = As[(ty + 16 * a) * QP + m];
+#pragma unroll
+                        for (int b = 0; b < KR; ++b)  // symmetric in (i, j) bit for bit: no contraction
+                            acc[a][b] = __dsub_rn(acc[a][b], __dadd_rn(__dmul_rn(ui, yj[b]), __dmul_rn(yi, uj[b])));
+                    }
+                }
+                __syncthreads();
+#pragma unroll
+                for (int a = 0; a < KR; ++a)
+#pragma unroll
+                    for (int b = 0; b < KR; ++b) Gs[(ty + 16 * a) * K_ + tx + 16 * b] = acc[a][b];
+            }
+            __syncthreads();
+            double d2 = 0.0;
+            for (int i = t; i < K_; i += NT) d2 += Gs[i * K_ + i];
+            const double t2 = block_sum(d2, misc + M_RED);
+            const bool ok = t2 > 0.0;
+            const double g2 = ok ? 1.0 / t2 : 0.0;
+            for (int e = t; e < K_ * K_; e += NT) Gs[e] *= g2;
+            zscale *= ok ? 1.0 / sqrt(t2) : 0.0;
+            __syncthreads();
+        }
+    }
+    // ---- U into As; Cholesky-QR twice after two passes (the second pass's refilled columns need not be ⊥ the first's)
+    for (int e = t; e < K_ * QB; e += NT) As[(e >> 5) * QP + (e & 31)] = Un[e];
+    __syncthreads();
+    if (npass > 1) {
+        cholqr(As, Cs);
+        cholqr(As, Cs);
+    }
+    // ---- S_r = U (U^T S): M = U^T S [QB][V] in Gs (S staged through Bs 16 rows at a time), then U M
+    {
+        const int cg = t & 7, vg = t >> 3;
+        double acc[V_ / 32][4];
+#pragma unroll
+        for (int a = 0; a < V_ / 32; ++a)
+#pragma unroll
+            for (int b = 0; b < 4; ++b) acc[a][b] = 0.0;
+        for (int k0 = 0; k0 < K_; k0 += 16) {
+            for (int e = t; e < 16 * V_; e += NT) Bs[e] = (double)Sn[k0 * V_ + e];
+            __syncthreads();
+#pragma unroll 4
+            for (int kk = 0; kk < 16; ++kk) {
+                double u[4], s[V_ / 32];
+#pragma unroll
+                for (int b = 0; b < 4; ++b) u[b] = As[(k0 + kk) * QP + cg + 8 * b];
+#pragma unroll
+                for (int a = 0; a < V_ / 32; ++a) s[a] = Bs[kk * V_ + vg + 32 * a];
+#pragma unroll
+                for (int a = 0; a < V_ / 32; ++a)
+#pragma unroll
+                    for (int b = 0; b < 4; ++b) acc[a][b] = fma(u[b], s[a], acc[a][b]);
+            }
+            __syncthreads();
+        }
+#pragma unroll
+        for (int a = 0; a < V_ / 32; ++a)
+#pragma unroll
+            for (int b = 0; b < 4; ++b) Gs[(cg + 8 * b) * V_ + vg + 32 * a] = acc[a][b];
+    }
+    __syncthreads();
+    {
+        double acc[KR][VR];
+#pragma unroll
+        for (int a = 0; a < KR; ++a)
+#pragma unroll
+            for (int b = 0; b < VR; ++b) acc[a][b] = 0.0;
+#pragma unroll 1
+        for (int c = 0; c < QB; ++c) {
+            double m[VR];
+#pragma unroll
+            for (int b = 0; b < VR; ++b) m[b] = Gs[c * V_ + tx + 16 * b];
+#pragma unroll
+            for (int a = 0; a < KR; ++a) {
+                const double u = As[(ty + 16 * a) * QP + c];
+#pragma unroll
+                for (int b = 0; b < VR; ++b) acc[a][b] = fma(u, m[b], acc[a][b]);
+            }
+        }
+#pragma unroll
+        for (int a = 0; a < KR; ++a)
+#pragma unroll
+            for (int b = 0; b < VR; ++b) On[(ty + 16 * a) * V_ + tx + 16 * b] = (scalar_t)acc[a][b];
+    }
+}
