@@ -88,6 +88,33 @@ def _kernel(K: int, V: int, dtype: torch.dtype, device: torch.device):
                        shared_mem=smem_bytes(K))
 
 
+# GDNVIZ_PROFILE build: clock64() cycles of thread 0 per phase (summed over passes and calls), index 15 = Jacobi sweeps
+PHASES = ("gram_G", "sketch_Z", "cholqr", "gemm_GQ", "refill", "ritz_T", "jacobi", "select_U", "deflate_G", "load_U",
+          "project", "", "", "", "", "jacobi_sweeps")
+
+
+def phase_cycles(X: torch.Tensor, ranks) -> torch.Tensor:
+    """Per state, the cycles thread 0 spent in each phase of ``PHASES`` (float64 ``[N, 16]``, CPU), from the kernel
+    built with ``GDNVIZ_PROFILE`` (``bench/bench_truncate_phases.py``); the outputs are those of ``truncate_cuda``."""
+    N, K, V = X.shape
+    ctype = _CTYPES[X.dtype]
+    k = KERNELS.get((K, V, ctype, X.device.index, "profile"), X.device,
+                    "#define GDNVIZ_PROFILE\n" + source(K, V, ctype), "gdnviz_truncate", shared_mem=smem_bytes(K))
+    if k is None:
+        raise RuntimeError(f"the CUDA truncation kernel is unavailable: {KERNELS.reason}")
+    from gdnviz.gpu.fused_truncate import _constants
+
+    X = X.contiguous()
+    omega, fill, table = _constants(K, V, X.device)
+    out = torch.empty_like(X)
+    scratch = torch.zeros(N, K, Q, dtype=torch.float64, device=X.device)
+    sweeps, tol2, skip = _jacobi_args()
+    with torch.cuda.device(X.device):
+        k(grid=(N, 1, 1), block=(NT, 1, 1), args=[X, out, table, int(ranks), -1, omega, fill, table, -1, scratch,
+                                                  sweeps, tol2, skip], shared_mem=smem_bytes(K))
+    return scratch[:, 0, :16].cpu()
+
+
 def _jacobi_args() -> tuple[int, float, float]:
     return _jacobi.MAX_SWEEPS, _jacobi.TOL * _jacobi.TOL, _jacobi._SKIP
 

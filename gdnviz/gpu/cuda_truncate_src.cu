@@ -37,6 +37,13 @@ typedef @T@ scalar_t;
 #define M_W 200
 #define M_SEL 232
 
+// GDNVIZ_PROFILE (bench/bench_truncate_phases.py): thread 0 adds clock64() deltas per phase; written to U's scratch
+#ifdef GDNVIZ_PROFILE
+#define PROF(i) do { if (t == 0) { const long long nw_ = clock64(); pacc[i] += nw_ - pt_; pt_ = nw_; } } while (0)
+#else
+#define PROF(i) do { } while (0)
+#endif
+
 __device__ __forceinline__ double block_sum(double v, double* red) {
     for (int o = 16; o > 0; o >>= 1) v += __shfl_xor_sync(0xffffffffu, v, o);
     if ((threadIdx.x & 31) == 0) red[threadIdx.x >> 5] = v;
@@ -45,6 +52,31 @@ __device__ __forceinline__ double block_sum(double v, double* red) {
     for (int w = 0; w < NT / 32; ++w) s += red[w];
     __syncthreads();
     return s;
+}
+
+// The Jacobi rotation of index i's pair in round k of the round-robin ordering (gdnviz.gpu.jacobi's algorithm): c, the
+// signed s of index i (J[p][i] for column i), index i's new diagonal entry (Rutishauser), the partner, whether it
+// rotates. a_pq is the mean of both triangles, so both members compute the same rotation. The skip test
+// |a_pq| > skip sqrt(|a_pp|) sqrt(|a_qq|) is compared squared (no square roots on the critical path; the two differ
+// only for entries below ~1e-154, far under the stop test's 1e-15 ||A||_F), and tau is computed unconditionally
+// (a_pq = 0 gives inf or NaN, masked by the test).
+__device__ __forceinline__ void jacobi_rotation(const double* A, const double* dd, int i, int k, double skip2,
+                                                double& c, double& sg, double& dnew, int& pr, bool& rot) {
+    const int j = (2 * k - i + (QB - 1)) % (QB - 1);
+    pr = (i == QB - 1) ? k : ((j == i) ? QB - 1 : j);
+    const double a_ip = A[i * QP + pr], a_pi = A[pr * QP + i];
+    const double di = dd[i], dpr = dd[pr];
+    const bool is_p = i < pr;
+    const double app = is_p ? di : dpr, aqq = is_p ? dpr : di;
+    const double apq = 0.5 * (a_ip + a_pi);
+    rot = apq * apq > skip2 * fabs(app * aqq);
+    const double tau = (aqq - app) / (2.0 * apq);
+    double tt = 1.0 / (fabs(tau) + sqrt(1.0 + tau * tau));
+    tt = rot ? ((tau < 0.0) ? -tt : tt) : 0.0;
+    c = rsqrt(1.0 + tt * tt);
+    const double s = tt * c;
+    sg = is_p ? -s : s;
+    dnew = is_p ? app - tt * apq : aqq + tt * apq;
 }
 
 // Y [K][QP] = G [K][K] X [K][QP] (G symmetric: G[k][i] read for G[i][k]); no barrier inside.
@@ -179,6 +211,11 @@ gdnviz_truncate(const scalar_t* __restrict__ S, scalar_t* __restrict__ OUT, cons
         for (int e = t; e < K_ * V_; e += NT) On[e] = (scalar_t)nan("");
         return;
     }
+#ifdef GDNVIZ_PROFILE
+    long long pacc[16];
+    for (int q = 0; q < 16; ++q) pacc[q] = 0;
+    long long pt_ = clock64();
+#endif
     const int n_it = (iters >= 0) ? iters : ITER_TAB[r];
     const int npass = (r > HALF) ? 2 : 1;
     for (int e = t; e < K_ * QB; e += NT) Un[e] = 0.0;
@@ -221,6 +258,7 @@ gdnviz_truncate(const scalar_t* __restrict__ S, scalar_t* __restrict__ OUT, cons
     for (int e = t; e < K_ * K_; e += NT) Gs[e] *= inv * inv;
     double zscale = inv;
     __syncthreads();
+    PROF(0);
 
     for (int p = 0; p < npass; ++p) {
         const int take = min(r - HALF * p, HALF);
@@ -260,14 +298,18 @@ gdnviz_truncate(const scalar_t* __restrict__ S, scalar_t* __restrict__ OUT, cons
             for (int e = t; e < K_ * QB; e += NT) As[(e >> 5) * QP + (e & 31)] *= zscale;
         }
         __syncthreads();
+        PROF(1);
         cholqr(As, Cs);
+        PROF(2);
         // ---- filter steps: Q <- cholqr(G (G Q))
         for (int it = 0; it < n_it; ++it) {
             gemm_gx(Gs, As, Bs);
             __syncthreads();
             gemm_gx(Gs, Bs, As);
             __syncthreads();
+            PROF(3);
             cholqr(As, Cs);
+            PROF(2);
         }
         // ---- refill damped columns with fixed unit directions, then Cholesky-QR twice
         {
@@ -288,23 +330,23 @@ gdnviz_truncate(const scalar_t* __restrict__ S, scalar_t* __restrict__ OUT, cons
             }
             __syncthreads();
         }
+        PROF(4);
         cholqr(As, Cs);
         cholqr(As, Cs);
+        PROF(2);
         // ---- Rayleigh-Ritz: T = Q^T G Q (lower triangle), cyclic parallel Jacobi (A: Cs/Ls, V: Bs halves)
         gemm_gx(Gs, As, Bs);
         __syncthreads();
+        PROF(3);
         gemm_xty(As, Bs, Cs, true, false);
         __syncthreads();
+        PROF(5);
         double* A = Cs;
         double* A2 = Ls;
         double* W = Bs;
         double* W2 = Bs + QB * QP;
-        double* cc = misc + M_CC;
-        double* sg = misc + M_SG;
         double* dd = misc + M_DD;
-        double* dn = misc + M_DN;
-        double* pp = misc + M_PP;
-        double* rt = misc + M_RT;
+        double* dd2 = misc + M_DN;
         double fro = 0.0, off = 0.0;
         for (int e = t; e < QB * QB; e += NT) {
             const int i = e >> 5, j = e & 31;
@@ -317,56 +359,53 @@ gdnviz_truncate(const scalar_t* __restrict__ S, scalar_t* __restrict__ OUT, cons
         fro = block_sum(fro, misc + M_RED);
         off = block_sum(off, misc + M_RED);
         const double thresh = tol2 * fro;
+        const double skip2 = skip * skip;
         bool any = true;
         for (int sweep = 0; sweep < max_sweeps && off > thresh && any; ++sweep) {
             bool rotated = false;
             for (int k = 0; k < QB - 1; ++k) {
-                if (t < QB) {  // the rotation of index t's pair in round k (both members compute the same one)
-                    const int j = (2 * k - t + (QB - 1)) % (QB - 1);
-                    const int pr = (t == QB - 1) ? k : ((j == t) ? QB - 1 : j);
-                    const double a_ip = A[t * QP + pr], a_pi = A[pr * QP + t];
-                    const double di = dd[t], dpr = dd[pr];
-                    const bool is_p = t < pr;
-                    const double app = is_p ? di : dpr, aqq = is_p ? dpr : di;
-                    const double apq = 0.5 * (a_ip + a_pi);
-                    const bool rot = fabs(apq) > skip * (sqrt(fabs(app)) * sqrt(fabs(aqq)));
-                    const double tau = (aqq - app) / (2.0 * (rot ? apq : 1.0));
-                    double tt = 1.0 / (fabs(tau) + sqrt(1.0 + tau * tau));
-                    tt = rot ? ((tau < 0.0) ? -tt : tt) : 0.0;
-                    const double c = 1.0 / sqrt(1.0 + tt * tt);
-                    const double s = tt * c;
-                    rotated = rotated || rot;
-                    cc[t] = c;
-                    sg[t] = is_p ? -s : s;
-                    pp[t] = (double)pr;
-                    rt[t] = rot ? 1.0 : 0.0;
-                    dn[t] = is_p ? app - tt * apq : aqq + tt * apq;
-                }
-                __syncthreads();
-                for (int e = t; e < QB * QB; e += NT) {  // A2 = J^T A J, W2 = W J
-                    const int i = e >> 5, j = e & 31;
-                    const int pi = (int)pp[i], pj = (int)pp[j];
-                    const double ci = cc[i], si = sg[i], cj = cc[j], sj = sg[j];
+                // One barrier per round: every thread computes the rotations it needs itself — of its column j (the
+                // lane) and of its four rows — from the previous round's A and diagonal (both members of a pair get
+                // the same rotation), writes its entries of J^T A J and W J into the other buffers, and lane j of
+                // warp 0 the new diagonal entry j.
+                const int j = t & 31;
+                double cj, sj, dj;
+                int pj;
+                bool rj;
+                jacobi_rotation(A, dd, j, k, skip2, cj, sj, dj, pj, rj);
+                rotated = rotated || rj;
+#pragma unroll
+                for (int m = 0; m < QB * QB / NT; ++m) {
+                    const int i = (t >> 5) + (NT / 32) * m;
+                    double ci, si, di;
+                    int pi;
+                    bool ri;
+                    jacobi_rotation(A, dd, i, k, skip2, ci, si, di, pi, ri);
                     double v = ci * (cj * A[i * QP + j] + sj * A[i * QP + pj])
                              + si * (cj * A[pi * QP + j] + sj * A[pi * QP + pj]);
-                    if (i == j) v = dn[i];
-                    else if (j == pi && rt[i] != 0.0) v = 0.0;
+                    if (i == j) v = di;
+                    else if (j == pi && ri) v = 0.0;
                     A2[i * QP + j] = v;
                     W2[i * QP + j] = cj * W[i * QP + j] + sj * W[i * QP + pj];
                 }
-                if (t < QB) dd[t] = dn[t];
+                if (t < QB) dd2[t] = dj;
                 __syncthreads();
                 double* tmp = A; A = A2; A2 = tmp;
                 tmp = W; W = W2; W2 = tmp;
+                tmp = dd; dd = dd2; dd2 = tmp;
             }
             double o = 0.0;
             for (int e = t; e < QB * QB; e += NT) {
-                const int i = e >> 5, j = e & 31;
-                if (i != j) o = fma(A[i * QP + j], A[i * QP + j], o);
+                const int i = e >> 5, jj = e & 31;
+                if (i != jj) o = fma(A[i * QP + jj], A[i * QP + jj], o);
             }
             off = block_sum(o, misc + M_RED);
             any = block_sum(rotated ? 1.0 : 0.0, misc + M_RED) > 0.0;
+#ifdef GDNVIZ_PROFILE
+            pacc[15] += 1;
+#endif
         }
+        PROF(6);
         // ---- the top `take` Ritz vectors (descending, ties by index) -> U columns HALF*p ...
         if (t < QB) {
             const double di = dd[t];
@@ -389,6 +428,7 @@ gdnviz_truncate(const scalar_t* __restrict__ S, scalar_t* __restrict__ OUT, cons
             }
         }
         __syncthreads();
+        PROF(7);
         if (p + 1 < npass) {
             // ---- deflate: G <- (I - UU^T) G (I - UU^T) = G - U Y^T - Y U^T, Y = GU - U (U^T G U) / 2; trace 1 again
             for (int e = t; e < K_ * QB; e += NT) Bs[(e >> 5) * QP + (e & 31)] = Un[e];
@@ -450,14 +490,17 @@ gdnviz_truncate(const scalar_t* __restrict__ S, scalar_t* __restrict__ OUT, cons
             for (int e = t; e < K_ * K_; e += NT) Gs[e] *= g2;
             zscale *= ok ? 1.0 / sqrt(t2) : 0.0;
             __syncthreads();
+            PROF(8);
         }
     }
     // ---- U into As; Cholesky-QR twice after two passes (the second pass's refilled columns need not be ⊥ the first's)
     for (int e = t; e < K_ * QB; e += NT) As[(e >> 5) * QP + (e & 31)] = Un[e];
     __syncthreads();
+    PROF(9);
     if (npass > 1) {
         cholqr(As, Cs);
         cholqr(As, Cs);
+        PROF(2);
     }
     // ---- S_r = U (U^T S): M = U^T S [QB][V] in Gs (S staged through Bs 16 rows at a time), then U M
     {
@@ -513,4 +556,9 @@ gdnviz_truncate(const scalar_t* __restrict__ S, scalar_t* __restrict__ OUT, cons
 #pragma unroll
             for (int b = 0; b < VR; ++b) On[(ty + 16 * a) * V_ + tx + 16 * b] = (scalar_t)acc[a][b];
     }
+    PROF(10);
+#ifdef GDNVIZ_PROFILE
+    if (t == 0)
+        for (int q = 0; q < 16; ++q) Un[q] = (double)pacc[q];
+#endif
 }

@@ -63,6 +63,10 @@ Verified where (tests/test_fused_truncate.py):
   SM's share of the float64 tensor cores, plus ~10 sequential 32-step Cholesky loops and 3–8 Jacobi sweeps of 31
   rounds; ``_NUM_WARPS`` has not been tuned.
 
+On CUDA with ``gdnviz.gpu.cuda_truncate`` on (``GDNVIZ_CUDA_TRUNCATE``), ``truncate_fused`` runs that module's CUDA
+kernel instead of the Triton one: the same algorithm and constants, one thread block of 256 threads per state with
+``G`` in shared memory (bfloat16 / float16 states go through float32 there).
+
 Host side: no ``.item()``, no data-dependent Python branch. Host-side ranks are validated (ValueError outside 1..32
 unless ≥ min(K, V)); an int rank is a kernel argument; a rank list becomes one host→device copy. A CUDA rank tensor
 is read only by the kernel, so a rank there outside 1..32 and below min(K, V) gives a NaN state (a loud answer
