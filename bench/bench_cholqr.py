@@ -1,8 +1,8 @@
 """Truncation of one layer (16 states) and one boundary (288 states) with the subspace pass's Cholesky-QRs in torch
 vs in one NVRTC-compiled CUDA kernel (gdnviz.gpu.cuda_cholqr; its shared-memory form, variant ``cuda_cholqr`` — the
 name kept from the fifth session's rows — and its shuffle form, ``cuda_cholqr_shfl``, the default since the sixth
-session), and the whole truncation as one CUDA kernel (gdnviz.gpu.cuda_truncate, variant ``cuda_truncate``), each captured in a
-CUDA graph and replayed; then the building blocks alone, per launch (100 launches
+session), and the whole truncation as one CUDA kernel (gdnviz.gpu.cuda_truncate, variant ``cuda_truncate``) or as the Triton
+fused kernel it replaces (``triton_fused``), each captured in a CUDA graph and replayed; then the building blocks alone, per launch (100 launches
 replayed from one graph): Cholesky-QR in torch and in the CUDA kernel (both forms), the Triton Jacobi Rayleigh–Ritz
 eigensolver (gdnviz.gpu.jacobi) on random 32×32 SPD matrices, a batched GEMM.
 
@@ -32,7 +32,9 @@ from gdnviz.gpu import cuda_cholqr  # noqa: E402
 # variant: GDNVIZ_CUDA_CHOLQR — the torch Cholesky-QR path; the CUDA Cholesky-QR kernel with the shared-memory /
 # the shuffle factorisation (named explicitly: "1" means the default form, which changed from smem to shfl)
 # "cuda_truncate": the whole truncation as one CUDA kernel, one thread block per state (gdnviz.gpu.cuda_truncate)
-VARIANTS = {"torch": "0", "cuda_cholqr": "smem", "cuda_cholqr_shfl": "shfl", "cuda_truncate": "shfl"}
+# "triton_fused": the Triton fused kernel (gdnviz.gpu.fused_truncate with GDNVIZ_CUDA_TRUNCATE=0), one program per state
+VARIANTS = {"torch": "0", "cuda_cholqr": "smem", "cuda_cholqr_shfl": "shfl", "cuda_truncate": "shfl",
+            "triton_fused": "shfl"}
 
 
 def main() -> None:
@@ -66,10 +68,15 @@ def main() -> None:
                 if name not in wanted:
                     continue
                 os.environ["GDNVIZ_CUDA_CHOLQR"] = VARIANTS[name]
+                os.environ["GDNVIZ_CUDA_TRUNCATE"] = "0" if name == "triton_fused" else "1"
                 if name == "cuda_truncate":
                     from gdnviz.gpu.cuda_truncate import truncate_cuda
 
                     fn = lambda x, r=r: truncate_cuda(x, r)  # noqa: E731
+                elif name == "triton_fused":
+                    from gdnviz.gpu.fused_truncate import truncate_fused
+
+                    fn = lambda x, r=r: truncate_fused(x, r)  # noqa: E731
                 else:
                     fn = lambda x, r=r: tr.truncate_states(x, r)  # noqa: E731
                 try:

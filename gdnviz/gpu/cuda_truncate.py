@@ -46,7 +46,7 @@ from gdnviz.gpu.nvrtc import Kernels
 DIMS = (64, 128)
 Q = 32
 NT = 256
-DEFAULT_ON = False  # until measured on a GPU
+DEFAULT_ON = True  # measured on an H200 (module docstring)
 _SRC_PATH = os.path.join(os.path.dirname(os.path.abspath(__file__)), "cuda_truncate_src.cu")
 _CTYPES = {torch.float32: "float", torch.float64: "double"}
 SIGNATURE = ["const {T}*", "{T}*", "const int*", "int", "int", "const double*", "const double*", "const int*", "int",

@@ -54,31 +54,6 @@ __device__ __forceinline__ double block_sum(double v, double* red) {
     return s;
 }
 
-// The Jacobi rotation of index i's pair in round k of the round-robin ordering (gdnviz.gpu.jacobi's algorithm): c, the
-// signed s of index i (J[p][i] for column i), index i's new diagonal entry (Rutishauser), the partner, whether it
-// rotates. a_pq is the mean of both triangles, so both members compute the same rotation. The skip test
-// |a_pq| > skip sqrt(|a_pp|) sqrt(|a_qq|) is compared squared (no square roots on the critical path; the two differ
-// only for entries below ~1e-154, far under the stop test's 1e-15 ||A||_F), and tau is computed unconditionally
-// (a_pq = 0 gives inf or NaN, masked by the test).
-__device__ __forceinline__ void jacobi_rotation(const double* A, const double* dd, int i, int k, double skip2,
-                                                double& c, double& sg, double& dnew, int& pr, bool& rot) {
-    const int j = (2 * k - i + (QB - 1)) % (QB - 1);
-    pr = (i == QB - 1) ? k : ((j == i) ? QB - 1 : j);
-    const double a_ip = A[i * QP + pr], a_pi = A[pr * QP + i];
-    const double di = dd[i], dpr = dd[pr];
-    const bool is_p = i < pr;
-    const double app = is_p ? di : dpr, aqq = is_p ? dpr : di;
-    const double apq = 0.5 * (a_ip + a_pi);
-    rot = apq * apq > skip2 * fabs(app * aqq);
-    const double tau = (aqq - app) / (2.0 * apq);
-    double tt = 1.0 / (fabs(tau) + sqrt(1.0 + tau * tau));
-    tt = rot ? ((tau < 0.0) ? -tt : tt) : 0.0;
-    c = rsqrt(1.0 + tt * tt);
-    const double s = tt * c;
-    sg = is_p ? -s : s;
-    dnew = is_p ? app - tt * apq : aqq + tt * apq;
-}
-
 // Y [K][QP] = G [K][K] X [K][QP] (G symmetric: G[k][i] read for G[i][k]); no barrier inside.
 __device__ __forceinline__ void gemm_gx(const double* G, const double* X, double* Y) {
     const int cg = threadIdx.x & 7, rg = threadIdx.x >> 3;
@@ -345,8 +320,12 @@ gdnviz_truncate(const scalar_t* __restrict__ S, scalar_t* __restrict__ OUT, cons
         double* A2 = Ls;
         double* W = Bs;
         double* W2 = Bs + QB * QP;
+        double* cc = misc + M_CC;
+        double* sg = misc + M_SG;
         double* dd = misc + M_DD;
-        double* dd2 = misc + M_DN;
+        double* dn = misc + M_DN;
+        double* pp = misc + M_PP;
+        double* rt = misc + M_RT;
         double fro = 0.0, off = 0.0;
         for (int e = t; e < QB * QB; e += NT) {
             const int i = e >> 5, j = e & 31;
@@ -359,45 +338,52 @@ gdnviz_truncate(const scalar_t* __restrict__ S, scalar_t* __restrict__ OUT, cons
         fro = block_sum(fro, misc + M_RED);
         off = block_sum(off, misc + M_RED);
         const double thresh = tol2 * fro;
-        const double skip2 = skip * skip;
         bool any = true;
         for (int sweep = 0; sweep < max_sweeps && off > thresh && any; ++sweep) {
             bool rotated = false;
             for (int k = 0; k < QB - 1; ++k) {
-                // One barrier per round: every thread computes the rotations it needs itself — of its column j (the
-                // lane) and of its four rows — from the previous round's A and diagonal (both members of a pair get
-                // the same rotation), writes its entries of J^T A J and W J into the other buffers, and lane j of
-                // warp 0 the new diagonal entry j.
-                const int j = t & 31;
-                double cj, sj, dj;
-                int pj;
-                bool rj;
-                jacobi_rotation(A, dd, j, k, skip2, cj, sj, dj, pj, rj);
-                rotated = rotated || rj;
-#pragma unroll
-                for (int m = 0; m < QB * QB / NT; ++m) {
-                    const int i = (t >> 5) + (NT / 32) * m;
-                    double ci, si, di;
-                    int pi;
-                    bool ri;
-                    jacobi_rotation(A, dd, i, k, skip2, ci, si, di, pi, ri);
+                if (t < QB) {  // the rotation of index t's pair in round k (both members compute the same one)
+                    const int j = (2 * k - t + (QB - 1)) % (QB - 1);
+                    const int pr = (t == QB - 1) ? k : ((j == t) ? QB - 1 : j);
+                    const double a_ip = A[t * QP + pr], a_pi = A[pr * QP + t];
+                    const double di = dd[t], dpr = dd[pr];
+                    const bool is_p = t < pr;
+                    const double app = is_p ? di : dpr, aqq = is_p ? dpr : di;
+                    const double apq = 0.5 * (a_ip + a_pi);
+                    const bool rot = fabs(apq) > skip * (sqrt(fabs(app)) * sqrt(fabs(aqq)));
+                    const double tau = (aqq - app) / (2.0 * (rot ? apq : 1.0));
+                    double tt = 1.0 / (fabs(tau) + sqrt(1.0 + tau * tau));
+                    tt = rot ? ((tau < 0.0) ? -tt : tt) : 0.0;
+                    const double c = 1.0 / sqrt(1.0 + tt * tt);
+                    const double s = tt * c;
+                    rotated = rotated || rot;
+                    cc[t] = c;
+                    sg[t] = is_p ? -s : s;
+                    pp[t] = (double)pr;
+                    rt[t] = rot ? 1.0 : 0.0;
+                    dn[t] = is_p ? app - tt * apq : aqq + tt * apq;
+                }
+                __syncthreads();
+                for (int e = t; e < QB * QB; e += NT) {  // A2 = J^T A J, W2 = W J
+                    const int i = e >> 5, j = e & 31;
+                    const int pi = (int)pp[i], pj = (int)pp[j];
+                    const double ci = cc[i], si = sg[i], cj = cc[j], sj = sg[j];
                     double v = ci * (cj * A[i * QP + j] + sj * A[i * QP + pj])
                              + si * (cj * A[pi * QP + j] + sj * A[pi * QP + pj]);
-                    if (i == j) v = di;
-                    else if (j == pi && ri) v = 0.0;
+                    if (i == j) v = dn[i];
+                    else if (j == pi && rt[i] != 0.0) v = 0.0;
                     A2[i * QP + j] = v;
                     W2[i * QP + j] = cj * W[i * QP + j] + sj * W[i * QP + pj];
                 }
-                if (t < QB) dd2[t] = dj;
+                if (t < QB) dd[t] = dn[t];
                 __syncthreads();
                 double* tmp = A; A = A2; A2 = tmp;
                 tmp = W; W = W2; W2 = tmp;
-                tmp = dd; dd = dd2; dd2 = tmp;
             }
             double o = 0.0;
             for (int e = t; e < QB * QB; e += NT) {
-                const int i = e >> 5, jj = e & 31;
-                if (i != jj) o = fma(A[i * QP + jj], A[i * QP + jj], o);
+                const int i = e >> 5, j = e & 31;
+                if (i != j) o = fma(A[i * QP + j], A[i * QP + j], o);
             }
             off = block_sum(o, misc + M_RED);
             any = block_sum(rotated ? 1.0 : 0.0, misc + M_RED) > 0.0;
