@@ -36,6 +36,10 @@ def main():
                     help="comma-separated ranks of graphed rows that truncate with the fused kernel instead of "
                          "truncate_states' subspace path (GDNVIZ_FUSED_TRUNCATE=1; the CUDA kernel of "
                          "gdnviz.gpu.cuda_truncate where it is on, else the Triton one; 0: skip)")
+    ap.add_argument("--mixed-ranks", default="",
+                    help="comma-separated ranks given to the heads of every layer in turn (head h gets ranks[h %% n]): "
+                         "rows for graph windows (fused kernel for mixed-rank layers, the default mode) and the "
+                         "eager loop")
     ap.add_argument("--small", action="store_true", help="4 layers / 4 heads, vocab 32000: a CPU smoke run")
     ap.add_argument("--repeats", type=int, default=3)
     ap.add_argument("--profile", type=int, default=0)
@@ -106,6 +110,26 @@ def main():
         if r in graphed:
             row["max_abs_dlogp_vs_subspace"] = (graphed[r]["logp"] - h["logp"]).abs().max().item()
         emit(**row)
+    if args.mixed_ranks and dev.type == "cuda":
+        from gdnviz.intervene import fused_truncation_mode
+
+        mixed = [int(x) for x in args.mixed_ranks.split(",")]
+        spec_m = TruncationSpec({(l, h): mixed[h % len(mixed)] for l in lm.info.gdn_layers
+                                 for h in range(lm.info.num_heads)})
+
+        def truncated_mixed(graphs, holder=None):
+            ctx = runner.RunContext(segment_len=L, callbacks=[TruncateCallback(lm.info, spec_m)], graphs=graphs)
+            out = runner.forward(lm, ids, logits_positions=last, keep_hidden=False, ctx=ctx)
+            if holder is not None:
+                holder["readouts"] = sorted(ctx.readouts)
+
+        for graphs in (True, False):
+            h = {}
+            t_first = timeit(lambda: truncated_mixed(graphs, h), dev, repeats=1, warmup=0)
+            t = timeit(lambda: truncated_mixed(graphs), dev, repeats=args.repeats if graphs else 1, warmup=0)
+            emit(what="truncated_run_mixed_ranks", ranks=mixed, graphs=graphs, mode=fused_truncation_mode(dev),
+                 seconds=t, first_call_seconds=t_first, baseline="plain_prefill", ratio=t / t_plain,
+                 readouts=h["readouts"], **base)
     if args.eager_rank:
         r = args.eager_rank
         h = {}

@@ -107,13 +107,24 @@ def _graph_truncation(heads_d: torch.Tensor, ranks, fused: bool):
 def fused_truncation_mode(device) -> str:
     """How CUDA-graph windows use the fused kernel (``gdnviz.gpu.fused_truncate``), from the environment variable
     ``GDNVIZ_FUSED_TRUNCATE``: ``"mixed"`` (only for layers whose heads have different ranks, which the subspace
-    path cannot capture), ``"always"`` (``1``) or ``"never"`` (``0``, and the default). Why not by default: measured
-    on an H200 (bench/RESULTS.md, fourth session) one launch on a layer's 16 states takes ~1.2 ms against ~0.8 ms
-    for the subspace path's kernels replayed in a graph, and the GPU test of mixed ranks inside graph windows has
-    not passed yet (its one run was cut off). So mixed-rank layers run the verified eager loop unless asked."""
+    path cannot capture), ``"always"`` (``1``) or ``"never"`` (``0``).
+
+    Default (unset): ``"mixed"`` where the fused kernel runs as one CUDA kernel (``gdnviz.gpu.cuda_truncate``), else
+    ``"never"``. Measured on an H200 (bench/RESULTS.md, sixth session): the CUDA kernel truncates a layer's 16 states
+    in 0.49–0.59 ms (r ≤ 12) against 0.58–0.60 ms for the subspace path, and the GPU test of mixed ranks inside graph
+    windows passes with it; without it a layer with mixed ranks sends the whole run to the eager loop (28.7× the
+    prefill at r = 4, fourth session). Uniform ranks keep the subspace path by default: ``"always"`` makes graph
+    windows and the eager loop truncate with different (equally exact) algorithms, whose answers then differ by
+    rounding, amplified through the layers (``test_left_padded_batch_graphs_on_gpu`` fails with it)."""
     env = os.environ.get("GDNVIZ_FUSED_TRUNCATE", "").strip().lower()
+    if torch.device(device).type != "cuda":
+        return "never"
+    if env == "":
+        from gdnviz.gpu import cuda_truncate
+
+        return "mixed" if cuda_truncate.enabled() else "never"
     mode = {"1": "always", "always": "always", "mixed": "mixed"}.get(env, "never")
-    if torch.device(device).type != "cuda" or mode == "never":
+    if mode == "never":
         return "never"
     try:
         import triton  # noqa: F401

@@ -231,13 +231,17 @@ def test_mixed_ranks_run_in_graphs_with_the_fused_kernel(monkeypatch):
 
 
 def test_fused_truncation_mode_from_the_environment(monkeypatch):
+    """The mode is pure logic on the device type and two switches (no CUDA needed): unset means "mixed" exactly when
+    the CUDA truncation kernel is on (GDNVIZ_CUDA_TRUNCATE), and never anything but "never" off CUDA."""
+    pytest.importorskip("triton")
     from gdnviz.intervene import fused_truncation_mode
 
-    for env, want in (("", "never"), ("0", "never"), ("mixed", "mixed"), ("1", "always"), ("always", "always")):
-        monkeypatch.setenv("GDNVIZ_FUSED_TRUNCATE", env)
-        assert fused_truncation_mode("cpu") == "never"
-        if torch.cuda.is_available():
-            assert fused_truncation_mode("cuda") == want
+    for cuda_kernel, default in (("1", "mixed"), ("0", "never")):
+        monkeypatch.setenv("GDNVIZ_CUDA_TRUNCATE", cuda_kernel)
+        for env, want in (("", default), ("0", "never"), ("mixed", "mixed"), ("1", "always"), ("always", "always")):
+            monkeypatch.setenv("GDNVIZ_FUSED_TRUNCATE", env)
+            assert fused_truncation_mode("cpu") == "never"
+            assert fused_truncation_mode("cuda") == want, (cuda_kernel, env)
 
 
 @pytest.mark.gpu

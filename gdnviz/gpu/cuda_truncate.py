@@ -22,6 +22,20 @@ Why: the subspace path of ``gdnviz.truncate`` launches ~40 small kernels per cal
 ~500 dependent cross-warp reductions with spills; both take ~0.6–1 ms for the 16 states of one layer-boundary on an
 H200, where the truncated run needs ≤ ~0.1 ms (bench/RESULTS.md, sixth session).
 
+Measured (H200, bench/RESULTS.md "sixth session — calls 2–5"; CUDA-graph replay, GDN-like float32 states): 16 states
+0.49 / 0.56 / 0.59 / 1.22 ms for r = 1 / 4 / 12 / 32 — 2.0× faster than the Triton fused kernel in the same run and
+1.03–1.19× faster than the subspace path with the CUDA Cholesky-QR; 288 states 1.29 / 1.34 / 1.46 / 3.11 ms (one
+block per state for its whole life: three waves over 132 SMs; there the subspace path is faster). Where its time
+goes (``bench/bench_truncate_phases.py``, thread 0's cycles per phase for r = 4): Jacobi 40% (4 sweeps × 31 rounds,
+each a chain of divisions and square roots for the rotations and two barriers), Cholesky-QRs 25–30% (7 calls × 32
+column steps), float64 products ~25%. A one-barrier Jacobi (every thread computing its own rotations) measured 1.5×
+slower in its Jacobi and was reverted. ``ptxas`` reports 255 registers and ~250 bytes of spills for K = 128.
+
+Status: used by ``gdnviz.gpu.fused_truncate.truncate_fused`` on CUDA (``DEFAULT_ON``; ``GDNVIZ_CUDA_TRUNCATE=0``
+keeps the Triton kernel): graph windows run it for layers whose heads have different ranks when
+``GDNVIZ_FUSED_TRUNCATE`` is unset or ``mixed`` (or for every layer with ``=1``); uniform ranks keep the subspace
+path.
+
 Verified where: on CPU, the same source compiled with g++ against ``gdnviz.gpu.cuda_emul`` (every thread of a block
 as a user-level context, barriers and warp shuffles emulated, shared memory NaN-filled) equals ``reference_fused``
 on tests/test_truncate.py's batteries (tests/test_cuda_truncate.py); NVRTC compiles it for sm_90 without spills;
