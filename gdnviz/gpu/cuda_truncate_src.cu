@@ -54,6 +54,19 @@ __device__ __forceinline__ double block_sum(double v, double* red) {
     return s;
 }
 
+// This thread's KR x KR tile of G (rows ty + 16a, columns tx + 16b) back to shared memory, then G's trace, which every
+// thread gets (block_sum: two barriers).
+__device__ __forceinline__ double store_tile_trace(const double (&acc)[KR][KR], double* Gs, double* red, int tx, int ty) {
+#pragma unroll
+    for (int a = 0; a < KR; ++a)
+#pragma unroll
+        for (int b = 0; b < KR; ++b) Gs[(ty + 16 * a) * K_ + tx + 16 * b] = acc[a][b];
+    __syncthreads();
+    double d = 0.0;
+    for (int i = threadIdx.x; i < K_; i += NT) d += Gs[i * K_ + i];
+    return block_sum(d, red);
+}
+
 // Y [K][QP] = G [K][K] X [K][QP] (G symmetric: G[k][i] read for G[i][k]); no barrier inside.
 __device__ __forceinline__ void gemm_gx(const double* G, const double* X, double* Y) {
     const int cg = threadIdx.x & 7, rg = threadIdx.x >> 3;
@@ -197,6 +210,7 @@ gdnviz_truncate(const scalar_t* __restrict__ S, scalar_t* __restrict__ OUT, cons
     const int tx = t & 15, ty = t >> 4;
 
     // ---- G = S S^T / ||S||_F^2, S staged through As 32 columns at a time
+    double tr;
     {
         double acc[KR][KR];
 #pragma unroll
@@ -220,15 +234,8 @@ gdnviz_truncate(const scalar_t* __restrict__ S, scalar_t* __restrict__ OUT, cons
             }
             __syncthreads();
         }
-#pragma unroll
-        for (int a = 0; a < KR; ++a)
-#pragma unroll
-            for (int b = 0; b < KR; ++b) Gs[(ty + 16 * a) * K_ + tx + 16 * b] = acc[a][b];
+        tr = store_tile_trace(acc, Gs, misc + M_RED, tx, ty);
     }
-    __syncthreads();
-    double dsum = 0.0;
-    for (int i = t; i < K_; i += NT) dsum += Gs[i * K_ + i];
-    const double tr = block_sum(dsum, misc + M_RED);
     const double inv = (tr > 0.0) ? 1.0 / sqrt(tr) : 0.0;
     for (int e = t; e < K_ * K_; e += NT) Gs[e] *= inv * inv;
     double zscale = inv;
@@ -439,6 +446,7 @@ gdnviz_truncate(const scalar_t* __restrict__ S, scalar_t* __restrict__ OUT, cons
                 As[(e >> 5) * QP + (e & 31)] = y[m];
             }
             __syncthreads();
+            double t2;
             {
                 double acc[KR][KR];
 #pragma unroll
@@ -461,16 +469,8 @@ gdnviz_truncate(const scalar_t* __restrict__ S, scalar_t* __restrict__ OUT, cons
                             acc[a][b] = __dsub_rn(acc[a][b], __dadd_rn(__dmul_rn(ui, yj[b]), __dmul_rn(yi, uj[b])));
                     }
                 }
-                __syncthreads();
-#pragma unroll
-                for (int a = 0; a < KR; ++a)
-#pragma unroll
-                    for (int b = 0; b < KR; ++b) Gs[(ty + 16 * a) * K_ + tx + 16 * b] = acc[a][b];
+                t2 = store_tile_trace(acc, Gs, misc + M_RED, tx, ty);
             }
-            __syncthreads();
-            double d2 = 0.0;
-            for (int i = t; i < K_; i += NT) d2 += Gs[i * K_ + i];
-            const double t2 = block_sum(d2, misc + M_RED);
             const bool ok = t2 > 0.0;
             const double g2 = ok ? 1.0 / t2 : 0.0;
             for (int e = t; e < K_ * K_; e += NT) Gs[e] *= g2;
