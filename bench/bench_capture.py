@@ -86,7 +86,8 @@ def main():
     c = holder["c"]
     emit(what="capture", seconds=t_cap, baseline="plain_prefill", ratio=t_cap / t_plain,
          stored_mb=len(c.to_bytes()) / 2**20, boundaries=len(c.positions), backends=c.meta["backends"],
-         readouts=c.meta.get("readouts"), pipelined=c.meta.get("pipelined"), **base)
+         readouts=c.meta.get("readouts"), pipelined=c.meta.get("pipelined"),
+         statistics_seconds=c.meta.get("statistics_seconds"), **base)
     if dev.type == "cuda" and not args.no_compare:  # the same capture with each layer's statistics inline
         def cap_inline():
             holder["i"] = capture_document(lm, ids[0].cpu(), L, pipeline=False)
@@ -95,7 +96,8 @@ def main():
         import numpy as np
 
         emit(what="capture_inline_statistics", seconds=t_inl, baseline="plain_prefill", ratio=t_inl / t_plain,
-             pipelined_speedup=t_inl / t_cap, sv_identical=bool(np.array_equal(holder["i"].sv, c.sv)), **base)
+             pipelined_speedup=t_inl / t_cap, sv_identical=bool(np.array_equal(holder["i"].sv, c.sv)),
+             statistics_seconds=holder["i"].meta.get("statistics_seconds"), **base)
 
     def cap_loop():
         holder["s"] = capture_document(lm, ids[0].cpu(), L, fast_states=False)

@@ -29,7 +29,9 @@ to the host run on a background thread with its own CUDA stream, while the main 
 (``_Pipeline``); without it every layer's device→host copies wait for the GPU before the next layer is launched,
 and host and GPU work never overlap. At most ``PIPELINE_DEPTH`` layers are in flight (so the GPU holds at most that
 many layers' boundary states). The numbers are the same either way (the tests compare them); on CPU the
-statistics run inline unless ``pipeline=True``.
+statistics run inline unless ``pipeline=True``. ``meta["statistics_seconds"]`` says where the statistics' time went
+(per job kind, and how long the main thread waited for the pipeline): on an H200 a 16K-token capture took 0.98 s for
+345 ms of GPU work, its host waiting in ~300 synchronous device→host copies (bench/RESULTS.md, sixth session).
 """
 from __future__ import annotations
 
@@ -66,10 +68,20 @@ class _Pipeline:
         self.depth = depth
         self._jobs: deque = deque()
         self._error: BaseException | None = None
+        # wall seconds: "main_thread_waiting" (submit waiting for a free slot, and drain), and per job kind the time
+        # its job ran (its host work, the device->host copies it waits for, and the final stream synchronisation)
+        self.seconds: dict[str, float] = {"main_thread_waiting": 0.0}
+        self._lock = threading.Lock()
 
-    def submit(self, fn: Callable, *tensors: torch.Tensor) -> None:
+    def _add(self, key: str, dt: float) -> None:
+        with self._lock:
+            self.seconds[key] = self.seconds.get(key, 0.0) + dt
+
+    def submit(self, fn: Callable, *tensors: torch.Tensor, kind: str = "job") -> None:
+        t0 = time.perf_counter()
         while len(self._jobs) >= self.depth:  # bound the memory held by jobs in flight
             self._jobs.popleft().join()
+        self._add("main_thread_waiting", time.perf_counter() - t0)
         self._raise()
         ev = None
         if self.stream is not None:
@@ -85,6 +97,7 @@ class _Pipeline:
                 prev.join()  # strict order (each job writes its own layer's slots; order keeps progress monotone)
             if self._error is not None:
                 return
+            t1 = time.perf_counter()
             try:
                 if self.stream is None:
                     fn()
@@ -95,6 +108,8 @@ class _Pipeline:
                         self.stream.synchronize()
             except BaseException as e:  # noqa: BLE001 - re-raised in the main thread
                 self._error = e
+            finally:
+                self._add(kind, time.perf_counter() - t1)
 
         t = threading.Thread(target=run, name="gdnviz-capture-stats", daemon=True)
         t.start()
@@ -106,8 +121,10 @@ class _Pipeline:
             raise e
 
     def drain(self) -> None:
+        t0 = time.perf_counter()
         while self._jobs:
             self._jobs.popleft().join()
+        self._add("main_thread_waiting", time.perf_counter() - t0)
         self._raise()
 
 
@@ -224,17 +241,29 @@ class CaptureCallback:
         self._done = 0
         self._pipeline_flag = pipeline
         self._pipe: _Pipeline | bool | None = None  # None: not decided yet (first layer); False: inline
+        self._inline_seconds: dict[str, float] = {}
 
-    def _run(self, fn: Callable, *tensors) -> None:
-        """Run ``fn`` now, or queue it on the pipeline (created at the first layer, on the keys' device)."""
+    def _run(self, fn: Callable, *tensors, kind: str) -> None:
+        """Run ``fn`` now, or queue it on the pipeline (created at the first layer, on the keys' device); ``kind``
+        names it in ``statistics_seconds``."""
         if self._pipe is None:
             dev = next((t.device for t in tensors if torch.is_tensor(t)), torch.device("cpu"))
             use = (dev.type == "cuda") if self._pipeline_flag is None else bool(self._pipeline_flag)
             self._pipe = _Pipeline(dev) if use else False
         if self._pipe:
-            self._pipe.submit(fn, *tensors)
+            self._pipe.submit(fn, *tensors, kind=kind)
         else:
+            t0 = time.perf_counter()
             fn()
+            self._inline_seconds[kind] = self._inline_seconds.get(kind, 0.0) + time.perf_counter() - t0
+
+    @property
+    def statistics_seconds(self) -> dict:
+        """Wall seconds spent on the statistics, by job kind (``layer_input``: gates, key samples and key geometry;
+        ``layer_end``: the boundary states' spectra and the final state, each with their device→host copies), plus
+        ``main_thread_waiting`` when pipelined — where a capture's time beyond the forward goes."""
+        src = self._pipe.seconds if self._pipe else self._inline_seconds
+        return {k: round(v, 4) for k, v in src.items()}
 
     @property
     def pipelined(self) -> bool:
@@ -252,7 +281,7 @@ class CaptureCallback:
         self._states = []
         li = self.layers.index(layer)
         k0, g0, b0 = keys[0], g[0], beta[0]  # [T, H, K], [T, H], [T, H]
-        self._run(lambda: self._layer_input_stats(li, k0, g0, b0), k0, g0, b0)
+        self._run(lambda: self._layer_input_stats(li, k0, g0, b0), k0, g0, b0, kind="layer_input")
 
     def _layer_input_stats(self, li, k0, g0, b0):
         self.g[li] = g0.float().T.cpu().numpy()
@@ -279,7 +308,7 @@ class CaptureCallback:
         if position % self.L != 0:
             blocks.append(final)
         self._states = []
-        self._run(lambda: self._layer_end_stats(li, blocks, final), final, *blocks)
+        self._run(lambda: self._layer_end_stats(li, blocks, final), final, *blocks, kind="layer_end")
         if self.cancel is not None and self.cancel():
             raise JobCancelled("capture cancelled")
 
@@ -330,5 +359,6 @@ def capture_document(lm, input_ids, segment_len: int = runner.DEFAULT_SEGMENT_LE
     meta = dict(version=CAPTURE_VERSION, name=name, n_tokens=T, segment_len=segment_len,
                 model=lm.info.to_dict(), gdn_layers=list(lm.info.gdn_layers), num_heads=lm.info.num_heads,
                 d_k=lm.info.d_k, d_v=lm.info.d_v, backends=sorted(out.backends), readouts=sorted(out.readouts),
-                pipelined=cb.pipelined, seconds=round(time.perf_counter() - t0, 4))
+                pipelined=cb.pipelined, seconds=round(time.perf_counter() - t0, 4),
+                statistics_seconds=cb.statistics_seconds)
     return cb.result(meta)

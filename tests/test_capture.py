@@ -144,6 +144,13 @@ def test_pipelined_statistics_equal_inline_ones(lm):
     n = len(lm.info.gdn_layers)
     assert seen == [(i, n) for i in range(1, n + 1)]
     assert not [t for t in threading.enumerate() if t.name == "gdnviz-capture-stats"]
+    # where the statistics' time went: both job kinds timed, and the main thread's waits when pipelined
+    assert set(inline.meta["statistics_seconds"]) == {"layer_input", "layer_end"}
+    assert set(piped.meta["statistics_seconds"]) == {"layer_input", "layer_end", "main_thread_waiting"}
+    for m in (inline.meta, piped.meta):
+        secs = m["statistics_seconds"]
+        assert all(v >= 0 for v in secs.values()) and secs["layer_input"] + secs["layer_end"] > 0
+        assert secs["layer_input"] + secs["layer_end"] <= m["seconds"] + 1e-3
 
 
 def test_pipelined_statistics_errors_reach_the_caller(lm):
