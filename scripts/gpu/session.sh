@@ -15,10 +15,12 @@
 #                               shuffle forms) vs the torch path, 16 and 288 states, CUDA graphs; the building
 #                               blocks alone (Triton Jacobi, Cholesky-QR torch / CUDA, GEMM)
 #                               (CHOLQR_KERNEL_ARGS: extra arguments, e.g. "--sizes 16")
+#   PHASES_SECONDS (0)          bench_truncate_phases.py: cycles per phase of the fused CUDA truncation kernel
+#                               (its GDNVIZ_PROFILE build), 16 and 288 states, r = 1/4/12/32
 #   SPECTRA_SECONDS (0)         bench_spectra.py --candidates (gesvda, CUDA tridiagonalisation, Triton num_warps)
 #   TRUNCRUN_SECONDS (150)      bench_truncated_run.py: 16K tokens, every head truncated at every boundary
-#                               (TRUNCRUN_ARGS: extra arguments, e.g. "--ranks 4 --eager-rank 0"; TRUNCRUN_PROFILE=25
-#                               adds a profiler table, which took the step past 70 s three times)
+#                               (TRUNCRUN_ARGS: extra arguments, e.g. "--ranks 4 --eager-rank 0 --mixed-ranks 1,4,12,32";
+#                               TRUNCRUN_PROFILE=25 adds a profiler table, which took the step past 70 s three times)
 #   CAPTURE_SECONDS (120)       bench_capture.py 16K (pipelined vs inline statistics, segment loop), new lengths
 #   CAPTURE128K_SECONDS (90)    bench_capture.py 128K, time and memory only
 #   SWEEP_SECONDS (0)           the demo model's CLI sweep, batch 8 vs 1 (rows compared)
@@ -49,6 +51,10 @@ fi
 if on ${CHOLQR_KERNEL_SECONDS:-0}; then
   timeout ${CHOLQR_KERNEL_SECONDS} python3 bench/bench_cholqr.py --device cuda ${CHOLQR_KERNEL_ARGS:-} > $OUT/bench_cholqr.log 2>&1
   grep '^{' $OUT/bench_cholqr.log | cut -c1-300
+fi
+if on ${PHASES_SECONDS:-0}; then
+  timeout ${PHASES_SECONDS} python3 bench/bench_truncate_phases.py --device cuda > $OUT/bench_truncate_phases.log 2>&1
+  grep '^{' $OUT/bench_truncate_phases.log | cut -c1-420
 fi
 if on ${SPECTRA_SECONDS:-0}; then
   timeout ${SPECTRA_SECONDS} python3 bench/bench_spectra.py --device cuda --candidates 2>&1 | tee $OUT/bench_spectra.jsonl
