@@ -10,7 +10,9 @@ So the worker runs every kernel family a user's jobs will need once, at load tim
   CUDA tridiagonalisation and the Triton bisection — the statistics);
 * a truncated run with every head at rank 4 over 16 segments (fla's chunk call per segment, the truncation kernels
   — the Jacobi Rayleigh–Ritz — and the CUDA-graph window of ``gdnviz.gpu.scan_graph`` for this model's layers);
-* two greedy decoding steps (fla's fused recurrent kernel).
+* two greedy decoding steps (fla's fused recurrent kernel);
+* the fused truncation of two states with different ranks (one of them two-pass), which graph windows use for layers
+  whose heads have different ranks: on CUDA the NVRTC compilation of ``gdnviz.gpu.cuda_truncate``.
 
 On CPU nothing is compiled or tuned, so ``needs_warm_up`` is False and loading stays as fast as it was;
 ``GDNVIZ_WARMUP=0`` turns it off on CUDA too.
@@ -53,6 +55,7 @@ def warm_up(lm, tokens: int = SEGMENT * SEGMENTS, segment_len: int = SEGMENT) ->
         ("capture", lambda: capture_document(lm, ids, segment_len)),
         ("truncated_run", lambda: greedy_generate(lm, ids, 2, segment_len=segment_len,
                                                   spec=TruncationSpec.all_heads(lm.info, 4), stop_ids=set())),
+        ("fused_truncation", lambda: _fused_truncation(lm)),
     ]
     for name, fn in steps:
         t = time.perf_counter()
@@ -68,3 +71,14 @@ def warm_up(lm, tokens: int = SEGMENT * SEGMENTS, segment_len: int = SEGMENT) ->
             break
         out[name] = round(time.perf_counter() - t, 3)
     return out
+
+
+def _fused_truncation(lm) -> None:
+    """Two random states of the model's head shape through ``truncate_fused`` at ranks 4 and 20 (when it supports
+    the shape): compiles the CUDA kernel and caches its constants on the device."""
+    from gdnviz.gpu.fused_truncate import DIMS, truncate_fused
+
+    K, V = lm.info.d_k, lm.info.d_v
+    if K in DIMS and V in DIMS and min(K, V) > 20:
+        x = torch.randn(2, K, V, generator=torch.Generator().manual_seed(0)).to(lm.device)
+        truncate_fused(x, [4, 20])
