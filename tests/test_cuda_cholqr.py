@@ -1,7 +1,8 @@
 """The NVRTC Cholesky-QR kernel (gdnviz.gpu.cuda_cholqr) pinned to gdnviz.truncate._cholqr's torch definition.
 
 CPU: the switch (GDNVIZ_CUDA_CHOLQR), the shapes it takes, and — where an NVRTC library can be found (CUDA builds
-of torch, or the nvidia-cuda-nvrtc wheel) — that the source compiles for sm_90 without spills of consequence.
+of torch, or the nvidia-cuda-nvrtc wheel) — that the source compiles for sm_90 without spills of consequence; and
+the source itself run through gdnviz.gpu.cuda_emul (g++, CUDA's threads emulated) with the CUDA test's criteria.
 CUDA: equal to the torch path to 1e-12 on well-conditioned blocks, the same answer on graded, rank-deficient and zero
 blocks, truncate_states with the kernel keeps the 1e-5 energy criterion, and a CUDA graph replays it.
 """
@@ -106,3 +107,35 @@ def test_shuffle_form_gives_the_same_bits_and_energy(monkeypatch):
     for r in (4, 32):
         y = truncate.truncate_states(S, r)
         assert truncate.energy_error(S, y, r).max().item() <= 1e-5
+
+
+# ------------------------------------------------------------------------------ the kernel's source, emulated on CPU
+@pytest.mark.skipif(not __import__("gdnviz.gpu.cuda_emul", fromlist=["x"]).available(), reason="g++ not installed")
+@pytest.mark.parametrize("form", ["smem", "shfl"])
+@pytest.mark.parametrize("R", [64, 128])
+def test_emulated_kernel_equals_the_torch_definition(R, form):
+    """The kernel's CUDA source run on the CPU (gdnviz.gpu.cuda_emul) against truncate._cholqr's torch kernels, with
+    the CUDA test's criteria: a random block equal to 1e-12 (and orthonormal to 1e-12), graded columns (1 … 1e-9) to
+    1e-8, duplicated columns (rank 16) finite and to 1e-6, zero stays zero; both forms give the same bits."""
+    import numpy as np
+
+    from gdnviz import truncate as tr
+    from gdnviz.gpu.cuda_emul import Emulated
+
+    g = torch.Generator().manual_seed(R)
+    Z = torch.randn(4, R, 32, generator=g, dtype=torch.float64)
+    Z[1] *= torch.logspace(0, -9, 32, dtype=torch.float64)
+    Z[2, :, 16:] = Z[2, :, :16]
+    Z[3] = 0
+    outs = {}
+    for f in ("smem", "shfl"):
+        emu = Emulated(cuda_cholqr.source(R, f), "gdnviz_cholqr", ["const double*", "double*", "double", "double"])
+        outs[f] = np.empty((4, R, 32))
+        emu.launch(4, R, [np.ascontiguousarray(Z.numpy()), outs[f], tr._CHOL_SHIFT, tr._TINY])
+    assert np.array_equal(outs["smem"], outs["shfl"])
+    got, ref = torch.from_numpy(outs[form]), tr._cholqr(Z)
+    assert torch.isfinite(got).all()
+    rel = [((got[i] - ref[i]).norm() / ref[i].norm()).item() for i in range(3)]
+    assert rel[0] < 1e-12 and rel[1] < 1e-8 and rel[2] < 1e-6, rel
+    assert (got[0].mT @ got[0] - torch.eye(32, dtype=torch.float64)).abs().max().item() < 1e-12
+    assert torch.equal(got[3], torch.zeros_like(got[3]))

@@ -1,7 +1,8 @@
 """The CUDA Householder tridiagonalisation (gdnviz.gpu.cuda_tridiag) behind gdnviz.gpu.symeig.svdvals.
 
 CPU: on by default (``GDNVIZ_CUDA_TRIDIAG=0`` turns it off), its shared-memory size, and — where an NVRTC library is
-found — that the source compiles for sm_90 (n = 64, 128) without spills. CUDA: with the kernel (the switch set
+found — that the source compiles for sm_90 (n = 64, 128) without spills; the source run through gdnviz.gpu.cuda_emul
+(g++, CUDA's threads emulated) returns a tridiagonal with G's eigenvalues (1e-13·λ_max). CUDA: with the kernel (the switch set
 explicitly on, and off for the Triton reference), ``symeig.svdvals`` meets test_symeig's bounds against float64
 ``torch.linalg.svdvals`` on the same test states (1e-7·σ_max absolute, 1e-9 relative for σ ≥ 1e-3 σ_max, the same
 numerical ranks), and the tridiagonal's eigenvalues equal the Triton kernel's to 1e-12·‖G‖ (exactly, for the zero
@@ -59,3 +60,34 @@ def test_cuda_tridiag_spectra_match(monkeypatch):
         assert (diff <= bound).all(), (name, (diff - bound).max().item())
         if name == "zero":
             assert ours.abs().max().item() == 0 and triton.abs().max().item() == 0
+
+
+@pytest.mark.skipif(not __import__("gdnviz.gpu.cuda_emul", fromlist=["x"]).available(), reason="g++ not installed")
+@pytest.mark.parametrize("n", [64, 128])
+def test_emulated_tridiagonal_keeps_the_eigenvalues(n):
+    """The kernel's CUDA source run on the CPU (gdnviz.gpu.cuda_emul): the tridiagonal (D, E) it returns has the
+    eigenvalues of G to 1e-13·λ_max (float64 eigvalsh of both) — a random Gram matrix, a graded one (λ from 1 to
+    1e-16), rank 3, repeated eigenvalues, and zero (D = E = 0 exactly)."""
+    import numpy as np
+
+    from gdnviz.gpu.cuda_emul import Emulated
+
+    g = torch.Generator().manual_seed(n)
+    A = torch.randn(5, n, n, generator=g, dtype=torch.float64)
+    Q = torch.linalg.qr(torch.randn(5, n, n, generator=g, dtype=torch.float64))[0]
+    lam = torch.stack([torch.ones(n), torch.logspace(0, -16, n, dtype=torch.float64),
+                       torch.cat([torch.ones(3), torch.zeros(n - 3)]), torch.tensor([1.0, 2.0]).repeat(n // 2),
+                       torch.zeros(n)]).double()
+    G = (Q * lam[:, None, :]) @ Q.mT
+    G[0] = A[0] @ A[0].mT
+    G = 0.5 * (G + G.mT)
+    emu = Emulated(cuda_tridiag.SOURCE % {"N": n}, "gdnviz_tridiag", ["const double*", "double*", "double*"])
+    D, E = np.empty((5, n)), np.empty((5, n))
+    emu.launch(5, n, [np.ascontiguousarray(G.numpy()), D, E], cuda_tridiag.smem_bytes(n))
+    D, E = torch.from_numpy(D), torch.from_numpy(E)
+    T = torch.diag_embed(D) + torch.diag_embed(E[:, :-1], 1) + torch.diag_embed(E[:, :-1], -1)
+    want, got = torch.linalg.eigvalsh(G), torch.linalg.eigvalsh(T)
+    scale = want.abs().max(-1).values
+    for i in range(4):
+        assert (got[i] - want[i]).abs().max().item() <= 1e-13 * scale[i].item(), i
+    assert not D[4].any() and not E[4].any()

@@ -42,7 +42,8 @@ Status: used by ``gdnviz.truncate._cholqr`` on CUDA for float64 ``[N, 64|128, 32
 ``=smem`` picks the shared-memory form, ``=1`` or ``=shfl`` the default form.
 Accuracy: same definition as the torch path, other summation order; the CUDA tests in tests/test_cuda_cholqr.py pin
 it to ``truncate._cholqr`` (1e-12 relative on well-conditioned blocks) and keep the 1e-5 energy criterion inside
-``truncate_states``.
+``truncate_states``; on CPU the same source runs through ``gdnviz.gpu.cuda_emul`` (g++, CUDA's threads emulated)
+against the same criteria, both forms bit for bit equal.
 """
 from __future__ import annotations
 

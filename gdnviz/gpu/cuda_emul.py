@@ -15,8 +15,9 @@ Model (enough for kernels written against it, not all of CUDA):
   as arrived, as on the GPU);
 * warp collectives over the full warp: ``__shfl_sync``, ``__shfl_xor_sync``, ``__any_sync``, ``__all_sync`` (a
   write, a warp barrier, a read, a warp barrier);
-* dynamic shared memory only, declared as ``extern __shared__ double smem[];`` (statically sized ``__shared__``
-  arrays would be per-thread locals here);
+* shared memory: dynamic, declared as ``extern __shared__ T name[];`` (one array, NaN-filled before each block), and
+  statically sized ``__shared__`` arrays, which become function-level ``static`` arrays (one instance, as for one
+  block; not refilled between blocks);
 * math: ``sqrt``, ``rsqrt`` (as ``1/sqrt``: CUDA's is within 1 ulp), ``fma``, ``fabs``, ``__dmul_rn`` /
   ``__dadd_rn`` / ``__dsub_rn`` and the rest of ``<cmath>``;
   the host compiler does not contract ``a*b+c`` into FMAs as nvcc does, so results agree to rounding, not bit for bit.
@@ -30,6 +31,7 @@ from __future__ import annotations
 import ctypes
 import hashlib
 import os
+import re
 import shutil
 import subprocess
 import tempfile
@@ -56,7 +58,6 @@ using std::fma;
 #define __noinline__
 #define __restrict__ __restrict
 #define __launch_bounds__(...)
-#define __shared__
 #define __align__(n) alignas(n)
 struct emu_dim3 { unsigned x, y, z; };
 static emu_dim3 threadIdx = {0, 0, 0}, blockIdx = {0, 0, 0}, blockDim = {1, 1, 1}, gridDim = {1, 1, 1};
@@ -67,7 +68,7 @@ static inline long long clock64() { return 0; }
 static inline double __dmul_rn(double a, double b) { return a * b; }
 static inline double __dadd_rn(double a, double b) { return a + b; }
 static inline double __dsub_rn(double a, double b) { return a - b; }
-alignas(16) double smem[65536];  // 512 KiB: more than any GPU's shared memory per block
+alignas(16) double emu_smem[65536];  // 512 KiB: more than any GPU's shared memory per block
 
 namespace emu {
 enum { RUN = 0, WAIT_WARP = 1, WAIT_BLOCK = 2, DONE = 3 };
@@ -120,7 +121,7 @@ static void emu_entry() { %(CALL)s; }
 extern "C" int emu_launch(void** args, int nargs, int grid, int nthr, long smem_bytes) {
     using namespace emu;
     for (int i = 0; i < nargs; ++i) emu_args[i] = args[i];
-    if (nthr > 1024 || smem_bytes > (long)sizeof(smem)) return -2;
+    if (nthr > 1024 || smem_bytes > (long)sizeof(emu_smem)) return -2;
     if (nthr > cap) {
         free(ctx); free(stacks); free(st);
         ctx = (ucontext_t*)calloc(nthr, sizeof(ucontext_t));
@@ -133,7 +134,7 @@ extern "C" int emu_launch(void** args, int nargs, int grid, int nthr, long smem_
     blockDim.x = nthr; gridDim.x = grid;
     for (int b = 0; b < grid; ++b) {
         const double nan = std::nan("");
-        for (long i = 0; i < (long)(sizeof(smem) / sizeof(double)); ++i) smem[i] = nan;
+        for (long i = 0; i < (long)(sizeof(emu_smem) / sizeof(double)); ++i) emu_smem[i] = nan;
         blockIdx.x = b;
         for (int t = 0; t < nthr; ++t) {
             st[t] = RUN;
@@ -194,6 +195,10 @@ class Emulated:
     def __init__(self, source: str, name: str, signature: list[str]):
         self.signature = list(signature)
         call = f"{name}(" + ", ".join(f"*({t}*)emu_args[{i}]" for i, t in enumerate(self.signature)) + ")"
+        # dynamic shared memory -> a pointer to the shim's array; static __shared__ arrays -> one static instance
+        source = re.sub(r"extern\s+__shared__\s+(?:__align__\(\d+\)\s+)?([A-Za-z_][\w ]*?)\s+(\w+)\s*\[\s*\]\s*;",
+                        r"\1* \2 = reinterpret_cast<\1*>(emu_smem);", source)
+        source = source.replace("__shared__", "static")
         text = SHIM + "\n" + source + "\n" + TRAMPOLINE % {"CALL": call}
         digest = hashlib.sha256(text.encode()).hexdigest()[:20]
         path = os.path.join(tempfile.gettempdir(), f"gdnviz-emul-{digest}.so")

@@ -24,7 +24,8 @@ builds for float64 64×64 and 128×128 matrices by default; ``GDNVIZ_CUDA_TRIDIA
 with NVRTC once per (n, device) on first use (outside a CUDA-graph capture); if compilation fails (no NVRTC, an
 unsupported GPU, too little shared memory), ``KERNELS.available`` is False (reason in ``KERNELS.reason``) and the
 Triton kernel is used. ``tests/test_cuda_tridiag.py`` pins its singular values to float64 ``torch.linalg.svdvals``
-and to the Triton path's on CUDA; on CPU the source is only compiled where an NVRTC library is found.
+and to the Triton path's on CUDA; on CPU the source is compiled for sm_90 where an NVRTC library is found, and run
+through ``gdnviz.gpu.cuda_emul`` (g++ and an emulation of CUDA's threads), whose tridiagonal keeps G's eigenvalues.
 """
 from __future__ import annotations
 
