@@ -204,7 +204,7 @@ class Emulated:
         path = os.path.join(tempfile.gettempdir(), f"gdnviz-emul-{digest}.so")
         with _LOCK:
             if not os.path.exists(path):
-                src = path[:-3] + ".cpp"
+                src = path[:-3] + f".{os.getpid()}.cpp"  # per process: parallel test runs may build the same one
                 with open(src, "w") as f:
                     f.write(text)
                 tmp = path + f".{os.getpid()}.tmp"
