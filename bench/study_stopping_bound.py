@@ -13,7 +13,8 @@ truncation keeps), B = [T_rc; R_r], and λ_max(C) ≤ c := max(λ_max(T_cc), ‖
 
     energy error = E* − tr(T_rr) ≤ (‖T_rc‖_F² + ‖R_r‖_F²) / (λ_min(T_rr) − c)     whenever λ_min(T_rr) > c,
 
-every quantity computable from G, Q and GQ (which the Rayleigh–Ritz step forms anyway). One JSON line per
+every quantity computable from G, Q and GQ (which the Rayleigh–Ritz step forms anyway): the library's
+``gdnviz.truncate.energy_error_bound``. One JSON line per
 (source, r, iters): how many states the bound certifies (≤ 1e-5), the worst actual error among the certified ones
 (must be ≤ 1e-5: the bound is an upper bound), and whether the bound was ever below the actual error (it must not).
 
@@ -39,22 +40,9 @@ def bound(X: torch.Tensor, r: int, iters: int) -> tuple[torch.Tensor, torch.Tens
     from gdnviz import truncate as tr
 
     X = X.double()
-    G, _ = tr._normalised_gram(X)
     Q = tr._subspace_pass(X, r, iters, None)  # [N, K, 32], top-r Ritz vectors first
-    GQ = G @ Q
-    T = Q.mT @ GQ
-    T = 0.5 * (T + T.mT)
-    R = GQ - Q @ T
-    Trr, Trc, Tcc = T[:, :r, :r], T[:, r:, :r], T[:, r:, r:]
-    d2 = (G.square().sum((-1, -2)) - T.square().sum((-1, -2)) - 2 * R.square().sum((-1, -2))).clamp_min(0)
-    c = torch.maximum(torch.linalg.eigvalsh(Tcc)[:, -1], d2.sqrt()) + R[:, :, r:].square().sum((-1, -2)).sqrt()
-    gap = torch.linalg.eigvalsh(Trr)[:, 0] - c
-    off = Trc.square().sum((-1, -2)) + R[:, :, :r].square().sum((-1, -2))
-    b = torch.where(gap > 0, off / gap.clamp_min(1e-300), torch.full_like(gap, float("inf")))
-    kept = Trr.diagonal(dim1=-2, dim2=-1).sum(-1)
-    lam = torch.linalg.eigvalsh(G).flip(-1)
-    actual = (lam[:, :r].sum(-1) - kept).clamp_min(0)
-    return b, actual
+    b = tr.energy_error_bound(X, Q, r)
+    return b, tr.energy_error(X, Q[..., :r] @ (Q[..., :r].mT @ X), r)
 
 
 def trajectory_states(tokens: int, segment_len: int, r: int) -> torch.Tensor:

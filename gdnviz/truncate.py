@@ -78,6 +78,7 @@ __all__ = [
     "exact_truncate",
     "retained_energy",
     "energy_error",
+    "energy_error_bound",
     "iterations_for",
     "SUBSPACE_MAX_RANK",
 ]
@@ -523,3 +524,41 @@ def energy_error(original: torch.Tensor, truncated: torch.Tensor, rank) -> torch
     total = s2.sum(-1)
     got = _as_batch(truncated).to(torch.float64).square().sum((-1, -2))
     return torch.where(total > 0, (got - exact).abs() / torch.where(total > 0, total, torch.ones_like(total)), got)
+
+
+def energy_error_bound(states: torch.Tensor, basis: torch.Tensor, rank: int) -> torch.Tensor:
+    """A rigorous upper bound on the energy error of keeping ``basis[..., :rank]``, computed without an SVD.
+
+    ``states [N, K, V]``; ``basis [N, K, w]`` orthonormal (w ≤ K; e.g. ``truncate_states(..., return_basis=True)``'s),
+    its first ``rank`` columns the kept directions. With the trace-1 Gram matrix ``G`` of each state, ``T = QᵀGQ``,
+    ``R = (I − QQᵀ) G Q`` and ``‖D‖_F² = ‖G‖_F² − ‖T‖_F² − 2‖R‖_F²`` (G's part outside span Q), split the blocks at
+    ``rank`` (r: kept, c: the rest of the basis):
+
+        error ≤ (‖T_rc‖_F² + ‖R_r‖_F²) / (λ_min(T_rr) − c),   c = max(λ_max(T_cc), ‖D‖_F) + ‖R_c‖_F,
+
+    when the denominator is positive, else ``inf``. Why: G ≼ diag(A + BᵀB/ε, C + εI) for any split
+    G = [[A, Bᵀ], [B, C]] and ε > 0 (the difference is a square), so by Ky Fan the top-``rank`` energy is at most
+    tr(A) + ‖B‖_F²/ε once λ_min(A) ≥ λ_max(C) + ε; here A = T_rr (the energy kept), B = [T_rc; R_r] and λ_max(C) ≤ c
+    (Weyl, and λ_max(D) ≤ ‖D‖_F). Units: relative to ‖S‖²_F, like ``energy_error``; float64 ``[N]``; 0 for a zero
+    state. It cannot certify a cut inside a cluster of singular values (no gap): such states need more iterations or
+    an exact method (bench/study_stopping_bound.py, bench/RESULTS.md).
+    """
+    X = _as_batch(states).to(torch.float64)
+    Q = basis.to(device=X.device, dtype=torch.float64)
+    r = int(rank)
+    if Q.dim() != 3 or Q.shape[0] != X.shape[0] or Q.shape[1] != X.shape[1] or not 1 <= r <= Q.shape[2]:
+        raise ValueError(f"basis must be [N, K, w] = [{X.shape[0]}, {X.shape[1]}, w ≥ rank]; got "
+                         f"{tuple(Q.shape)} for rank {rank}.")
+    G, _ = _normalised_gram(X)
+    GQ = G @ Q
+    T = Q.mT @ GQ
+    T = 0.5 * (T + T.mT)
+    R = GQ - Q @ T
+    d2 = (G.square().sum((-1, -2)) - T.square().sum((-1, -2)) - 2 * R.square().sum((-1, -2))).clamp_min(0)
+    lam_c = torch.linalg.eigvalsh(T[:, r:, r:])[:, -1] if r < Q.shape[2] else torch.zeros_like(d2)
+    c = torch.maximum(lam_c, d2.sqrt()) + R[:, :, r:].square().sum((-1, -2)).sqrt()
+    gap = torch.linalg.eigvalsh(T[:, :r, :r])[:, 0] - c
+    off = T[:, r:, :r].square().sum((-1, -2)) + R[:, :, :r].square().sum((-1, -2))
+    bound = torch.where(gap > 0, off / gap.clamp_min(1e-300), torch.full_like(gap, float("inf")))
+    zero = G.diagonal(dim1=-2, dim2=-1).sum(-1) == 0
+    return torch.where(zero, torch.zeros_like(bound), bound)
