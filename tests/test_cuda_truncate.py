@@ -121,6 +121,24 @@ def test_emulator_reports_a_barrier_deadlock():
         emu.launch(1, 64, [np.zeros(64)])
 
 
+def test_switch_and_what_the_launch_takes(monkeypatch):
+    """On by default where the kernel can run (NVIDIA builds, compiled); GDNVIZ_CUDA_TRUNCATE=0 turns it off; the
+    launch takes CUDA float32/float64 [N, K, V] with K, V in {64, 128} only."""
+    usable = cuda_truncate.KERNELS.usable()
+    monkeypatch.delenv("GDNVIZ_CUDA_TRUNCATE", raising=False)
+    assert cuda_truncate.enabled() == (cuda_truncate.DEFAULT_ON and usable)
+    monkeypatch.setenv("GDNVIZ_CUDA_TRUNCATE", "0")
+    assert not cuda_truncate.enabled()
+    monkeypatch.setenv("GDNVIZ_CUDA_TRUNCATE", "1")
+    assert cuda_truncate.enabled() == usable
+    assert not cuda_truncate.supports(torch.zeros(2, 128, 128))  # CPU: never
+    for bad in (torch.zeros(2, 128, 128), torch.zeros(2, 96, 128, device="meta")):
+        with pytest.raises(ValueError):
+            cuda_truncate.truncate_cuda(bad, 4)
+    with pytest.raises(ValueError):
+        cuda_truncate.source(96, 128)
+
+
 # --------------------------------------------------------------------------------------------- NVRTC compile
 @pytest.mark.parametrize("K,V", [(128, 128), (64, 128)])
 def test_kernel_compiles_for_the_h200(K, V):

@@ -110,22 +110,7 @@ PHASES = ("gram_G", "sketch_Z", "cholqr", "gemm_GQ", "refill", "ritz_T", "jacobi
 def phase_cycles(X: torch.Tensor, ranks) -> torch.Tensor:
     """Per state, the cycles thread 0 spent in each phase of ``PHASES`` (float64 ``[N, 16]``, CPU), from the kernel
     built with ``GDNVIZ_PROFILE`` (``bench/bench_truncate_phases.py``); the outputs are those of ``truncate_cuda``."""
-    N, K, V = X.shape
-    ctype = _CTYPES[X.dtype]
-    k = KERNELS.get((K, V, ctype, X.device.index, "profile"), X.device,
-                    "#define GDNVIZ_PROFILE\n" + source(K, V, ctype), "gdnviz_truncate", shared_mem=smem_bytes(K))
-    if k is None:
-        raise RuntimeError(f"the CUDA truncation kernel is unavailable: {KERNELS.reason}")
-    from gdnviz.gpu.fused_truncate import _constants
-
-    X = X.contiguous()
-    omega, fill, table = _constants(K, V, X.device)
-    out = torch.empty_like(X)
-    scratch = torch.zeros(N, K, Q, dtype=torch.float64, device=X.device)
-    sweeps, tol2, skip = _jacobi_args()
-    with torch.cuda.device(X.device):
-        k(grid=(N, 1, 1), block=(NT, 1, 1), args=[X, out, table, int(ranks), -1, omega, fill, table, -1, scratch,
-                                                  sweeps, tol2, skip], shared_mem=smem_bytes(K))
+    _, scratch = _launch(X, int(ranks), None, profile=True)
     return scratch[:, 0, :16].cpu()
 
 
@@ -135,13 +120,23 @@ def _jacobi_args() -> tuple[int, float, float]:
 
 def truncate_cuda(X: torch.Tensor, ranks, iters: int | None = None) -> torch.Tensor:
     """``U_r U_rᵀ S`` for every state of ``X`` (module docstring); RuntimeError if the kernel is unavailable."""
+    return _launch(X, ranks, iters)[0]
+
+
+def _launch(X: torch.Tensor, ranks, iters: int | None, profile: bool = False):
+    """One launch on ``X [N, K, V]``: (output, the float64 scratch ``[N, K, 32]`` — U, or the profile counters)."""
     from gdnviz.gpu.fused_truncate import _constants
 
     if not supports(X):
         raise ValueError(f"truncate_cuda takes float32/float64 CUDA [N, K, V] with K, V in {DIMS}; got {X.dtype} "
                          f"{tuple(X.shape)} on {X.device}")
     N, K, V = X.shape
-    k = _kernel(K, V, X.dtype, X.device)
+    if profile:
+        ctype = _CTYPES[X.dtype]
+        k = KERNELS.get((K, V, ctype, X.device.index, "profile"), X.device,
+                        "#define GDNVIZ_PROFILE\n" + source(K, V, ctype), "gdnviz_truncate", shared_mem=smem_bytes(K))
+    else:
+        k = _kernel(K, V, X.dtype, X.device)
     if k is None:
         raise RuntimeError(f"the CUDA truncation kernel is unavailable: {KERNELS.reason}")
     X = X.contiguous()
@@ -152,14 +147,14 @@ def truncate_cuda(X: torch.Tensor, ranks, iters: int | None = None) -> torch.Ten
         rank_int, stride = 0, (rt.stride(0) if rt.dim() == 1 else 0)
     else:
         rt, rank_int, stride = table, int(ranks), -1
+    scratch = (torch.zeros if profile else torch.empty)(N, K, Q, dtype=torch.float64, device=X.device)
     if N:
-        scratch = torch.empty(N, K, Q, dtype=torch.float64, device=X.device)
         sweeps, tol2, skip = _jacobi_args()
         with torch.cuda.device(X.device):
             k(grid=(N, 1, 1), block=(NT, 1, 1),
               args=[X, out, rt, rank_int, stride, omega, fill, table, -1 if iters is None else int(iters), scratch,
                     sweeps, tol2, skip], shared_mem=smem_bytes(K))
-    return out
+    return out, scratch
 
 
 def emulate(X: torch.Tensor, ranks, iters: int | None = None) -> torch.Tensor:
