@@ -75,7 +75,8 @@ def main():
     emit(what="segmented_run_no_callbacks", seconds=t_scan, baseline="plain_prefill", ratio=t_scan / t_plain, **base)
 
     def truncated(r, graphs, holder=None):
-        spec = TruncationSpec.all_heads(lm.info, r)
+        """One truncated run: every head at rank ``r``, or the per-head ranks of ``r`` when it is a TruncationSpec."""
+        spec = r if isinstance(r, TruncationSpec) else TruncationSpec.all_heads(lm.info, r)
         ctx = runner.RunContext(segment_len=L, callbacks=[TruncateCallback(lm.info, spec)], graphs=graphs)
         out = runner.forward(lm, ids, logits_positions=last, keep_hidden=False, ctx=ctx)
         if holder is not None:
@@ -116,17 +117,10 @@ def main():
         mixed = [int(x) for x in args.mixed_ranks.split(",")]
         spec_m = TruncationSpec({(l, h): mixed[h % len(mixed)] for l in lm.info.gdn_layers
                                  for h in range(lm.info.num_heads)})
-
-        def truncated_mixed(graphs, holder=None):
-            ctx = runner.RunContext(segment_len=L, callbacks=[TruncateCallback(lm.info, spec_m)], graphs=graphs)
-            out = runner.forward(lm, ids, logits_positions=last, keep_hidden=False, ctx=ctx)
-            if holder is not None:
-                holder["readouts"] = sorted(ctx.readouts)
-
         for graphs in (True, False):
             h = {}
-            t_first = timeit(lambda: truncated_mixed(graphs, h), dev, repeats=1, warmup=0)
-            t = timeit(lambda: truncated_mixed(graphs), dev, repeats=args.repeats if graphs else 1, warmup=0)
+            t_first = timeit(lambda: truncated(spec_m, graphs, h), dev, repeats=1, warmup=0)
+            t = timeit(lambda: truncated(spec_m, graphs), dev, repeats=args.repeats if graphs else 1, warmup=0)
             emit(what="truncated_run_mixed_ranks", ranks=mixed, graphs=graphs, mode=fused_truncation_mode(dev),
                  seconds=t, first_call_seconds=t_first, baseline="plain_prefill", ratio=t / t_plain,
                  readouts=h["readouts"], **base)

@@ -9,7 +9,18 @@ import ctypes
 import glob
 import os
 
+import pytest
 import torch
+
+
+def _gxx():
+    from gdnviz.gpu import cuda_emul
+
+    return cuda_emul.available()
+
+
+# tests that run a kernel's CUDA source on the CPU through gdnviz.gpu.cuda_emul (g++)
+needs_gxx = pytest.mark.skipif(not _gxx(), reason="g++ not installed")
 
 
 def nvrtc():

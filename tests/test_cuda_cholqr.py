@@ -10,7 +10,7 @@ import pytest
 import torch
 
 from gdnviz.gpu import cuda_cholqr
-from cuda_kernel_checks import compile_log, truncation_checks
+from cuda_kernel_checks import compile_log, needs_gxx, truncation_checks
 
 
 def test_switch_and_shapes(monkeypatch):
@@ -110,7 +110,7 @@ def test_shuffle_form_gives_the_same_bits_and_energy(monkeypatch):
 
 
 # ------------------------------------------------------------------------------ the kernel's source, emulated on CPU
-@pytest.mark.skipif(not __import__("gdnviz.gpu.cuda_emul", fromlist=["x"]).available(), reason="g++ not installed")
+@needs_gxx
 @pytest.mark.parametrize("form", ["smem", "shfl"])
 @pytest.mark.parametrize("R", [64, 128])
 def test_emulated_kernel_equals_the_torch_definition(R, form):

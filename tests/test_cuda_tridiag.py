@@ -12,7 +12,7 @@ import pytest
 import torch
 
 from gdnviz.gpu import cuda_tridiag
-from cuda_kernel_checks import compile_log
+from cuda_kernel_checks import compile_log, needs_gxx
 from test_symeig import assert_matches_svdvals, cuda_cases
 
 
@@ -62,7 +62,7 @@ def test_cuda_tridiag_spectra_match(monkeypatch):
             assert ours.abs().max().item() == 0 and triton.abs().max().item() == 0
 
 
-@pytest.mark.skipif(not __import__("gdnviz.gpu.cuda_emul", fromlist=["x"]).available(), reason="g++ not installed")
+@needs_gxx
 @pytest.mark.parametrize("n", [64, 128])
 def test_emulated_tridiagonal_keeps_the_eigenvalues(n):
     """The kernel's CUDA source run on the CPU (gdnviz.gpu.cuda_emul): the tridiagonal (D, E) it returns has the

@@ -17,7 +17,7 @@ import re
 import pytest
 import torch
 
-from cuda_kernel_checks import compile_log
+from cuda_kernel_checks import compile_log, needs_gxx
 from gdnviz.gpu import cuda_emul, cuda_truncate
 from gdnviz.gpu.fused_truncate import reference_fused
 from gdnviz.truncate import energy_error, exact_truncate, retained_energy
@@ -25,8 +25,6 @@ from test_truncate import hard_states
 
 TOL = 1e-5
 F64 = torch.float64
-
-needs_gxx = pytest.mark.skipif(not cuda_emul.available(), reason="g++ not installed")
 
 
 def _projection_defect(S: torch.Tensor, out: torch.Tensor) -> float:
@@ -105,9 +103,8 @@ def test_emulated_iteration_count_is_the_kernels():
     assert (retained_energy(sel, out0) - retained_energy(sel, ref0)).abs().max().item() <= 1e-10
 
 
+@needs_gxx
 def test_emulator_reports_a_barrier_deadlock():
-    if not cuda_emul.available():
-        pytest.skip("g++ not installed")
     import numpy as np
 
     src = r'''
