@@ -1,5 +1,6 @@
-"""Singular values of many 128×128 head states: gdnviz.gpu.symeig (tridiagonalisation in the CUDA kernel
-gdnviz.gpu.cuda_tridiag by default, else Triton; Triton bisection) vs torch.linalg on the same states.
+"""Singular values of many 128×128 head states: gdnviz.gpu.symeig (tridiagonalisation and bisection in the CUDA
+kernels gdnviz.gpu.cuda_tridiag and gdnviz.gpu.cuda_bisect by default, else Triton) vs torch.linalg on the same
+states.
 
     python bench/bench_spectra.py --device cuda
 
@@ -33,9 +34,9 @@ def main():
     ap.add_argument("--big", type=int, default=18432)
     ap.add_argument("--candidates", action="store_true",
                     help="also time what might replace the Triton tridiagonalisation (issue #6, capture ≤ 1.5×): "
-                         "cuSOLVER's batched gesvda (torch.linalg.svd driver='gesvda', f64 and f32) on 288 states, "
-                         "the CUDA kernel gdnviz.gpu.cuda_tridiag and the Triton kernel at num_warps 32/8/4 on the "
-                         "big batch")
+                         "cuSOLVER's batched gesvda (torch.linalg.svd driver='gesvda', f64 and f32) on 288 states; "
+                         "on the big batch the CUDA tridiagonalisation at 1, 2 and 4 threads per row and the CUDA "
+                         "bisection, each against its Triton kernel")
     args = ap.parse_args()
     from gdnviz.gpu import symeig
 
@@ -78,27 +79,35 @@ def main():
             except Exception as e:  # noqa: BLE001 - a candidate that does not run is a result too
                 emit(what="candidate_gesvda_288", dtype=str(dt), error=repr(e)[:300], **base)
         if args.big:
-            try:  # the one-block-per-matrix CUDA tridiagonalisation (same reflections), then the same bisection
-                t = timeit(lambda: cuda_tridiag.tridiag(G), dev, repeats=3)
-                D2, E2 = cuda_tridiag.tridiag(G)
-                W1, W2 = torch.empty_like(D), torch.empty_like(D)
-                symeig._tridiag_kernel[(args.big,)](G, D, E, N=128, num_warps=16)
-                bm = max(1, 512 // 128)
-                for d_, e_, w_ in ((D, E, W1), (D2, E2, W2)):
-                    symeig._bisect_kernel[((args.big + bm - 1) // bm,)](d_, e_, w_, args.big, N=128, BM=bm,
-                                                                        STEPS=symeig.BISECT_STEPS, num_warps=4)
-                scale = W1.abs().amax(dim=1, keepdim=True).clamp_min(1e-300)
-                emit(what="candidate_tridiag_cuda", n=args.big, ms=t * 1e3, triton_tridiag_ms=t_tri_triton * 1e3,
-                     ratio=t_tri_triton / t, max_eig_diff_rel=((W2 - W1).abs() / scale).max().item(), **base)
-            except Exception as e:  # noqa: BLE001
-                emit(what="candidate_tridiag_cuda", error=repr(e)[:300], reason=cuda_tridiag.KERNELS.reason, **base)
-            for nw in (32, 8, 4):  # 16 is the library's Triton setting (triton_tridiag_ms); 4 spills most, so last
+            from gdnviz.gpu import cuda_bisect
+
+            W1 = torch.empty_like(D)
+            symeig._tridiag_kernel[(args.big,)](G, D, E, N=128, num_warps=16)
+            bm = max(1, 512 // 128)
+            bisect_triton = lambda d_, e_, w_: symeig._bisect_kernel[((args.big + bm - 1) // bm,)](  # noqa: E731
+                d_, e_, w_, args.big, N=128, BM=bm, STEPS=symeig.BISECT_STEPS, num_warps=4)
+            bisect_triton(D, E, W1)
+            scale = W1.abs().amax(dim=1, keepdim=True).clamp_min(1e-300)
+            for tpr in (1, 2, 4):  # threads per row of the CUDA tridiagonalisation (4 is the library's)
                 try:
-                    t = timeit(lambda: symeig._tridiag_kernel[(args.big,)](G, D, E, N=128, num_warps=nw), dev,
-                               repeats=3)
-                    emit(what="candidate_tridiag_num_warps", num_warps=nw, n=args.big, ms=t * 1e3, **base)
+                    t = timeit(lambda: cuda_tridiag.tridiag(G, tpr), dev, repeats=3)
+                    D2, E2 = cuda_tridiag.tridiag(G, tpr)
+                    W2 = torch.empty_like(D)
+                    bisect_triton(D2, E2, W2)
+                    emit(what="candidate_tridiag_cuda", tpr=tpr, n=args.big, ms=t * 1e3,
+                         triton_tridiag_ms=t_tri_triton * 1e3, ratio=t_tri_triton / t,
+                         max_eig_diff_rel=((W2 - W1).abs() / scale).max().item(), **base)
                 except Exception as e:  # noqa: BLE001
-                    emit(what="candidate_tridiag_num_warps", num_warps=nw, error=repr(e)[:300], **base)
+                    emit(what="candidate_tridiag_cuda", tpr=tpr, error=repr(e)[:300], reason=cuda_tridiag.KERNELS.reason,
+                         **base)
+            try:  # the CUDA bisection (tridiagonal in shared memory) against the Triton one, on the same (D, E)
+                t_b_triton = timeit(lambda: bisect_triton(D, E, W1), dev, repeats=3)
+                t_b = timeit(lambda: cuda_bisect.bisect(D, E, symeig.BISECT_STEPS), dev, repeats=3)
+                W3 = cuda_bisect.bisect(D, E, symeig.BISECT_STEPS)
+                emit(what="candidate_bisect_cuda", n=args.big, ms=t_b * 1e3, triton_bisect_ms=t_b_triton * 1e3,
+                     ratio=t_b_triton / t_b, max_eig_diff_rel=((W3 - W1).abs() / scale).max().item(), **base)
+            except Exception as e:  # noqa: BLE001
+                emit(what="candidate_bisect_cuda", error=repr(e)[:300], reason=cuda_bisect.KERNELS.reason, **base)
 
 
 if __name__ == "__main__":

@@ -24,20 +24,22 @@ Nothing else is kept: no per-token keys, no activations, no logits. For a Qwen3.
 16 heads of 128x128) and 16,384 tokens that is about 9.4 MB of spectra + 18.9 MB final states + 18.9 MB g +
 9.4 MB beta + 9.4 MB key samples ≈ 66 MB on disk (``save``).
 
-Pipelining (CUDA): each layer's statistics (gates, key geometry, spectra of its boundary states) and their copies
-to the host run on a background thread with its own CUDA stream, while the main thread launches the next layers
-(``_Pipeline``); without it every layer's device→host copies wait for the GPU before the next layer is launched,
-and host and GPU work never overlap. At most ``PIPELINE_DEPTH`` layers are in flight (so the GPU holds at most that
-many layers' boundary states). The numbers are the same either way (the tests compare them); on CPU the
-statistics run inline unless ``pipeline=True``. ``meta["statistics_seconds"]`` says where the statistics' time went
-(per job kind, and how long the main thread waited for the pipeline): on an H200 a 16K-token capture took 0.98 s for
-345 ms of GPU work, its host waiting in ~300 synchronous device→host copies (bench/RESULTS.md, sixth session).
+Statistics on the device, copied once (CUDA): every per-layer statistic (gates, key samples, the key cone's sums and
+eigenvalues, the boundary states' spectra, the final state) is computed by kernels launched right after the layer,
+without a single host synchronisation, and copied asynchronously into pinned host buffers; only the key cone's
+effective ranks (a few numbers per head) are finished on the host after the forward. By default (``pipeline=None``)
+the statistics run on a side CUDA stream that waits for the layer's inputs, so they overlap the next layers' forward
+on the GPU; ``pipeline=False`` queues them on the main stream. At most ``PIPELINE_DEPTH`` layers' statistics are in
+flight (the host waits for the oldest beyond that), which bounds the boundary states held on the GPU. The numbers
+are the same either way (the tests compare them). On CPU everything runs inline. ``meta["statistics_seconds"]``
+says where the host's time went: launching each job kind, and waiting for the GPU (``waiting``). Before this design
+(sixth session) the statistics ran on a background thread with ~300 synchronous device→host copies and the key cone's
+eigenvalues on the host: a 16K-token capture took 0.98 s for 345 ms of GPU work (bench/RESULTS.md).
 """
 from __future__ import annotations
 
 import io
 import json
-import threading
 import time
 from collections import deque
 from dataclasses import dataclass, field
@@ -52,80 +54,57 @@ from gdnviz.errors import EmptyDocument, JobCancelled
 
 CAPTURE_VERSION = "capture-v1"
 KEY_SAMPLE = 256
-PIPELINE_DEPTH = 4  # layers whose statistics may be in flight on the background thread
+PIPELINE_DEPTH = 4  # layers whose statistics may be in flight on the GPU (bounds the boundary states held)
 
 
-class _Pipeline:
-    """Runs jobs in order on background threads (one per job, each joining the one before, so at most one runs at a
-    time); on CUDA each job runs on a side stream that first waits for
-    the work the main stream had queued when the job was submitted. Tensors a job reads are kept alive by the job
-    and marked with ``record_stream``, so the caching allocator does not hand their memory to the main stream
-    before the side stream is done with it. ``drain()`` waits for every job and re-raises the first error."""
+class _DeviceJobs:
+    """Where a capture's statistics run (module docstring): inline on CPU; on CUDA on a side stream (``side=True``)
+    or on the current stream, with at most ``depth`` jobs in flight (the host waits for the oldest beyond that). A
+    job is a function launching device work; the tensors it reads are marked with ``record_stream`` for the side
+    stream, so the caching allocator does not hand their memory to the main stream before the side stream is done
+    with them. Host seconds: ``seconds[kind]`` to
+    launch each job kind, ``seconds["waiting"]`` for the GPU (in-flight bound and the final ``finish``)."""
 
-    def __init__(self, device: torch.device, depth: int = PIPELINE_DEPTH):
+    def __init__(self, device: torch.device, side: bool, depth: int = PIPELINE_DEPTH):
+        self.cuda = device.type == "cuda"
         self.device = device
-        self.stream = torch.cuda.Stream(device) if device.type == "cuda" else None
+        self.stream = torch.cuda.Stream(device) if self.cuda and side else None
         self.depth = depth
-        self._jobs: deque = deque()
-        self._error: BaseException | None = None
-        # wall seconds: "main_thread_waiting" (submit waiting for a free slot, and drain), and per job kind the time
-        # its job ran (its host work, the device->host copies it waits for, and the final stream synchronisation)
-        self.seconds: dict[str, float] = {"main_thread_waiting": 0.0}
-        self._lock = threading.Lock()
+        self._events: deque = deque()
+        self.seconds: dict[str, float] = {"waiting": 0.0} if self.cuda else {}
 
     def _add(self, key: str, dt: float) -> None:
-        with self._lock:
-            self.seconds[key] = self.seconds.get(key, 0.0) + dt
+        self.seconds[key] = self.seconds.get(key, 0.0) + dt
 
-    def submit(self, fn: Callable, *tensors: torch.Tensor, kind: str = "job") -> None:
-        t0 = time.perf_counter()
-        while len(self._jobs) >= self.depth:  # bound the memory held by jobs in flight
-            self._jobs.popleft().join()
-        self._add("main_thread_waiting", time.perf_counter() - t0)
-        self._raise()
-        ev = None
-        if self.stream is not None:
-            ev = torch.cuda.Event()
-            ev.record(torch.cuda.current_stream(self.device))
+    def submit(self, fn: Callable, *tensors: torch.Tensor, kind: str) -> None:
+        if self.cuda:
+            t0 = time.perf_counter()
+            while len(self._events) >= self.depth:
+                self._events.popleft().synchronize()
+            self._add("waiting", time.perf_counter() - t0)
+        t1 = time.perf_counter()
+        if self.stream is None:
+            fn()
+        else:
+            self.stream.wait_stream(torch.cuda.current_stream(self.device))
             for t in tensors:
                 if torch.is_tensor(t) and t.is_cuda:
                     t.record_stream(self.stream)
-        prev = self._jobs[-1] if self._jobs else None
+            with torch.cuda.stream(self.stream):
+                fn()
+        if self.cuda:
+            ev = torch.cuda.Event()
+            ev.record(self.stream if self.stream is not None else torch.cuda.current_stream(self.device))
+            self._events.append(ev)
+        self._add(kind, time.perf_counter() - t1)
 
-        def run():
-            if prev is not None:
-                prev.join()  # strict order (each job writes its own layer's slots; order keeps progress monotone)
-            if self._error is not None:
-                return
-            t1 = time.perf_counter()
-            try:
-                if self.stream is None:
-                    fn()
-                else:
-                    with torch.cuda.stream(self.stream):
-                        self.stream.wait_event(ev)
-                        fn()
-                        self.stream.synchronize()
-            except BaseException as e:  # noqa: BLE001 - re-raised in the main thread
-                self._error = e
-            finally:
-                self._add(kind, time.perf_counter() - t1)
-
-        t = threading.Thread(target=run, name="gdnviz-capture-stats", daemon=True)
-        t.start()
-        self._jobs.append(t)
-
-    def _raise(self) -> None:
-        if self._error is not None:
-            e, self._error = self._error, None
-            raise e
-
-    def drain(self) -> None:
+    def finish(self) -> None:
+        """Wait for every job's device work (and so for the copies into the pinned host buffers)."""
         t0 = time.perf_counter()
-        while self._jobs:
-            self._jobs.popleft().join()
-        self._add("main_thread_waiting", time.perf_counter() - t0)
-        self._raise()
+        while self._events:
+            self._events.popleft().synchronize()
+        if self.cuda:
+            self._add("waiting", time.perf_counter() - t0)
 
 
 def batched_svdvals(states: torch.Tensor) -> torch.Tensor:
@@ -206,14 +185,15 @@ class CaptureResult:
 
 class CaptureCallback:
     """Boundary callback that records states, gates and key statistics (batch size 1). It only reads states
-    (``modifies_state = False``), so the runner may hand it every boundary of a layer at once (``on_boundaries``)."""
+    (``modifies_state = False``), so the runner may hand it every boundary of a layer at once (``on_boundaries``).
+    Results land in host buffers (pinned on CUDA) by asynchronous copies; read them after :meth:`close`."""
 
     modifies_state = False
 
     def __init__(self, info, n_tokens: int, segment_len: int, progress: Callable | None = None,
                  cancel: Callable | None = None, pipeline: bool | None = None):
-        """pipeline: run each layer's statistics on a background thread (see the module docstring); None = on
-        CUDA only."""
+        """pipeline: run each layer's statistics on a side CUDA stream (module docstring); None = yes on CUDA.
+        Ignored on CPU, where the statistics run inline."""
         from gdnviz.analysis import keycone as kc
 
         self._kc = kc
@@ -228,52 +208,60 @@ class CaptureCallback:
             self.positions.append(n_tokens)
         NL, H, K, V = len(self.layers), info.num_heads, info.d_k, info.d_v
         self.n = min(K, V)
-        self.sv = np.zeros((len(self.positions), NL, H, self.n), np.float32)
-        self.final_state = np.zeros((NL, H, K, V), np.float32)
-        self.g = np.zeros((NL, H, n_tokens), np.float32)
-        self.beta = np.zeros((NL, H, n_tokens), np.float16)
-        self.key_mean = np.zeros((NL, H, K), np.float32)
-        self.keycone: dict = {}
         S = min(KEY_SAMPLE, n_tokens)
         self.key_sample_pos = np.unique(np.linspace(0, n_tokens - 1, S).round().astype(np.int64))
-        self.key_sample = np.zeros((NL, H, len(self.key_sample_pos), K), np.float16)
+        # host buffers, one contiguous slot per GDN layer (so each layer's copy is one contiguous transfer)
+        self._shapes = {
+            "sv": ((NL, len(self.positions), H, self.n), torch.float32),  # [NL, NB, ...]: transposed in result()
+            "final_state": ((NL, H, K, V), torch.float32),
+            "g": ((NL, H, n_tokens), torch.float32),
+            "beta": ((NL, H, n_tokens), torch.float16),
+            "key_mean": ((NL, H, K), torch.float32),
+            "key_sample": ((NL, H, len(self.key_sample_pos), K), torch.float16),
+            "kc_horizon": ((NL, H), torch.float64),
+            "kc_mean_key_norm": ((NL, H), torch.float64),
+            "kc_cov_eigvals": ((NL, H, K), torch.float64),
+            "kc_P_eigvals": ((NL, H, K), torch.float64),
+        }
+        self._host: dict[str, torch.Tensor] = {}
         self._states: list = []
         self._done = 0
         self._pipeline_flag = pipeline
-        self._pipe: _Pipeline | bool | None = None  # None: not decided yet (first layer); False: inline
-        self._inline_seconds: dict[str, float] = {}
+        self._jobs: _DeviceJobs | None = None  # created at the first layer, on the keys' device
+        self._pos: torch.Tensor | None = None  # key_sample_pos on the keys' device
 
     def _run(self, fn: Callable, *tensors, kind: str) -> None:
-        """Run ``fn`` now, or queue it on the pipeline (created at the first layer, on the keys' device); ``kind``
+        """Launch ``fn`` (device work ending in copies to the host buffers) where :class:`_DeviceJobs` says; ``kind``
         names it in ``statistics_seconds``."""
-        if self._pipe is None:
+        if self._jobs is None:
             dev = next((t.device for t in tensors if torch.is_tensor(t)), torch.device("cpu"))
-            use = (dev.type == "cuda") if self._pipeline_flag is None else bool(self._pipeline_flag)
-            self._pipe = _Pipeline(dev) if use else False
-        if self._pipe:
-            self._pipe.submit(fn, *tensors, kind=kind)
-        else:
-            t0 = time.perf_counter()
-            fn()
-            self._inline_seconds[kind] = self._inline_seconds.get(kind, 0.0) + time.perf_counter() - t0
+            side = (self._pipeline_flag is None or bool(self._pipeline_flag)) and dev.type == "cuda"
+            pin = dev.type == "cuda"
+            self._host = {k: torch.zeros(shape, dtype=dt, pin_memory=pin) for k, (shape, dt) in self._shapes.items()}
+            self._jobs = _DeviceJobs(dev, side, depth=2 * PIPELINE_DEPTH)  # two jobs per layer
+        self._jobs.submit(fn, *tensors, kind=kind)
+
+    def _put(self, name: str, li: int, value: torch.Tensor) -> None:
+        """Copy a device result into layer ``li``'s slot of a host buffer (asynchronous on CUDA: pinned memory)."""
+        self._host[name][li].copy_(value, non_blocking=True)
 
     @property
     def statistics_seconds(self) -> dict:
-        """Wall seconds spent on the statistics, by job kind (``layer_input``: gates, key samples and key geometry;
-        ``layer_end``: the boundary states' spectra and the final state, each with their device→host copies), plus
-        ``main_thread_waiting`` when pipelined — where a capture's time beyond the forward goes."""
-        src = self._pipe.seconds if self._pipe else self._inline_seconds
+        """Host wall seconds of the statistics: launching each job kind (``layer_input``: gates, key samples and the
+        key cone; ``layer_end``: the boundary states' spectra and the final state) and, on CUDA, ``waiting`` for the
+        GPU to finish them (the in-flight bound and the end of the capture)."""
+        src = self._jobs.seconds if self._jobs is not None else {}
         return {k: round(v, 4) for k, v in src.items()}
 
     @property
     def pipelined(self) -> bool:
-        """True when the statistics ran on the background pipeline."""
-        return bool(self._pipe)
+        """True when the statistics ran on a side CUDA stream."""
+        return self._jobs is not None and self._jobs.stream is not None
 
     def close(self) -> None:
-        """Wait for the statistics still in flight (re-raising the first error)."""
-        if self._pipe:
-            self._pipe.drain()
+        """Wait for the statistics still in flight on the GPU."""
+        if self._jobs is not None:
+            self._jobs.finish()
 
     def on_layer_input(self, layer, offset, keys, g, beta):
         if offset != 0 or keys.shape[0] != 1 or keys.shape[1] != self.T:
@@ -284,15 +272,16 @@ class CaptureCallback:
         self._run(lambda: self._layer_input_stats(li, k0, g0, b0), k0, g0, b0, kind="layer_input")
 
     def _layer_input_stats(self, li, k0, g0, b0):
-        self.g[li] = g0.float().T.cpu().numpy()
-        self.beta[li] = b0.float().T.cpu().numpy().astype(np.float16)
-        self.key_mean[li] = k0.mean(0).float().cpu().numpy()
-        pos = torch.as_tensor(self.key_sample_pos, device=k0.device)
-        self.key_sample[li] = k0[pos].transpose(0, 1).float().cpu().numpy().astype(np.float16)
-        summary = self._kc.keycone_summary(k0, g0)
-        for name, val in summary.items():
-            arr = val.detach().cpu().numpy() if torch.is_tensor(val) else np.asarray(val)
-            self.keycone.setdefault(name, np.zeros((len(self.layers), self.info.num_heads), np.float64))[li] = arr
+        self._put("g", li, g0.float().T)
+        self._put("beta", li, b0.T.to(torch.float16))
+        self._put("key_mean", li, k0.float().mean(0))
+        if self._pos is None or self._pos.device != k0.device:  # once: a host→device copy waits for the stream
+            self._pos = torch.as_tensor(self.key_sample_pos, device=k0.device)
+        pos = self._pos
+        self._put("key_sample", li, k0[pos].transpose(0, 1).to(torch.float16))
+        parts = self._kc.keycone_parts(k0, g0)
+        for name, val in parts.items():
+            self._put("kc_" + name, li, val)
 
     def on_boundary(self, layer, position, state):
         self._states.append(state.detach().clone())  # [1, H, K, V]
@@ -309,23 +298,28 @@ class CaptureCallback:
             blocks.append(final)
         self._states = []
         self._run(lambda: self._layer_end_stats(li, blocks, final), final, *blocks, kind="layer_end")
+        self._done += 1
+        if self.progress is not None:
+            self.progress(self._done, len(self.layers))
         if self.cancel is not None and self.cancel():
             raise JobCancelled("capture cancelled")
 
     def _layer_end_stats(self, li, blocks, final):
         stack = torch.cat(blocks) if len(blocks) > 1 else blocks[0]  # [NB, H, K, V]
-        sv = batched_svdvals(stack)
-        self.sv[:, li] = sv.float().cpu().numpy()
-        self.final_state[li] = final[0].float().cpu().numpy()
-        self._done += 1
-        if self.progress is not None:
-            self.progress(self._done, len(self.layers))
+        self._put("sv", li, batched_svdvals(stack).float())
+        self._put("final_state", li, final[0].float())
 
     def result(self, meta: dict) -> CaptureResult:
         self.close()
-        return CaptureResult(meta=meta, positions=np.asarray(self.positions, np.int64), sv=self.sv,
-                             final_state=self.final_state, g=self.g, beta=self.beta, key_mean=self.key_mean,
-                             keycone=self.keycone, key_sample=self.key_sample, key_sample_pos=self.key_sample_pos)
+        if not self._host:  # no GDN layer ran (nothing was launched): the zero buffers
+            self._host = {k: torch.zeros(shape, dtype=dt) for k, (shape, dt) in self._shapes.items()}
+        h = {k: v.numpy() for k, v in self._host.items()}
+        keycone = self._kc.keycone_finish({name[3:]: h[name] for name in h if name.startswith("kc_")})
+        return CaptureResult(meta=meta, positions=np.asarray(self.positions, np.int64),
+                             sv=np.ascontiguousarray(h["sv"].transpose(1, 0, 2, 3)),
+                             final_state=h["final_state"].copy(), g=h["g"].copy(), beta=h["beta"].copy(),
+                             key_mean=h["key_mean"].copy(), keycone=keycone, key_sample=h["key_sample"].copy(),
+                             key_sample_pos=self.key_sample_pos)
 
 
 def capture_document(lm, input_ids, segment_len: int = runner.DEFAULT_SEGMENT_LEN, *, name: str = "",
@@ -335,7 +329,8 @@ def capture_document(lm, input_ids, segment_len: int = runner.DEFAULT_SEGMENT_LE
 
     progress(done_layers, n_layers) is called after each GDN layer; cancel() -> True aborts with JobCancelled.
     fast_states=False forces the segment-by-segment scan on CUDA (the one-pass read-out is the default there).
-    pipeline: overlap each layer's statistics with the next layers (module docstring); None = on CUDA only.
+    pipeline: run each layer's statistics on a side CUDA stream, overlapping the next layers (module docstring);
+    None = yes on CUDA; ignored on CPU.
     """
     runner.check_segment_len(segment_len)
     ids = torch.as_tensor(input_ids, dtype=torch.long)
@@ -351,7 +346,7 @@ def capture_document(lm, input_ids, segment_len: int = runner.DEFAULT_SEGMENT_LE
                              fast_states=fast_states)
     except BaseException:
         try:
-            cb.close()  # let the statistics in flight finish before the error leaves (no thread left running)
+            cb.close()  # let the statistics in flight on the GPU finish before the error leaves
         except Exception:  # noqa: BLE001 - the forward's own error is the one to report
             pass
         raise

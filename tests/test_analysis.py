@@ -389,6 +389,41 @@ def test_keycone_summary_keys_and_consistency():
     np.testing.assert_allclose(s["decayed_P_erank_eig"], decayed_key_erank(k, g, "eig"), rtol=1e-5)
 
 
+@pytest.mark.parametrize("T, chunk", [(1, 2048), (2, 2048), (200, 16), (200, 2048)])
+def test_keycone_summary_matches_references_per_head_windows(T, chunk):
+    """The device half (token masks instead of per-head windows, no host sync) against the reference functions:
+    every head has its own window (short, ~T/2, never forgetting = all T), one head has a NaN decay (NaN erank,
+    finite rest) and one head's early keys are NaN (outside its window: must not leak into the covariance)."""
+    rng = np.random.default_rng(T)
+    H, K = 5, 8
+    k = unit(rng.standard_normal((T, H, K)))
+    g = np.empty((T, H))
+    g[:, 0] = np.log(0.5)  # horizon 2
+    g[:, 1] = np.log(1 - 2.0 / max(T, 2))  # horizon ~T/2
+    g[:, 2] = 0.0  # never forgets: window T
+    g[:, 3] = np.log(rng.uniform(0.6, 0.99, T))
+    g[:, 4] = np.log(0.7)
+    g[0, 3] = np.nan if T > 1 else g[0, 3]
+    if T > 10:
+        k[0, 4] = np.nan  # head 4's horizon is ~3.3 tokens: the NaN key is far outside its window
+    s = keycone_summary(torch.from_numpy(k), torch.from_numpy(g), chunk=chunk)
+    ref_h = decay_horizon(g)
+    np.testing.assert_array_equal(np.isnan(s["horizon"]), np.isnan(ref_h))
+    np.testing.assert_allclose(s["horizon"], ref_h, rtol=1e-12)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        np.testing.assert_allclose(s["key_cov_erank"], key_covariance_erank(k, g), rtol=1e-9)
+        # √-scale: round-off eigenvalues (~1e-17 of λ_max) of a rank-deficient P (T < K) weigh √1e-17 each, so two
+        # LAPACK drivers differ by ~1e-7 there; full-rank P (T = 200) agrees to 1e-9 as well
+        np.testing.assert_allclose(s["decayed_P_erank_sqrt"], decayed_key_erank(k, g, "sqrt"), rtol=1e-9,
+                                   atol=1e-6 if T < K else 0)
+        np.testing.assert_allclose(s["decayed_P_erank_eig"], decayed_key_erank(k, g, "eig"), rtol=1e-9)
+        np.testing.assert_allclose(s["mean_key_norm"], mean_key_norm(k), rtol=1e-12)
+    if T > 10:
+        assert np.isnan(s["key_cov_erank"][3]) and np.isfinite(s["key_cov_erank"][4])
+        assert np.isinf(s["horizon"][2]) and s["key_cov_erank"][2] > 1
+
+
 def test_shape_errors():
     with pytest.raises(ValueError):
         decayed_key_covariance(np.zeros((5, 2, 3)), np.zeros((5, 3)))

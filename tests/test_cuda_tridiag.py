@@ -24,15 +24,16 @@ def test_switch_and_sizes(monkeypatch):
     for env, on in (("0", False), (" 0 ", False), ("1", True)):
         monkeypatch.setenv("GDNVIZ_CUDA_TRIDIAG", env)
         assert cuda_tridiag.enabled() == (on and usable), env
-    assert cuda_tridiag.smem_bytes(128) == 8 * (128 * 129 + 256 + 4)  # > 48 KB: the kernel opts in
+    assert cuda_tridiag.smem_bytes(128, 4) == 8 * (128 * 132 + 256 + 32 + 1)  # > 48 KB: the kernel opts in
     assert not cuda_tridiag.supports(torch.zeros(2, 128, 128, dtype=torch.float64))  # CPU: never
     with pytest.raises(ValueError):
         cuda_tridiag.tridiag(torch.zeros(2, 128, 128, dtype=torch.float64))
 
 
 @pytest.mark.parametrize("n", [64, 128])
-def test_source_compiles_for_hopper(n):
-    res = compile_log(cuda_tridiag.SOURCE % {"N": n})
+@pytest.mark.parametrize("tpr", [1, 2, 4])
+def test_source_compiles_for_hopper(n, tpr):
+    res = compile_log(cuda_tridiag.source(n, tpr))
     if res is None:
         pytest.skip("no NVRTC library here (CPU torch without the nvidia-cuda-nvrtc wheel)")
     rc, out = res
@@ -63,8 +64,8 @@ def test_cuda_tridiag_spectra_match(monkeypatch):
 
 
 @needs_gxx
-@pytest.mark.parametrize("n", [64, 128])
-def test_emulated_tridiagonal_keeps_the_eigenvalues(n):
+@pytest.mark.parametrize("n, tpr", [(64, 1), (64, 4), (128, 2), (128, 4)])
+def test_emulated_tridiagonal_keeps_the_eigenvalues(n, tpr):
     """The kernel's CUDA source run on the CPU (gdnviz.gpu.cuda_emul): the tridiagonal (D, E) it returns has the
     eigenvalues of G to 1e-13·λ_max (float64 eigvalsh of both) — a random Gram matrix, a graded one (λ from 1 to
     1e-16), rank 3, repeated eigenvalues, and zero (D = E = 0 exactly)."""
@@ -81,9 +82,9 @@ def test_emulated_tridiagonal_keeps_the_eigenvalues(n):
     G = (Q * lam[:, None, :]) @ Q.mT
     G[0] = A[0] @ A[0].mT
     G = 0.5 * (G + G.mT)
-    emu = Emulated(cuda_tridiag.SOURCE % {"N": n}, "gdnviz_tridiag", ["const double*", "double*", "double*"])
+    emu = Emulated(cuda_tridiag.source(n, tpr), "gdnviz_tridiag", ["const double*", "double*", "double*"])
     D, E = np.empty((5, n)), np.empty((5, n))
-    emu.launch(5, n, [np.ascontiguousarray(G.numpy()), D, E], cuda_tridiag.smem_bytes(n))
+    emu.launch(5, n * tpr, [np.ascontiguousarray(G.numpy()), D, E], cuda_tridiag.smem_bytes(n, tpr))
     D, E = torch.from_numpy(D), torch.from_numpy(E)
     T = torch.diag_embed(D) + torch.diag_embed(E[:, :-1], 1) + torch.diag_embed(E[:, :-1], -1)
     want, got = torch.linalg.eigvalsh(G), torch.linalg.eigvalsh(T)

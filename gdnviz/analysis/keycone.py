@@ -47,6 +47,8 @@ __all__ = [
     "decayed_key_erank",
     "DecayedKeyCovariance",
     "keycone_summary",
+    "keycone_parts",
+    "keycone_finish",
 ]
 
 #: Tokens per float64 chunk in the sums over T.
@@ -298,8 +300,91 @@ class DecayedKeyCovariance:
         return np.atleast_1d(effective_rank_from_eigenvalues(_eigvalsh(self.P), scale=scale))
 
 
+def _eigvalsh_device(A: torch.Tensor) -> torch.Tensor:
+    """:func:`_eigvalsh` on the device of ``A [N, n, n]`` float64 (no host synchronisation): symmetrised, NaN rows
+    where ``A`` has NaN/inf. CUDA uses the batched kernels of ``gdnviz.gpu.symeig`` (``torch.linalg.eigvalsh`` loops
+    over the batch there); the CPU uses LAPACK through ``torch.linalg.eigvalsh``."""
+    A = 0.5 * (A + A.transpose(-1, -2))
+    bad = ~torch.isfinite(A).all(dim=-1).all(dim=-1)
+    A = torch.where(bad[:, None, None], torch.zeros((), dtype=A.dtype, device=A.device), A)
+    if A.is_cuda:
+        from gdnviz.gpu import symeig
+
+        lam = symeig.eigvalsh_tridiag(A)
+    else:
+        lam = torch.linalg.eigvalsh(A)
+    return torch.where(bad[:, None], torch.full((), float("nan"), dtype=lam.dtype, device=lam.device), lam)
+
+
+def keycone_parts(k: Any, g: Any, chunk: int = CHUNK) -> dict[str, torch.Tensor]:
+    """The device half of :func:`keycone_summary`: every sum over tokens and both eigen-decompositions, as float64
+    tensors on the keys' device, **without a host synchronisation** (a capture launches it per layer on CUDA and
+    copies the results once; :func:`keycone_finish` turns them into the summary).
+
+    The key-covariance window of each head (``⌈horizon⌉`` clamped to ``[2, T]``, :func:`covariance_window`) is
+    applied as a token mask ``t ≥ T − w_h`` over all ``T`` tokens, so no window size has to reach the host; rows
+    outside a head's window are replaced by exact zeros (``torch.where``, so a NaN key outside the window stays
+    outside, as in :func:`window_key_covariance`). Same two passes (mean of the window, then the centred sum).
+
+    Returns ``{"horizon": [H], "mean_key_norm": [H], "cov_eigvals": [H, K], "P_eigvals": [H, K]}`` (eigenvalues
+    ascending; NaN rows for matrices with NaN/inf).
+    """
+    kt, gt = _keys_and_g(k, g)
+    T, H, K = kt.shape
+    dev = _device(kt)
+    g64 = gt.to(dev)
+    abar = torch.exp(g64).mean(0)  # mean_alpha
+    horizon = torch.where(abar >= 1.0, torch.full_like(abar, float("inf")), 1.0 / (1.0 - abar))  # decay_horizon
+    nan = torch.isnan(horizon)
+    hh = torch.where(torch.isfinite(horizon), horizon * (1.0 - _CEIL_RTOL), torch.full_like(horizon, float(T)))
+    hh = torch.where(nan, torch.full_like(hh, float(T)), hh)  # covariance_window; NaN: window T, erank NaN later
+    w = torch.clamp(torch.ceil(hh), min=2.0).clamp(max=float(T))
+    start = float(T) - w  # [H]: token t is in head h's window iff t >= start[h]
+    s = torch.zeros(H, K, dtype=torch.float64, device=dev)
+    mu = torch.zeros(H, K, dtype=torch.float64, device=dev)
+    zero = torch.zeros((), dtype=torch.float64, device=dev)
+    masks = []
+    for i in range(0, T, chunk):  # pass 1: the mean key, and the mean of each head's window
+        x = _f64(kt[i : i + chunk], dev)
+        m = (torch.arange(i, i + x.shape[0], device=dev, dtype=torch.float64)[:, None] >= start)[..., None]
+        masks.append(m)
+        s += x.sum(0)
+        mu += torch.where(m, x, zero).sum(0)
+    mu /= w[:, None]
+    C = torch.zeros(H, K, K, dtype=torch.float64, device=dev)
+    for j, i in enumerate(range(0, T, chunk)):  # pass 2: centred second moment of each window
+        Xc = torch.where(masks[j], _f64(kt[i : i + chunk], dev) - mu, zero)
+        C += torch.einsum("thi,thj->hij", Xc, Xc)
+    C /= w[:, None, None]
+    P = _decayed_sum(kt, torch.exp(_suffix_log_decay(g64)), chunk)
+    lam = _eigvalsh_device(torch.cat([C, P]))
+    return {"horizon": horizon, "mean_key_norm": torch.linalg.vector_norm(s / T, dim=-1),
+            "cov_eigvals": lam[:H], "P_eigvals": lam[H:]}
+
+
+def keycone_finish(parts: dict) -> dict[str, np.ndarray]:
+    """The host half of :func:`keycone_summary`: the effective ranks from :func:`keycone_parts`'s eigenvalues
+    (tensors or numpy arrays). Returns the summary's dict of ``[H]`` float64 arrays."""
+    p = {name: _as_np64(v) for name, v in parts.items()}
+    h = np.atleast_1d(p["horizon"])
+    cov = np.atleast_1d(effective_rank_from_eigenvalues(p["cov_eigvals"], scale="eig"))
+    cov = np.where(np.isnan(h), np.nan, cov)
+    return {
+        "mean_key_norm": np.atleast_1d(p["mean_key_norm"]),
+        "key_cov_erank": cov,
+        "decayed_P_erank_sqrt": np.atleast_1d(effective_rank_from_eigenvalues(p["P_eigvals"], scale="sqrt")),
+        "decayed_P_erank_eig": np.atleast_1d(effective_rank_from_eigenvalues(p["P_eigvals"], scale="eig")),
+        "horizon": h,
+    }
+
+
+def _as_np64(v: Any) -> np.ndarray:
+    return _np(v.to(torch.float64)) if isinstance(v, torch.Tensor) else np.asarray(v, np.float64)
+
+
 def keycone_summary(k: Any, g: Any, chunk: int = CHUNK) -> dict[str, np.ndarray]:
-    """Every per-head key-geometry statistic at once (``P`` is built once).
+    """Every per-head key-geometry statistic at once (``P`` is built once): :func:`keycone_finish` of
+    :func:`keycone_parts` (the sums and eigenvalues on the keys' device, the effective ranks on the host).
 
     Args:
         k: unit keys ``[T, H, K]``. g: log-decays ``[T, H]``.
@@ -307,15 +392,7 @@ def keycone_summary(k: Any, g: Any, chunk: int = CHUNK) -> dict[str, np.ndarray]
         dict of ``[H]`` float64 arrays:
         ``mean_key_norm`` (:func:`mean_key_norm`), ``key_cov_erank`` (:func:`key_covariance_erank`, eig scale,
         window ``⌈horizon⌉`` in ``[2, T]``), ``decayed_P_erank_sqrt`` and ``decayed_P_erank_eig``
-        (:func:`decayed_key_erank` on both scales), ``horizon`` (tokens, :func:`decay_horizon`).
+        (:func:`decayed_key_erank` on both scales), ``horizon`` (tokens, :func:`decay_horizon`). Tests pin each
+        to those reference functions.
     """
-    kt, gt = _keys_and_g(k, g)
-    h = np.atleast_1d(decay_horizon(gt))
-    lam = _eigvalsh(decayed_key_covariance(kt, gt, chunk=chunk))
-    return {
-        "mean_key_norm": mean_key_norm(kt, chunk=chunk),
-        "key_cov_erank": key_covariance_erank(kt, gt, horizon=h, chunk=chunk),
-        "decayed_P_erank_sqrt": np.atleast_1d(effective_rank_from_eigenvalues(lam, scale="sqrt")),
-        "decayed_P_erank_eig": np.atleast_1d(effective_rank_from_eigenvalues(lam, scale="eig")),
-        "horizon": h,
-    }
+    return keycone_finish(keycone_parts(k, g, chunk=chunk))

@@ -8,16 +8,17 @@ diagonal and the subdiagonal (``E[:, i] = T[i+1, i]``, ``E[:, n-1] = 0``) of the
 α = −sign(x₀)‖x‖, u = (x − α e₀)/‖x − α e₀‖, p = G u, q = p − (uᵀp) u, G ← G − 2(u qᵀ + q uᵀ)), so the bisection
 kernel that follows is unchanged.
 
-Layout: the matrix in shared memory (rows padded to n + 1 doubles; 132 KB for n = 128, so the kernel asks for that
-much dynamic shared memory), thread i owns row i: p_i = Σ_j G[i][j] u_j and the rank-2 update of row i are
-thread-private; the three scalars per step (‖x‖, ‖v‖, uᵀp) are block reductions (warp shuffles, then one value per
-warp through shared memory). Why: the Triton kernel keeps the whole matrix in registers of one 16-warp program and
-every step's reductions and layout conversions cross warps; measured on an H200 at 206 ms for the 18,432 matrices of
-a 16K-token capture (bench/RESULTS.md), the largest item of the capture's GPU time.
+Layout: the matrix in shared memory (rows padded to n + TPR doubles; 135 KB for n = 128), TPR = 4 threads per row
+(512 threads for n = 128), each owning the columns j ≡ h (mod TPR) of its row: p_i = Σ_j G[i][j] u_j is TPR partial
+sums joined by shuffles, and the rank-2 update of row i is private to its TPR lanes. Step k touches only the trailing
+block (rows and columns ≥ k: u vanishes above k+1 and the rows above k are finished), which is a third of the
+arithmetic of updating the whole matrix. The two scalars per step (‖x‖² and uᵀp) are warp sums whose per-warp
+partials are published by the barrier the step needs anyway, and ‖x − αe₁‖² = 2(‖x‖² + |x₁|‖x‖) needs no reduction
+of its own: three barriers per reflection. The first version (sixth session: one thread per row, the whole matrix
+updated every step, eight barriers per step) ran the 18,432 matrices of a 16K capture in 105.6 ms on an H200, 1.95×
+faster than the Triton kernel (206 ms), which keeps the whole matrix in registers of one 16-warp program.
 
-Measured (H200, ``bench/bench_spectra.py --candidates``, sixth session, both in one run): the 18,432 Gram matrices
-128×128 of a 16K-token capture in **105.6 ms vs 205.9 ms** for the Triton kernel (1.95× faster), eigenvalues after
-the same bisection equal to 1.8e-15 relative to the largest.
+Measured: see bench/RESULTS.md (``bench/bench_spectra.py --candidates`` compares it with the Triton kernel in one run).
 
 Status: used by ``gdnviz.gpu.symeig.eigvalsh_tridiag`` (so by ``svdvals`` and the capture's spectra) on NVIDIA CUDA
 builds for float64 64×64 and 128×128 matrices by default; ``GDNVIZ_CUDA_TRIDIAG=0`` keeps the Triton kernel. Compiled
@@ -39,64 +40,94 @@ SIZES = (64, 128)
 
 SOURCE = r"""
 #define NN %(N)d
-#define NP (NN + 1)
-#define NWARP (NN / 32)
-__device__ __forceinline__ double block_sum(double v, double* red)
+#define TPR %(TPR)d
+#define NT (NN * TPR)
+#define NP (NN + TPR)
+#define NWARP (NT / 32)
+// Block sums are warp shuffles, one partial per warp in red[], and the barrier that publishes them is the one the
+// step needs anyway: three barriers per reflection.
+__device__ __forceinline__ double warp_sum(double v)
 {
-    // sum over the block's NN threads; every thread gets the same value (lane sums in a fixed order)
     for (int o = 16; o > 0; o >>= 1) v += __shfl_xor_sync(0xffffffffu, v, o);
-    const int w = threadIdx.x >> 5;
-    __syncthreads();  // red[] is free again
-    if ((threadIdx.x & 31) == 0) red[w] = v;
-    __syncthreads();
-    double s = 0.0;
-#pragma unroll
-    for (int k = 0; k < NWARP; ++k) s += red[k];
-    return s;
+    return v;
 }
 
-extern "C" __global__ void __launch_bounds__(NN)
+extern "C" __global__ void __launch_bounds__(NT)
 gdnviz_tridiag(const double* __restrict__ G, double* __restrict__ D, double* __restrict__ E)
 {
     extern __shared__ double sm[];
     double* A = sm;                 // [NN][NP]
-    double* us = A + NN * NP;       // [NN]
-    double* qs = us + NN;           // [NN]
-    double* red = qs + NN;          // [NWARP]
-    const int i = threadIdx.x;
+    double* us = A + NN * NP;       // [NN] u
+    double* ps = us + NN;           // [NN] p = A u
+    double* red1 = ps + NN;         // [NWARP] partial ||x||^2
+    double* red2 = red1 + NWARP;    // [NWARP] partial u^T p
+    double* sc = red2 + NWARP;      // [1] x_{k+1}
+    const int t = threadIdx.x;
+    const int i = t / TPR, h = t %% TPR;  // row i, columns j = h (mod TPR)
     const long long base = (long long)blockIdx.x * NN * NN;
-    for (int idx = i; idx < NN * NN; idx += NN) A[(idx / NN) * NP + idx %% NN] = G[base + idx];  // coalesced
+    for (int idx = t; idx < NN * NN; idx += NT) A[(idx / NN) * NP + idx %% NN] = G[base + idx];  // coalesced
     __syncthreads();
     for (int k = 0; k < NN - 2; ++k) {
-        const double x = (i > k) ? A[i * NP + k] : 0.0;  // column k below the diagonal (A is symmetric)
-        const double nrm = sqrt(block_sum(x * x, red));
-        const double xk1 = A[(k + 1) * NP + k];
+        const double x = (i > k) ? A[i * NP + k] : 0.0;  // column k below the diagonal (row i's copy: A symmetric)
+        if (h == 0 && i == k + 1) sc[0] = x;
+        const double s1 = warp_sum(h == 0 ? x * x : 0.0);
+        if ((t & 31) == 0) red1[t >> 5] = s1;
+        __syncthreads();
+        double nrm2 = 0.0;
+#pragma unroll
+        for (int w = 0; w < NWARP; ++w) nrm2 += red1[w];
+        const double nrm = sqrt(nrm2);
+        const double xk1 = sc[0];
         const double alpha = (xk1 >= 0.0) ? -nrm : nrm;
+        // ||x - alpha e_{k+1}||^2 = 2 (||x||^2 + |x_{k+1}| ||x||): alpha has x_{k+1}'s opposite sign, no cancellation
+        const double vn2 = 2.0 * (nrm2 + fabs(xk1) * nrm);
         const double v = x - ((i == k + 1) ? alpha : 0.0);
-        const double vn2 = block_sum(v * v, red);
-        const double u = (vn2 > 0.0) ? v / sqrt(vn2 > 0.0 ? vn2 : 1.0) : 0.0;
-        us[i] = u;
+        const double u = (vn2 > 0.0) ? v / sqrt(vn2) : 0.0;
+        if (h == 0) us[i] = u;
         __syncthreads();
-        double p = 0.0;
-        for (int j = 0; j < NN; ++j) p = fma(A[i * NP + j], us[j], p);
-        const double kk = block_sum(u * p, red);
+        double p = 0.0;  // rows i >= k only (u vanishes on j <= k; rows above k are finished)
+        if (i >= k)
+            for (int j = k + 1 + ((h - (k + 1) %% TPR + TPR) %% TPR); j < NN; j += TPR) p = fma(A[i * NP + j], us[j], p);
+#pragma unroll
+        for (int o = TPR / 2; o > 0; o >>= 1) p += __shfl_xor_sync(0xffffffffu, p, o);
+        const double s2 = warp_sum(h == 0 ? u * p : 0.0);
+        if ((t & 31) == 0) red2[t >> 5] = s2;
+        if (h == 0) ps[i] = p;
+        __syncthreads();
+        double kk = 0.0;
+#pragma unroll
+        for (int w = 0; w < NWARP; ++w) kk += red2[w];
+        // A <- A - 2 (u q^T + q u^T), q = p - (u^T p) u, on the trailing block rows/columns >= k
         const double q = p - kk * u;
-        qs[i] = q;
-        __syncthreads();
-        for (int j = 0; j < NN; ++j) A[i * NP + j] -= 2.0 * (u * qs[j] + q * us[j]);
-        __syncthreads();
+        if (i >= k)
+            for (int j = k + ((h - k %% TPR + TPR) %% TPR); j < NN; j += TPR)
+                A[i * NP + j] -= 2.0 * (u * (ps[j] - kk * us[j]) + q * us[j]);
+        __syncwarp();  // the next step's x = A[i][k+1] may have been written by another lane of row i's group
     }
-    D[(long long)blockIdx.x * NN + i] = A[i * NP + i];
-    E[(long long)blockIdx.x * NN + i] = (i < NN - 1) ? A[(i + 1) * NP + i] : 0.0;
+    __syncthreads();
+    if (h == 0) {
+        D[(long long)blockIdx.x * NN + i] = A[i * NP + i];
+        E[(long long)blockIdx.x * NN + i] = (i < NN - 1) ? A[(i + 1) * NP + i] : 0.0;
+    }
 }
 """
 
 KERNELS = Kernels()  # KERNELS.available / KERNELS.reason: whether compilation worked, and why not
 
 
-def smem_bytes(n: int) -> int:
-    """Dynamic shared memory of the kernel for n × n matrices (the padded matrix, u, q, one double per warp)."""
-    return 8 * (n * (n + 1) + 2 * n + n // 32)
+TPR = 4  # threads per row of G (2 or 4 also compile; 1 is the layout of the first version, one thread per row)
+
+
+def source(n: int, tpr: int = TPR) -> str:
+    """The kernel's CUDA source for n × n matrices and ``tpr`` threads per row (``n * tpr`` threads per block)."""
+    return SOURCE % {"N": n, "TPR": tpr}
+
+
+def smem_bytes(n: int, tpr: int = TPR) -> int:
+    """Dynamic shared memory of the kernel for n × n matrices: the matrix (rows padded to n + tpr doubles, which
+    spreads a warp's reads of tpr adjacent columns of 32 / tpr rows over all banks), u, p, two partial sums per
+    warp and one scalar."""
+    return 8 * (n * (n + tpr) + 2 * n + 2 * (n * tpr // 32) + 1)
 
 
 DEFAULT_ON = True  # measured 1.95× faster than the Triton kernel on an H200 (module docstring)
@@ -115,18 +146,18 @@ def supports(G: torch.Tensor) -> bool:
     return G.is_cuda and G.dim() == 3 and G.dtype == torch.float64 and G.shape[-1] in SIZES and G.shape[-2] == G.shape[-1]
 
 
-def _kernel(n: int, device: torch.device):
-    return KERNELS.get((n, device.index), device, SOURCE % {"N": n}, "gdnviz_tridiag", shared_mem=smem_bytes(n))
+def _kernel(n: int, device: torch.device, tpr: int = TPR):
+    return KERNELS.get((n, tpr, device.index), device, source(n, tpr), "gdnviz_tridiag", shared_mem=smem_bytes(n, tpr))
 
 
-def tridiag(G: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+def tridiag(G: torch.Tensor, tpr: int = TPR) -> tuple[torch.Tensor, torch.Tensor]:
     """``(D [N, n], E [N, n])`` of float64 CUDA symmetric ``G [N, n, n]`` (module docstring); RuntimeError if the
     kernel is unavailable."""
     if not supports(G):
         raise ValueError(f"tridiag takes float64 CUDA [N, n, n] with n in {SIZES}; got {G.dtype} {tuple(G.shape)} "
                          f"on {G.device}")
     N, n, _ = G.shape
-    k = _kernel(n, G.device)
+    k = _kernel(n, G.device, tpr)
     if k is None:
         raise RuntimeError(f"the CUDA tridiagonalisation kernel is unavailable: {KERNELS.reason}")
     G = G.contiguous()
@@ -134,5 +165,5 @@ def tridiag(G: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     E = torch.empty_like(D)
     if N:
         with torch.cuda.device(G.device):
-            k(grid=(N, 1, 1), block=(n, 1, 1), args=[G, D, E], shared_mem=smem_bytes(n))
+            k(grid=(N, 1, 1), block=(n * tpr, 1, 1), args=[G, D, E], shared_mem=smem_bytes(n, tpr))
     return D, E

@@ -10,7 +10,9 @@ computed as the square roots of the eigenvalues of the float64 Gram matrix G = S
    turns it off), otherwise — or if its compilation fails — a Triton kernel, one program per matrix with the whole
    n×n tile in registers (n ≤ 128);
 3. a second kernel finds all eigenvalues of many tridiagonals at once by bisection on Sturm counts, one lane
-   per (matrix, eigenvalue index), 64 halvings of the Gershgorin interval (absolute accuracy ≈ ε_f64·‖G‖).
+   per (matrix, eigenvalue index), 64 halvings of the Gershgorin interval (absolute accuracy ≈ ε_f64·‖G‖): the
+   CUDA kernel ``gdnviz.gpu.cuda_bisect`` (the tridiagonal in shared memory; ``GDNVIZ_CUDA_BISECT=0`` turns it off)
+   for n ∈ {64, 128} on NVIDIA builds, otherwise a Triton kernel.
 
 Why: ``torch.linalg.svdvals`` / ``eigvalsh`` on CUDA loop over the batch for n > 32 (about 1–5 ms per 128×128
 matrix), which is the whole budget of a capture. The reference is ``torch.linalg.svdvals`` in float64; the
@@ -142,7 +144,11 @@ def eigvalsh_tridiag(G: torch.Tensor) -> torch.Tensor:
         D, E = cuda_tridiag.tridiag(G)
     elif N:
         _tridiag_kernel[(N,)](G, D, E, N=n, num_warps=16 if n >= 128 else 4)
-    if N:
+    from gdnviz.gpu import cuda_bisect  # default on NVIDIA builds (GDNVIZ_CUDA_BISECT=0: off): the same bisection
+
+    if N and cuda_bisect.enabled() and cuda_bisect.supports(D) and cuda_bisect._kernel(n, D.device):
+        W = cuda_bisect.bisect(D, E, BISECT_STEPS)
+    elif N:
         bm = max(1, 512 // n)
         _bisect_kernel[(triton.cdiv(N, bm),)](D, E, W, N, N=n, BM=bm, STEPS=BISECT_STEPS, num_warps=4)
     return W

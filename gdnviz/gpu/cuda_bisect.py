@@ -1,0 +1,112 @@
+"""All eigenvalues of many symmetric tridiagonal float64 matrices by bisection on Sturm counts, in a CUDA kernel
+compiled at run time with NVRTC — the second half of ``gdnviz.gpu.symeig.eigvalsh_tridiag`` (after the
+tridiagonalisation of ``gdnviz.gpu.cuda_tridiag``).
+
+``bisect(D, E, steps)`` for float64 CUDA ``D, E [N, n]`` (diagonal; subdiagonal ``E[:, i] = T[i+1, i]``, ``E[:, n-1]``
+ignored) returns the eigenvalues ``W [N, n]`` ascending. The algorithm of ``symeig._bisect_kernel`` (the Triton
+kernel): the Gershgorin interval widened by 1e-12 of its span, then ``steps`` halvings for the j-th smallest
+eigenvalue by thread j, each counting the negative pivots of the LDLᵀ factorisation of T − x·I (pivots smaller
+than ``pivmin = 1e-300 + 4.9e-32·max_i(|d_i| + |e_i|)`` replaced by −pivmin). Absolute accuracy ≈ ε_f64·‖T‖.
+
+Layout: one block of n threads per matrix, D and e² in shared memory (2 KB for n = 128, so up to 16 blocks per SM),
+every thread reading the same entry at each step (a broadcast). Why: the Triton kernel re-reads D and E from global
+memory at every Sturm step of every lane; on an H200 it took 53 ms of a 16K capture's 345 ms of GPU time (sixth
+session's profile). Measured: bench/RESULTS.md (``bench/bench_spectra.py --candidates`` times both in one run).
+
+Status: used by ``symeig.eigvalsh_tridiag`` on NVIDIA CUDA builds by default (``GDNVIZ_CUDA_BISECT=0`` keeps the
+Triton kernel); compiled once per (n, device) on first use; if compilation fails ``KERNELS.available`` is False
+and the Triton kernel is used. ``tests/test_cuda_bisect.py`` pins it to float64 ``eigvalsh`` on CPU (its source run
+through ``gdnviz.gpu.cuda_emul``) and to the Triton kernel on CUDA.
+"""
+from __future__ import annotations
+
+import os
+
+import torch
+
+from gdnviz.gpu.nvrtc import Kernels
+
+SOURCE = r"""
+#define NN %(N)d
+extern "C" __global__ void __launch_bounds__(NN)
+gdnviz_bisect(const double* __restrict__ D, const double* __restrict__ E, double* __restrict__ W, int steps)
+{
+    __shared__ double ds[NN];
+    __shared__ double e2s[NN];  // e2s[i] = E[i-1]^2 (e2s[0] = 0): the term the pivot at row i subtracts
+    __shared__ double es[NN];
+    const int j = threadIdx.x;
+    const long long base = (long long)blockIdx.x * NN;
+    const double ej = (j < NN - 1) ? E[base + j] : 0.0;
+    ds[j] = D[base + j];
+    es[j] = ej;
+    __syncthreads();
+    e2s[j] = (j > 0) ? es[j - 1] * es[j - 1] : 0.0;
+    __syncthreads();
+    double lo = 1e300, hi = -1e300, scale = 0.0, e_prev = 0.0;
+    for (int i = 0; i < NN; ++i) {  // Gershgorin interval (every thread the same, in the same order)
+        const double di = ds[i], ei = es[i];
+        const double rad = fabs(ei) + fabs(e_prev);
+        lo = fmin(lo, di - rad);
+        hi = fmax(hi, di + rad);
+        scale = fmax(scale, fabs(di) + fabs(ei));
+        e_prev = ei;
+    }
+    const double span = fmax(hi - lo, 1e-300);
+    double a = lo - 1e-12 * span, b = hi + 1e-12 * span;
+    const double pivmin = 1e-300 + 4.9e-32 * scale;
+    for (int s = 0; s < steps; ++s) {
+        const double mid = 0.5 * (a + b);
+        int cnt = 0;
+        double q = 1.0;
+#pragma unroll 8
+        for (int i = 0; i < NN; ++i) {
+            q = (ds[i] - mid) - e2s[i] / q;
+            q = (fabs(q) < pivmin) ? -pivmin : q;
+            cnt += (q < 0.0) ? 1 : 0;
+        }
+        if (cnt > j) b = mid; else a = mid;  // more than j eigenvalues below mid: the j-th is left of mid
+    }
+    W[base + j] = 0.5 * (a + b);
+}
+"""
+
+SIZES = (64, 128)
+KERNELS = Kernels()  # KERNELS.available / KERNELS.reason
+DEFAULT_ON = True
+
+
+def source(n: int) -> str:
+    return SOURCE % {"N": n}
+
+
+def enabled() -> bool:
+    """On unless ``GDNVIZ_CUDA_BISECT=0``, while compilation has not failed, on NVIDIA builds."""
+    env = os.environ.get("GDNVIZ_CUDA_BISECT", "").strip()
+    on = DEFAULT_ON if env == "" else env != "0"
+    return on and KERNELS.usable()
+
+
+def supports(D: torch.Tensor) -> bool:
+    """float64 CUDA ``[N, n]`` with n in SIZES."""
+    return D.is_cuda and D.dim() == 2 and D.dtype == torch.float64 and D.shape[-1] in SIZES
+
+
+def _kernel(n: int, device: torch.device):
+    return KERNELS.get((n, device.index), device, source(n), "gdnviz_bisect")
+
+
+def bisect(D: torch.Tensor, E: torch.Tensor, steps: int) -> torch.Tensor:
+    """Ascending eigenvalues ``[N, n]`` of the tridiagonals (D, E) (module docstring); RuntimeError if the kernel
+    is unavailable."""
+    if not supports(D) or E.shape != D.shape or E.dtype != D.dtype or E.device != D.device:
+        raise ValueError(f"bisect takes float64 CUDA D, E [N, n] with n in {SIZES}; got {D.dtype} {tuple(D.shape)} "
+                         f"and {E.dtype} {tuple(E.shape)} on {D.device}")
+    N, n = D.shape
+    k = _kernel(n, D.device)
+    if k is None:
+        raise RuntimeError(f"the CUDA bisection kernel is unavailable: {KERNELS.reason}")
+    W = torch.empty_like(D)
+    if N:
+        with torch.cuda.device(D.device):
+            k(grid=(N, 1, 1), block=(n, 1, 1), args=[D.contiguous(), E.contiguous(), W, int(steps)])
+    return W
