@@ -424,6 +424,18 @@ def test_keycone_summary_matches_references_per_head_windows(T, chunk):
         assert np.isinf(s["horizon"][2]) and s["key_cov_erank"][2] > 1
 
 
+def test_keycone_summary_short_windows_skip_early_chunks():
+    """Every window short (horizons 2-10 tokens): the CPU path skips the chunks before every window and must give
+    the reference covariance erank all the same (chunk 16, T = 200, windows cross a chunk boundary)."""
+    rng = np.random.default_rng(11)
+    T, H, K = 200, 3, 8
+    k = unit(rng.standard_normal((T, H, K)))
+    g = np.log(np.broadcast_to([0.5, 0.8, 0.9], (T, H))).copy()
+    s = keycone_summary(torch.from_numpy(k), torch.from_numpy(g), chunk=16)
+    np.testing.assert_allclose(s["key_cov_erank"], key_covariance_erank(k, g), rtol=1e-9)
+    np.testing.assert_allclose(s["mean_key_norm"], mean_key_norm(k), rtol=1e-12)
+
+
 def test_shape_errors():
     with pytest.raises(ValueError):
         decayed_key_covariance(np.zeros((5, 2, 3)), np.zeros((5, 3)))
