@@ -21,7 +21,8 @@ Definitions:
 Memory: nothing of size ``[T, H, K, K]`` is ever formed. Sums over tokens run in chunks of ``chunk`` tokens
 (float64 copies of one chunk at a time, ``chunk · H · K · 8`` bytes) with an einsum over the token axis into
 ``[H, K, K]`` accumulators, on the device of the input tensor (CPU for numpy; CPU for MPS, which has no
-float64). ``T = 16384, H = 16, K = 128`` needs a few tens of MB beyond the input. :class:`DecayedKeyCovariance`
+float64). ``T = 16384, H = 16, K = 128`` needs a few tens of MB beyond the input with the CPU's 2048-token
+chunks; :func:`keycone_parts` on CUDA uses 16,384-token chunks (fewer launches; about 1 GB of float64 temporaries). :class:`DecayedKeyCovariance`
 computes ``P`` incrementally, segment by segment, for inputs that never exist as one tensor.
 
 Returned arrays are float64 numpy, whatever the input type.
@@ -53,6 +54,10 @@ __all__ = [
 
 #: Tokens per float64 chunk in the sums over T.
 CHUNK = 2048
+#: Tokens per chunk of :func:`keycone_parts` on CUDA: each chunk costs ~30 kernel launches of host time, the cost
+#: that dominated a capture's statistics at 2048 (83 ms of host time for 16K tokens × 18 layers, H200); a float64
+#: chunk of 16 heads × 128 is 268 MB, and a few live at once.
+CUDA_CHUNK = 16384
 #: Relative tolerance when rounding a horizon up to a window: 1/(1−0.9) = 10.000000000000002 is 10 tokens.
 _CEIL_RTOL = 1e-9
 
@@ -316,7 +321,7 @@ def _eigvalsh_device(A: torch.Tensor) -> torch.Tensor:
     return torch.where(bad[:, None], torch.full((), float("nan"), dtype=lam.dtype, device=lam.device), lam)
 
 
-def keycone_parts(k: Any, g: Any, chunk: int = CHUNK) -> dict[str, torch.Tensor]:
+def keycone_parts(k: Any, g: Any, chunk: int | None = None) -> dict[str, torch.Tensor]:
     """The device half of :func:`keycone_summary`: every sum over tokens and both eigen-decompositions, as float64
     tensors on the keys' device, **without a host synchronisation** (a capture launches it per layer on CUDA and
     copies the results once; :func:`keycone_finish` turns them into the summary).
@@ -326,12 +331,16 @@ def keycone_parts(k: Any, g: Any, chunk: int = CHUNK) -> dict[str, torch.Tensor]
     outside a head's window are replaced by exact zeros (``torch.where``, so a NaN key outside the window stays
     outside, as in :func:`window_key_covariance`). Same two passes (mean of the window, then the centred sum).
 
+    chunk: tokens per float64 chunk; None = :data:`CUDA_CHUNK` on CUDA, :data:`CHUNK` elsewhere.
+
     Returns ``{"horizon": [H], "mean_key_norm": [H], "cov_eigvals": [H, K], "P_eigvals": [H, K]}`` (eigenvalues
     ascending; NaN rows for matrices with NaN/inf).
     """
     kt, gt = _keys_and_g(k, g)
     T, H, K = kt.shape
     dev = _device(kt)
+    if chunk is None:
+        chunk = CUDA_CHUNK if dev.type == "cuda" else CHUNK
     g64 = gt.to(dev)
     abar = torch.exp(g64).mean(0)  # mean_alpha
     horizon = torch.where(abar >= 1.0, torch.full_like(abar, float("inf")), 1.0 / (1.0 - abar))  # decay_horizon
@@ -385,7 +394,7 @@ def _as_np64(v: Any) -> np.ndarray:
     return _np(v.to(torch.float64)) if isinstance(v, torch.Tensor) else np.asarray(v, np.float64)
 
 
-def keycone_summary(k: Any, g: Any, chunk: int = CHUNK) -> dict[str, np.ndarray]:
+def keycone_summary(k: Any, g: Any, chunk: int | None = None) -> dict[str, np.ndarray]:
     """Every per-head key-geometry statistic at once (``P`` is built once): :func:`keycone_finish` of
     :func:`keycone_parts` (the sums and eigenvalues on the keys' device, the effective ranks on the host).
 
