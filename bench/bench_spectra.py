@@ -35,8 +35,8 @@ def main():
     ap.add_argument("--candidates", action="store_true",
                     help="also time what might replace the Triton tridiagonalisation (issue #6, capture ≤ 1.5×): "
                          "cuSOLVER's batched gesvda (torch.linalg.svd driver='gesvda', f64 and f32) on 288 states; "
-                         "on the big batch the CUDA tridiagonalisation at 1, 2 and 4 threads per row and the CUDA "
-                         "bisection, each against its Triton kernel")
+                         "on the big batch the CUDA tridiagonalisation (shared-memory and register forms), the CUDA "
+                         "bisection and the CUDA QL eigenvalues, each against its Triton kernel")
     args = ap.parse_args()
     from gdnviz.gpu import symeig
 
@@ -88,17 +88,19 @@ def main():
                 d_, e_, w_, args.big, N=128, BM=bm, STEPS=symeig.BISECT_STEPS, num_warps=4)
             bisect_triton(D, E, W1)
             scale = W1.abs().amax(dim=1, keepdim=True).clamp_min(1e-300)
-            for tpr in (1, 2, 4):  # threads per row of the CUDA tridiagonalisation (4 is the library's)
+            # threads per row of the CUDA tridiagonalisation, matrix in shared memory or in registers
+            for tpr, regs in ((4, False), (2, True), (4, True)):
                 try:
-                    t = timeit(lambda: cuda_tridiag.tridiag(G, tpr), dev, repeats=3)
-                    D2, E2 = cuda_tridiag.tridiag(G, tpr)
+                    t = timeit(lambda: cuda_tridiag.tridiag(G, tpr, regs), dev, repeats=3)
+                    D2, E2 = cuda_tridiag.tridiag(G, tpr, regs)
                     W2 = torch.empty_like(D)
                     bisect_triton(D2, E2, W2)
-                    emit(what="candidate_tridiag_cuda", tpr=tpr, n=args.big, ms=t * 1e3,
+                    emit(what="candidate_tridiag_cuda", tpr=tpr, regs=regs, n=args.big, ms=t * 1e3,
                          triton_tridiag_ms=t_tri_triton * 1e3, ratio=t_tri_triton / t,
                          max_eig_diff_rel=((W2 - W1).abs() / scale).max().item(), **base)
                 except Exception as e:  # noqa: BLE001
-                    emit(what="candidate_tridiag_cuda", tpr=tpr, error=repr(e)[:300], reason=cuda_tridiag.KERNELS.reason,
+                    emit(what="candidate_tridiag_cuda", tpr=tpr, regs=regs, error=repr(e)[:300],
+                         reason=cuda_tridiag.KERNELS.reason,
                          **base)
             try:  # the CUDA bisection (tridiagonal in shared memory) against the Triton one, on the same (D, E)
                 t_b_triton = timeit(lambda: bisect_triton(D, E, W1), dev, repeats=3)
@@ -108,6 +110,15 @@ def main():
                      ratio=t_b_triton / t_b, max_eig_diff_rel=((W3 - W1).abs() / scale).max().item(), **base)
             except Exception as e:  # noqa: BLE001
                 emit(what="candidate_bisect_cuda", error=repr(e)[:300], reason=cuda_bisect.KERNELS.reason, **base)
+            try:  # QL with Wilkinson shifts, one thread per matrix, on the same (D, E)
+                from gdnviz.gpu import cuda_ql
+
+                t_q = timeit(lambda: cuda_ql.ql_eigvals(D, E), dev, repeats=3)
+                W4 = cuda_ql.ql_eigvals(D, E)
+                emit(what="candidate_eig_ql_cuda", n=args.big, ms=t_q * 1e3, triton_bisect_ms=t_b_triton * 1e3,
+                     ratio=t_b_triton / t_q, max_eig_diff_rel=((W4 - W1).abs() / scale).max().item(), **base)
+            except Exception as e:  # noqa: BLE001
+                emit(what="candidate_eig_ql_cuda", error=repr(e)[:300], **base)
 
 
 if __name__ == "__main__":

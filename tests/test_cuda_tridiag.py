@@ -21,19 +21,22 @@ def test_switch_and_sizes(monkeypatch):
     assert cuda_tridiag.DEFAULT_ON  # measured 1.95× faster than the Triton kernel on the H200 (sixth session)
     monkeypatch.delenv("GDNVIZ_CUDA_TRIDIAG", raising=False)
     assert cuda_tridiag.enabled() == usable
-    for env, on in (("0", False), (" 0 ", False), ("1", True)):
+    for env, on, regs in (("0", False, cuda_tridiag.REGS), (" 0 ", False, cuda_tridiag.REGS),
+                          ("1", True, cuda_tridiag.REGS), ("regs", True, True), ("smem", True, False)):
         monkeypatch.setenv("GDNVIZ_CUDA_TRIDIAG", env)
         assert cuda_tridiag.enabled() == (on and usable), env
-    assert cuda_tridiag.smem_bytes(128, 4) == 8 * (128 * 132 + 256 + 32 + 1)  # > 48 KB: the kernel opts in
+        assert cuda_tridiag.default_regs() == regs, env
+    assert cuda_tridiag.smem_bytes(128, 4, False) == 8 * (128 * 132 + 256 + 32 + 1)  # > 48 KB: the kernel opts in
+    assert cuda_tridiag.smem_bytes(128, 4, True) == 8 * (256 + 32 + 1)  # the register form: u, p, partials
     assert not cuda_tridiag.supports(torch.zeros(2, 128, 128, dtype=torch.float64))  # CPU: never
     with pytest.raises(ValueError):
         cuda_tridiag.tridiag(torch.zeros(2, 128, 128, dtype=torch.float64))
 
 
 @pytest.mark.parametrize("n", [64, 128])
-@pytest.mark.parametrize("tpr", [1, 2, 4])
-def test_source_compiles_for_hopper(n, tpr):
-    res = compile_log(cuda_tridiag.source(n, tpr))
+@pytest.mark.parametrize("tpr, regs", [(1, False), (2, False), (4, False), (2, True), (4, True)])
+def test_source_compiles_for_hopper(n, tpr, regs):
+    res = compile_log(cuda_tridiag.source(n, tpr, regs))
     if res is None:
         pytest.skip("no NVRTC library here (CPU torch without the nvidia-cuda-nvrtc wheel)")
     rc, out = res
@@ -47,12 +50,12 @@ def test_cuda_tridiag_spectra_match(monkeypatch):
     from gdnviz.gpu import symeig
 
     assert cuda_tridiag._kernel(128, torch.device("cuda")) is not None, cuda_tridiag.KERNELS.reason
-    for name, S in cuda_cases().items():
-        monkeypatch.setenv("GDNVIZ_CUDA_TRIDIAG", "1")
+    for (name, S), form in ((item, form) for item in cuda_cases().items() for form in ("smem", "regs")):
+        monkeypatch.setenv("GDNVIZ_CUDA_TRIDIAG", form)
         ours = symeig.svdvals(S)
         monkeypatch.setenv("GDNVIZ_CUDA_TRIDIAG", "0")
         triton = symeig.svdvals(S)
-        assert_matches_svdvals(ours, torch.linalg.svdvals(S.double()), name)
+        assert_matches_svdvals(ours, torch.linalg.svdvals(S.double()), (name, form))
         # eigenvalues of G (σ²) within 1e-12·λ_max of the Triton path's, as a product rather than a quotient: the
         # zero states' λ_max is 0 (a clamped 1e-300 squares to 0 and gave 0/0 = NaN on the H200), and there the
         # bound asks for exact equality
@@ -64,8 +67,9 @@ def test_cuda_tridiag_spectra_match(monkeypatch):
 
 
 @needs_gxx
-@pytest.mark.parametrize("n, tpr", [(64, 1), (64, 4), (128, 2), (128, 4)])
-def test_emulated_tridiagonal_keeps_the_eigenvalues(n, tpr):
+@pytest.mark.parametrize("n, tpr, regs", [(64, 1, False), (64, 4, False), (128, 2, False), (128, 4, False),
+                                          (64, 4, True), (128, 2, True), (128, 4, True)])
+def test_emulated_tridiagonal_keeps_the_eigenvalues(n, tpr, regs):
     """The kernel's CUDA source run on the CPU (gdnviz.gpu.cuda_emul): the tridiagonal (D, E) it returns has the
     eigenvalues of G to 1e-13·λ_max (float64 eigvalsh of both) — a random Gram matrix, a graded one (λ from 1 to
     1e-16), rank 3, repeated eigenvalues, and zero (D = E = 0 exactly)."""
@@ -82,9 +86,9 @@ def test_emulated_tridiagonal_keeps_the_eigenvalues(n, tpr):
     G = (Q * lam[:, None, :]) @ Q.mT
     G[0] = A[0] @ A[0].mT
     G = 0.5 * (G + G.mT)
-    emu = Emulated(cuda_tridiag.source(n, tpr), "gdnviz_tridiag", ["const double*", "double*", "double*"])
-    D, E = np.empty((5, n)), np.empty((5, n))
-    emu.launch(5, n * tpr, [np.ascontiguousarray(G.numpy()), D, E], cuda_tridiag.smem_bytes(n, tpr))
+    emu = Emulated(cuda_tridiag.source(n, tpr, regs), "gdnviz_tridiag", ["const double*", "double*", "double*"])
+    D, E = np.full((5, n), np.nan), np.full((5, n), np.nan)  # every entry must be written
+    emu.launch(5, n * tpr, [np.ascontiguousarray(G.numpy()), D, E], cuda_tridiag.smem_bytes(n, tpr, regs))
     D, E = torch.from_numpy(D), torch.from_numpy(E)
     T = torch.diag_embed(D) + torch.diag_embed(E[:, :-1], 1) + torch.diag_embed(E[:, :-1], -1)
     want, got = torch.linalg.eigvalsh(G), torch.linalg.eigvalsh(T)

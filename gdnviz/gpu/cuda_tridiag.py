@@ -112,29 +112,126 @@ gdnviz_tridiag(const double* __restrict__ G, double* __restrict__ D, double* __r
 }
 """
 
+# The register form: thread (row i, lane h of TPR) keeps its NN / TPR entries G[i][h + TPR c] in registers (32
+# doubles for n = 128 at TPR = 4), so the matrix never touches shared memory; every loop over c is unrolled, so the
+# register array is indexed by constants only, and column k is picked out by predicated selects. The arithmetic per
+# step is the shared-memory form's; the update runs over the whole row (u and p vanish outside the trailing block:
+# it adds exact zeros there), which costs the same instructions as testing.
+SOURCE_REG = r"""
+#define NN %(N)d
+#define TPR %(TPR)d
+#define NT (NN * TPR)
+#define NC (NN / TPR)
+#define NWARP (NT / 32)
+__device__ __forceinline__ double warp_sum(double v)
+{
+    for (int o = 16; o > 0; o >>= 1) v += __shfl_xor_sync(0xffffffffu, v, o);
+    return v;
+}
+
+extern "C" __global__ void __launch_bounds__(NT, 1)
+gdnviz_tridiag(const double* __restrict__ G, double* __restrict__ D, double* __restrict__ E)
+{
+    extern __shared__ double sm[];
+    double* us = sm;                // [NN] u
+    double* ps = us + NN;           // [NN] p = A u
+    double* red1 = ps + NN;         // [NWARP] partial ||x||^2
+    double* red2 = red1 + NWARP;    // [NWARP] partial u^T p
+    double* sc = red2 + NWARP;      // [1] x_{k+1}
+    const int t = threadIdx.x;
+    const int i = t / TPR, h = t %% TPR;  // row i, columns j = h + TPR c
+    const int lane0 = (t & 31) - h;         // the first lane of row i's group
+    const long long base = (long long)blockIdx.x * NN * NN;
+    double a[NC];
+#pragma unroll
+    for (int c = 0; c < NC; ++c) a[c] = G[base + i * NN + h + TPR * c];
+    for (int k = 0; k < NN - 2; ++k) {
+        const int kc = k / TPR, kh = k %% TPR;
+        double mine = 0.0;  // A[i][k] if this lane holds column k
+#pragma unroll
+        for (int c = 0; c < NC; ++c) mine = (c == kc) ? a[c] : mine;
+        double x = __shfl_sync(0xffffffffu, mine, lane0 + kh);
+        x = (i > k) ? x : 0.0;
+        if (h == 0 && i == k + 1) sc[0] = x;
+        const double s1 = warp_sum(h == 0 ? x * x : 0.0);
+        if ((t & 31) == 0) red1[t >> 5] = s1;
+        __syncthreads();
+        double nrm2 = 0.0;
+#pragma unroll
+        for (int w = 0; w < NWARP; ++w) nrm2 += red1[w];
+        const double nrm = sqrt(nrm2);
+        const double xk1 = sc[0];
+        const double alpha = (xk1 >= 0.0) ? -nrm : nrm;
+        const double vn2 = 2.0 * (nrm2 + fabs(xk1) * nrm);
+        const double v = x - ((i == k + 1) ? alpha : 0.0);
+        const double u = (vn2 > 0.0) ? v / sqrt(vn2) : 0.0;
+        if (h == 0) us[i] = u;
+        __syncthreads();
+        double p = 0.0;
+#pragma unroll
+        for (int c = 0; c < NC; ++c) p = fma(a[c], us[h + TPR * c], p);
+#pragma unroll
+        for (int o = TPR / 2; o > 0; o >>= 1) p += __shfl_xor_sync(0xffffffffu, p, o);
+        p = (i >= k) ? p : 0.0;  // rows above k are finished
+        const double s2 = warp_sum(h == 0 ? u * p : 0.0);
+        if ((t & 31) == 0) red2[t >> 5] = s2;
+        if (h == 0) ps[i] = p;
+        __syncthreads();
+        double kk = 0.0;
+#pragma unroll
+        for (int w = 0; w < NWARP; ++w) kk += red2[w];
+        const double q = p - kk * u;
+#pragma unroll
+        for (int c = 0; c < NC; ++c) {
+            const int j = h + TPR * c;
+            a[c] -= 2.0 * (u * (ps[j] - kk * us[j]) + q * us[j]);
+        }
+    }
+    double d = 0.0, e = 0.0;  // D[i] = A[i][i] (column i), E[i-1] = A[i][i-1] (column i-1)
+#pragma unroll
+    for (int c = 0; c < NC; ++c) {
+        const int j = h + TPR * c;
+        d = (j == i) ? a[c] : d;
+        e = (j == i - 1) ? a[c] : e;
+    }
+    if (h == i %% TPR) D[(long long)blockIdx.x * NN + i] = d;
+    if (i > 0 && h == (i - 1) %% TPR) E[(long long)blockIdx.x * NN + i - 1] = e;
+    if (i == NN - 1 && h == 0) E[(long long)blockIdx.x * NN + NN - 1] = 0.0;
+}
+"""
+
+
 KERNELS = Kernels()  # KERNELS.available / KERNELS.reason: whether compilation worked, and why not
 
 
 TPR = 4  # threads per row of G (2 or 4 also compile; 1 is the layout of the first version, one thread per row)
+REGS = False  # the register form (SOURCE_REG) by default? Chosen by measurement (bench/bench_spectra.py --candidates)
 
 
-def source(n: int, tpr: int = TPR) -> str:
-    """The kernel's CUDA source for n × n matrices and ``tpr`` threads per row (``n * tpr`` threads per block)."""
-    return SOURCE % {"N": n, "TPR": tpr}
+def default_regs() -> bool:
+    """The form ``tridiag`` uses unless told: ``GDNVIZ_CUDA_TRIDIAG=regs`` or ``=smem`` pick one, else ``REGS``."""
+    env = os.environ.get("GDNVIZ_CUDA_TRIDIAG", "").strip()
+    return True if env == "regs" else False if env == "smem" else REGS
 
 
-def smem_bytes(n: int, tpr: int = TPR) -> int:
-    """Dynamic shared memory of the kernel for n × n matrices: the matrix (rows padded to n + tpr doubles, which
-    spreads a warp's reads of tpr adjacent columns of 32 / tpr rows over all banks), u, p, two partial sums per
-    warp and one scalar."""
-    return 8 * (n * (n + tpr) + 2 * n + 2 * (n * tpr // 32) + 1)
+def source(n: int, tpr: int = TPR, regs: bool = REGS) -> str:
+    """The kernel's CUDA source for n × n matrices and ``tpr`` threads per row (``n * tpr`` threads per block), in
+    shared memory or (``regs``) in registers."""
+    return (SOURCE_REG if regs else SOURCE) % {"N": n, "TPR": tpr}
 
 
-DEFAULT_ON = True  # measured 1.95× faster than the Triton kernel on an H200 (module docstring)
+def smem_bytes(n: int, tpr: int = TPR, regs: bool = REGS) -> int:
+    """Dynamic shared memory of the kernel for n × n matrices: the matrix (shared-memory form only; rows padded to
+    n + tpr doubles, which spreads a warp's reads of tpr adjacent columns of 32 / tpr rows over all banks), u, p,
+    two partial sums per warp and one scalar."""
+    return 8 * ((0 if regs else n * (n + tpr)) + 2 * n + 2 * (n * tpr // 32) + 1)
+
+
+DEFAULT_ON = True  # measured faster than the Triton kernel on an H200 (module docstring)
 
 
 def enabled() -> bool:
-    """On unless ``GDNVIZ_CUDA_TRIDIAG=0`` (``=1`` forces it on even if ``DEFAULT_ON`` is False), while compilation
+    """On unless ``GDNVIZ_CUDA_TRIDIAG=0`` (``=1``, ``=regs`` or ``=smem`` force it on), while compilation
     has not failed, on NVIDIA builds (the block reductions assume 32-lane warps)."""
     env = os.environ.get("GDNVIZ_CUDA_TRIDIAG", "").strip()
     on = DEFAULT_ON if env == "" else env != "0"
@@ -146,18 +243,21 @@ def supports(G: torch.Tensor) -> bool:
     return G.is_cuda and G.dim() == 3 and G.dtype == torch.float64 and G.shape[-1] in SIZES and G.shape[-2] == G.shape[-1]
 
 
-def _kernel(n: int, device: torch.device, tpr: int = TPR):
-    return KERNELS.get((n, tpr, device.index), device, source(n, tpr), "gdnviz_tridiag", shared_mem=smem_bytes(n, tpr))
+def _kernel(n: int, device: torch.device, tpr: int = TPR, regs: bool | None = None):
+    regs = default_regs() if regs is None else regs
+    return KERNELS.get((n, tpr, regs, device.index), device, source(n, tpr, regs), "gdnviz_tridiag",
+                       shared_mem=smem_bytes(n, tpr, regs))
 
 
-def tridiag(G: torch.Tensor, tpr: int = TPR) -> tuple[torch.Tensor, torch.Tensor]:
-    """``(D [N, n], E [N, n])`` of float64 CUDA symmetric ``G [N, n, n]`` (module docstring); RuntimeError if the
-    kernel is unavailable."""
+def tridiag(G: torch.Tensor, tpr: int = TPR, regs: bool | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+    """``(D [N, n], E [N, n])`` of float64 CUDA symmetric ``G [N, n, n]`` (module docstring); ``regs``: the register
+    form (None: :func:`default_regs`). RuntimeError if the kernel is unavailable."""
+    regs = default_regs() if regs is None else regs
     if not supports(G):
         raise ValueError(f"tridiag takes float64 CUDA [N, n, n] with n in {SIZES}; got {G.dtype} {tuple(G.shape)} "
                          f"on {G.device}")
     N, n, _ = G.shape
-    k = _kernel(n, G.device, tpr)
+    k = _kernel(n, G.device, tpr, regs)
     if k is None:
         raise RuntimeError(f"the CUDA tridiagonalisation kernel is unavailable: {KERNELS.reason}")
     G = G.contiguous()
@@ -165,5 +265,5 @@ def tridiag(G: torch.Tensor, tpr: int = TPR) -> tuple[torch.Tensor, torch.Tensor
     E = torch.empty_like(D)
     if N:
         with torch.cuda.device(G.device):
-            k(grid=(N, 1, 1), block=(n * tpr, 1, 1), args=[G, D, E], shared_mem=smem_bytes(n, tpr))
+            k(grid=(N, 1, 1), block=(n * tpr, 1, 1), args=[G, D, E], shared_mem=smem_bytes(n, tpr, regs))
     return D, E
