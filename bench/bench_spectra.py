@@ -36,7 +36,7 @@ def main():
                     help="also time what might replace the Triton tridiagonalisation (issue #6, capture ≤ 1.5×): "
                          "cuSOLVER's batched gesvda (torch.linalg.svd driver='gesvda', f64 and f32) on 288 states; "
                          "on the big batch the CUDA tridiagonalisation (shared-memory and register forms), the CUDA "
-                         "bisection and the CUDA QL eigenvalues, each against its Triton kernel")
+                         "bisection, each against its Triton kernel")
     args = ap.parse_args()
     from gdnviz.gpu import symeig
 
@@ -89,7 +89,7 @@ def main():
             bisect_triton(D, E, W1)
             scale = W1.abs().amax(dim=1, keepdim=True).clamp_min(1e-300)
             # threads per row of the CUDA tridiagonalisation, matrix in shared memory or in registers
-            for tpr, regs in ((4, False), (2, True), (4, True)):
+            for tpr, regs in ((4, False), (2, True), (4, True)):  # (2, True) is the library's
                 try:
                     t = timeit(lambda: cuda_tridiag.tridiag(G, tpr, regs), dev, repeats=3)
                     D2, E2 = cuda_tridiag.tridiag(G, tpr, regs)
@@ -110,15 +110,6 @@ def main():
                      ratio=t_b_triton / t_b, max_eig_diff_rel=((W3 - W1).abs() / scale).max().item(), **base)
             except Exception as e:  # noqa: BLE001
                 emit(what="candidate_bisect_cuda", error=repr(e)[:300], reason=cuda_bisect.KERNELS.reason, **base)
-            try:  # QL with Wilkinson shifts, one thread per matrix, on the same (D, E)
-                from gdnviz.gpu import cuda_ql
-
-                t_q = timeit(lambda: cuda_ql.ql_eigvals(D, E), dev, repeats=3)
-                W4 = cuda_ql.ql_eigvals(D, E)
-                emit(what="candidate_eig_ql_cuda", n=args.big, ms=t_q * 1e3, triton_bisect_ms=t_b_triton * 1e3,
-                     ratio=t_b_triton / t_q, max_eig_diff_rel=((W4 - W1).abs() / scale).max().item(), **base)
-            except Exception as e:  # noqa: BLE001
-                emit(what="candidate_eig_ql_cuda", error=repr(e)[:300], **base)
 
 
 if __name__ == "__main__":

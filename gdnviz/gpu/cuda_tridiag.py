@@ -204,8 +204,13 @@ gdnviz_tridiag(const double* __restrict__ G, double* __restrict__ D, double* __r
 KERNELS = Kernels()  # KERNELS.available / KERNELS.reason: whether compilation worked, and why not
 
 
-TPR = 4  # threads per row of G (2 or 4 also compile; 1 is the layout of the first version, one thread per row)
-REGS = False  # the register form (SOURCE_REG) by default? Chosen by measurement (bench/bench_spectra.py --candidates)
+# The defaults, measured on an H200 (bench/bench_spectra.py --candidates, seventh session, 18,432 matrices 128×128,
+# one run): register form at 2 threads per row 41.8 ms; shared-memory form at 4 per row 47.0 ms (2 per row 52.7,
+# 1 per row 69.4); register form at 4 per row 56.7 ms; the Triton kernel 205.9 ms.
+REGS = True  # the register form (SOURCE_REG)
+TPR_REGS = 2  # threads per row in the register form (64 doubles of G per thread for n = 128: 200 registers)
+TPR_SMEM = 4  # threads per row in the shared-memory form
+TPR = TPR_REGS if REGS else TPR_SMEM
 
 
 def default_regs() -> bool:
@@ -243,16 +248,22 @@ def supports(G: torch.Tensor) -> bool:
     return G.is_cuda and G.dim() == 3 and G.dtype == torch.float64 and G.shape[-1] in SIZES and G.shape[-2] == G.shape[-1]
 
 
-def _kernel(n: int, device: torch.device, tpr: int = TPR, regs: bool | None = None):
+def _form(tpr: int | None, regs: bool | None) -> tuple[int, bool]:
     regs = default_regs() if regs is None else regs
+    return (tpr if tpr is not None else TPR_REGS if regs else TPR_SMEM), regs
+
+
+def _kernel(n: int, device: torch.device, tpr: int | None = None, regs: bool | None = None):
+    tpr, regs = _form(tpr, regs)
     return KERNELS.get((n, tpr, regs, device.index), device, source(n, tpr, regs), "gdnviz_tridiag",
                        shared_mem=smem_bytes(n, tpr, regs))
 
 
-def tridiag(G: torch.Tensor, tpr: int = TPR, regs: bool | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+def tridiag(G: torch.Tensor, tpr: int | None = None, regs: bool | None = None) -> tuple[torch.Tensor, torch.Tensor]:
     """``(D [N, n], E [N, n])`` of float64 CUDA symmetric ``G [N, n, n]`` (module docstring); ``regs``: the register
-    form (None: :func:`default_regs`). RuntimeError if the kernel is unavailable."""
-    regs = default_regs() if regs is None else regs
+    form (None: :func:`default_regs`), ``tpr``: threads per row (None: that form's default). RuntimeError if the
+    kernel is unavailable."""
+    tpr, regs = _form(tpr, regs)
     if not supports(G):
         raise ValueError(f"tridiag takes float64 CUDA [N, n, n] with n in {SIZES}; got {G.dtype} {tuple(G.shape)} "
                          f"on {G.device}")

@@ -144,11 +144,9 @@ def eigvalsh_tridiag(G: torch.Tensor) -> torch.Tensor:
         D, E = cuda_tridiag.tridiag(G)
     elif N:
         _tridiag_kernel[(N,)](G, D, E, N=n, num_warps=16 if n >= 128 else 4)
-    from gdnviz.gpu import cuda_bisect, cuda_ql  # CUDA bisection by default (GDNVIZ_CUDA_BISECT=0: off); QL opt-in
+    from gdnviz.gpu import cuda_bisect  # default on NVIDIA builds (GDNVIZ_CUDA_BISECT=0: off): the same bisection
 
-    if N and cuda_ql.enabled() and cuda_ql.supports(D) and cuda_ql._kernel(n, D.device):
-        W = cuda_ql.ql_eigvals(D, E, BISECT_STEPS)
-    elif N and cuda_bisect.enabled() and cuda_bisect.supports(D) and cuda_bisect._kernel(n, D.device):
+    if N and cuda_bisect.enabled() and cuda_bisect.supports(D) and cuda_bisect._kernel(n, D.device):
         W = cuda_bisect.bisect(D, E, BISECT_STEPS)
     elif N:
         bm = max(1, 512 // n)
