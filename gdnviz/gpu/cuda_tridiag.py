@@ -8,17 +8,23 @@ diagonal and the subdiagonal (``E[:, i] = T[i+1, i]``, ``E[:, n-1] = 0``) of the
 α = −sign(x₀)‖x‖, u = (x − α e₀)/‖x − α e₀‖, p = G u, q = p − (uᵀp) u, G ← G − 2(u qᵀ + q uᵀ)), so the bisection
 kernel that follows is unchanged.
 
-Layout: the matrix in shared memory (rows padded to n + TPR doubles; 135 KB for n = 128), TPR = 4 threads per row
-(512 threads for n = 128), each owning the columns j ≡ h (mod TPR) of its row: p_i = Σ_j G[i][j] u_j is TPR partial
-sums joined by shuffles, and the rank-2 update of row i is private to its TPR lanes. Step k touches only the trailing
-block (rows and columns ≥ k: u vanishes above k+1 and the rows above k are finished), which is a third of the
-arithmetic of updating the whole matrix. The two scalars per step (‖x‖² and uᵀp) are warp sums whose per-warp
-partials are published by the barrier the step needs anyway, and ‖x − αe₁‖² = 2(‖x‖² + |x₁|‖x‖) needs no reduction
-of its own: three barriers per reflection. The first version (sixth session: one thread per row, the whole matrix
-updated every step, eight barriers per step) ran the 18,432 matrices of a 16K capture in 105.6 ms on an H200, 1.95×
-faster than the Triton kernel (206 ms), which keeps the whole matrix in registers of one 16-warp program.
+Two forms of one algorithm. Both give a row of G to TPR threads, each owning the columns j ≡ h (mod TPR):
+p_i = Σ_j G[i][j] u_j is TPR partial sums joined by shuffles, and the rank-2 update of row i is private to its TPR
+lanes. The two scalars per step (‖x‖² and uᵀp) are warp sums whose per-warp partials are published by the barrier the
+step needs anyway, and ‖x − αe₁‖² = 2(‖x‖² + |x₁|‖x‖) needs no reduction of its own: three barriers per reflection.
 
-Measured: see bench/RESULTS.md (``bench/bench_spectra.py --candidates`` compares it with the Triton kernel in one run).
+- register form (``SOURCE_REG``, the default, TPR = 2: 256 threads, 64 doubles of G in each thread's registers,
+  200 registers, no spills): the matrix never touches shared memory; every loop over a thread's columns is unrolled,
+  so the register array is indexed by constants only and column k is picked out by predicated selects;
+- shared-memory form (``SOURCE``, ``GDNVIZ_CUDA_TRIDIAG=smem``, TPR = 4: the matrix in shared memory, rows padded
+  to n + TPR doubles, 135 KB for n = 128): step k touches only the trailing block (rows and columns ≥ k), a third
+  of the arithmetic of updating the whole matrix.
+
+Measured on an H200 (``bench/bench_spectra.py --candidates``, seventh session, the 18,432 Gram matrices of a 16K
+capture, one run): register form 41.8 ms, shared-memory form 47.0 ms, the Triton kernel (the whole matrix in the
+registers of one 16-warp program, reductions and layout conversions across warps) 205.9 ms, so 4.9× faster; the
+first CUDA version (sixth session: one thread per row, the whole matrix updated every step, eight barriers per step)
+took 105.6 ms. Eigenvalues after the same bisection equal to 1.8e-15 relative.
 
 Status: used by ``gdnviz.gpu.symeig.eigvalsh_tridiag`` (so by ``svdvals`` and the capture's spectra) on NVIDIA CUDA
 builds for float64 64×64 and 128×128 matrices by default; ``GDNVIZ_CUDA_TRIDIAG=0`` keeps the Triton kernel. Compiled
@@ -112,11 +118,8 @@ gdnviz_tridiag(const double* __restrict__ G, double* __restrict__ D, double* __r
 }
 """
 
-# The register form: thread (row i, lane h of TPR) keeps its NN / TPR entries G[i][h + TPR c] in registers (32
-# doubles for n = 128 at TPR = 4), so the matrix never touches shared memory; every loop over c is unrolled, so the
-# register array is indexed by constants only, and column k is picked out by predicated selects. The arithmetic per
-# step is the shared-memory form's; the update runs over the whole row (u and p vanish outside the trailing block:
-# it adds exact zeros there), which costs the same instructions as testing.
+# The register form (module docstring); the arithmetic per step is the shared-memory form's, but the update runs
+# over the whole row (u and p vanish outside the trailing block, so it adds exact zeros there).
 SOURCE_REG = r"""
 #define NN %(N)d
 #define TPR %(TPR)d
@@ -220,8 +223,8 @@ def default_regs() -> bool:
 
 
 def source(n: int, tpr: int = TPR, regs: bool = REGS) -> str:
-    """The kernel's CUDA source for n × n matrices and ``tpr`` threads per row (``n * tpr`` threads per block), in
-    shared memory or (``regs``) in registers."""
+    """The kernel's CUDA source for n × n matrices and ``tpr`` threads per row (``n * tpr`` threads per block), the
+    matrix in shared memory or (``regs``) in registers."""
     return (SOURCE_REG if regs else SOURCE) % {"N": n, "TPR": tpr}
 
 
