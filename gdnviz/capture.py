@@ -237,7 +237,11 @@ class CaptureCallback:
             dev = next((t.device for t in tensors if torch.is_tensor(t)), torch.device("cpu"))
             side = (self._pipeline_flag is None or bool(self._pipeline_flag)) and dev.type == "cuda"
             pin = dev.type == "cuda"
-            self._host = {k: torch.zeros(shape, dtype=dt, pin_memory=pin) for k, (shape, dt) in self._shapes.items()}
+            # pinned on CUDA (asynchronous copies), from torch's caching host allocator (kept for the next capture);
+            # not zeroed there: a finished forward writes every layer's slot, and result() is only read after one
+            new = (lambda shape, dt: torch.empty(shape, dtype=dt, pin_memory=True)) if pin else \
+                (lambda shape, dt: torch.zeros(shape, dtype=dt))
+            self._host = {k: new(shape, dt) for k, (shape, dt) in self._shapes.items()}
             self._jobs = _DeviceJobs(dev, side, depth=2 * PIPELINE_DEPTH)  # two jobs per layer
         self._jobs.submit(fn, *tensors, kind=kind)
 
