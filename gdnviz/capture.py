@@ -252,8 +252,9 @@ class CaptureCallback:
     @property
     def statistics_seconds(self) -> dict:
         """Host wall seconds of the statistics: launching each job kind (``layer_input``: gates, key samples and the
-        key cone; ``layer_end``: the boundary states' spectra and the final state) and, on CUDA, ``waiting`` for the
-        GPU to finish them (the in-flight bound and the end of the capture)."""
+        key cone; ``layer_end``: the boundary states' spectra and the final state), on CUDA ``waiting`` for the GPU
+        to finish them (the in-flight bound and the end of the capture), and ``results``: assembling the host arrays
+        once they are in (copies out of the pinned buffers, the key cone's effective ranks)."""
         src = self._jobs.seconds if self._jobs is not None else {}
         return {k: round(v, 4) for k, v in src.items()}
 
@@ -314,16 +315,22 @@ class CaptureCallback:
         self._put("final_state", li, final[0].float())
 
     def result(self, meta: dict) -> CaptureResult:
+        """The capture (waits for the GPU first). Its host-side assembly (copies out of the pinned buffers, the key
+        cone's effective ranks) is timed as ``statistics_seconds["results"]``."""
         self.close()
+        t0 = time.perf_counter()
         if not self._host:  # no GDN layer ran (nothing was launched): the zero buffers
             self._host = {k: torch.zeros(shape, dtype=dt) for k, (shape, dt) in self._shapes.items()}
         h = {k: v.numpy() for k, v in self._host.items()}
         keycone = self._kc.keycone_finish({name[3:]: h[name] for name in h if name.startswith("kc_")})
-        return CaptureResult(meta=meta, positions=np.asarray(self.positions, np.int64),
-                             sv=np.ascontiguousarray(h["sv"].transpose(1, 0, 2, 3)),
-                             final_state=h["final_state"].copy(), g=h["g"].copy(), beta=h["beta"].copy(),
-                             key_mean=h["key_mean"].copy(), keycone=keycone, key_sample=h["key_sample"].copy(),
-                             key_sample_pos=self.key_sample_pos)
+        res = CaptureResult(meta=meta, positions=np.asarray(self.positions, np.int64),
+                            sv=np.ascontiguousarray(h["sv"].transpose(1, 0, 2, 3)),
+                            final_state=h["final_state"].copy(), g=h["g"].copy(), beta=h["beta"].copy(),
+                            key_mean=h["key_mean"].copy(), keycone=keycone, key_sample=h["key_sample"].copy(),
+                            key_sample_pos=self.key_sample_pos)
+        if self._jobs is not None:
+            self._jobs.seconds["results"] = time.perf_counter() - t0
+        return res
 
 
 def capture_document(lm, input_ids, segment_len: int = runner.DEFAULT_SEGMENT_LEN, *, name: str = "",
@@ -354,10 +361,10 @@ def capture_document(lm, input_ids, segment_len: int = runner.DEFAULT_SEGMENT_LE
         except Exception:  # noqa: BLE001 - the forward's own error is the one to report
             pass
         raise
-    cb.close()
     meta = dict(version=CAPTURE_VERSION, name=name, n_tokens=T, segment_len=segment_len,
                 model=lm.info.to_dict(), gdn_layers=list(lm.info.gdn_layers), num_heads=lm.info.num_heads,
                 d_k=lm.info.d_k, d_v=lm.info.d_v, backends=sorted(out.backends), readouts=sorted(out.readouts),
-                pipelined=cb.pipelined, seconds=round(time.perf_counter() - t0, 4),
-                statistics_seconds=cb.statistics_seconds)
-    return cb.result(meta)
+                pipelined=cb.pipelined)
+    res = cb.result(meta)  # waits for the GPU's statistics, then assembles the host arrays
+    meta.update(seconds=round(time.perf_counter() - t0, 4), statistics_seconds=cb.statistics_seconds)
+    return res

@@ -143,7 +143,7 @@ def test_pipelined_capture_equals_inline_on_gpu(lm, fast_states):
         np.testing.assert_array_equal(getattr(inline, f), getattr(piped, f), err_msg=f)
     for k in inline.keycone:
         np.testing.assert_array_equal(inline.keycone[k], piped.keycone[k], err_msg=k)
-    assert set(piped.meta["statistics_seconds"]) == {"layer_input", "layer_end", "waiting"}
+    assert set(piped.meta["statistics_seconds"]) == {"layer_input", "layer_end", "waiting", "results"}
 
 
 def test_keycone_on_gpu_equals_cpu():
