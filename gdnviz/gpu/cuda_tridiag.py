@@ -44,19 +44,60 @@ from gdnviz.gpu.nvrtc import Kernels
 
 SIZES = (64, 128)
 
-SOURCE = r"""
+# Shared by both forms: the block layout and the two per-step block scalars. Block sums are warp shuffles, one partial
+# per warp in shared memory, and the barrier that publishes them is the one the step needs anyway.
+PREAMBLE = r"""
 #define NN %(N)d
 #define TPR %(TPR)d
 #define NT (NN * TPR)
-#define NP (NN + TPR)
 #define NWARP (NT / 32)
-// Block sums are warp shuffles, one partial per warp in red[], and the barrier that publishes them is the one the
-// step needs anyway: three barriers per reflection.
 __device__ __forceinline__ double warp_sum(double v)
 {
     for (int o = 16; o > 0; o >>= 1) v += __shfl_xor_sync(0xffffffffu, v, o);
     return v;
 }
+
+// Row i's entry u_i of step k's unit reflector, from x_i = A[i][k] (0 for i <= k): publishes ||x||^2 (red1) and
+// x_{k+1} (sc[0]), then stores u in us[]; two barriers.
+__device__ __forceinline__ double reflector(double x, int i, int h, int k, double* red1, double* sc, double* us)
+{
+    if (h == 0 && i == k + 1) sc[0] = x;
+    const double s1 = warp_sum(h == 0 ? x * x : 0.0);
+    if ((threadIdx.x & 31) == 0) red1[threadIdx.x >> 5] = s1;
+    __syncthreads();
+    double nrm2 = 0.0;
+#pragma unroll
+    for (int w = 0; w < NWARP; ++w) nrm2 += red1[w];
+    const double nrm = sqrt(nrm2);
+    const double xk1 = sc[0];
+    const double alpha = (xk1 >= 0.0) ? -nrm : nrm;
+    // ||x - alpha e_{k+1}||^2 = 2 (||x||^2 + |x_{k+1}| ||x||): alpha has x_{k+1}'s opposite sign, no cancellation
+    const double vn2 = 2.0 * (nrm2 + fabs(xk1) * nrm);
+    const double v = x - ((i == k + 1) ? alpha : 0.0);
+    const double u = (vn2 > 0.0) ? v / sqrt(vn2) : 0.0;
+    if (h == 0) us[i] = u;
+    __syncthreads();
+    return u;
+}
+
+// u^T p from every row's (u_i, p_i), with p_i (TPR lanes' partial sums, joined here) stored in ps[]; one barrier.
+__device__ __forceinline__ double publish_p(double u, double& p, int i, int h, double* red2, double* ps)
+{
+#pragma unroll
+    for (int o = TPR / 2; o > 0; o >>= 1) p += __shfl_xor_sync(0xffffffffu, p, o);
+    const double s2 = warp_sum(h == 0 ? u * p : 0.0);
+    if ((threadIdx.x & 31) == 0) red2[threadIdx.x >> 5] = s2;
+    if (h == 0) ps[i] = p;
+    __syncthreads();
+    double kk = 0.0;
+#pragma unroll
+    for (int w = 0; w < NWARP; ++w) kk += red2[w];
+    return kk;
+}
+"""
+
+SOURCE = PREAMBLE + r"""
+#define NP (NN + TPR)
 
 extern "C" __global__ void __launch_bounds__(NT)
 gdnviz_tridiag(const double* __restrict__ G, double* __restrict__ D, double* __restrict__ E)
@@ -75,34 +116,11 @@ gdnviz_tridiag(const double* __restrict__ G, double* __restrict__ D, double* __r
     __syncthreads();
     for (int k = 0; k < NN - 2; ++k) {
         const double x = (i > k) ? A[i * NP + k] : 0.0;  // column k below the diagonal (row i's copy: A symmetric)
-        if (h == 0 && i == k + 1) sc[0] = x;
-        const double s1 = warp_sum(h == 0 ? x * x : 0.0);
-        if ((t & 31) == 0) red1[t >> 5] = s1;
-        __syncthreads();
-        double nrm2 = 0.0;
-#pragma unroll
-        for (int w = 0; w < NWARP; ++w) nrm2 += red1[w];
-        const double nrm = sqrt(nrm2);
-        const double xk1 = sc[0];
-        const double alpha = (xk1 >= 0.0) ? -nrm : nrm;
-        // ||x - alpha e_{k+1}||^2 = 2 (||x||^2 + |x_{k+1}| ||x||): alpha has x_{k+1}'s opposite sign, no cancellation
-        const double vn2 = 2.0 * (nrm2 + fabs(xk1) * nrm);
-        const double v = x - ((i == k + 1) ? alpha : 0.0);
-        const double u = (vn2 > 0.0) ? v / sqrt(vn2) : 0.0;
-        if (h == 0) us[i] = u;
-        __syncthreads();
+        const double u = reflector(x, i, h, k, red1, sc, us);
         double p = 0.0;  // rows i >= k only (u vanishes on j <= k; rows above k are finished)
         if (i >= k)
             for (int j = k + 1 + ((h - (k + 1) %% TPR + TPR) %% TPR); j < NN; j += TPR) p = fma(A[i * NP + j], us[j], p);
-#pragma unroll
-        for (int o = TPR / 2; o > 0; o >>= 1) p += __shfl_xor_sync(0xffffffffu, p, o);
-        const double s2 = warp_sum(h == 0 ? u * p : 0.0);
-        if ((t & 31) == 0) red2[t >> 5] = s2;
-        if (h == 0) ps[i] = p;
-        __syncthreads();
-        double kk = 0.0;
-#pragma unroll
-        for (int w = 0; w < NWARP; ++w) kk += red2[w];
+        const double kk = publish_p(u, p, i, h, red2, ps);
         // A <- A - 2 (u q^T + q u^T), q = p - (u^T p) u, on the trailing block rows/columns >= k
         const double q = p - kk * u;
         if (i >= k)
@@ -120,17 +138,8 @@ gdnviz_tridiag(const double* __restrict__ G, double* __restrict__ D, double* __r
 
 # The register form (module docstring); the arithmetic per step is the shared-memory form's, but the update runs
 # over the whole row (u and p vanish outside the trailing block, so it adds exact zeros there).
-SOURCE_REG = r"""
-#define NN %(N)d
-#define TPR %(TPR)d
-#define NT (NN * TPR)
+SOURCE_REG = PREAMBLE + r"""
 #define NC (NN / TPR)
-#define NWARP (NT / 32)
-__device__ __forceinline__ double warp_sum(double v)
-{
-    for (int o = 16; o > 0; o >>= 1) v += __shfl_xor_sync(0xffffffffu, v, o);
-    return v;
-}
 
 extern "C" __global__ void __launch_bounds__(NT, 1)
 gdnviz_tridiag(const double* __restrict__ G, double* __restrict__ D, double* __restrict__ E)
@@ -155,34 +164,12 @@ gdnviz_tridiag(const double* __restrict__ G, double* __restrict__ D, double* __r
         for (int c = 0; c < NC; ++c) mine = (c == kc) ? a[c] : mine;
         double x = __shfl_sync(0xffffffffu, mine, lane0 + kh);
         x = (i > k) ? x : 0.0;
-        if (h == 0 && i == k + 1) sc[0] = x;
-        const double s1 = warp_sum(h == 0 ? x * x : 0.0);
-        if ((t & 31) == 0) red1[t >> 5] = s1;
-        __syncthreads();
-        double nrm2 = 0.0;
-#pragma unroll
-        for (int w = 0; w < NWARP; ++w) nrm2 += red1[w];
-        const double nrm = sqrt(nrm2);
-        const double xk1 = sc[0];
-        const double alpha = (xk1 >= 0.0) ? -nrm : nrm;
-        const double vn2 = 2.0 * (nrm2 + fabs(xk1) * nrm);
-        const double v = x - ((i == k + 1) ? alpha : 0.0);
-        const double u = (vn2 > 0.0) ? v / sqrt(vn2) : 0.0;
-        if (h == 0) us[i] = u;
-        __syncthreads();
+        const double u = reflector(x, i, h, k, red1, sc, us);
         double p = 0.0;
 #pragma unroll
         for (int c = 0; c < NC; ++c) p = fma(a[c], us[h + TPR * c], p);
-#pragma unroll
-        for (int o = TPR / 2; o > 0; o >>= 1) p += __shfl_xor_sync(0xffffffffu, p, o);
-        p = (i >= k) ? p : 0.0;  // rows above k are finished
-        const double s2 = warp_sum(h == 0 ? u * p : 0.0);
-        if ((t & 31) == 0) red2[t >> 5] = s2;
-        if (h == 0) ps[i] = p;
-        __syncthreads();
-        double kk = 0.0;
-#pragma unroll
-        for (int w = 0; w < NWARP; ++w) kk += red2[w];
+        p = (i >= k) ? p : 0.0;  // rows above k are finished (their lanes' partial sums are all zeroed alike)
+        const double kk = publish_p(u, p, i, h, red2, ps);
         const double q = p - kk * u;
 #pragma unroll
         for (int c = 0; c < NC; ++c) {
