@@ -23,6 +23,7 @@
 #                               TRUNCRUN_PROFILE=25 adds a profiler table, which took the step past 70 s three times)
 #   CAPTURE_SECONDS (120)       bench_capture.py 16K (pipelined vs inline statistics, segment loop), new lengths
 #   CAPTURE128K_SECONDS (90)    bench_capture.py 128K, time and memory only
+#   CAPTURE_STATS_SECONDS (0)   bench_capture_stats.py 16K: the capture's statistics per component, without the model
 #   SWEEP_SECONDS (0)           the demo model's CLI sweep, batch 8 vs 1 (rows compared)
 #   BENCH_SWEEP_SECONDS (90)    bench_sweep.py: prompts/s batched vs one at a time, 0.8B shape, 4K and 16K
 #                               (BENCH_SWEEP_ARGS replaces "--lengths 4096,16384 --n 8 --batch 8")
@@ -66,6 +67,10 @@ fi
 if on ${CAPTURE_SECONDS:-120}; then
   timeout ${CAPTURE_SECONDS:-120} python3 bench/bench_capture.py --device cuda --tokens 16384 --repeats 3 --profile 25 \
       --new-lengths 3000,7777,20000 > $OUT/bench_capture.log 2>&1; grep '^{' $OUT/bench_capture.log | cut -c1-400
+fi
+if on ${CAPTURE_STATS_SECONDS:-0}; then
+  timeout ${CAPTURE_STATS_SECONDS} python3 bench/bench_capture_stats.py --device cuda --tokens 16384 \
+      > $OUT/bench_capture_stats.log 2>&1; grep '^{' $OUT/bench_capture_stats.log | cut -c1-300
 fi
 # scale (issue #6 target 4): one 128K-token capture, peak GPU memory and stored size
 if on ${CAPTURE128K_SECONDS:-90}; then
