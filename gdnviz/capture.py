@@ -32,9 +32,10 @@ the statistics run on a side CUDA stream that waits for the layer's inputs, so t
 on the GPU; ``pipeline=False`` queues them on the main stream. At most ``PIPELINE_DEPTH`` layers' statistics are in
 flight (the host waits for the oldest beyond that), which bounds the boundary states held on the GPU. The numbers
 are the same either way (the tests compare them). On CPU everything runs inline. ``meta["statistics_seconds"]``
-says where the host's time went: launching each job kind, and waiting for the GPU (``waiting``). Before this design
-(sixth session) the statistics ran on a background thread with ~300 synchronous device→host copies and the key cone's
-eigenvalues on the host: a 16K-token capture took 0.98 s for 345 ms of GPU work (bench/RESULTS.md).
+says where the host's time went: launching each job kind, waiting for the GPU (``waiting``) and assembling the
+host arrays at the end (``results``). Before this design (sixth session) the statistics ran on a background thread
+with ~300 synchronous device→host copies and the key cone's eigenvalues on the host: a 16K-token capture took 0.98 s
+(7.4× the prefill) on an H200; now 0.32 s (2.39×; bench/RESULTS.md, seventh session).
 """
 from __future__ import annotations
 
@@ -62,8 +63,8 @@ class _DeviceJobs:
     or on the current stream, with at most ``depth`` jobs in flight (the host waits for the oldest beyond that). A
     job is a function launching device work; the tensors it reads are marked with ``record_stream`` for the side
     stream, so the caching allocator does not hand their memory to the main stream before the side stream is done
-    with them. Host seconds: ``seconds[kind]`` to
-    launch each job kind, ``seconds["waiting"]`` for the GPU (in-flight bound and the final ``finish``)."""
+    with them. Host seconds: ``seconds[kind]`` to launch each job kind, ``seconds["waiting"]`` for the GPU (the
+    in-flight bound and the final ``finish``)."""
 
     def __init__(self, device: torch.device, side: bool, depth: int = PIPELINE_DEPTH):
         self.cuda = device.type == "cuda"
