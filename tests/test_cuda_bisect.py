@@ -4,7 +4,8 @@ CPU: the switch, what ``bisect`` refuses, the source compiling for sm_90 without
 found, and the source run through gdnviz.gpu.cuda_emul (g++, CUDA's threads emulated) returning every eigenvalue of
 hard tridiagonals (random, graded over 16 decades, split into blocks by zero off-diagonals, repeated eigenvalues,
 zero) to 32·ε_f64·‖T‖_∞ + 1e-299 of float64 ``eigvalsh`` (LAPACK's own error is part of the difference; 1e-299 is
-the interval's floor). CUDA: equal to the Triton bisection kernel (the same algorithm) to 1e-15·‖T‖, and ``symeig.svdvals`` with it meets test_symeig's bounds against float64 ``torch.linalg.svdvals``.
+the interval's floor). CUDA: equal to the Triton bisection kernel (the same algorithm) to 1e-15·‖T‖, and
+``symeig.svdvals`` with it meets test_symeig's bounds against float64 ``torch.linalg.svdvals``.
 """
 import numpy as np
 import pytest
@@ -66,7 +67,8 @@ def test_emulated_bisection_finds_every_eigenvalue(n):
         want = np.linalg.eigvalsh(T)
         norm = np.abs(T).sum(1).max()  # ‖T‖_∞ ≥ ‖T‖_2: each Sturm count is exact for T perturbed by a few ε·|T|
         assert np.all(np.diff(W[b]) >= 0), b  # ascending
-        assert np.abs(W[b] - want).max() <= 32 * np.finfo(np.float64).eps * norm + 1e-299, (b, np.abs(W[b] - want).max(), norm)
+        err = np.abs(W[b] - want).max()
+        assert err <= 32 * np.finfo(np.float64).eps * norm + 1e-299, (b, err, norm)
     assert np.abs(W[4]).max() <= 1e-299  # the zero matrix: the interval's 1e-300 floor, clamped by svdvals
 
 

@@ -22,8 +22,9 @@ Memory: nothing of size ``[T, H, K, K]`` is ever formed. Sums over tokens run in
 (float64 copies of one chunk at a time, ``chunk · H · K · 8`` bytes) with an einsum over the token axis into
 ``[H, K, K]`` accumulators, on the device of the input tensor (CPU for numpy; CPU for MPS, which has no
 float64). ``T = 16384, H = 16, K = 128`` needs a few tens of MB beyond the input with the CPU's 2048-token
-chunks; :func:`keycone_parts` on CUDA uses 16,384-token chunks (fewer launches; about 1 GB of float64 temporaries). :class:`DecayedKeyCovariance`
-computes ``P`` incrementally, segment by segment, for inputs that never exist as one tensor.
+chunks; :func:`keycone_parts` on CUDA uses 16,384-token chunks (fewer launches; about 1 GB of float64
+temporaries). :class:`DecayedKeyCovariance` computes ``P`` incrementally, segment by segment, for inputs that never
+exist as one tensor.
 
 Returned arrays are float64 numpy, whatever the input type.
 """

@@ -119,7 +119,8 @@ gdnviz_tridiag(const double* __restrict__ G, double* __restrict__ D, double* __r
         const double u = reflector(x, i, h, k, red1, sc, us);
         double p = 0.0;  // rows i >= k only (u vanishes on j <= k; rows above k are finished)
         if (i >= k)
-            for (int j = k + 1 + ((h - (k + 1) %% TPR + TPR) %% TPR); j < NN; j += TPR) p = fma(A[i * NP + j], us[j], p);
+            for (int j = k + 1 + ((h - (k + 1) %% TPR + TPR) %% TPR); j < NN; j += TPR)
+                p = fma(A[i * NP + j], us[j], p);
         const double kk = publish_p(u, p, i, h, red2, ps);
         // A <- A - 2 (u q^T + q u^T), q = p - (u^T p) u, on the trailing block rows/columns >= k
         const double q = p - kk * u;
