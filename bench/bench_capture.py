@@ -10,7 +10,6 @@ ratios. ``--profile N`` prints the top N ops of one capture.
 """
 from __future__ import annotations
 
-import argparse
 import os
 import sys
 import time
@@ -18,14 +17,11 @@ import time
 import torch
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-from bench.common import device_name, emit, qwen35_08b_config, random_model, sync, timeit  # noqa: E402
+from bench.common import device_name, emit, qwen35_08b_config, random_model, run_parser, sync, timeit  # noqa: E402
 
 
 def main():
-    ap = argparse.ArgumentParser()
-    ap.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
-    ap.add_argument("--tokens", type=int, default=16384)
-    ap.add_argument("--segment-len", type=int, default=256)
+    ap = run_parser()
     ap.add_argument("--dtype", default=None)
     ap.add_argument("--small", action="store_true", help="4 layers / 4 heads: a CPU smoke run")
     ap.add_argument("--demo-shape", action="store_true",

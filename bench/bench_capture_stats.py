@@ -15,7 +15,6 @@ callbacks to see how much of the statistics the forward hides.
 """
 from __future__ import annotations
 
-import argparse
 import os
 import sys
 from types import SimpleNamespace
@@ -23,14 +22,11 @@ from types import SimpleNamespace
 import torch
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-from bench.common import device_name, emit, timeit  # noqa: E402
+from bench.common import device_name, emit, run_parser, timeit  # noqa: E402
 
 
 def main():
-    ap = argparse.ArgumentParser()
-    ap.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
-    ap.add_argument("--tokens", type=int, default=16384)
-    ap.add_argument("--segment-len", type=int, default=256)
+    ap = run_parser()
     ap.add_argument("--layers", type=int, default=18)
     ap.add_argument("--heads", type=int, default=16)
     ap.add_argument("--dk", type=int, default=128)

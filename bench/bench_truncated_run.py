@@ -14,7 +14,6 @@ the top N ops of one warm graphed run.
 """
 from __future__ import annotations
 
-import argparse
 import os
 import sys
 import time
@@ -22,14 +21,11 @@ import time
 import torch
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-from bench.common import device_name, emit, qwen35_08b_config, random_model, sync, timeit  # noqa: E402
+from bench.common import device_name, emit, qwen35_08b_config, random_model, run_parser, sync, timeit  # noqa: E402
 
 
 def main():
-    ap = argparse.ArgumentParser()
-    ap.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
-    ap.add_argument("--tokens", type=int, default=16384)
-    ap.add_argument("--segment-len", type=int, default=256)
+    ap = run_parser()
     ap.add_argument("--ranks", default="1,4,12,32")
     ap.add_argument("--eager-rank", type=int, default=4, help="rank of the one eager-loop row (0: skip it)")
     ap.add_argument("--fused-rank", default="4",

@@ -29,6 +29,18 @@ def random_model(cfg, device, dtype, seed=0):
     return m.to(dtype=dtype).eval()
 
 
+def run_parser(tokens: int = 16384):
+    """The arguments every whole-document benchmark takes: ``--device`` (CUDA when there is one), ``--tokens``,
+    ``--segment-len``; each script adds its own."""
+    import argparse
+
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
+    ap.add_argument("--tokens", type=int, default=tokens)
+    ap.add_argument("--segment-len", type=int, default=256)
+    return ap
+
+
 def sync(device):
     if torch.device(device).type == "cuda":
         torch.cuda.synchronize()
