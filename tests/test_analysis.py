@@ -436,6 +436,18 @@ def test_keycone_summary_short_windows_skip_early_chunks():
     np.testing.assert_allclose(s["mean_key_norm"], mean_key_norm(k), rtol=1e-12)
 
 
+def test_keycone_summary_leaves_its_inputs_alone():
+    """float64 keys are used without a copy inside keycone_parts: nothing may write into them (a chunk scaled in
+    place by the decay weights once did, in a draft)."""
+    rng = np.random.default_rng(5)
+    k = torch.from_numpy(unit(rng.standard_normal((50, 3, 8))))
+    g = torch.from_numpy(np.log(rng.uniform(0.5, 0.99, (50, 3))))
+    k0, g0 = k.clone(), g.clone()
+    for chunk in (16, 2048):
+        keycone_summary(k, g, chunk=chunk)
+        assert torch.equal(k, k0) and torch.equal(g, g0)
+
+
 def test_shape_errors():
     with pytest.raises(ValueError):
         decayed_key_covariance(np.zeros((5, 2, 3)), np.zeros((5, 3)))

@@ -214,6 +214,12 @@ def _suffix_log_decay(g64: torch.Tensor) -> torch.Tensor:
     return torch.cat([inclusive[1:], torch.zeros_like(inclusive[:1])], 0)
 
 
+def _gram_over_tokens(X: torch.Tensor) -> torch.Tensor:
+    """``Σ_t x_t x_tᵀ`` per head of ``X [t, H, K]``: ``[H, K, K]``, one batched GEMM on strided views of X (the
+    einsum ``"thi,thj->hij"`` without its copies of the operands)."""
+    return torch.bmm(X.permute(1, 2, 0), X.permute(1, 0, 2))
+
+
 def _decayed_sum(kt: torch.Tensor, amp: torch.Tensor, chunk: int) -> torch.Tensor:
     """``Σ_t (amp_t k_t)(amp_t k_t)ᵀ`` per head, chunked over T: ``[H, K, K]`` float64 on ``amp``'s device."""
     T, H, K = kt.shape
@@ -330,7 +336,9 @@ def keycone_parts(k: Any, g: Any, chunk: int | None = None) -> dict[str, torch.T
     The key-covariance window of each head (``⌈horizon⌉`` clamped to ``[2, T]``, :func:`covariance_window`) is
     applied as a token mask ``t ≥ T − w_h`` over all ``T`` tokens, so no window size has to reach the host; rows
     outside a head's window are replaced by exact zeros (``torch.where``, so a NaN key outside the window stays
-    outside, as in :func:`window_key_covariance`). Same two passes (mean of the window, then the centred sum).
+    outside, as in :func:`window_key_covariance`). Same two passes (mean of the window, then the centred sum); the
+    second also accumulates the decayed covariance, so each chunk is converted to float64 twice, not three times
+    (once when the document is one chunk), and the sums over tokens are batched GEMMs on strided views.
 
     chunk: tokens per float64 chunk; None = :data:`CUDA_CHUNK` on CUDA, :data:`CHUNK` elsewhere.
 
@@ -355,7 +363,7 @@ def keycone_parts(k: Any, g: Any, chunk: int | None = None) -> dict[str, torch.T
     s = torch.zeros(H, K, dtype=torch.float64, device=dev)
     mu = torch.zeros(H, K, dtype=torch.float64, device=dev)
     zero = torch.zeros((), dtype=torch.float64, device=dev)
-    masks = {}
+    masks, kept = {}, {}
     for i in range(0, T, chunk):  # pass 1: the mean key, and the mean of each head's window
         x = _f64(kt[i : i + chunk], dev)
         s += x.sum(0)
@@ -363,13 +371,18 @@ def keycone_parts(k: Any, g: Any, chunk: int | None = None) -> dict[str, torch.T
             m = (torch.arange(i, i + x.shape[0], device=dev, dtype=torch.float64)[:, None] >= start)[..., None]
             masks[i] = m
             mu += torch.where(m, x, zero).sum(0)
+        if T <= chunk:
+            kept[i] = x  # one chunk: its float64 copy serves pass 2 as well
     mu /= w[:, None]
+    amp = torch.exp(_suffix_log_decay(g64))  # [T, H]: √w_t of the decayed covariance
     C = torch.zeros(H, K, K, dtype=torch.float64, device=dev)
-    for i, m in masks.items():  # pass 2: centred second moment of each window
-        Xc = torch.where(m, _f64(kt[i : i + chunk], dev) - mu, zero)
-        C += torch.einsum("thi,thj->hij", Xc, Xc)
+    P = torch.zeros(H, K, K, dtype=torch.float64, device=dev)
+    for i in range(0, T, chunk):  # pass 2: centred second moment of each window, and the decayed covariance
+        x = kept.pop(i) if i in kept else _f64(kt[i : i + chunk], dev)
+        if i in masks:
+            C += _gram_over_tokens(torch.where(masks[i], x - mu, zero))
+        P += _gram_over_tokens(x * amp[i : i + chunk, :, None])  # rows √w_t k_t (not in place: x may be the input)
     C /= w[:, None, None]
-    P = _decayed_sum(kt, torch.exp(_suffix_log_decay(g64)), chunk)
     lam = _eigvalsh_device(torch.cat([C, P]))
     return {"horizon": horizon, "mean_key_norm": torch.linalg.vector_norm(s / T, dim=-1),
             "cov_eigvals": lam[:H], "P_eigvals": lam[H:]}
