@@ -236,7 +236,7 @@ class CaptureCallback:
         names it in ``statistics_seconds``."""
         if self._jobs is None:
             dev = next((t.device for t in tensors if torch.is_tensor(t)), torch.device("cpu"))
-            side = (self._pipeline_flag is None or bool(self._pipeline_flag)) and dev.type == "cuda"
+            side = self._pipeline_flag is None or bool(self._pipeline_flag)  # a side stream exists on CUDA only
             pin = dev.type == "cuda"
             # pinned on CUDA (asynchronous copies), from torch's caching host allocator (kept for the next capture);
             # not zeroed there: a finished forward writes every layer's slot, and result() is only read after one

@@ -19,7 +19,7 @@ Definitions:
   ``T`` times the second moment) and not centred.
 
 Memory: nothing of size ``[T, H, K, K]`` is ever formed. Sums over tokens run in chunks of ``chunk`` tokens
-(float64 copies of one chunk at a time, ``chunk · H · K · 8`` bytes) with an einsum over the token axis into
+(float64 copies of one chunk at a time, ``chunk · H · K · 8`` bytes) with a batched GEMM over the token axis into
 ``[H, K, K]`` accumulators, on the device of the input tensor (CPU for numpy; CPU for MPS, which has no
 float64). ``T = 16384, H = 16, K = 128`` needs a few tens of MB beyond the input with the CPU's 2048-token
 chunks; :func:`keycone_parts` on CUDA uses 16,384-token chunks (fewer launches; about 1 GB of float64
@@ -160,7 +160,7 @@ def window_key_covariance(k: Any, window: Any, chunk: int = CHUNK) -> np.ndarray
         acc = torch.zeros(len(heads), K, K, dtype=torch.float64, device=dev)
         for i in range(start, T, chunk):  # pass 2: centred second moment (no E[kkᵀ] − μμᵀ cancellation)
             Xc = _f64(kt[i : i + chunk].index_select(1, heads), dev) - mu
-            acc += torch.einsum("thi,thj->hij", Xc, Xc)
+            acc += _gram_over_tokens(Xc)
         C[heads.to(dev)] = acc / float(wi)
     return _np(C)
 
@@ -227,7 +227,7 @@ def _decayed_sum(kt: torch.Tensor, amp: torch.Tensor, chunk: int) -> torch.Tenso
     P = torch.zeros(H, K, K, dtype=torch.float64, device=dev)
     for i in range(0, T, chunk):
         M = _f64(kt[i : i + chunk], dev) * amp[i : i + chunk, :, None]  # rows √w_t k_t
-        P += torch.einsum("thi,thj->hij", M, M)
+        P += _gram_over_tokens(M)
     return P
 
 

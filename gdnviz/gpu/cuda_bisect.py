@@ -20,8 +20,6 @@ through ``gdnviz.gpu.cuda_emul``) and to the Triton kernel on CUDA.
 """
 from __future__ import annotations
 
-import os
-
 import torch
 
 from gdnviz.gpu.nvrtc import Kernels
@@ -81,9 +79,7 @@ def source(n: int) -> str:
 
 def enabled() -> bool:
     """On unless ``GDNVIZ_CUDA_BISECT=0``, while compilation has not failed, on NVIDIA builds."""
-    env = os.environ.get("GDNVIZ_CUDA_BISECT", "").strip()
-    on = DEFAULT_ON if env == "" else env != "0"
-    return on and KERNELS.usable()
+    return KERNELS.switched_on("GDNVIZ_CUDA_BISECT", DEFAULT_ON)
 
 
 def supports(D: torch.Tensor) -> bool:

@@ -201,7 +201,6 @@ KERNELS = Kernels()  # KERNELS.available / KERNELS.reason: whether compilation w
 REGS = True  # the register form (SOURCE_REG)
 TPR_REGS = 2  # threads per row in the register form (64 doubles of G per thread for n = 128: 200 registers)
 TPR_SMEM = 4  # threads per row in the shared-memory form
-TPR = TPR_REGS if REGS else TPR_SMEM
 
 
 def default_regs() -> bool:
@@ -210,13 +209,13 @@ def default_regs() -> bool:
     return True if env == "regs" else False if env == "smem" else REGS
 
 
-def source(n: int, tpr: int = TPR, regs: bool = REGS) -> str:
+def source(n: int, tpr: int, regs: bool) -> str:
     """The kernel's CUDA source for n × n matrices and ``tpr`` threads per row (``n * tpr`` threads per block), the
     matrix in shared memory or (``regs``) in registers."""
     return (SOURCE_REG if regs else SOURCE) % {"N": n, "TPR": tpr}
 
 
-def smem_bytes(n: int, tpr: int = TPR, regs: bool = REGS) -> int:
+def smem_bytes(n: int, tpr: int, regs: bool) -> int:
     """Dynamic shared memory of the kernel for n × n matrices: the matrix (shared-memory form only; rows padded to
     n + tpr doubles, which spreads a warp's reads of tpr adjacent columns of 32 / tpr rows over all banks), u, p,
     two partial sums per warp and one scalar."""
@@ -229,9 +228,7 @@ DEFAULT_ON = True  # measured faster than the Triton kernel on an H200 (module d
 def enabled() -> bool:
     """On unless ``GDNVIZ_CUDA_TRIDIAG=0`` (``=1``, ``=regs`` or ``=smem`` force it on), while compilation
     has not failed, on NVIDIA builds (the block reductions assume 32-lane warps)."""
-    env = os.environ.get("GDNVIZ_CUDA_TRIDIAG", "").strip()
-    on = DEFAULT_ON if env == "" else env != "0"
-    return on and KERNELS.usable()
+    return KERNELS.switched_on("GDNVIZ_CUDA_TRIDIAG", DEFAULT_ON)
 
 
 def supports(G: torch.Tensor) -> bool:

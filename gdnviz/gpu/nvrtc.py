@@ -23,6 +23,14 @@ class Kernels:
     def usable(self) -> bool:
         return self.available and torch.version.hip is None
 
+    def switched_on(self, env_name: str, default_on: bool) -> bool:
+        """A kernel module's on/off switch: environment variable ``env_name`` unset → ``default_on``, ``0`` → off,
+        any other value → on (a module may read further values, e.g. a form); and only while ``usable()``."""
+        import os
+
+        env = os.environ.get(env_name, "").strip()
+        return (default_on if env == "" else env != "0") and self.usable()
+
     def get(self, key, device: torch.device, source: str, name: str, shared_mem: int = 0):
         k = self._cache.get(key)
         if k is not None or not self.available:
