@@ -34,7 +34,7 @@ from gdnviz.gpu import cuda_cholqr  # noqa: E402
 # "cuda_truncate": the whole truncation as one CUDA kernel, one thread block per state (gdnviz.gpu.cuda_truncate)
 # "triton_fused": the Triton fused kernel (gdnviz.gpu.fused_truncate with GDNVIZ_CUDA_TRUNCATE=0), one program per state
 VARIANTS = {"torch": "0", "cuda_cholqr": "smem", "cuda_cholqr_shfl": "shfl", "cuda_truncate": "shfl",
-            "triton_fused": "shfl"}
+            "cuda_truncate_full": "shfl", "triton_fused": "shfl"}  # cuda_truncate_full: without the certified attempts
 
 
 def main() -> None:
@@ -69,7 +69,8 @@ def main() -> None:
                     continue
                 os.environ["GDNVIZ_CUDA_CHOLQR"] = VARIANTS[name]
                 os.environ["GDNVIZ_CUDA_TRUNCATE"] = "0" if name == "triton_fused" else "1"
-                if name == "cuda_truncate":
+                os.environ["GDNVIZ_CUDA_TRUNCATE_ATTEMPT"] = "0" if name == "cuda_truncate_full" else "1"
+                if name in ("cuda_truncate", "cuda_truncate_full"):
                     from gdnviz.gpu.cuda_truncate import truncate_cuda
 
                     fn = lambda x, r=r: truncate_cuda(x, r)  # noqa: E731

@@ -103,6 +103,7 @@ def main():
 
         row = dict(what="truncated_run_graph_fused_kernel", rank=r, seconds=t, first_call_seconds=t_first,
                    kernel="cuda_truncate" if cuda_truncate.enabled() else "triton_fused",
+                   certified_attempts=cuda_truncate.attempts_on(),
                    baseline="plain_prefill", ratio=t / t_plain, readouts=h["readouts"], **base)
         if r in graphed:
             row["max_abs_dlogp_vs_subspace"] = (graphed[r]["logp"] - h["logp"]).abs().max().item()

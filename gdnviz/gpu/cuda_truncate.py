@@ -50,6 +50,7 @@ graph capture); one float64 ``[N, K, 32]`` scratch buffer per call.
 from __future__ import annotations
 
 import os
+from typing import NamedTuple
 
 import numpy as np
 import torch
@@ -57,30 +58,74 @@ import torch
 from gdnviz.gpu import jacobi as _jacobi
 from gdnviz.gpu.nvrtc import Kernels
 
+MAX_RANK = 32
+
 DIMS = (64, 128)
 Q = 32
+BLOCKS = (16, 32)  # block widths: the full algorithm's, the small certified attempt's
 NT = 256
 DEFAULT_ON = True  # measured on an H200 (module docstring)
 _SRC_PATH = os.path.join(os.path.dirname(os.path.abspath(__file__)), "cuda_truncate_src.cu")
 _CTYPES = {torch.float32: "float", torch.float64: "double"}
 SIGNATURE = ["const {T}*", "{T}*", "const int*", "int", "int", "const double*", "const double*", "const int*", "int",
-             "double*", "int", "double", "double"]
+             "double*", "int", "double", "double", "int", "int*", "double*", "double"]
+READ_DONE, ATTEMPT = 1, 2  # the kernel's mode bits (cuda_truncate_src.cu)
+NO_BOUND = 1e300  # the kernel's bound where none holds (not attempted, or no spectral gap)
+CERT_TOL = 5e-6  # an attempt's result stands when its energy-error bound is at most this (criterion 1e-5)
+# The certified attempts, in launch order: (block width, ((largest rank, filter steps), ...)). Chosen from
+# bench/study_small_block.py on the demo model's trajectories (bench/RESULTS.md, eighth session): a 16-column block
+# with 1 step certifies every state at r = 1 and 2 steps every state at r = 4; 32 columns with 2 steps 97% at r = 8,
+# 95% at r = 12, 85% at r = 16. A state no attempt certifies runs the full algorithm in a last launch.
+ATTEMPTS = ((16, ((1, 1), (4, 2))), (32, ((16, 2),)))
+ATTEMPT_DEFAULT_ON = True
 
 KERNELS = Kernels()  # KERNELS.available / KERNELS.reason: whether compilation worked, and why not
 
 
-def source(K: int, V: int, ctype: str = "float") -> str:
-    """The kernel's CUDA source for ``[K, V]`` states of C type ``ctype`` ("float" or "double")."""
-    if K not in DIMS or V not in DIMS or ctype not in ("float", "double"):
-        raise ValueError(f"cuda_truncate takes K, V in {DIMS} and float/double; got {K}, {V}, {ctype}")
+def source(K: int, V: int, ctype: str = "float", qb: int = Q) -> str:
+    """The kernel's CUDA source for ``[K, V]`` states of C type ``ctype`` ("float" or "double") with a block of ``qb``
+    columns (32: the full algorithm; 16: the small block of the certified attempt)."""
+    if K not in DIMS or V not in DIMS or ctype not in ("float", "double") or qb not in BLOCKS:
+        raise ValueError(f"cuda_truncate takes K, V in {DIMS}, float/double and a block in {BLOCKS}; got {K}, {V}, "
+                         f"{ctype}, {qb}")
     with open(_SRC_PATH) as f:
         text = f.read()
-    return text.replace("@K@", str(K)).replace("@V@", str(V)).replace("@T@", ctype)
+    return text.replace("@K@", str(K)).replace("@V@", str(V)).replace("@T@", ctype).replace("@QB@", str(qb)).replace("@LQB@", str(qb.bit_length() - 1))
 
 
-def smem_bytes(K: int) -> int:
-    """Dynamic shared memory per block: G [K, K], two [K, 33] blocks, two [32, 33] matrices, 256 doubles of scalars."""
-    return 8 * (K * K + 2 * K * 33 + 2 * Q * 33 + 256)
+def smem_bytes(K: int, qb: int = Q) -> int:
+    """Dynamic shared memory per block: G [K, K], two [K, qb + 1] blocks, two [qb, qb + 1] matrices, 384 doubles of
+    scalars."""
+    return 8 * (K * K + 2 * K * (qb + 1) + 2 * qb * (qb + 1) + 384)
+
+
+def attempts_on() -> bool:
+    """Whether ``truncate_cuda`` tries the certified small-block attempts first (``GDNVIZ_CUDA_TRUNCATE_ATTEMPT=0``
+    off: the full algorithm for every state, as ``reference_fused``)."""
+    env = os.environ.get("GDNVIZ_CUDA_TRUNCATE_ATTEMPT", "").strip()
+    return ATTEMPT_DEFAULT_ON if env == "" else env != "0"
+
+
+def attempt_table(qb: int) -> list[int]:
+    """Filter steps per rank 0 … 32 of the attempt with a ``qb``-column block (−1: not attempted at that rank)."""
+    steps = dict(ATTEMPTS)[qb]
+    out = []
+    for r in range(MAX_RANK + 1):
+        k = next((n for top, n in steps if 1 <= r <= top), -1)
+        out.append(k if r <= qb else -1)
+    return out
+
+
+def plan(rank: int | None, iters: int | None, attempts: bool) -> list[tuple[int, int]]:
+    """The launches of one call, in order: ``(block width, mode)``. ``rank`` an int (host-side, uniform), or None
+    for per-state device ranks (every attempt is launched; states an attempt does not take exit at once)."""
+    out: list[tuple[int, int]] = []
+    if attempts and iters is None:
+        for qb, _ in ATTEMPTS:
+            if rank is None or (1 <= rank <= MAX_RANK and attempt_table(qb)[rank] >= 0):
+                out.append((qb, ATTEMPT | (READ_DONE if out else 0)))
+    out.append((Q, READ_DONE if out else 0))
+    return out
 
 
 def enabled() -> bool:
@@ -96,10 +141,11 @@ def supports(X: torch.Tensor) -> bool:
     return X.is_cuda and X.dim() == 3 and X.dtype in _CTYPES and X.shape[1] in DIMS and X.shape[2] in DIMS
 
 
-def _kernel(K: int, V: int, dtype: torch.dtype, device: torch.device):
+def _kernel(K: int, V: int, dtype: torch.dtype, device: torch.device, qb: int = Q, profile: bool = False):
     ctype = _CTYPES[dtype]
-    return KERNELS.get((K, V, ctype, device.index), device, source(K, V, ctype), "gdnviz_truncate",
-                       shared_mem=smem_bytes(K))
+    src = ("#define GDNVIZ_PROFILE\n" if profile else "") + source(K, V, ctype, qb)
+    return KERNELS.get((K, V, ctype, device.index, qb, profile), device, src, "gdnviz_truncate",
+                       shared_mem=smem_bytes(K, qb))
 
 
 # GDNVIZ_PROFILE build: clock64() cycles of thread 0 per phase (summed over passes and calls), index 15 = Jacobi sweeps
@@ -109,9 +155,10 @@ PHASES = ("gram_G", "sketch_Z", "cholqr", "gemm_GQ", "refill", "ritz_T", "jacobi
 
 def phase_cycles(X: torch.Tensor, ranks) -> torch.Tensor:
     """Per state, the cycles thread 0 spent in each phase of ``PHASES`` (float64 ``[N, 16]``, CPU), from the kernel
-    built with ``GDNVIZ_PROFILE`` (``bench/bench_truncate_phases.py``); the outputs are those of ``truncate_cuda``."""
-    _, scratch = _launch(X, int(ranks), None, profile=True)
-    return scratch[:, 0, :16].cpu()
+    built with ``GDNVIZ_PROFILE`` (``bench/bench_truncate_phases.py``), the full algorithm only (no attempts); the
+    outputs are those of ``truncate_cuda``."""
+    res = _launch(X, int(ranks), None, profile=True, attempts=False)
+    return res.scratch[:, 0, :16].cpu()
 
 
 def _jacobi_args() -> tuple[int, float, float]:
@@ -120,63 +167,97 @@ def _jacobi_args() -> tuple[int, float, float]:
 
 def truncate_cuda(X: torch.Tensor, ranks, iters: int | None = None) -> torch.Tensor:
     """``U_r U_rᵀ S`` for every state of ``X`` (module docstring); RuntimeError if the kernel is unavailable."""
-    return _launch(X, ranks, iters)[0]
+    return _launch(X, ranks, iters).out
 
 
-def _launch(X: torch.Tensor, ranks, iters: int | None, profile: bool = False):
-    """One launch on ``X [N, K, V]``: (output, the float64 scratch ``[N, K, 32]`` — U, or the profile counters)."""
+class Launched(NamedTuple):
+    """What one call left on the device: the output ``[N, K, V]``; the float64 scratch ``[N, K, 32]`` (U, or the
+    profile counters); per state whether a certified attempt wrote it (int32 ``[N]``, 1 = yes) and its attempt's
+    energy-error bound (float64 ``[N]``; ``NO_BOUND`` where none holds; both zero-length when no attempt ran)."""
+    out: torch.Tensor
+    scratch: torch.Tensor
+    done: torch.Tensor
+    bound: torch.Tensor
+
+
+def _launch(X: torch.Tensor, ranks, iters: int | None, profile: bool = False, attempts: bool | None = None):
+    """One call on ``X [N, K, V]``: the launches of ``plan`` (a ``Launched``)."""
     from gdnviz.gpu.fused_truncate import _constants
 
     if not supports(X):
         raise ValueError(f"truncate_cuda takes float32/float64 CUDA [N, K, V] with K, V in {DIMS}; got {X.dtype} "
                          f"{tuple(X.shape)} on {X.device}")
     N, K, V = X.shape
-    if profile:
-        ctype = _CTYPES[X.dtype]
-        k = KERNELS.get((K, V, ctype, X.device.index, "profile"), X.device,
-                        "#define GDNVIZ_PROFILE\n" + source(K, V, ctype), "gdnviz_truncate", shared_mem=smem_bytes(K))
-    else:
-        k = _kernel(K, V, X.dtype, X.device)
-    if k is None:
+    device_ranks = isinstance(ranks, torch.Tensor)
+    steps = plan(None if device_ranks else int(ranks), iters, attempts_on() if attempts is None else attempts)
+    kernels = {qb: _kernel(K, V, X.dtype, X.device, qb, profile) for qb, _ in steps}
+    if any(k is None for k in kernels.values()):
         raise RuntimeError(f"the CUDA truncation kernel is unavailable: {KERNELS.reason}")
     X = X.contiguous()
     omega, fill, table = _constants(K, V, X.device)
     out = torch.empty_like(X)
-    if isinstance(ranks, torch.Tensor):
+    if device_ranks:
         rt = ranks.to(X.device, torch.int32)
         rank_int, stride = 0, (rt.stride(0) if rt.dim() == 1 else 0)
     else:
         rt, rank_int, stride = table, int(ranks), -1
     scratch = (torch.zeros if profile else torch.empty)(N, K, Q, dtype=torch.float64, device=X.device)
+    n_att = N if len(steps) > 1 else 0
+    done = torch.empty(n_att, dtype=torch.int32, device=X.device)
+    bound = torch.empty(n_att, dtype=torch.float64, device=X.device)
     if N:
         sweeps, tol2, skip = _jacobi_args()
+        tables = _attempt_tables(X.device)
         with torch.cuda.device(X.device):
-            k(grid=(N, 1, 1), block=(NT, 1, 1),
-              args=[X, out, rt, rank_int, stride, omega, fill, table, -1 if iters is None else int(iters), scratch,
-                    sweeps, tol2, skip], shared_mem=smem_bytes(K))
-    return out, scratch
+            for qb, mode in steps:
+                tab = tables[qb] if mode & ATTEMPT else table
+                kernels[qb](grid=(N, 1, 1), block=(NT, 1, 1),
+                            args=[X, out, rt, rank_int, stride, omega, fill, tab,
+                                  -1 if iters is None else int(iters), scratch, sweeps, tol2, skip, mode,
+                                  done if n_att else table, bound if n_att else scratch, CERT_TOL],
+                            shared_mem=smem_bytes(K, qb))
+    return Launched(out, scratch, done, bound)
 
 
-def emulate(X: torch.Tensor, ranks, iters: int | None = None) -> torch.Tensor:
-    """The same kernel source run on the CPU through ``gdnviz.gpu.cuda_emul`` (tests; needs ``g++``): ``X [N, K, V]``
-    float32/float64, ``ranks`` an int or N ints. Slow (~0.1–1 s per state): for checking, not for use."""
+_TABLES: dict[str, dict[int, torch.Tensor]] = {}
+
+
+def _attempt_tables(device: torch.device) -> dict[int, torch.Tensor]:
+    """The attempts' step tables, int32 ``[33]`` per block width, cached per device (first call outside a graph)."""
+    key = str(device)
+    if key not in _TABLES:
+        _TABLES[key] = {qb: torch.tensor(attempt_table(qb), dtype=torch.int32, device=device) for qb, _ in ATTEMPTS}
+    return _TABLES[key]
+
+
+def emulate(X: torch.Tensor, ranks, iters: int | None = None, attempts: bool | None = None, info: bool = False):
+    """The same launches of the same kernel source run on the CPU through ``gdnviz.gpu.cuda_emul`` (tests; needs
+    ``g++``): ``X [N, K, V]`` float32/float64, ``ranks`` an int or N ints (run as device-side ranks). Returns the
+    output, or with ``info`` (output, done int32 ``[N]``, bound float64 ``[N]``) as in ``Launched``. Slow (~0.1–1 s
+    per state and launch): for checking, not for use."""
     from gdnviz.gpu.cuda_emul import Emulated
     from gdnviz.gpu.fused_truncate import _constants
 
     N, K, V = X.shape
     ctype = _CTYPES[X.dtype]
-    emu = Emulated(source(K, V, ctype), "gdnviz_truncate", [s.format(T=ctype) for s in SIGNATURE])
     omega, fill, table = (t.cpu().numpy() for t in _constants(K, V, torch.device("cpu")))
     x = np.ascontiguousarray(X.detach().cpu().numpy())
-    out = np.empty_like(x)
+    out = np.full_like(x, np.nan)
     if isinstance(ranks, int):
         rk, rank_int, stride = table.astype(np.int32), ranks, -1
     else:
         rk = np.ascontiguousarray(np.asarray([int(v) for v in ranks], dtype=np.int32))
         rank_int, stride = 0, 1
+    steps = plan(rank_int if stride < 0 else None, iters, attempts_on() if attempts is None else attempts)
     scratch = np.empty((N, K, Q), dtype=np.float64)
+    done = np.zeros(N, dtype=np.int32)
+    bound = np.full(N, NO_BOUND)
     sweeps, tol2, skip = _jacobi_args()
-    emu.launch(N, NT, [x, out, rk, rank_int, stride, np.ascontiguousarray(omega), np.ascontiguousarray(fill),
-                       np.ascontiguousarray(table.astype(np.int32)), -1 if iters is None else int(iters), scratch,
-                       sweeps, tol2, skip], smem_bytes(K))
-    return torch.from_numpy(out)
+    for qb, mode in steps:
+        emu = Emulated(source(K, V, ctype, qb), "gdnviz_truncate", [s.format(T=ctype) for s in SIGNATURE])
+        tab = np.asarray(attempt_table(qb), dtype=np.int32) if mode & ATTEMPT else table.astype(np.int32)
+        emu.launch(N, NT, [x, out, rk, rank_int, stride, np.ascontiguousarray(omega), np.ascontiguousarray(fill),
+                           np.ascontiguousarray(tab), -1 if iters is None else int(iters), scratch, sweeps, tol2,
+                           skip, mode, done, bound, CERT_TOL], smem_bytes(K, qb))
+    res = torch.from_numpy(out)
+    return (res, torch.from_numpy(done), torch.from_numpy(bound)) if info else res

@@ -1,19 +1,26 @@
 // Fused top-r truncation of GDN head states: one thread block per state, everything but U in shared memory.
 // The algorithm of gdnviz.gpu.fused_truncate (reference_fused): see gdnviz/gpu/cuda_truncate.py for the contract.
-// Placeholders replaced by the Python side: @K@ (rows of a state), @V@ (columns), @T@ (float or double).
+// Placeholders replaced by the Python side: @K@ (rows of a state), @V@ (columns), @T@ (float or double), @QB@ (block
+// width q: 32, or 16 for the small certified attempt).
 // Written for gdnviz.gpu.cuda_emul too: dynamic shared memory only, barriers reached by every thread.
 #define K_ @K@
 #define V_ @V@
 #define M_ (K_ < V_ ? K_ : V_)
-#define QB 32
-#define QP 33
+#define QB @QB@
+#define LQB @LQB@
+#define QP (QB + 1)
+#define UL 32
 #define HALF 16
 #define NT 256
 #define KR (K_ / 16)
 #define VR (V_ / 16)
 #define RA (K_ / 32)
 #define NU (NT - K_)
-#define NE ((496 + NU - 1) / NU)
+#define NTRI ((QB - 1) * QB / 2)
+#define NE ((NTRI + NU - 1) / NU)
+#define RS (NT / QB)
+#define QT (QB * QB / NT)
+#define NB (QB / 8)
 typedef @T@ scalar_t;
 #define SHIFT 1e-13
 #define TINY 1e-300
@@ -25,7 +32,7 @@ typedef @T@ scalar_t;
 #define OFF_C (OFF_B + K_ * QP)
 #define OFF_L (OFF_C + QB * QP)
 #define OFF_M (OFF_L + QB * QP)
-#define SMEM_DOUBLES (OFF_M + 256)
+#define SMEM_DOUBLES (OFF_M + 384)
 // misc area (OFF_M): block-sum partials, Jacobi round arrays, refill norms, selection
 #define M_RED 0
 #define M_CC 8
@@ -36,6 +43,14 @@ typedef @T@ scalar_t;
 #define M_RT 168
 #define M_W 200
 #define M_SEL 232
+#define M_RK 256
+#define M_RN 288
+#define M_R4 320
+// modes (bit flags): READ_DONE skips states whose DONE flag is set; ATTEMPT runs the ATTEMPT table's filter steps,
+// certifies the result with the energy-error bound and writes DONE (1: output written; 0: left for a later launch)
+#define NO_BOUND 1e300  // BOUND where no bound holds (not attempted, no gap); NVRTC has no INFINITY
+#define READ_DONE 1
+#define ATTEMPT 2
 
 // GDNVIZ_PROFILE (bench/bench_truncate_phases.py): thread 0 adds clock64() deltas per phase; written to U's scratch
 #ifdef GDNVIZ_PROFILE
@@ -54,6 +69,24 @@ __device__ __forceinline__ double block_sum(double v, double* red) {
     return s;
 }
 
+// Four block-wide sums at once (two barriers); every thread gets the totals. red: 4 * NT / 32 doubles.
+__device__ __forceinline__ void block_sum4(double (&v)[4], double* red) {
+#pragma unroll
+    for (int k = 0; k < 4; ++k)
+        for (int o = 16; o > 0; o >>= 1) v[k] += __shfl_xor_sync(0xffffffffu, v[k], o);
+    if ((threadIdx.x & 31) == 0)
+#pragma unroll
+        for (int k = 0; k < 4; ++k) red[(threadIdx.x >> 5) * 4 + k] = v[k];
+    __syncthreads();
+#pragma unroll
+    for (int k = 0; k < 4; ++k) {
+        double s = 0.0;
+        for (int w = 0; w < NT / 32; ++w) s += red[w * 4 + k];
+        v[k] = s;
+    }
+    __syncthreads();
+}
+
 // This thread's KR x KR tile of G (rows ty + 16a, columns tx + 16b) back to shared memory, then G's trace, which every
 // thread gets (block_sum: two barriers).
 __device__ __forceinline__ double store_tile_trace(const double (&acc)[KR][KR], double* Gs, double* red, int tx, int ty) {
@@ -70,50 +103,51 @@ __device__ __forceinline__ double store_tile_trace(const double (&acc)[KR][KR], 
 // Y [K][QP] = G [K][K] X [K][QP] (G symmetric: G[k][i] read for G[i][k]); no barrier inside.
 __device__ __forceinline__ void gemm_gx(const double* G, const double* X, double* Y) {
     const int cg = threadIdx.x & 7, rg = threadIdx.x >> 3;
-    double acc[RA][4];
+    double acc[RA][NB];
 #pragma unroll
     for (int a = 0; a < RA; ++a)
 #pragma unroll
-        for (int b = 0; b < 4; ++b) acc[a][b] = 0.0;
+        for (int b = 0; b < NB; ++b) acc[a][b] = 0.0;
 #pragma unroll 4
     for (int k = 0; k < K_; ++k) {
-        double g[RA], x[4];
+        double g[RA], x[NB];
 #pragma unroll
         for (int a = 0; a < RA; ++a) g[a] = G[k * K_ + rg + 32 * a];
 #pragma unroll
-        for (int b = 0; b < 4; ++b) x[b] = X[k * QP + cg + 8 * b];
+        for (int b = 0; b < NB; ++b) x[b] = X[k * QP + cg + 8 * b];
 #pragma unroll
         for (int a = 0; a < RA; ++a)
 #pragma unroll
-            for (int b = 0; b < 4; ++b) acc[a][b] = fma(g[a], x[b], acc[a][b]);
+            for (int b = 0; b < NB; ++b) acc[a][b] = fma(g[a], x[b], acc[a][b]);
     }
 #pragma unroll
     for (int a = 0; a < RA; ++a)
 #pragma unroll
-        for (int b = 0; b < 4; ++b) Y[(rg + 32 * a) * QP + cg + 8 * b] = acc[a][b];
+        for (int b = 0; b < NB; ++b) Y[(rg + 32 * a) * QP + cg + 8 * b] = acc[a][b];
 }
 
 // T [QB][QP] = X^T Y over K rows (X, Y [K][QP]). mirror: T[i][j] = T[max][min] (the lower triangle, as eigh reads
 // it); shift: C_ii (1 + SHIFT) + TINY on the diagonal. No barrier inside.
 __device__ __forceinline__ void gemm_xty(const double* X, const double* Y, double* T, bool mirror, bool shift) {
-    const int j = threadIdx.x & 31, i0 = threadIdx.x >> 5;
-    double acc[4] = {0.0, 0.0, 0.0, 0.0};
-    int ii[4], jj[4];
+    const int j = threadIdx.x & (QB - 1), i0 = threadIdx.x >> LQB;
+    double acc[QT];
+    int ii[QT], jj[QT];
 #pragma unroll
-    for (int a = 0; a < 4; ++a) {
-        const int i = i0 + 8 * a;
+    for (int a = 0; a < QT; ++a) {
+        const int i = i0 + RS * a;
         const bool sw = mirror && i < j;
         ii[a] = sw ? j : i;
         jj[a] = sw ? i : j;
+        acc[a] = 0.0;
     }
 #pragma unroll 4
     for (int k = 0; k < K_; ++k) {
 #pragma unroll
-        for (int a = 0; a < 4; ++a) acc[a] = fma(X[k * QP + ii[a]], Y[k * QP + jj[a]], acc[a]);
+        for (int a = 0; a < QT; ++a) acc[a] = fma(X[k * QP + ii[a]], Y[k * QP + jj[a]], acc[a]);
     }
 #pragma unroll
-    for (int a = 0; a < 4; ++a) {
-        const int i = i0 + 8 * a;
+    for (int a = 0; a < QT; ++a) {
+        const int i = i0 + RS * a;
         double v = acc[a];
         if (shift && i == j) v = v * (1.0 + SHIFT) + TINY;
         T[i * QP + j] = v;
@@ -134,8 +168,8 @@ __device__ void cholqr(double* X, double* C) {
     } else {
 #pragma unroll
         for (int m = 0; m < NE; ++m) {
-            const int e = (t - K_) + m * NU;  // entries (i, k), 1 <= k <= i <= 31, e = i'(i'+1)/2 + k'
-            if (e < 496) {
+            const int e = (t - K_) + m * NU;  // entries (i, k), 1 <= k <= i <= QB - 1, e = i'(i'+1)/2 + k'
+            if (e < NTRI) {
                 int i1 = (int)((sqrt(8.0 * e + 1.0) - 1.0) * 0.5);
                 while ((i1 + 1) * (i1 + 2) / 2 <= e) ++i1;
                 while (i1 * (i1 + 1) / 2 > e) --i1;
@@ -176,7 +210,8 @@ extern "C" __global__ void __launch_bounds__(NT, 1)
 gdnviz_truncate(const scalar_t* __restrict__ S, scalar_t* __restrict__ OUT, const int* __restrict__ RANKS,
                 int rank, int rank_stride, const double* __restrict__ OMEGA, const double* __restrict__ FILLD,
                 const int* __restrict__ ITER_TAB, int iters, double* __restrict__ USCR, int max_sweeps,
-                double tol2, double skip)
+                double tol2, double skip, int mode, int* __restrict__ DONE, double* __restrict__ BOUND,
+                double cert_tol)
 {
     extern __shared__ double smem[];
     double* Gs = smem;
@@ -191,12 +226,16 @@ gdnviz_truncate(const scalar_t* __restrict__ S, scalar_t* __restrict__ OUT, cons
     scalar_t* On = OUT + n * (K_ * V_);
     double* Un = USCR + n * (K_ * QB);
     const int r = (rank_stride >= 0) ? RANKS[n * rank_stride] : rank;
+    if ((mode & READ_DONE) && DONE[n] != 0) return;  // an earlier launch wrote this state
+    const bool attempt = (mode & ATTEMPT) != 0;
     if (r >= M_) {  // kept: the state unchanged, bit for bit
         for (int e = t; e < K_ * V_; e += NT) On[e] = Sn[e];
+        if (attempt && t == 0) { DONE[n] = 1; BOUND[n] = 0.0; }
         return;
     }
     if (r < 1 || r > 2 * HALF) {  // an invalid device-side rank: NaN, not a silent answer
         for (int e = t; e < K_ * V_; e += NT) On[e] = (scalar_t)nan("");
+        if (attempt && t == 0) { DONE[n] = 1; BOUND[n] = nan(""); }
         return;
     }
 #ifdef GDNVIZ_PROFILE
@@ -205,8 +244,12 @@ gdnviz_truncate(const scalar_t* __restrict__ S, scalar_t* __restrict__ OUT, cons
     long long pt_ = clock64();
 #endif
     const int n_it = (iters >= 0) ? iters : ITER_TAB[r];
+    if (attempt && (n_it < 0 || r > QB || r > HALF)) {  // not attempted at this rank: left for a later launch
+        if (t == 0) { DONE[n] = 0; BOUND[n] = NO_BOUND; }
+        return;
+    }
     const int npass = (r > HALF) ? 2 : 1;
-    for (int e = t; e < K_ * QB; e += NT) Un[e] = 0.0;
+    for (int e = t; e < K_ * UL; e += NT) Un[e] = 0.0;
     const int tx = t & 15, ty = t >> 4;
 
     // ---- G = S S^T / ||S||_F^2, S staged through As 32 columns at a time
@@ -218,7 +261,7 @@ gdnviz_truncate(const scalar_t* __restrict__ S, scalar_t* __restrict__ OUT, cons
 #pragma unroll
             for (int b = 0; b < KR; ++b) acc[a][b] = 0.0;
         for (int v0 = 0; v0 < V_; v0 += QB) {
-            for (int e = t; e < K_ * QB; e += NT) As[(e >> 5) * QP + (e & 31)] = (double)Sn[(e >> 5) * V_ + v0 + (e & 31)];
+            for (int e = t; e < K_ * QB; e += NT) As[(e >> LQB) * QP + (e & (QB - 1))] = (double)Sn[(e >> LQB) * V_ + v0 + (e & (QB - 1))];
             __syncthreads();
 #pragma unroll 1
             for (int c = 0; c < QB; ++c) {
@@ -237,8 +280,14 @@ gdnviz_truncate(const scalar_t* __restrict__ S, scalar_t* __restrict__ OUT, cons
         tr = store_tile_trace(acc, Gs, misc + M_RED, tx, ty);
     }
     const double inv = (tr > 0.0) ? 1.0 / sqrt(tr) : 0.0;
-    for (int e = t; e < K_ * K_; e += NT) Gs[e] *= inv * inv;
+    double gf2 = 0.0;  // ||G||_F^2 (the attempt's certificate)
+    for (int e = t; e < K_ * K_; e += NT) {
+        const double g = Gs[e] * (inv * inv);
+        Gs[e] = g;
+        gf2 = fma(g, g, gf2);
+    }
     double zscale = inv;
+    if (attempt) gf2 = block_sum(gf2, misc + M_RED);
     __syncthreads();
     PROF(0);
 
@@ -246,38 +295,38 @@ gdnviz_truncate(const scalar_t* __restrict__ S, scalar_t* __restrict__ OUT, cons
         const int take = min(r - HALF * p, HALF);
         // ---- Z = S Omega_p (S staged through Bs), deflated by U for the second pass, scaled to the state's norm
         {
-            const int c = t & 31, r0 = t >> 5;
-            double acc[K_ / 8];
+            const int c = t & (QB - 1), r0 = t >> LQB;
+            double acc[K_ / RS];
 #pragma unroll
-            for (int m = 0; m < K_ / 8; ++m) acc[m] = 0.0;
+            for (int m = 0; m < K_ / RS; ++m) acc[m] = 0.0;
             for (int v0 = 0; v0 < V_; v0 += QB) {
-                for (int e = t; e < K_ * QB; e += NT) Bs[(e >> 5) * QP + (e & 31)] = (double)Sn[(e >> 5) * V_ + v0 + (e & 31)];
+                for (int e = t; e < K_ * QB; e += NT) Bs[(e >> LQB) * QP + (e & (QB - 1))] = (double)Sn[(e >> LQB) * V_ + v0 + (e & (QB - 1))];
                 __syncthreads();
 #pragma unroll 4
                 for (int vv = 0; vv < QB; ++vv) {
-                    const double o = OMEGA[(p * V_ + v0 + vv) * QB + c];
+                    const double o = OMEGA[(p * V_ + v0 + vv) * UL + c];
 #pragma unroll
-                    for (int m = 0; m < K_ / 8; ++m) acc[m] = fma(Bs[(r0 + 8 * m) * QP + vv], o, acc[m]);
+                    for (int m = 0; m < K_ / RS; ++m) acc[m] = fma(Bs[(r0 + RS * m) * QP + vv], o, acc[m]);
                 }
                 __syncthreads();
             }
 #pragma unroll
-            for (int m = 0; m < K_ / 8; ++m) As[(r0 + 8 * m) * QP + c] = acc[m];
+            for (int m = 0; m < K_ / RS; ++m) As[(r0 + RS * m) * QP + c] = acc[m];
         }
         if (p > 0) {
-            for (int e = t; e < K_ * QB; e += NT) Bs[(e >> 5) * QP + (e & 31)] = Un[e];
+            for (int e = t; e < K_ * QB; e += NT) Bs[(e >> LQB) * QP + (e & (QB - 1))] = Un[(e >> LQB) * UL + (e & (QB - 1))];
             __syncthreads();
             gemm_xty(Bs, As, Cs, false, false);  // U^T Z
             __syncthreads();
             for (int e = t; e < K_ * QB; e += NT) {
-                const int i = e >> 5, c = e & 31;
+                const int i = e >> LQB, c = e & (QB - 1);
                 double s = 0.0;
 #pragma unroll 8
                 for (int m = 0; m < QB; ++m) s = fma(Bs[i * QP + m], Cs[m * QP + c], s);
                 As[i * QP + c] = (As[i * QP + c] - s) * zscale;
             }
         } else {
-            for (int e = t; e < K_ * QB; e += NT) As[(e >> 5) * QP + (e & 31)] *= zscale;
+            for (int e = t; e < K_ * QB; e += NT) As[(e >> LQB) * QP + (e & (QB - 1))] *= zscale;
         }
         __syncthreads();
         PROF(1);
@@ -295,20 +344,20 @@ gdnviz_truncate(const scalar_t* __restrict__ S, scalar_t* __restrict__ OUT, cons
         }
         // ---- refill damped columns with fixed unit directions, then Cholesky-QR twice
         {
-            const int c = t & 31, g = t >> 5;
+            const int c = t & (QB - 1), g = t >> LQB;
             double s = 0.0;
-            for (int i = g; i < K_; i += NT / 32) s = fma(As[i * QP + c], As[i * QP + c], s);
+            for (int i = g; i < K_; i += RS) s = fma(As[i * QP + c], As[i * QP + c], s);
             Cs[g * QP + c] = s;
             __syncthreads();
             if (t < QB) {
                 double sum = 0.0;
-                for (int gg = 0; gg < NT / 32; ++gg) sum += Cs[gg * QP + t];
+                for (int gg = 0; gg < RS; ++gg) sum += Cs[gg * QP + t];
                 misc[M_W + t] = sqrt(fmax(1.0 - sum, 0.0));
             }
             __syncthreads();
             for (int e = t; e < K_ * QB; e += NT) {
-                const int i = e >> 5, cc = e & 31;
-                As[i * QP + cc] += (FILLC * misc[M_W + cc]) * FILLD[(p * K_ + i) * QB + cc];
+                const int i = e >> LQB, cc = e & (QB - 1);
+                As[i * QP + cc] += (FILLC * misc[M_W + cc]) * FILLD[(p * K_ + i) * UL + cc];
             }
             __syncthreads();
         }
@@ -322,6 +371,16 @@ gdnviz_truncate(const scalar_t* __restrict__ S, scalar_t* __restrict__ OUT, cons
         PROF(3);
         gemm_xty(As, Bs, Cs, true, false);
         __syncthreads();
+        if (attempt) {  // R0 = GQ - Q T into Gs (an attempt needs G no more): the residual of the block
+            for (int e = t; e < K_ * QB; e += NT) {
+                const int i = e >> LQB, c = e & (QB - 1);
+                double s = 0.0;
+#pragma unroll 8
+                for (int m = 0; m < QB; ++m) s = fma(As[i * QP + m], Cs[m * QP + c], s);
+                Gs[i * QP + c] = Bs[i * QP + c] - s;
+            }
+            __syncthreads();
+        }
         PROF(5);
         double* A = Cs;
         double* A2 = Ls;
@@ -335,7 +394,7 @@ gdnviz_truncate(const scalar_t* __restrict__ S, scalar_t* __restrict__ OUT, cons
         double* rt = misc + M_RT;
         double fro = 0.0, off = 0.0;
         for (int e = t; e < QB * QB; e += NT) {
-            const int i = e >> 5, j = e & 31;
+            const int i = e >> LQB, j = e & (QB - 1);
             W[i * QP + j] = (i == j) ? 1.0 : 0.0;
             const double a = A[i * QP + j];
             fro = fma(a, a, fro);
@@ -357,11 +416,15 @@ gdnviz_truncate(const scalar_t* __restrict__ S, scalar_t* __restrict__ OUT, cons
                     const bool is_p = t < pr;
                     const double app = is_p ? di : dpr, aqq = is_p ? dpr : di;
                     const double apq = 0.5 * (a_ip + a_pi);
-                    const bool rot = fabs(apq) > skip * (sqrt(fabs(app)) * sqrt(fabs(aqq)));
-                    const double tau = (aqq - app) / (2.0 * (rot ? apq : 1.0));
-                    double tt = 1.0 / (fabs(tau) + sqrt(1.0 + tau * tau));
-                    tt = rot ? ((tau < 0.0) ? -tt : tt) : 0.0;
-                    const double c = 1.0 / sqrt(1.0 + tt * tt);
+                    // the skip test |a_pq| > skip sqrt|a_pp| sqrt|a_qq| squared, and t = sgn(tau) / (|tau| +
+                    // sqrt(1 + tau^2)), tau = d / h, written as sgn(d) h / (|d| + sqrt(d^2 + h^2)): one square root,
+                    // one division and one reciprocal square root in the chain instead of four roots and three
+                    // divisions (the rounds are latency-bound: bench/RESULTS.md, sixth session)
+                    const bool rot = apq * apq > (skip * skip) * fabs(app * aqq);
+                    const double d = aqq - app, h = 2.0 * apq;
+                    double tt = h / (fabs(d) + sqrt(fma(d, d, h * h)));
+                    tt = rot ? ((d < 0.0) ? -tt : tt) : 0.0;
+                    const double c = rsqrt(fma(tt, tt, 1.0));
                     const double s = tt * c;
                     rotated = rotated || rot;
                     cc[t] = c;
@@ -372,7 +435,7 @@ gdnviz_truncate(const scalar_t* __restrict__ S, scalar_t* __restrict__ OUT, cons
                 }
                 __syncthreads();
                 for (int e = t; e < QB * QB; e += NT) {  // A2 = J^T A J, W2 = W J
-                    const int i = e >> 5, j = e & 31;
+                    const int i = e >> LQB, j = e & (QB - 1);
                     const int pi = (int)pp[i], pj = (int)pp[j];
                     const double ci = cc[i], si = sg[i], cj = cc[j], sj = sg[j];
                     double v = ci * (cj * A[i * QP + j] + sj * A[i * QP + pj])
@@ -389,7 +452,7 @@ gdnviz_truncate(const scalar_t* __restrict__ S, scalar_t* __restrict__ OUT, cons
             }
             double o = 0.0;
             for (int e = t; e < QB * QB; e += NT) {
-                const int i = e >> 5, j = e & 31;
+                const int i = e >> LQB, j = e & (QB - 1);
                 if (i != j) o = fma(A[i * QP + j], A[i * QP + j], o);
             }
             off = block_sum(o, misc + M_RED);
@@ -408,23 +471,78 @@ gdnviz_truncate(const scalar_t* __restrict__ S, scalar_t* __restrict__ OUT, cons
                 rk += (dj > di || (dj == di && j < t)) ? 1 : 0;
             }
             if (rk < take) misc[M_SEL + rk] = (double)t;
+            misc[M_RK + t] = (double)rk;
         }
         __syncthreads();
         for (int e = t; e < K_ * HALF; e += NT) {
-            const int i = e >> 4, m = e & 15;
+            const int i = e >> 4, m = e & (HALF - 1);
             if (m < take) {
                 const int col = (int)misc[M_SEL + m];
                 double s = 0.0;
 #pragma unroll 8
                 for (int c = 0; c < QB; ++c) s = fma(As[i * QP + c], W[c * QP + col], s);
-                Un[i * QB + HALF * p + m] = s;
+                Un[i * UL + HALF * p + m] = s;
             }
         }
         __syncthreads();
         PROF(7);
+        if (attempt) {
+            // ---- certificate (gdnviz.truncate.energy_error_bound in the Ritz basis U = QW, T' = A = W^T T W):
+            // error <= (||T'_rc||^2 + ||R_r||^2) / (lmin(T'_rr) - c), c = max(lmax(T'_cc), ||D||_F) + ||R_c||,
+            // R = R0 W, ||D||^2 = ||G||^2 - ||T'||^2 - 2||R||^2; lmin / lmax from A's diagonal -/+ the Frobenius norm
+            // of the block's off-diagonal part (Weyl)
+            double* part = A2;  // free after the Jacobi
+            {
+                const int c = t & (QB - 1), g = t >> LQB;
+                double acc = 0.0;
+                for (int i = g; i < K_; i += RS) {
+                    double v = 0.0;
+#pragma unroll 8
+                    for (int m = 0; m < QB; ++m) v = fma(Gs[i * QP + m], W[m * QP + c], v);
+                    acc = fma(v, v, acc);
+                }
+                part[g * QP + c] = acc;
+            }
+            __syncthreads();
+            if (t < QB) {
+                double sum = 0.0;
+                for (int g = 0; g < RS; ++g) sum += part[g * QP + t];
+                misc[M_RN + t] = sum;
+            }
+            double v4[4] = {0.0, 0.0, 0.0, 0.0};  // off-diagonal A^2: r x c (both triangles), r x r, c x c; all A^2
+            for (int e = t; e < QB * QB; e += NT) {
+                const int i = e >> LQB, j = e & (QB - 1);
+                const double a2 = A[i * QP + j] * A[i * QP + j];
+                v4[3] += a2;
+                if (i != j) {
+                    const bool ki = misc[M_RK + i] < (double)take, kj = misc[M_RK + j] < (double)take;
+                    v4[(ki && kj) ? 1 : ((!ki && !kj) ? 2 : 0)] += a2;
+                }
+            }
+            block_sum4(v4, misc + M_R4);  // its first barrier also publishes M_RN
+            double rr = 0.0, rc = 0.0, dmin = NO_BOUND, cmax = 0.0, kept = 0.0;
+            for (int j = 0; j < QB; ++j) {
+                const double d = A[j * QP + j], rn = misc[M_RN + j];
+                if (misc[M_RK + j] < (double)take) { rr += rn; dmin = fmin(dmin, d); kept += d; }
+                else { rc += rn; cmax = fmax(cmax, d); }
+            }
+            const double lam_c = (take < QB) ? cmax + sqrt(v4[2]) : 0.0;
+            const double d2 = fmax(gf2 - v4[3] - 2.0 * (rr + rc), 0.0);
+            const double gap = dmin - sqrt(v4[1]) - (fmax(lam_c, sqrt(d2)) + sqrt(rc));
+            const double num = 0.5 * v4[0] + rr;
+            const bool zero = tr == 0.0;
+            // and the error is at most the energy the kept directions miss, 1 - tr(T'_rr) (G has trace 1): this
+            // certifies rank-deficient states, where T'_rr is singular and the gap test cannot
+            const double miss = fmax(1.0 - kept, 0.0);
+            const double bound = zero ? 0.0 : fmin((gap > 0.0) ? num / gap : NO_BOUND, miss);
+            const bool ok = zero || (gap > 0.0 && num <= cert_tol * gap) || miss <= cert_tol;  // false for NaN
+            if (t == 0) { DONE[n] = ok ? 1 : 0; BOUND[n] = (bound == bound) ? bound : NO_BOUND; }
+            PROF(11);
+            if (!ok) return;  // block-uniform: every thread computed the same numbers
+        }
         if (p + 1 < npass) {
             // ---- deflate: G <- (I - UU^T) G (I - UU^T) = G - U Y^T - Y U^T, Y = GU - U (U^T G U) / 2; trace 1 again
-            for (int e = t; e < K_ * QB; e += NT) Bs[(e >> 5) * QP + (e & 31)] = Un[e];
+            for (int e = t; e < K_ * QB; e += NT) Bs[(e >> LQB) * QP + (e & (QB - 1))] = Un[(e >> LQB) * UL + (e & (QB - 1))];
             __syncthreads();
             gemm_gx(Gs, Bs, As);  // GU
             __syncthreads();
@@ -433,7 +551,7 @@ gdnviz_truncate(const scalar_t* __restrict__ S, scalar_t* __restrict__ OUT, cons
             double y[K_ * QB / NT];
 #pragma unroll
             for (int m = 0; m < K_ * QB / NT; ++m) {
-                const int e = t + m * NT, i = e >> 5, c = e & 31;
+                const int e = t + m * NT, i = e >> LQB, c = e & (QB - 1);
                 double s = 0.0;
 #pragma unroll 8
                 for (int mm = 0; mm < QB; ++mm) s = fma(Bs[i * QP + mm], Cs[mm * QP + c], s);
@@ -443,7 +561,7 @@ gdnviz_truncate(const scalar_t* __restrict__ S, scalar_t* __restrict__ OUT, cons
 #pragma unroll
             for (int m = 0; m < K_ * QB / NT; ++m) {
                 const int e = t + m * NT;
-                As[(e >> 5) * QP + (e & 31)] = y[m];
+                As[(e >> LQB) * QP + (e & (QB - 1))] = y[m];
             }
             __syncthreads();
             double t2;
@@ -480,7 +598,7 @@ gdnviz_truncate(const scalar_t* __restrict__ S, scalar_t* __restrict__ OUT, cons
         }
     }
     // ---- U into As; Cholesky-QR twice after two passes (the second pass's refilled columns need not be ⊥ the first's)
-    for (int e = t; e < K_ * QB; e += NT) As[(e >> 5) * QP + (e & 31)] = Un[e];
+    for (int e = t; e < K_ * QB; e += NT) As[(e >> LQB) * QP + (e & (QB - 1))] = Un[(e >> LQB) * UL + (e & (QB - 1))];
     __syncthreads();
     PROF(9);
     if (npass > 1) {
@@ -491,32 +609,32 @@ gdnviz_truncate(const scalar_t* __restrict__ S, scalar_t* __restrict__ OUT, cons
     // ---- S_r = U (U^T S): M = U^T S [QB][V] in Gs (S staged through Bs 16 rows at a time), then U M
     {
         const int cg = t & 7, vg = t >> 3;
-        double acc[V_ / 32][4];
+        double acc[V_ / 32][NB];
 #pragma unroll
         for (int a = 0; a < V_ / 32; ++a)
 #pragma unroll
-            for (int b = 0; b < 4; ++b) acc[a][b] = 0.0;
+            for (int b = 0; b < NB; ++b) acc[a][b] = 0.0;
         for (int k0 = 0; k0 < K_; k0 += 16) {
             for (int e = t; e < 16 * V_; e += NT) Bs[e] = (double)Sn[k0 * V_ + e];
             __syncthreads();
 #pragma unroll 4
             for (int kk = 0; kk < 16; ++kk) {
-                double u[4], s[V_ / 32];
+                double u[NB], s[V_ / 32];
 #pragma unroll
-                for (int b = 0; b < 4; ++b) u[b] = As[(k0 + kk) * QP + cg + 8 * b];
+                for (int b = 0; b < NB; ++b) u[b] = As[(k0 + kk) * QP + cg + 8 * b];
 #pragma unroll
                 for (int a = 0; a < V_ / 32; ++a) s[a] = Bs[kk * V_ + vg + 32 * a];
 #pragma unroll
                 for (int a = 0; a < V_ / 32; ++a)
 #pragma unroll
-                    for (int b = 0; b < 4; ++b) acc[a][b] = fma(u[b], s[a], acc[a][b]);
+                    for (int b = 0; b < NB; ++b) acc[a][b] = fma(u[b], s[a], acc[a][b]);
             }
             __syncthreads();
         }
 #pragma unroll
         for (int a = 0; a < V_ / 32; ++a)
 #pragma unroll
-            for (int b = 0; b < 4; ++b) Gs[(cg + 8 * b) * V_ + vg + 32 * a] = acc[a][b];
+            for (int b = 0; b < NB; ++b) Gs[(cg + 8 * b) * V_ + vg + 32 * a] = acc[a][b];
     }
     __syncthreads();
     {
