@@ -77,8 +77,8 @@ def _graph_truncation(heads_d: torch.Tensor, ranks, fused: bool):
     """A capture-safe boundary function ``fn(state [B, H, K, V], rows=None)``: heads ``heads_d`` (device index
     tensor) of the batch rows ``rows`` (device index tensor; None = all) cut to their ranks (≤ 32).
 
-    ``fused``: ``gdnviz.gpu.fused_truncate.truncate_fused`` (one Triton launch, one program per state; ``ranks`` a
-    device tensor [len(heads)], repeated over the batch inside); else ``truncate_states``'s subspace path (``ranks``
+    ``fused``: ``gdnviz.gpu.fused_truncate.truncate_fused`` (the CUDA kernel, or one Triton launch; ``ranks`` one int,
+    or a device tensor [len(heads)] repeated over the batch inside); else ``truncate_states``'s subspace path (``ranks``
     one int: no host→device copy inside it)."""
     from gdnviz.truncate import truncate_states
 
@@ -95,7 +95,7 @@ def _graph_truncation(heads_d: torch.Tensor, ranks, fused: bool):
         B, _, K, V = sub.shape
         x = sub.index_select(1, heads_d).reshape(-1, K, V)
         if fused:
-            y = truncate_fused(x, ranks if B == 1 else ranks.repeat(B))
+            y = truncate_fused(x, ranks if B == 1 or isinstance(ranks, int) else ranks.repeat(B))
         else:
             y = truncate_states(x, ranks, method="subspace")
         sub = sub.index_copy(1, heads_d, y.reshape(B, -1, K, V).to(state.dtype))
@@ -173,7 +173,9 @@ class TruncateCallback:
         fusable = max(rl) <= MAX_RANK and self.d_k in DIMS and self.d_v in DIMS
         if fusable and (mode == "always" or (mode == "mixed" and not uniform)):
             key = ("truncate-fused", tuple(heads.tolist()), tuple(rl), str(dev))
-            make = lambda: _graph_truncation(heads.to(dev), ranks.to(dev, torch.int32), fused=True)  # noqa: E731
+            # one rank for every head: a host-side int, so the CUDA kernel may try its certified attempts first
+            rk = rl[0] if len(set(rl)) == 1 else ranks.to(dev, torch.int32)
+            make = lambda: _graph_truncation(heads.to(dev), rk, fused=True)  # noqa: E731
         elif uniform:
             key = ("truncate-subspace", tuple(heads.tolist()), rl[0], str(dev))
             make = lambda: _graph_truncation(heads.to(dev), rl[0], fused=False)  # noqa: E731

@@ -90,14 +90,27 @@ def test_emulated_mixed_ranks_shapes_and_float32(K, V):
     assert (out[keep].double() - ref).abs().max().item() <= 1e-5  # float32 output of the same projection
     bad = cuda_truncate.emulate(S[:3], [0, 4, 33])
     assert torch.isnan(bad[0]).all() and torch.isnan(bad[2]).all() and torch.isfinite(bad[1]).all()
-    # the same launch with the certified attempts first: kept / zero / invalid states are done in the first launch,
-    # the two-pass rank 20 is left to the full algorithm, the rest meet the criterion
-    out, done, bound = cuda_truncate.emulate(S, ranks, attempts=True, info=True)
-    assert torch.equal(out[2], S[2]) and torch.equal(out[3], torch.zeros_like(S[3]))
-    assert done[[2, 3]].tolist() == [1, 1] and bound[[2, 3]].tolist() == [0.0, 0.0]
-    assert done[1].item() == 0 and bound[1].item() == cuda_truncate.NO_BOUND
-    assert (out[1].double() - ref[1]).abs().max().item() <= 1e-5  # rank 20: the full algorithm's answer
-    assert energy_error(S[keep].double(), out[keep].double(), [ranks[i] for i in keep]).max().item() <= TOL
+    # per-state (device-side) ranks run the full algorithm in one launch, attempts or not
+    out2, done, bound = cuda_truncate.emulate(S, ranks, attempts=True, info=True)
+    assert torch.equal(out2, out) and not done.any()
+    # a host-side rank: the zero state is certified at once (bound 0) by the attempt, the others meet the criterion
+    o4, d4, b4 = cuda_truncate.emulate(S[[0, 3, 4]], 4, attempts=True, info=True)
+    assert d4[1].item() == 1 and b4[1].item() == 0.0 and torch.equal(o4[1], torch.zeros_like(S[3]))
+    assert energy_error(S[[0, 4]].double(), o4[[0, 2]].double(), 4).max().item() <= TOL
+
+
+def test_plan_of_launches():
+    """Which launches a call makes: an attempt only for a host-side rank it covers and default filter steps; the
+    32-column attempt only within one wave of states; the full algorithm last, reading the attempt's flags."""
+    plan, A, R = cuda_truncate.plan, cuda_truncate.ATTEMPT, cuda_truncate.READ_DONE
+    assert plan(None, None, True) == [(32, 0)]  # device-side ranks
+    assert plan(4, None, True, 16, 132) == [(16, A), (32, R)]
+    assert plan(1, None, True, 288, 132) == [(16, A), (32, R)]
+    assert plan(12, None, True, 16, 132) == [(32, A), (32, R)]
+    assert plan(12, None, True, 288, 132) == [(32, 0)]
+    assert plan(20, None, True) == plan(4, 3, True) == plan(4, None, False) == [(32, 0)]
+    assert cuda_truncate.attempt_table(16)[:6] == [-1, 1, 2, 2, 2, -1]
+    assert cuda_truncate.attempt_table(32)[4:18] == [-1] + [2] * 12 + [-1]
 
 
 @needs_gxx

@@ -6,6 +6,19 @@ float64 block subspace iteration with Rayleigh–Ritz, ranks 1 … 32, the same 
 shifted Cholesky-QR, refill and second pass on the deflated state (see that module) — in one launch, with the whole
 algorithm of one state inside one thread block (source: ``cuda_truncate_src.cu`` beside this file):
 
+**Certified attempts first** (``ATTEMPTS``, default on; ``GDNVIZ_CUDA_TRUNCATE_ATTEMPT=0`` off). Before the full
+algorithm, each state is tried with a narrower block and fewer filter steps — 16 columns with 1–2 steps for r ≤ 4,
+then 32 columns with 2 steps for r ≤ 16 — and the kernel certifies the result itself with the bound of
+``gdnviz.truncate.energy_error_bound`` in the Ritz basis (``T' = WᵀTW`` from the Jacobi, ``R = (GQ − QT)W``, ``‖G‖_F``;
+λ_min / λ_max of the diagonal blocks from their diagonals ∓ the Frobenius norm of their off-diagonal parts, Weyl),
+or by the energy the kept directions miss, ``1 − tr(T'_rr)`` (rank-deficient states). A state whose bound is
+≤ ``CERT_TOL`` (5e-6; criterion 1e-5) is written and flagged done on the device; the next launch skips it; the last
+launch runs the full algorithm on what is left. No host synchronisation: the flags live on the device, and a launch
+whose states are all done costs a few microseconds. Certified answers are exact to their bound, not to
+``reference_fused``'s rounding; the uncertified ones are ``reference_fused``'s. The same source serves both block
+widths (``@QB@``). Emulated tests: every battery meets the criterion, certified states' actual errors are under
+their bounds, and attempts with no filter step (far from converged) are refused and redone.
+
 * ``G = S Sᵀ / ‖S‖²_F`` stays in shared memory (128 KiB for K = 128), with the 32-column block ``Q`` and a work
   block (``[K, 33]`` each, padded against bank conflicts) and two 32×32 matrices: 211 KiB of the H200's 227 KiB per
   block. Only ``U`` (the kept directions, ``[K, 32]``) goes to a global scratch buffer.
@@ -72,10 +85,10 @@ SIGNATURE = ["const {T}*", "{T}*", "const int*", "int", "int", "const double*", 
 READ_DONE, ATTEMPT = 1, 2  # the kernel's mode bits (cuda_truncate_src.cu)
 NO_BOUND = 1e300  # the kernel's bound where none holds (not attempted, or no spectral gap)
 CERT_TOL = 5e-6  # an attempt's result stands when its energy-error bound is at most this (criterion 1e-5)
-# The certified attempts, in launch order: (block width, ((largest rank, filter steps), ...)). Chosen from
+# The certified attempts: (block width, ((largest rank, filter steps), ...)); a rank has at most one. Chosen from
 # bench/study_small_block.py on the demo model's trajectories (bench/RESULTS.md, eighth session): a 16-column block
 # with 1 step certifies every state at r = 1 and 2 steps every state at r = 4; 32 columns with 2 steps 97% at r = 8,
-# 95% at r = 12, 85% at r = 16. A state no attempt certifies runs the full algorithm in a last launch.
+# 95% at r = 12, 85% at r = 16. A state its attempt does not certify runs the full algorithm in a second launch.
 ATTEMPTS = ((16, ((1, 1), (4, 2))), (32, ((16, 2),)))
 ATTEMPT_DEFAULT_ON = True
 
@@ -107,23 +120,28 @@ def attempts_on() -> bool:
 
 
 def attempt_table(qb: int) -> list[int]:
-    """Filter steps per rank 0 … 32 of the attempt with a ``qb``-column block (−1: not attempted at that rank)."""
-    steps = dict(ATTEMPTS)[qb]
+    """Filter steps per rank 0 … 32 of the attempt with a ``qb``-column block (−1: not attempted at that rank: above
+    its ranks, or taken by a narrower block's attempt)."""
     out = []
     for r in range(MAX_RANK + 1):
-        k = next((n for top, n in steps if 1 <= r <= top), -1)
-        out.append(k if r <= qb else -1)
+        owner = next((w for w, steps in ATTEMPTS if any(1 <= r <= top for top, _ in steps)), None)
+        k = next((n for top, n in dict(ATTEMPTS)[qb] if 1 <= r <= top), -1)
+        out.append(k if owner == qb else -1)
     return out
 
 
-def plan(rank: int | None, iters: int | None, attempts: bool) -> list[tuple[int, int]]:
-    """The launches of one call, in order: ``(block width, mode)``. ``rank`` an int (host-side, uniform), or None
-    for per-state device ranks (every attempt is launched; states an attempt does not take exit at once)."""
+def plan(rank: int | None, iters: int | None, attempts: bool, n: int = 0, sms: int = 0) -> list[tuple[int, int]]:
+    """The launches of one call, in order: ``(block width, mode)``. Attempts run only for a host-side rank ``rank``
+    (an int, every state the same) and default filter steps: per-state device ranks (None) run the full algorithm in
+    one launch, because a chain of launches would serialise states that one launch runs side by side (a layer of
+    mixed ranks 1/4/12/32 took 2.0 s instead of 1.5 s per 16K-token run: bench/RESULTS.md, eighth session). The
+    32-column attempt only when the ``n`` states fit in one wave over ``sms`` multiprocessors (0: unknown, allowed):
+    it is ~15% cheaper than the full algorithm, and a second wave for its few uncertified states costs more."""
     out: list[tuple[int, int]] = []
-    if attempts and iters is None:
+    if attempts and iters is None and rank is not None and 1 <= rank <= MAX_RANK:
         for qb, _ in ATTEMPTS:
-            if rank is None or (1 <= rank <= MAX_RANK and attempt_table(qb)[rank] >= 0):
-                out.append((qb, ATTEMPT | (READ_DONE if out else 0)))
+            if attempt_table(qb)[rank] >= 0 and (qb == min(BLOCKS) or not sms or n <= sms):
+                out.append((qb, ATTEMPT))
     out.append((Q, READ_DONE if out else 0))
     return out
 
@@ -189,7 +207,8 @@ def _launch(X: torch.Tensor, ranks, iters: int | None, profile: bool = False, at
                          f"{tuple(X.shape)} on {X.device}")
     N, K, V = X.shape
     device_ranks = isinstance(ranks, torch.Tensor)
-    steps = plan(None if device_ranks else int(ranks), iters, attempts_on() if attempts is None else attempts)
+    steps = plan(None if device_ranks else int(ranks), iters, attempts_on() if attempts is None else attempts, N,
+                 _sm_count(X.device))
     kernels = {qb: _kernel(K, V, X.dtype, X.device, qb, profile) for qb, _ in steps}
     if any(k is None for k in kernels.values()):
         raise RuntimeError(f"the CUDA truncation kernel is unavailable: {KERNELS.reason}")
@@ -219,6 +238,16 @@ def _launch(X: torch.Tensor, ranks, iters: int | None, profile: bool = False, at
     return Launched(out, scratch, done, bound)
 
 
+_SMS: dict[str, int] = {}
+
+
+def _sm_count(device: torch.device) -> int:
+    key = str(device)
+    if key not in _SMS:
+        _SMS[key] = torch.cuda.get_device_properties(device).multi_processor_count
+    return _SMS[key]
+
+
 _TABLES: dict[str, dict[int, torch.Tensor]] = {}
 
 
@@ -232,7 +261,9 @@ def _attempt_tables(device: torch.device) -> dict[int, torch.Tensor]:
 
 def emulate(X: torch.Tensor, ranks, iters: int | None = None, attempts: bool | None = None, info: bool = False):
     """The same launches of the same kernel source run on the CPU through ``gdnviz.gpu.cuda_emul`` (tests; needs
-    ``g++``): ``X [N, K, V]`` float32/float64, ``ranks`` an int or N ints (run as device-side ranks). Returns the
+    ``g++``): ``X [N, K, V]`` float32/float64, ``ranks`` an int or N ints (run as device-side ranks: no attempts).
+    Blocks run one after another, so a block writing outside its own part of a global buffer goes unseen here (the
+    scratch stride bug of this session's second H200 call). Returns the
     output, or with ``info`` (output, done int32 ``[N]``, bound float64 ``[N]``) as in ``Launched``. Slow (~0.1–1 s
     per state and launch): for checking, not for use."""
     from gdnviz.gpu.cuda_emul import Emulated

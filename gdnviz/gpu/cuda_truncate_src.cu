@@ -224,7 +224,7 @@ gdnviz_truncate(const scalar_t* __restrict__ S, scalar_t* __restrict__ OUT, cons
     const long long n = blockIdx.x;
     const scalar_t* Sn = S + n * (K_ * V_);
     scalar_t* On = OUT + n * (K_ * V_);
-    double* Un = USCR + n * (K_ * QB);
+    double* Un = USCR + n * (K_ * UL);  // [K][UL] per state, whatever the block width
     const int r = (rank_stride >= 0) ? RANKS[n * rank_stride] : rank;
     if ((mode & READ_DONE) && DONE[n] != 0) return;  // an earlier launch wrote this state
     const bool attempt = (mode & ATTEMPT) != 0;
