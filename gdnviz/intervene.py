@@ -109,8 +109,10 @@ def fused_truncation_mode(device) -> str:
     ``GDNVIZ_FUSED_TRUNCATE``: ``"mixed"`` (only for layers whose heads have different ranks, which the subspace
     path cannot capture), ``"always"`` (``1``) or ``"never"`` (``0``).
 
-    Default (unset): ``"mixed"`` where the fused kernel runs as one CUDA kernel (``gdnviz.gpu.cuda_truncate``), else
-    ``"never"``. Measured on an H200 (bench/RESULTS.md, sixth session): the CUDA kernel truncates a layer's 16 states
+    Default (unset): ``"always"`` where the fused kernel runs as one CUDA kernel (``gdnviz.gpu.cuda_truncate``) with
+    its certified attempts (eighth session: r = 4 at 0.44 s per 16K-token run against 0.80 s for the subspace path),
+    and then the eager loop truncates with the same kernel (``TruncateCallback.on_boundary``), so graph windows and
+    the loop give the same answers; ``"mixed"`` where the kernel runs without its attempts; else ``"never"``. Measured on an H200 (bench/RESULTS.md, sixth session): the CUDA kernel truncates a layer's 16 states
     in 0.49–0.59 ms (r ≤ 12) against 0.58–0.60 ms for the subspace path, and the GPU test of mixed ranks inside graph
     windows passes with it; without it a layer with mixed ranks sends the whole run to the eager loop (28.7× the
     prefill at r = 4, fourth session). Uniform ranks keep the subspace path by default: ``"always"`` makes graph
@@ -122,7 +124,9 @@ def fused_truncation_mode(device) -> str:
     if env == "":
         from gdnviz.gpu import cuda_truncate
 
-        return "mixed" if cuda_truncate.enabled() else "never"
+        if not cuda_truncate.enabled():
+            return "never"
+        return "always" if cuda_truncate.attempts_on() else "mixed"
     mode = {"1": "always", "always": "always", "mixed": "mixed"}.get(env, "never")
     if mode == "never":
         return "never"
@@ -186,6 +190,14 @@ class TruncateCallback:
             fn = self._graph_fns[key] = make()
         return fn, key
 
+    def _fused_here(self, layer, device) -> bool:
+        """Whether the eager loop truncates ``layer`` with the fused kernel: ``fused_truncation_mode`` is
+        ``"always"`` and the kernel takes the layer's ranks and head shape (no warm start then)."""
+        from gdnviz.gpu.fused_truncate import DIMS, MAX_RANK
+
+        return (fused_truncation_mode(device) == "always" and max(self.per_layer[layer][1].tolist()) <= MAX_RANK
+                and self.d_k in DIMS and self.d_v in DIMS)
+
     def note_graph_boundaries(self, layer, n: int) -> None:
         """``n`` boundaries of ``layer`` ran inside a CUDA graph: count them; the warm start is stale now."""
         self.n_calls += n
@@ -204,6 +216,15 @@ class TruncateCallback:
         B = state.shape[0]
         heads_d = heads.to(state.device)
         x = state[:, heads_d].reshape(-1, *state.shape[-2:])  # [B * h, K, V]
+        if self._fused_here(layer, state.device):  # what graph windows run: the same answers in both
+            from gdnviz.gpu.fused_truncate import truncate_fused
+
+            rl = ranks.tolist()
+            y = truncate_fused(x, rl[0] if len(set(rl)) == 1 else rl * B)
+            out = state.clone()
+            out[:, heads_d] = y.reshape(B, len(heads), *state.shape[-2:]).to(state.dtype)
+            self.n_calls += 1
+            return out
         r = ranks.to(state.device).repeat(B)
         warm = None
         if self.warm_start and rows is None:

@@ -231,13 +231,15 @@ def test_mixed_ranks_run_in_graphs_with_the_fused_kernel(monkeypatch):
 
 
 def test_fused_truncation_mode_from_the_environment(monkeypatch):
-    """The mode is pure logic on the device type and two switches (no CUDA needed): unset means "mixed" exactly when
-    the CUDA truncation kernel is on (GDNVIZ_CUDA_TRUNCATE), and never anything but "never" off CUDA."""
+    """The mode is pure logic on the device type and three switches (no CUDA needed): unset means "always" when the
+    CUDA truncation kernel is on (GDNVIZ_CUDA_TRUNCATE) with its certified attempts, "mixed" when it is on without
+    them (GDNVIZ_CUDA_TRUNCATE_ATTEMPT=0), and never anything but "never" off CUDA."""
     pytest.importorskip("triton")
     from gdnviz.intervene import fused_truncation_mode
 
-    for cuda_kernel, default in (("1", "mixed"), ("0", "never")):
+    for cuda_kernel, attempts, default in (("1", "", "always"), ("1", "0", "mixed"), ("0", "", "never")):
         monkeypatch.setenv("GDNVIZ_CUDA_TRUNCATE", cuda_kernel)
+        monkeypatch.setenv("GDNVIZ_CUDA_TRUNCATE_ATTEMPT", attempts)
         for env, want in (("", default), ("0", "never"), ("mixed", "mixed"), ("1", "always"), ("always", "always")):
             monkeypatch.setenv("GDNVIZ_FUSED_TRUNCATE", env)
             assert fused_truncation_mode("cpu") == "never"

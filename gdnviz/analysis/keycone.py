@@ -336,9 +336,10 @@ def keycone_parts(k: Any, g: Any, chunk: int | None = None) -> dict[str, torch.T
     The key-covariance window of each head (``⌈horizon⌉`` clamped to ``[2, T]``, :func:`covariance_window`) is
     applied as a token mask ``t ≥ T − w_h`` over all ``T`` tokens, so no window size has to reach the host; rows
     outside a head's window are replaced by exact zeros (``torch.where``, so a NaN key outside the window stays
-    outside, as in :func:`window_key_covariance`). Same two passes (mean of the window, then the centred sum); the
-    second also accumulates the decayed covariance, so each chunk is converted to float64 twice, not three times
-    (once when the document is one chunk), and the sums over tokens are batched GEMMs on strided views.
+    outside, as in :func:`window_key_covariance`). The
+    window's second moment is accumulated uncentred, ``Σ k kᵀ − w μμᵀ``, in the same single pass as the mean and the
+    decayed covariance, so each chunk is converted to float64 once and two full-size temporaries fewer are written;
+    the sums over tokens are batched GEMMs on strided views.
 
     chunk: tokens per float64 chunk; None = :data:`CUDA_CHUNK` on CUDA, :data:`CHUNK` elsewhere.
 
@@ -361,28 +362,23 @@ def keycone_parts(k: Any, g: Any, chunk: int | None = None) -> dict[str, torch.T
     # chunks wholly before every window add exact zeros: skipped where knowing that costs no synchronisation (CPU)
     first = 0 if dev.type == "cuda" else max(0, (T - int(w.max().item())) // chunk * chunk)
     s = torch.zeros(H, K, dtype=torch.float64, device=dev)
-    mu = torch.zeros(H, K, dtype=torch.float64, device=dev)
+    sw = torch.zeros(H, K, dtype=torch.float64, device=dev)  # Σ over each head's window of k_t
+    Gw = torch.zeros(H, K, K, dtype=torch.float64, device=dev)  # Σ over each head's window of k_t k_tᵀ
+    P = torch.zeros(H, K, K, dtype=torch.float64, device=dev)
     zero = torch.zeros((), dtype=torch.float64, device=dev)
-    masks, kept = {}, {}
-    for i in range(0, T, chunk):  # pass 1: the mean key, and the mean of each head's window
+    amp = torch.exp(_suffix_log_decay(g64))  # [T, H]: √w_t of the decayed covariance
+    for i in range(0, T, chunk):  # one pass: each chunk converted to float64 once
         x = _f64(kt[i : i + chunk], dev)
         s += x.sum(0)
         if i >= first:
             m = (torch.arange(i, i + x.shape[0], device=dev, dtype=torch.float64)[:, None] >= start)[..., None]
-            masks[i] = m
-            mu += torch.where(m, x, zero).sum(0)
-        if T <= chunk:
-            kept[i] = x  # one chunk: its float64 copy serves pass 2 as well
-    mu /= w[:, None]
-    amp = torch.exp(_suffix_log_decay(g64))  # [T, H]: √w_t of the decayed covariance
-    C = torch.zeros(H, K, K, dtype=torch.float64, device=dev)
-    P = torch.zeros(H, K, K, dtype=torch.float64, device=dev)
-    for i in range(0, T, chunk):  # pass 2: centred second moment of each window, and the decayed covariance
-        x = kept.pop(i) if i in kept else _f64(kt[i : i + chunk], dev)
-        if i in masks:
-            C += _gram_over_tokens(torch.where(masks[i], x - mu, zero))
+            xm = torch.where(m, x, zero)
+            sw += xm.sum(0)
+            Gw += _gram_over_tokens(xm)
         P += _gram_over_tokens(x * amp[i : i + chunk, :, None])  # rows √w_t k_t (not in place: x may be the input)
-    C /= w[:, None, None]
+    # centred second moment of the window, Σ (k − μ)(k − μ)ᵀ = Σ k kᵀ − w μ μᵀ with μ = Σ k / w: float64, so the
+    # cancellation costs ~1e-16 / (1 − ‖μ‖²) relative (unit keys); a cone with 1 − ‖μ‖² < 1e-8 would lose digits
+    C = (Gw - sw[:, :, None] * sw[:, None, :] / w[:, None, None]) / w[:, None, None]
     lam = _eigvalsh_device(torch.cat([C, P]))
     return {"horizon": horizon, "mean_key_norm": torch.linalg.vector_norm(s / T, dim=-1),
             "cov_eigvals": lam[:H], "P_eigvals": lam[H:]}
