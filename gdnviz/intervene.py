@@ -157,9 +157,10 @@ class TruncateCallback:
 
     def graph_boundary(self, layer, device):
         """For ``gdnviz.runner``'s CUDA-graph windows: ``"noop"`` when no head of ``layer`` is truncated; else
-        ``(fn, key)`` with ``fn(state [B, H, K, V], rows=None) -> state`` free of host syncs — the subspace path of
-        ``truncate_states`` when the layer's heads share one rank ≤ 32, or the fused Triton kernel
-        (``gdnviz.gpu.fused_truncate``, ranks ≤ 32, K and V in {64, 128}) when ``fused_truncation_mode`` allows it —
+        ``(fn, key)`` with ``fn(state [B, H, K, V], rows=None) -> state`` free of host syncs — the fused kernel
+        (``gdnviz.gpu.fused_truncate``, ranks ≤ 32, K and V in {64, 128}) when ``fused_truncation_mode`` allows it
+        (by default every such layer on CUDA; a shared rank is passed as an int, so the kernel's certified attempts
+        run), else the subspace path of ``truncate_states`` when the layer's heads share one rank ≤ 32 —
         from a cold start (a warm start keeps host-side state per call); ``key`` names what it does so that layers
         doing the same share a graph. None when the layer's truncation cannot be captured (r > 32, small K, mixed
         ranks without the fused kernel: exact paths sync)."""

@@ -45,9 +45,14 @@ column steps), float64 products ~25%. A one-barrier Jacobi (every thread computi
 slower in its Jacobi and was reverted. ``ptxas`` reports 255 registers and ~250 bytes of spills for K = 128.
 
 Status: used by ``gdnviz.gpu.fused_truncate.truncate_fused`` on CUDA (``DEFAULT_ON``; ``GDNVIZ_CUDA_TRUNCATE=0``
-keeps the Triton kernel): graph windows run it for layers whose heads have different ranks when
-``GDNVIZ_FUSED_TRUNCATE`` is unset or ``mixed`` (or for every layer with ``=1``); uniform ranks keep the subspace
-path.
+keeps the Triton kernel). With its attempts on, graph windows and the eager loop run it for every layer with ranks
+≤ 32 (``gdnviz.intervene.fused_truncation_mode``: ``always``); ``GDNVIZ_FUSED_TRUNCATE=mixed`` keeps the subspace
+path for layers of one rank.
+
+Measured with the attempts (H200, eighth session, bench/RESULTS.md; CUDA-graph replay, GDN-like float32 states): 16
+states at r = 4 in 0.166 ms against 0.515 ms for the full algorithm (3.1×); 288 states at r = 1 / 4 in 0.896 /
+0.975 ms (issue #6's ≤ 1 ms per boundary); a 16K-token run with every head truncated at r = 4 in 3.25× the prefill
+instead of 5.98× (subspace path).
 
 Verified where: on CPU, the same source compiled with g++ against ``gdnviz.gpu.cuda_emul`` (every thread of a block
 as a user-level context, barriers and warp shuffles emulated, shared memory NaN-filled) equals ``reference_fused``
