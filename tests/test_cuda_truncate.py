@@ -178,6 +178,28 @@ def test_emulator_reports_a_barrier_deadlock():
         emu.launch(1, 64, [np.zeros(64)])
 
 
+@needs_gxx
+def test_emulator_concurrent_blocks_expose_overlapping_scratch():
+    """Blocks that each use 64 doubles of a global scratch buffer at a stride of only 32 overwrite each other's
+    halves on a GPU; run one at a time they do not, run concurrently (in lockstep) they do — the class of bug the
+    16-column truncation kernel had on the H200 (eighth session), which the one-block-at-a-time emulation passed."""
+    import numpy as np
+
+    src = r'''
+    extern "C" __global__ void k(double* scratch, double* out, int stride) {
+        double* mine = scratch + blockIdx.x * stride;
+        mine[threadIdx.x] = blockIdx.x + 1.0;
+        __syncthreads();
+        out[blockIdx.x * 64 + threadIdx.x] = mine[63 - threadIdx.x];
+    }'''
+    emu = cuda_emul.Emulated(src, "k", ["double*", "double*", "int"])
+    want = np.repeat(np.arange(1.0, 9.0), 64)
+    for stride, conc, right in ((64, 1, True), (64, 4, True), (32, 1, True), (32, 4, False)):
+        scratch, out = np.zeros(64 * 9), np.zeros(64 * 8)
+        emu.launch(8, 64, [scratch, out, stride], concurrent=conc)
+        assert np.array_equal(out, want) == right, (stride, conc)
+
+
 def test_switch_and_what_the_launch_takes(monkeypatch):
     """On by default where the kernel can run (NVIDIA builds, compiled); GDNVIZ_CUDA_TRUNCATE=0 turns it off; the
     launch takes CUDA float32/float64 [N, K, V] with K, V in {64, 128} only."""

@@ -9,7 +9,10 @@ written yet (shared memory is filled with NaN before each block), and that every
 
 Model (enough for kernels written against it, not all of CUDA):
 
-* one block at a time, its ``blockDim.x`` threads each on its own stack; a thread runs until it reaches
+* one block at a time by default, or ``concurrent`` blocks at once in lockstep by barrier phases (each block its own
+  shared memory and warp slots), so that a block writing another block's part of a global buffer changes the
+  answers as it would on a GPU (``cuda_truncate``'s scratch stride bug of the eighth session passed one block at a
+  time); its ``blockDim.x`` threads each on its own stack; a thread runs until it reaches
   ``__syncthreads()`` / ``__syncwarp()`` (or a warp collective) or returns; ``__syncthreads()`` releases when every
   live thread of the block waits there, ``__syncwarp()`` when every live lane of the warp does (exited threads count
   as arrived, as on the GPU);
@@ -68,7 +71,8 @@ static inline long long clock64() { return 0; }
 static inline double __dmul_rn(double a, double b) { return a * b; }
 static inline double __dadd_rn(double a, double b) { return a + b; }
 static inline double __dsub_rn(double a, double b) { return a - b; }
-alignas(16) double emu_smem[65536];  // 512 KiB: more than any GPU's shared memory per block
+static const long EMU_SMEM_DOUBLES = 65536;  // 512 KiB per block: more than any GPU's shared memory per block
+static double* emu_smem_cur = nullptr;      // the running block's dynamic shared memory
 
 namespace emu {
 enum { RUN = 0, WAIT_WARP = 1, WAIT_BLOCK = 2, DONE = 3 };
@@ -79,7 +83,7 @@ static ucontext_t* ctx = nullptr;
 static char* stacks = nullptr;
 static int* st = nullptr;
 static int cap = 0;
-static uint64_t slot[32][32];
+static uint64_t (*slot)[32] = nullptr;  // the running block's warp-collective slots [32 warps][32 lanes]
 static void (*entry)() = nullptr;
 static void yield_to_scheduler(int s) { st[cur] = s; swapcontext(&ctx[cur], &sched); }
 static void thread_main() { entry(); st[cur] = DONE; }
@@ -118,25 +122,43 @@ static inline int __all_sync(unsigned, int p) { return emu_vote(p, 1); }
 TRAMPOLINE = r"""
 static void* emu_args[32];
 static void emu_entry() { %(CALL)s; }
-extern "C" int emu_launch(void** args, int nargs, int grid, int nthr, long smem_bytes) {
+// conc blocks run at once, in lockstep: in every round each live block runs its runnable threads up to their next
+// barrier, so a block that writes global memory another block is still using shows up as a wrong answer (as on a
+// GPU), which one block at a time cannot show. Each block has its own shared memory and warp slots.
+extern "C" int emu_launch(void** args, int nargs, int grid, int nthr, long smem_bytes, int conc) {
     using namespace emu;
     for (int i = 0; i < nargs; ++i) emu_args[i] = args[i];
-    if (nthr > 1024 || smem_bytes > (long)sizeof(emu_smem)) return -2;
-    if (nthr > cap) {
+    if (nthr > 1024 || smem_bytes > EMU_SMEM_DOUBLES * (long)sizeof(double)) return -2;
+    if (conc < 1) conc = 1;
+    if (grid > 0 && conc > grid) conc = grid;
+    static double* smem = nullptr;
+    static uint64_t (*slots)[32] = nullptr;
+    static int scap = 0;
+    if (nthr * conc > cap) {
         free(ctx); free(stacks); free(st);
-        ctx = (ucontext_t*)calloc(nthr, sizeof(ucontext_t));
-        stacks = (char*)malloc((size_t)nthr * STACK);
-        st = (int*)calloc(nthr, sizeof(int));
-        cap = nthr;
+        cap = nthr * conc;
+        ctx = (ucontext_t*)calloc(cap, sizeof(ucontext_t));
+        stacks = (char*)malloc((size_t)cap * STACK);
+        st = (int*)calloc(cap, sizeof(int));
+    }
+    if (conc > scap) {
+        free(smem); free(slots);
+        smem = (double*)aligned_alloc(64, (size_t)conc * EMU_SMEM_DOUBLES * sizeof(double));
+        slots = (uint64_t (*)[32])calloc((size_t)conc * 32, sizeof(uint64_t[32]));
+        scap = conc;
     }
     emu::nthr = nthr;
     emu::entry = emu_entry;
     blockDim.x = nthr; gridDim.x = grid;
-    for (int b = 0; b < grid; ++b) {
+    int blk[64], next = 0;
+    if (conc > 64) conc = 64;
+    auto start = [&](int s) {
+        if (next >= grid) { blk[s] = -1; return; }
+        blk[s] = next++;
         const double nan = std::nan("");
-        for (long i = 0; i < (long)(sizeof(emu_smem) / sizeof(double)); ++i) emu_smem[i] = nan;
-        blockIdx.x = b;
-        for (int t = 0; t < nthr; ++t) {
+        double* m = smem + (size_t)s * EMU_SMEM_DOUBLES;
+        for (long i = 0; i < EMU_SMEM_DOUBLES; ++i) m[i] = nan;
+        for (int t = s * nthr; t < (s + 1) * nthr; ++t) {
             st[t] = RUN;
             getcontext(&ctx[t]);
             ctx[t].uc_stack.ss_sp = stacks + (size_t)t * STACK;
@@ -144,16 +166,31 @@ extern "C" int emu_launch(void** args, int nargs, int grid, int nthr, long smem_
             ctx[t].uc_link = &sched;
             makecontext(&ctx[t], thread_main, 0);
         }
-        for (;;) {
+    };
+    for (int s = 0; s < conc; ++s) start(s);
+    for (;;) {
+        bool live = false;
+        for (int s = 0; s < conc; ++s) {
+            if (blk[s] < 0) continue;
+            live = true;
+            blockIdx.x = blk[s];
+            emu_smem_cur = smem + (size_t)s * EMU_SMEM_DOUBLES;
+            slot = slots + (size_t)s * 32;
             for (int t = 0; t < nthr; ++t) {
-                if (st[t] == RUN) { cur = t; threadIdx.x = t; swapcontext(&sched, &ctx[t]); }
+                const int g = s * nthr + t;
+                if (st[g] == RUN) { cur = g; threadIdx.x = t; swapcontext(&sched, &ctx[g]); }
             }
+        }
+        if (!live) break;
+        for (int s = 0; s < conc; ++s) {
+            if (blk[s] < 0) continue;
+            const int b0 = s * nthr, b1 = b0 + nthr;
             int done = 0;
-            for (int t = 0; t < nthr; ++t) done += (st[t] == DONE);
-            if (done == nthr) break;
+            for (int t = b0; t < b1; ++t) done += (st[t] == DONE);
+            if (done == nthr) { start(s); continue; }
             bool released = false;
-            for (int w0 = 0; w0 < nthr; w0 += 32) {
-                const int w1 = std::min(w0 + 32, nthr);
+            for (int w0 = b0; w0 < b1; w0 += 32) {
+                const int w1 = std::min(w0 + 32, b1);
                 bool all = true, some = false;
                 for (int t = w0; t < w1; ++t) {
                     all = all && (st[t] == WAIT_WARP || st[t] == DONE);
@@ -166,9 +203,9 @@ extern "C" int emu_launch(void** args, int nargs, int grid, int nthr, long smem_
             }
             if (!released) {
                 bool all = true;
-                for (int t = 0; t < nthr; ++t) all = all && (st[t] == WAIT_BLOCK || st[t] == DONE);
+                for (int t = b0; t < b1; ++t) all = all && (st[t] == WAIT_BLOCK || st[t] == DONE);
                 if (!all) return -1;  // deadlock: a barrier some live thread never reaches
-                for (int t = 0; t < nthr; ++t) if (st[t] == WAIT_BLOCK) st[t] = RUN;
+                for (int t = b0; t < b1; ++t) if (st[t] == WAIT_BLOCK) st[t] = RUN;
             }
         }
     }
@@ -197,7 +234,7 @@ class Emulated:
         call = f"{name}(" + ", ".join(f"*({t}*)emu_args[{i}]" for i, t in enumerate(self.signature)) + ")"
         # dynamic shared memory -> a pointer to the shim's array; static __shared__ arrays -> one static instance
         source = re.sub(r"extern\s+__shared__\s+(?:__align__\(\d+\)\s+)?([A-Za-z_][\w ]*?)\s+(\w+)\s*\[\s*\]\s*;",
-                        r"\1* \2 = reinterpret_cast<\1*>(emu_smem);", source)
+                        r"\1* \2 = reinterpret_cast<\1*>(emu_smem_cur);", source)
         source = source.replace("__shared__", "static")
         text = SHIM + "\n" + source + "\n" + TRAMPOLINE % {"CALL": call}
         digest = hashlib.sha256(text.encode()).hexdigest()[:20]
@@ -215,10 +252,14 @@ class Emulated:
                 os.replace(tmp, path)
         self._lib = ctypes.CDLL(path)
         self._lib.emu_launch.restype = ctypes.c_int
-        self._lib.emu_launch.argtypes = [ctypes.c_void_p, ctypes.c_int, ctypes.c_int, ctypes.c_int, ctypes.c_long]
+        self._lib.emu_launch.argtypes = [ctypes.c_void_p, ctypes.c_int, ctypes.c_int, ctypes.c_int, ctypes.c_long,
+                                         ctypes.c_int]
 
-    def launch(self, grid: int, block: int, args: list, shared_mem: int = 0) -> None:
-        """Run the kernel on ``grid`` blocks of ``block`` threads (1-D); pointer arguments are modified in place."""
+    def launch(self, grid: int, block: int, args: list, shared_mem: int = 0, concurrent: int = 1) -> None:
+        """Run the kernel on ``grid`` blocks of ``block`` threads (1-D); pointer arguments are modified in place.
+        ``concurrent`` blocks run at once, in lockstep by barrier phases (each with its own shared memory): a block
+        writing another block's part of a global buffer then changes the answers, as it does on a GPU. Kernels with
+        static ``__shared__`` arrays (one instance here) must run with 1."""
         if len(args) != len(self.signature):
             raise ValueError(f"{len(self.signature)} arguments expected, got {len(args)}")
         keep = []
@@ -240,7 +281,7 @@ class Emulated:
                 raise TypeError(f"unsupported parameter type {t!r}")
         ptrs = (ctypes.c_void_p * len(keep))(*[ctypes.addressof(k) for k in keep])
         with _LOCK:  # one emulated launch at a time: the shim's scheduler state is global
-            rc = self._lib.emu_launch(ptrs, len(keep), int(grid), int(block), int(shared_mem))
+            rc = self._lib.emu_launch(ptrs, len(keep), int(grid), int(block), int(shared_mem), int(concurrent))
         if rc == -1:
             raise RuntimeError("emulated kernel deadlocked: a barrier that some live thread never reaches")
         if rc == -2:

@@ -266,11 +266,12 @@ def _attempt_tables(device: torch.device) -> dict[int, torch.Tensor]:
     return _TABLES[key]
 
 
-def emulate(X: torch.Tensor, ranks, iters: int | None = None, attempts: bool | None = None, info: bool = False):
+def emulate(X: torch.Tensor, ranks, iters: int | None = None, attempts: bool | None = None, info: bool = False,
+            concurrent: int = 4):
     """The same launches of the same kernel source run on the CPU through ``gdnviz.gpu.cuda_emul`` (tests; needs
     ``g++``): ``X [N, K, V]`` float32/float64, ``ranks`` an int or N ints (run as device-side ranks: no attempts).
-    Blocks run one after another, so a block writing outside its own part of a global buffer goes unseen here (the
-    scratch stride bug of this session's second H200 call). Returns the
+    ``concurrent`` blocks run at once, in lockstep by barrier phases, so a block writing into another block's part of
+    the scratch buffer changes the answers here as it did on the H200 (eighth session). Returns the
     output, or with ``info`` (output, done int32 ``[N]``, bound float64 ``[N]``) as in ``Launched``. Slow (~0.1–1 s
     per state and launch): for checking, not for use."""
     from gdnviz.gpu.cuda_emul import Emulated
@@ -296,6 +297,6 @@ def emulate(X: torch.Tensor, ranks, iters: int | None = None, attempts: bool | N
         tab = np.asarray(attempt_table(qb), dtype=np.int32) if mode & ATTEMPT else table.astype(np.int32)
         emu.launch(N, NT, [x, out, rk, rank_int, stride, np.ascontiguousarray(omega), np.ascontiguousarray(fill),
                            np.ascontiguousarray(tab), -1 if iters is None else int(iters), scratch, sweeps, tol2,
-                           skip, mode, done, bound, CERT_TOL], smem_bytes(K, qb))
+                           skip, mode, done, bound, CERT_TOL], smem_bytes(K, qb), concurrent=concurrent)
     res = torch.from_numpy(out)
     return (res, torch.from_numpy(done), torch.from_numpy(bound)) if info else res
