@@ -2,10 +2,11 @@
 (thread 0 sums clock64() deltas per phase), on GDN-like float32 states, next to the kernel's wall time (CUDA events,
 the normal build) for the same batch.
 
-    python bench/bench_truncate_phases.py --device cuda
+    python bench/bench_truncate_phases.py --device cuda [--attempts]
 
 One JSON line per (states, rank): median cycles per phase over the states, Jacobi sweeps, total cycles, and the
-normal build's time per launch in µs.
+normal build's time per launch in µs. ``--attempts``: the certified attempts on (the default of ``truncate_cuda``);
+the medians are then over the states an attempt certified (``certified`` of ``n``), the time is the whole call's.
 """
 from __future__ import annotations
 
@@ -26,7 +27,9 @@ def main() -> None:
     ap.add_argument("--device", default="cuda")
     ap.add_argument("--ranks", default="1,4,12,32")
     ap.add_argument("--sizes", default="16,288")
+    ap.add_argument("--attempts", action="store_true", help="profile the certified attempts (else the full algorithm)")
     a = ap.parse_args()
+    os.environ["GDNVIZ_CUDA_TRUNCATE_ATTEMPT"] = "1" if a.attempts else "0"
     dev = torch.device(a.device)
     S = gdn_like_states(max(int(x) for x in a.sizes.split(",")), 128, 128, seed=0).float().to(dev)
     for n in [int(x) for x in a.sizes.split(",")]:
@@ -35,12 +38,19 @@ def main() -> None:
             ct.truncate_cuda(X, r)
             torch.cuda.synchronize()
             us = time_ms(lambda: ct.truncate_cuda(X, r), dev, 3, 20) * 1e3
-            cyc = ct.phase_cycles(X, r)
+            extra = {}
+            if a.attempts:
+                cyc, done = ct.phase_cycles(X, r, attempts=True)
+                extra = dict(certified=int(done.sum()) if done.numel() else 0)
+                if done.numel() and done.any():
+                    cyc = cyc[done.bool()]
+            else:
+                cyc = ct.phase_cycles(X, r)
             med = cyc.median(0).values
             row = {name: int(med[i]) for i, name in enumerate(ct.PHASES) if name and name != "jacobi_sweeps"}
-            emit(what="cuda_truncate_phases", n=n, r=r, us_per_launch=round(us, 1),
-                 total_cycles=int(cyc[:, :11].sum(1).median()), jacobi_sweeps=int(med[15]), cycles=row,
-                 device=device_name(dev))
+            emit(what="cuda_truncate_phases", n=n, r=r, attempts=a.attempts, us_per_launch=round(us, 1),
+                 total_cycles=int(cyc[:, :12].sum(1).median()), jacobi_sweeps=int(med[15]), cycles=row,
+                 device=device_name(dev), **extra)
 
 
 if __name__ == "__main__":

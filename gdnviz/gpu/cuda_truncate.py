@@ -175,15 +175,18 @@ def _kernel(K: int, V: int, dtype: torch.dtype, device: torch.device, qb: int = 
 
 # GDNVIZ_PROFILE build: clock64() cycles of thread 0 per phase (summed over passes and calls), index 15 = Jacobi sweeps
 PHASES = ("gram_G", "sketch_Z", "cholqr", "gemm_GQ", "refill", "ritz_T", "jacobi", "select_U", "deflate_G", "load_U",
-          "project", "", "", "", "", "jacobi_sweeps")
+          "project", "certify", "", "", "", "jacobi_sweeps")
 
 
-def phase_cycles(X: torch.Tensor, ranks) -> torch.Tensor:
-    """Per state, the cycles thread 0 spent in each phase of ``PHASES`` (float64 ``[N, 16]``, CPU), from the kernel
-    built with ``GDNVIZ_PROFILE`` (``bench/bench_truncate_phases.py``), the full algorithm only (no attempts); the
-    outputs are those of ``truncate_cuda``."""
-    res = _launch(X, int(ranks), None, profile=True, attempts=False)
-    return res.scratch[:, 0, :16].cpu()
+def phase_cycles(X: torch.Tensor, ranks, attempts: bool = False):
+    """Per state, the cycles thread 0 spent in each phase of ``PHASES`` (float64 ``[N, 16]``, CPU), from the kernels
+    built with ``GDNVIZ_PROFILE`` (``bench/bench_truncate_phases.py``); the outputs are those of ``truncate_cuda``.
+    ``attempts=False``: the full algorithm only. ``attempts=True``: the launches ``truncate_cuda`` makes for this
+    (host-side) rank; returns (cycles, done) — a state with done = 1 holds its attempt's counters, the others the
+    full algorithm's (an uncertified attempt returns before writing its counters)."""
+    res = _launch(X, int(ranks), None, profile=True, attempts=attempts)
+    cyc = res.scratch[:, 0, :16].cpu()
+    return (cyc, res.done.cpu()) if attempts else cyc
 
 
 def _jacobi_args() -> tuple[int, float, float]:

@@ -17,6 +17,7 @@
 #                               (CHOLQR_KERNEL_ARGS: extra arguments, e.g. "--sizes 16")
 #   PHASES_SECONDS (0)          bench_truncate_phases.py: cycles per phase of the fused CUDA truncation kernel
 #                               (its GDNVIZ_PROFILE build), 16 and 288 states, r = 1/4/12/32
+#                               (PHASES_ARGS: e.g. "--attempts --ranks 1,4,12" for the certified attempts)
 #   SPECTRA_SECONDS (0)         bench_spectra.py --candidates (gesvda, CUDA tridiagonalisation, Triton num_warps)
 #   TRUNCRUN_SECONDS (150)      bench_truncated_run.py: 16K tokens, every head truncated at every boundary
 #                               (TRUNCRUN_ARGS: extra arguments, e.g. "--ranks 4 --eager-rank 0 --mixed-ranks 1,4,12,32";
@@ -54,7 +55,7 @@ if on ${CHOLQR_KERNEL_SECONDS:-0}; then
   grep '^{' $OUT/bench_cholqr.log | cut -c1-300
 fi
 if on ${PHASES_SECONDS:-0}; then
-  timeout ${PHASES_SECONDS} python3 bench/bench_truncate_phases.py --device cuda > $OUT/bench_truncate_phases.log 2>&1
+  timeout ${PHASES_SECONDS} python3 bench/bench_truncate_phases.py --device cuda ${PHASES_ARGS:-} > $OUT/bench_truncate_phases.log 2>&1
   grep '^{' $OUT/bench_truncate_phases.log | cut -c1-420
 fi
 if on ${SPECTRA_SECONDS:-0}; then
