@@ -97,6 +97,13 @@ def test_emulated_mixed_ranks_shapes_and_float32(K, V):
     o4, d4, b4 = cuda_truncate.emulate(S[[0, 3, 4]], 4, attempts=True, info=True)
     assert d4[1].item() == 1 and b4[1].item() == 0.0 and torch.equal(o4[1], torch.zeros_like(S[3]))
     assert energy_error(S[[0, 4]].double(), o4[[0, 2]].double(), 4).max().item() <= TOL
+    # a state with a NaN is never certified: the full algorithm answers it, as without attempts
+    Sn = S[[0, 4]].clone()
+    Sn[1, 0, 0] = float("nan")
+    on, dn, bn = cuda_truncate.emulate(Sn, 4, attempts=True, info=True)
+    assert dn.tolist() == [1, 0] and bn[1].item() == cuda_truncate.NO_BOUND
+    full = cuda_truncate.emulate(Sn, 4, attempts=False)
+    assert torch.equal(on[1].isnan(), full[1].isnan()) and torch.equal(on[1].nan_to_num(), full[1].nan_to_num())
 
 
 def test_plan_of_launches():

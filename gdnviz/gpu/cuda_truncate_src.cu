@@ -463,11 +463,14 @@ gdnviz_truncate(const scalar_t* __restrict__ S, scalar_t* __restrict__ OUT, cons
         }
         PROF(6);
         // ---- the top `take` Ritz vectors (descending, ties by index) -> U columns HALF*p ...
+        // NaN Ritz values (a state with NaN or inf) rank last: the ranks stay a permutation, so every selected
+        // column index is valid (with NaN compared as is, no rank was 1 .. take - 1 and the column index read
+        // from unwritten shared memory was out of bounds: a crash, found by the emulation)
         if (t < QB) {
-            const double di = dd[t];
+            const double di = (dd[t] == dd[t]) ? dd[t] : -1.7976931348623157e308;
             int rk = 0;
             for (int j = 0; j < QB; ++j) {
-                const double dj = dd[j];
+                const double dj = (dd[j] == dd[j]) ? dd[j] : -1.7976931348623157e308;
                 rk += (dj > di || (dj == di && j < t)) ? 1 : 0;
             }
             if (rk < take) misc[M_SEL + rk] = (double)t;
@@ -532,11 +535,14 @@ gdnviz_truncate(const scalar_t* __restrict__ S, scalar_t* __restrict__ OUT, cons
             const double num = 0.5 * v4[0] + rr;
             const bool zero = tr == 0.0;
             // and the error is at most the energy the kept directions miss, 1 - tr(T'_rr) (G has trace 1): this
-            // certifies rank-deficient states, where T'_rr is singular and the gap test cannot
-            const double miss = fmax(1.0 - kept, 0.0);
-            const double bound = zero ? 0.0 : fmin((gap > 0.0) ? num / gap : NO_BOUND, miss);
-            const bool ok = zero || (gap > 0.0 && num <= cert_tol * gap) || miss <= cert_tol;  // false for NaN
-            if (t == 0) { DONE[n] = ok ? 1 : 0; BOUND[n] = (bound == bound) ? bound : NO_BOUND; }
+            // certifies rank-deficient states, where T'_rr is singular and the gap test cannot. A state with NaN or
+            // inf gets no bound (every comparison below is false for NaN; fmax / fmin would drop a NaN)
+            const double miss = 1.0 - kept;
+            const double b_gap = (gap > 0.0) ? num / gap : NO_BOUND;
+            const double b_miss = (miss == miss) ? fmax(miss, 0.0) : NO_BOUND;
+            const double bound = zero ? 0.0 : ((b_gap == b_gap && b_gap < b_miss) ? b_gap : b_miss);
+            const bool ok = zero || bound <= cert_tol;
+            if (t == 0) { DONE[n] = ok ? 1 : 0; BOUND[n] = bound; }
             PROF(11);
             if (!ok) return;  // block-uniform: every thread computed the same numbers
         }
