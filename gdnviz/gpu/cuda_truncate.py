@@ -6,14 +6,15 @@ float64 block subspace iteration with Rayleigh–Ritz, ranks 1 … 32, the same 
 shifted Cholesky-QR, refill and second pass on the deflated state (see that module) — in one launch, with the whole
 algorithm of one state inside one thread block (source: ``cuda_truncate_src.cu`` beside this file):
 
-**Certified attempts first** (``ATTEMPTS``, default on; ``GDNVIZ_CUDA_TRUNCATE_ATTEMPT=0`` off). Before the full
-algorithm, each state is tried with a narrower block and fewer filter steps — 16 columns with 1–2 steps for r ≤ 4,
-then 32 columns with 2 steps for r ≤ 16 — and the kernel certifies the result itself with the bound of
+**Certified attempts first** (``ATTEMPTS``, default on; ``GDNVIZ_CUDA_TRUNCATE_ATTEMPT=0`` off). When every state
+has the same host-side rank, each is first tried with a narrower block and fewer filter steps — 16 columns with 2
+steps for r ≤ 4; 32 columns with 2 steps for 5 ≤ r ≤ 16 when the states fit in one wave (``plan``) — and the
+kernel certifies the result itself with the bound of
 ``gdnviz.truncate.energy_error_bound`` in the Ritz basis (``T' = WᵀTW`` from the Jacobi, ``R = (GQ − QT)W``, ``‖G‖_F``;
 λ_min / λ_max of the diagonal blocks from their diagonals ∓ the Frobenius norm of their off-diagonal parts, Weyl),
 or by the energy the kept directions miss, ``1 − tr(T'_rr)`` (rank-deficient states). A state whose bound is
-≤ ``CERT_TOL`` (5e-6; criterion 1e-5) is written and flagged done on the device; the next launch skips it; the last
-launch runs the full algorithm on what is left. No host synchronisation: the flags live on the device, and a launch
+≤ ``CERT_TOL`` (5e-6; criterion 1e-5) is written and flagged done on the device; a second launch runs the full
+algorithm on the states left (a state with NaN or inf is never certified). No host synchronisation: the flags live on the device, and a launch
 whose states are all done costs a few microseconds. Certified answers are exact to their bound, not to
 ``reference_fused``'s rounding; the uncertified ones are ``reference_fused``'s. The same source serves both block
 widths (``@QB@``). Emulated tests: every battery meets the criterion, certified states' actual errors are under
@@ -42,7 +43,8 @@ block per state for its whole life: three waves over 132 SMs; there the subspace
 goes (``bench/bench_truncate_phases.py``, thread 0's cycles per phase for r = 4): Jacobi 40% (4 sweeps × 31 rounds,
 each a chain of divisions and square roots for the rotations and two barriers), Cholesky-QRs 25–30% (7 calls × 32
 column steps), float64 products ~25%. A one-barrier Jacobi (every thread computing its own rotations) measured 1.5×
-slower in its Jacobi and was reverted. ``ptxas`` reports 255 registers and ~250 bytes of spills for K = 128.
+slower in its Jacobi and was reverted. ``ptxas`` reports 255 registers and ~300 bytes of spills for K = 128 with 32
+columns, none with 16.
 
 Status: used by ``gdnviz.gpu.fused_truncate.truncate_fused`` on CUDA (``DEFAULT_ON``; ``GDNVIZ_CUDA_TRUNCATE=0``
 keeps the Triton kernel). With its attempts on, graph windows and the eager loop run it for every layer with ranks
@@ -76,11 +78,10 @@ import torch
 from gdnviz.gpu import jacobi as _jacobi
 from gdnviz.gpu.nvrtc import Kernels
 
-MAX_RANK = 32
-
 DIMS = (64, 128)
+MAX_RANK = 32  # = fused_truncate.MAX_RANK: ranks above take the copy path (≥ min(K, V)) or are invalid
 Q = 32
-BLOCKS = (16, 32)  # block widths: the full algorithm's, the small certified attempt's
+BLOCKS = (16, 32)  # block widths: the 16-column attempt's, the full algorithm's (and the 32-column attempt's)
 NT = 256
 DEFAULT_ON = True  # measured on an H200 (module docstring)
 _SRC_PATH = os.path.join(os.path.dirname(os.path.abspath(__file__)), "cuda_truncate_src.cu")
@@ -110,7 +111,9 @@ def source(K: int, V: int, ctype: str = "float", qb: int = Q) -> str:
                          f"{ctype}, {qb}")
     with open(_SRC_PATH) as f:
         text = f.read()
-    return text.replace("@K@", str(K)).replace("@V@", str(V)).replace("@T@", ctype).replace("@QB@", str(qb)).replace("@LQB@", str(qb.bit_length() - 1))
+    for key, val in (("@K@", K), ("@V@", V), ("@T@", ctype), ("@QB@", qb), ("@LQB@", qb.bit_length() - 1)):
+        text = text.replace(key, str(val))
+    return text
 
 
 def smem_bytes(K: int, qb: int = Q) -> int:
