@@ -112,15 +112,21 @@ def batched_svdvals(states: torch.Tensor) -> torch.Tensor:
     """Singular values [..., min(K, V)] float64, descending, of states [..., K, V], as the square roots of the
     eigenvalues of the float64 Gram matrix: Triton kernels (gdnviz.gpu.symeig) on CUDA, LAPACK ``eigvalsh`` on CPU
     (both 8-200× faster than ``torch.linalg.svdvals``, which tests keep as the reference; absolute error on σ
-    ≈ sqrt(ε_f64)·σ_max, far below the numerical-rank threshold σ_max·128·ε_f32)."""
+    ≈ sqrt(ε_f64)·σ_max, far below the numerical-rank threshold σ_max·128·ε_f32).
+
+    A state with a NaN or inf entry gets NaN singular values (without a host sync): LAPACK raised on it and the GPU
+    kernels returned finite numbers for it; its Gram matrix is computed from zeros instead."""
     from gdnviz.gpu import symeig
 
     shape = states.shape
     flat = states.reshape(-1, *shape[-2:])
+    ok = torch.isfinite(flat).all(-1).all(-1)  # [N]
+    flat = torch.where(ok[:, None, None], flat, torch.zeros((), dtype=flat.dtype, device=flat.device))
     if flat.is_cuda:
         sv = symeig.svdvals(flat)
     else:
         sv = torch.linalg.eigvalsh(symeig.gram(flat)).clamp_min(0).sqrt().flip(-1)
+    sv = torch.where(ok[:, None], sv, torch.full((), float("nan"), dtype=sv.dtype, device=sv.device))
     return sv.reshape(*shape[:-2], sv.shape[-1])
 
 

@@ -122,6 +122,36 @@ def test_batched_svdvals_cpu_matches_svd_reference():
     np.testing.assert_allclose(spectra.effective_rank(ours.numpy()), spectra.effective_rank(ref.numpy()), rtol=1e-6)
 
 
+def test_batched_svdvals_of_states_with_nan_or_inf():
+    """A state with a NaN or an inf gets NaN singular values (LAPACK raised on it; the GPU kernels gave finite
+    numbers); the other states of the batch are untouched."""
+    from gdnviz.capture import batched_svdvals
+
+    g = torch.Generator().manual_seed(1)
+    S = torch.randn(4, 16, 16, generator=g)
+    S[1, 2, 3] = float("nan")
+    S[3, 0, 0] = float("inf")
+    ours = batched_svdvals(S)
+    assert torch.isnan(ours[[1, 3]]).all() and torch.isfinite(ours[[0, 2]]).all()
+    ref = torch.linalg.svdvals(S[[0, 2]].double())
+    assert ((ours[[0, 2]] - ref).abs() / ref[:, :1]).max() < 1e-7
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+def test_batched_svdvals_of_states_with_nan_or_inf_on_gpu():
+    from gdnviz.capture import batched_svdvals
+
+    g = torch.Generator().manual_seed(2)
+    S = torch.randn(4, 128, 128, generator=g)
+    S[1, 2, 3] = float("nan")
+    S[3, 0, 0] = float("inf")
+    ours = batched_svdvals(S.cuda()).cpu()
+    assert torch.isnan(ours[[1, 3]]).all() and torch.isfinite(ours[[0, 2]]).all()
+    ref = torch.linalg.svdvals(S[[0, 2]].double())
+    assert ((ours[[0, 2]] - ref).abs() / ref[:, :1]).max() < 1e-7
+
+
 def _same_capture(a: CaptureResult, b: CaptureResult) -> None:
     for f in ("positions", "sv", "final_state", "g", "beta", "key_mean", "key_sample", "key_sample_pos"):
         np.testing.assert_array_equal(getattr(a, f), getattr(b, f), err_msg=f)
