@@ -110,14 +110,13 @@ def fused_truncation_mode(device) -> str:
     path cannot capture), ``"always"`` (``1``) or ``"never"`` (``0``).
 
     Default (unset): ``"always"`` where the fused kernel runs as one CUDA kernel (``gdnviz.gpu.cuda_truncate``) with
-    its certified attempts (eighth session: r = 4 at 0.44 s per 16K-token run against 0.80 s for the subspace path),
-    and then the eager loop truncates with the same kernel (``TruncateCallback.on_boundary``), so graph windows and
-    the loop give the same answers; ``"mixed"`` where the kernel runs without its attempts; else ``"never"``. Measured on an H200 (bench/RESULTS.md, sixth session): the CUDA kernel truncates a layer's 16 states
-    in 0.49–0.59 ms (r ≤ 12) against 0.58–0.60 ms for the subspace path, and the GPU test of mixed ranks inside graph
-    windows passes with it; without it a layer with mixed ranks sends the whole run to the eager loop (28.7× the
-    prefill at r = 4, fourth session). Uniform ranks keep the subspace path by default: ``"always"`` makes graph
-    windows and the eager loop truncate with different (equally exact) algorithms, whose answers then differ by
-    rounding, amplified through the layers (``test_left_padded_batch_graphs_on_gpu`` fails with it)."""
+    its certified attempts — a 16K-token run with every head at r = 4 took 3.25× the prefill instead of 5.98× with
+    the subspace path (H200, eighth session, bench/RESULTS.md) — ``"mixed"`` where the kernel runs without its
+    attempts, else ``"never"``. In ``"always"`` the eager segment loop truncates with the same kernel
+    (``TruncateCallback.on_boundary``): graph windows and the loop then give the same answers (with different
+    algorithms they differed by rounding, amplified through the layers, and ``test_left_padded_batch_graphs_on_gpu``
+    failed). In ``"mixed"`` the loop keeps ``truncate_states``; without the fused kernel a layer with mixed ranks
+    sends the whole run to the eager loop (28.7× the prefill at r = 4, fourth session)."""
     env = os.environ.get("GDNVIZ_FUSED_TRUNCATE", "").strip().lower()
     if torch.device(device).type != "cuda":
         return "never"
@@ -167,7 +166,6 @@ class TruncateCallback:
         sel = self.per_layer.get(layer)
         if sel is None:
             return "noop"
-        from gdnviz.gpu.fused_truncate import DIMS, MAX_RANK
         from gdnviz.truncate import SUBSPACE_MAX_RANK, _MIN_K_SUBSPACE
 
         heads, ranks = sel
@@ -175,8 +173,7 @@ class TruncateCallback:
         dev = torch.device(device)
         mode = fused_truncation_mode(dev)
         uniform = len(set(rl)) == 1 and rl[0] <= SUBSPACE_MAX_RANK and self.d_k >= _MIN_K_SUBSPACE
-        fusable = max(rl) <= MAX_RANK and self.d_k in DIMS and self.d_v in DIMS
-        if fusable and (mode == "always" or (mode == "mixed" and not uniform)):
+        if self._fusable(rl) and (mode == "always" or (mode == "mixed" and not uniform)):
             key = ("truncate-fused", tuple(heads.tolist()), tuple(rl), str(dev))
             # one rank for every head: a host-side int, so the CUDA kernel may try its certified attempts first
             rk = rl[0] if len(set(rl)) == 1 else ranks.to(dev, torch.int32)
@@ -191,13 +188,11 @@ class TruncateCallback:
             fn = self._graph_fns[key] = make()
         return fn, key
 
-    def _fused_here(self, layer, device) -> bool:
-        """Whether the eager loop truncates ``layer`` with the fused kernel: ``fused_truncation_mode`` is
-        ``"always"`` and the kernel takes the layer's ranks and head shape (no warm start then)."""
+    def _fusable(self, ranks: list) -> bool:
+        """Whether the fused kernel takes these ranks and the model's head shape."""
         from gdnviz.gpu.fused_truncate import DIMS, MAX_RANK
 
-        return (fused_truncation_mode(device) == "always" and max(self.per_layer[layer][1].tolist()) <= MAX_RANK
-                and self.d_k in DIMS and self.d_v in DIMS)
+        return max(ranks) <= MAX_RANK and self.d_k in DIMS and self.d_v in DIMS
 
     def note_graph_boundaries(self, layer, n: int) -> None:
         """``n`` boundaries of ``layer`` ran inside a CUDA graph: count them; the warm start is stale now."""
@@ -217,30 +212,28 @@ class TruncateCallback:
         B = state.shape[0]
         heads_d = heads.to(state.device)
         x = state[:, heads_d].reshape(-1, *state.shape[-2:])  # [B * h, K, V]
-        if self._fused_here(layer, state.device):  # what graph windows run: the same answers in both
+        rl = ranks.tolist()
+        if fused_truncation_mode(state.device) == "always" and self._fusable(rl):
+            # what graph windows run (no warm start): the same answers in both
             from gdnviz.gpu.fused_truncate import truncate_fused
 
-            rl = ranks.tolist()
             y = truncate_fused(x, rl[0] if len(set(rl)) == 1 else rl * B)
-            out = state.clone()
-            out[:, heads_d] = y.reshape(B, len(heads), *state.shape[-2:]).to(state.dtype)
-            self.n_calls += 1
-            return out
-        r = ranks.to(state.device).repeat(B)
-        warm = None
-        if self.warm_start and rows is None:
-            warm = self._basis.get(layer)
-        elif self.warm_start:
-            parts = [self._basis.get((layer, int(b))) for b in rows.tolist()]
-            warm = None if any(w is None for w in parts) or len({w.shape for w in parts}) != 1 else torch.cat(parts)
-        if warm is not None and warm.shape[0] != x.shape[0]:
+        else:
+            r = ranks.to(state.device).repeat(B)
             warm = None
-        y, basis = truncate_states(x, r, warm_start=warm, return_basis=True)
-        if self.warm_start and rows is None:
-            self._basis[layer] = basis
-        elif self.warm_start:
-            for b, part in zip(rows.tolist(), basis.split(len(heads))):
-                self._basis[(layer, int(b))] = part
+            if self.warm_start and rows is None:
+                warm = self._basis.get(layer)
+            elif self.warm_start:
+                parts = [self._basis.get((layer, int(b))) for b in rows.tolist()]
+                warm = None if any(w is None for w in parts) or len({w.shape for w in parts}) != 1 else torch.cat(parts)
+            if warm is not None and warm.shape[0] != x.shape[0]:
+                warm = None
+            y, basis = truncate_states(x, r, warm_start=warm, return_basis=True)
+            if self.warm_start and rows is None:
+                self._basis[layer] = basis
+            elif self.warm_start:
+                for b, part in zip(rows.tolist(), basis.split(len(heads))):
+                    self._basis[(layer, int(b))] = part
         out = state.clone()
         out[:, heads_d] = y.reshape(B, len(heads), *state.shape[-2:]).to(state.dtype)
         self.n_calls += 1

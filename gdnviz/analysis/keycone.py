@@ -336,10 +336,10 @@ def keycone_parts(k: Any, g: Any, chunk: int | None = None) -> dict[str, torch.T
     The key-covariance window of each head (``⌈horizon⌉`` clamped to ``[2, T]``, :func:`covariance_window`) is
     applied as a token mask ``t ≥ T − w_h`` over all ``T`` tokens, so no window size has to reach the host; rows
     outside a head's window are replaced by exact zeros (``torch.where``, so a NaN key outside the window stays
-    outside, as in :func:`window_key_covariance`). The
-    window's second moment is accumulated uncentred, ``Σ k kᵀ − w μμᵀ``, in the same single pass as the mean and the
-    decayed covariance, so each chunk is converted to float64 once and two full-size temporaries fewer are written;
-    the sums over tokens are batched GEMMs on strided views.
+    outside, as in :func:`window_key_covariance`). The window's second moment is accumulated uncentred,
+    ``Σ k kᵀ − w μμᵀ``, in the same single pass as the mean and the decayed covariance, so each chunk is converted to
+    float64 once and two full-size temporaries fewer are written; the sums over tokens are batched GEMMs on strided
+    views.
 
     chunk: tokens per float64 chunk; None = :data:`CUDA_CHUNK` on CUDA, :data:`CHUNK` elsewhere.
 

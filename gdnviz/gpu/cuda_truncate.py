@@ -14,8 +14,8 @@ kernel certifies the result itself with the bound of
 λ_min / λ_max of the diagonal blocks from their diagonals ∓ the Frobenius norm of their off-diagonal parts, Weyl),
 or by the energy the kept directions miss, ``1 − tr(T'_rr)`` (rank-deficient states). A state whose bound is
 ≤ ``CERT_TOL`` (5e-6; criterion 1e-5) is written and flagged done on the device; a second launch runs the full
-algorithm on the states left (a state with NaN or inf is never certified). No host synchronisation: the flags live on the device, and a launch
-whose states are all done costs a few microseconds. Certified answers are exact to their bound, not to
+algorithm on the states left (a state with NaN or inf is never certified). No host synchronisation: the flags live
+on the device, and a launch whose states are all done costs a few microseconds. Certified answers are exact to their bound, not to
 ``reference_fused``'s rounding; the uncertified ones are ``reference_fused``'s. The same source serves both block
 widths (``@QB@``). Emulated tests: every battery meets the criterion, certified states' actual errors are under
 their bounds, and attempts with no filter step (far from converged) are refused and redone.
