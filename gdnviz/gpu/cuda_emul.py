@@ -130,6 +130,7 @@ extern "C" int emu_launch(void** args, int nargs, int grid, int nthr, long smem_
     for (int i = 0; i < nargs; ++i) emu_args[i] = args[i];
     if (nthr > 1024 || smem_bytes > EMU_SMEM_DOUBLES * (long)sizeof(double)) return -2;
     if (conc < 1) conc = 1;
+    if (conc > 64) conc = 64;  // blk[] below
     if (grid > 0 && conc > grid) conc = grid;
     static double* smem = nullptr;
     static uint64_t (*slots)[32] = nullptr;
@@ -151,7 +152,6 @@ extern "C" int emu_launch(void** args, int nargs, int grid, int nthr, long smem_
     emu::entry = emu_entry;
     blockDim.x = nthr; gridDim.x = grid;
     int blk[64], next = 0;
-    if (conc > 64) conc = 64;
     auto start = [&](int s) {
         if (next >= grid) { blk[s] = -1; return; }
         blk[s] = next++;

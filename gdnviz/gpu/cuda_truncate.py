@@ -76,7 +76,7 @@ import numpy as np
 import torch
 
 from gdnviz.gpu import jacobi as _jacobi
-from gdnviz.gpu.nvrtc import Kernels
+from gdnviz.gpu.nvrtc import Kernels, env_switch
 
 DIMS = (64, 128)
 MAX_RANK = 32  # = fused_truncate.MAX_RANK: ranks above take the copy path (≥ min(K, V)) or are invalid
@@ -125,8 +125,7 @@ def smem_bytes(K: int, qb: int = Q) -> int:
 def attempts_on() -> bool:
     """Whether ``truncate_cuda`` tries the certified small-block attempts first (``GDNVIZ_CUDA_TRUNCATE_ATTEMPT=0``
     off: the full algorithm for every state, as ``reference_fused``)."""
-    env = os.environ.get("GDNVIZ_CUDA_TRUNCATE_ATTEMPT", "").strip()
-    return ATTEMPT_DEFAULT_ON if env == "" else env != "0"
+    return env_switch("GDNVIZ_CUDA_TRUNCATE_ATTEMPT", ATTEMPT_DEFAULT_ON)
 
 
 def attempt_table(qb: int) -> list[int]:

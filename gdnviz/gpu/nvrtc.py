@@ -13,6 +13,15 @@ import threading
 import torch
 
 
+def env_switch(env_name: str, default_on: bool) -> bool:
+    """An on/off switch in environment variable ``env_name``: unset → ``default_on``, ``0`` → off, any other value →
+    on (a module may read further values, e.g. a form)."""
+    import os
+
+    env = os.environ.get(env_name, "").strip()
+    return default_on if env == "" else env != "0"
+
+
 class Kernels:
     def __init__(self) -> None:
         self._cache: dict = {}
@@ -24,12 +33,8 @@ class Kernels:
         return self.available and torch.version.hip is None
 
     def switched_on(self, env_name: str, default_on: bool) -> bool:
-        """A kernel module's on/off switch: environment variable ``env_name`` unset → ``default_on``, ``0`` → off,
-        any other value → on (a module may read further values, e.g. a form); and only while ``usable()``."""
-        import os
-
-        env = os.environ.get(env_name, "").strip()
-        return (default_on if env == "" else env != "0") and self.usable()
+        """A kernel module's on/off switch (:func:`env_switch`), and only while ``usable()``."""
+        return env_switch(env_name, default_on) and self.usable()
 
     def get(self, key, device: torch.device, source: str, name: str, shared_mem: int = 0):
         k = self._cache.get(key)
