@@ -88,9 +88,15 @@ def _graph_truncation(heads_d: torch.Tensor, ranks, fused: bool):
     every_head = heads_d.tolist() == list(range(int(heads_d.max()) + 1)) if len(heads_d) else False
 
     def fn(state: torch.Tensor, rows: torch.Tensor | None = None) -> torch.Tensor:
-        if every_head and rows is None and state.shape[1] == len(heads_d) and not fused:
+        if every_head and rows is None and state.shape[1] == len(heads_d):
             # every head of every row: no gather / scatter (two kernels fewer per boundary)
-            return truncate_states(state.reshape(-1, *state.shape[-2:]), ranks, method="subspace").reshape(state.shape)
+            x = state.reshape(-1, *state.shape[-2:])
+            if fused:
+                B = state.shape[0]
+                y = truncate_fused(x, ranks if B == 1 or isinstance(ranks, int) else ranks.repeat(B))
+            else:
+                y = truncate_states(x, ranks, method="subspace")
+            return y.reshape(state.shape).to(state.dtype)
         sub = state if rows is None else state.index_select(0, rows)
         B, _, K, V = sub.shape
         x = sub.index_select(1, heads_d).reshape(-1, K, V)

@@ -364,3 +364,28 @@ def test_cuda_graph_capture_and_replay():
         torch.cuda.synchronize()
         assert torch.equal(static_out, truncate_fused(S, ranks))  # same kernel, same inputs: same bits
     assert not torch.equal(truncate_fused(S1, ranks), truncate_fused(S2, ranks))
+
+
+@pytest.mark.parametrize("fused", [True, False])
+def test_graph_boundary_function_every_head_equals_the_gather_path(fused):
+    """``intervene._graph_truncation``: with every head of every row cut it skips the gather / scatter; the result
+    equals the gathered path (``rows`` given) bit for bit, equals each head truncated alone, and a subset of heads
+    leaves the other heads' bits untouched."""
+    from gdnviz.gpu.fused_truncate import truncate_fused
+    from gdnviz.intervene import _graph_truncation
+
+    S, _ = hard_states(4, seed=23)
+    S = S[:8].float().reshape(2, 4, 128, 128)
+    one = (lambda x, r: truncate_fused(x, r)) if fused else (lambda x, r: truncate_states(x, r, method="subspace"))
+    fn = _graph_truncation(torch.arange(4), 4, fused=fused)
+    fast = fn(S)
+    assert torch.equal(fast, fn(S, rows=torch.arange(2)))  # rows given: the gather / scatter path
+    assert torch.equal(fast, one(S.reshape(8, 128, 128), 4).reshape(S.shape))
+    assert energy_error(S.double().reshape(8, 128, 128), fast.double().reshape(8, 128, 128), 4).max() <= 1e-5
+    part = _graph_truncation(torch.tensor([1, 3]), 4, fused=fused)(S)
+    assert torch.equal(part[:, 0], S[:, 0]) and torch.equal(part[:, 2], S[:, 2])
+    assert not torch.equal(part[:, 1], S[:, 1])
+    if fused:  # per-head ranks as a tensor, repeated over the batch rows
+        rk = torch.tensor([1, 4, 12, 32])
+        out = _graph_truncation(torch.arange(4), rk, fused=True)(S)
+        assert torch.equal(out, truncate_fused(S.reshape(8, 128, 128), rk.repeat(2)).reshape(S.shape))
