@@ -424,6 +424,36 @@ def test_keycone_summary_matches_references_per_head_windows(T, chunk):
         assert np.isinf(s["horizon"][2]) and s["key_cov_erank"][2] > 1
 
 
+@pytest.mark.parametrize("chunk", [300, 2048])
+def test_keycone_parts_split_sums_equal_one_block(chunk):
+    """The split sums over token blocks (CUDA's default, ``blocks=16``; T = 1000 pads the last block of each chunk
+    with zero rows) equal the one-block sums to rounding, and both match the reference functions per head (windows
+    of 2 tokens, ~T/2 tokens and all T)."""
+    from gdnviz.analysis.keycone import keycone_finish, keycone_parts
+
+    rng = np.random.default_rng(17)
+    T, H, K = 1000, 4, 8
+    k = unit(rng.standard_normal((T, H, K)))
+    g = np.empty((T, H))
+    g[:, 0], g[:, 1], g[:, 2] = np.log(0.5), np.log(1 - 2.0 / T), 0.0
+    g[:, 3] = np.log(rng.uniform(0.6, 0.99, T))
+    kt, gt = torch.from_numpy(k), torch.from_numpy(g)
+    one = keycone_parts(kt, gt, chunk=chunk, blocks=1)
+    for blocks in (3, 16):
+        split = keycone_parts(kt, gt, chunk=chunk, blocks=blocks)
+        for name in ("horizon", "mean_key_norm"):
+            np.testing.assert_allclose(split[name].numpy(), one[name].numpy(), rtol=1e-13)
+        for name in ("cov_eigvals", "P_eigvals"):  # eigenvalues: absolute, to the largest one's rounding
+            x, y = split[name].numpy(), one[name].numpy()
+            assert np.all(np.isfinite(x)) and not np.array_equal(x, np.zeros_like(x))
+            np.testing.assert_allclose(x, y, rtol=0, atol=1e-12 * np.abs(y).max())
+    s = keycone_finish(keycone_parts(kt, gt, chunk=chunk, blocks=16))
+    np.testing.assert_allclose(s["key_cov_erank"], key_covariance_erank(k, g), rtol=1e-9)
+    np.testing.assert_allclose(s["decayed_P_erank_eig"], decayed_key_erank(k, g, "eig"), rtol=1e-9)
+    np.testing.assert_allclose(s["decayed_P_erank_sqrt"], decayed_key_erank(k, g, "sqrt"), rtol=1e-9)
+    np.testing.assert_allclose(s["mean_key_norm"], mean_key_norm(k), rtol=1e-12)
+
+
 def test_keycone_summary_short_windows_skip_early_chunks():
     """Every window short (horizons 2-10 tokens): the CPU path skips the chunks before every window and must give
     the reference covariance erank all the same (chunk 16, T = 200, windows cross a chunk boundary)."""

@@ -59,6 +59,12 @@ CHUNK = 2048
 #: that dominated a capture's statistics at 2048 (83 ms of host time for 16K tokens × 18 layers, H200); a float64
 #: chunk of 16 heads × 128 is 268 MB, and a few live at once.
 CUDA_CHUNK = 16384
+#: Blocks per chunk in :func:`keycone_parts`' split sums over tokens (``_gram_split``) on CUDA: 16 heads × 16 blocks
+#: = 256 GEMM outputs of 128×128, about two waves of tiles on 132 SMs. The CPU sums each chunk in one block (the
+#: split made a 16K-token layer 1.4× slower there, 2-core machine).
+SPLIT_BLOCKS = 16
+#: Fewest tokens per block of the split sums.
+_MIN_BLOCK = 64
 #: Relative tolerance when rounding a horizon up to a window: 1/(1−0.9) = 10.000000000000002 is 10 tokens.
 _CEIL_RTOL = 1e-9
 
@@ -220,6 +226,18 @@ def _gram_over_tokens(X: torch.Tensor) -> torch.Tensor:
     return torch.bmm(X.permute(1, 2, 0), X.permute(1, 0, 2))
 
 
+def _gram_split(X: torch.Tensor, nb: int) -> torch.Tensor:
+    """``Σ_t x_t x_tᵀ`` per head of head-major ``X [H, nb·tb, K]`` (contiguous), split over the token axis into
+    ``nb`` blocks of ``tb``: one batched GEMM of ``H·nb`` products, then a sum over the blocks. ``[H, K, K]``.
+
+    Why: one GEMM per head over all tokens is 16 outputs of 128×128 with a 16K-long inner dimension, too few tiles to
+    fill an H200's 132 SMs (the key cone took 2.7 ms per layer, ~6 float64 TFLOP/s); the split gives ``H·nb`` tiles
+    for the price of summing ``nb`` partial products."""
+    H, t, K = X.shape
+    Xb = X.view(H * nb, t // nb, K)
+    return torch.bmm(Xb.transpose(1, 2), Xb).view(H, nb, K, K).sum(1)
+
+
 def _decayed_sum(kt: torch.Tensor, amp: torch.Tensor, chunk: int) -> torch.Tensor:
     """``Σ_t (amp_t k_t)(amp_t k_t)ᵀ`` per head, chunked over T: ``[H, K, K]`` float64 on ``amp``'s device."""
     T, H, K = kt.shape
@@ -328,7 +346,7 @@ def _eigvalsh_device(A: torch.Tensor) -> torch.Tensor:
     return torch.where(bad[:, None], torch.full((), float("nan"), dtype=lam.dtype, device=lam.device), lam)
 
 
-def keycone_parts(k: Any, g: Any, chunk: int | None = None) -> dict[str, torch.Tensor]:
+def keycone_parts(k: Any, g: Any, chunk: int | None = None, blocks: int | None = None) -> dict[str, torch.Tensor]:
     """The device half of :func:`keycone_summary`: every sum over tokens and both eigen-decompositions, as float64
     tensors on the keys' device, **without a host synchronisation** (a capture launches it per layer on CUDA and
     copies the results once; :func:`keycone_finish` turns them into the summary).
@@ -338,10 +356,12 @@ def keycone_parts(k: Any, g: Any, chunk: int | None = None) -> dict[str, torch.T
     outside a head's window are replaced by exact zeros (``torch.where``, so a NaN key outside the window stays
     outside, as in :func:`window_key_covariance`). The window's second moment is accumulated uncentred,
     ``Σ k kᵀ − w μμᵀ``, in the same single pass as the mean and the decayed covariance, so each chunk is converted to
-    float64 once and two full-size temporaries fewer are written; the sums over tokens are batched GEMMs on strided
-    views.
+    float64 once (head-major, ``[H, t, K]``) and two full-size temporaries fewer are written; the sums over tokens are
+    batched GEMMs, on CUDA split over blocks of tokens (:func:`_gram_split`).
 
     chunk: tokens per float64 chunk; None = :data:`CUDA_CHUNK` on CUDA, :data:`CHUNK` elsewhere.
+    blocks: each chunk's sums split into this many blocks of at least 64 tokens (the last one zero-padded);
+    None = :data:`SPLIT_BLOCKS` on CUDA, 1 elsewhere. The results agree to rounding (~1e-15 relative).
 
     Returns ``{"horizon": [H], "mean_key_norm": [H], "cov_eigvals": [H, K], "P_eigvals": [H, K]}`` (eigenvalues
     ascending; NaN rows for matrices with NaN/inf).
@@ -351,6 +371,8 @@ def keycone_parts(k: Any, g: Any, chunk: int | None = None) -> dict[str, torch.T
     dev = _device(kt)
     if chunk is None:
         chunk = CUDA_CHUNK if dev.type == "cuda" else CHUNK
+    if blocks is None:
+        blocks = SPLIT_BLOCKS if dev.type == "cuda" else 1
     g64 = gt.to(dev)
     abar = torch.exp(g64).mean(0)  # mean_alpha
     horizon = torch.where(abar >= 1.0, torch.full_like(abar, float("inf")), 1.0 / (1.0 - abar))  # decay_horizon
@@ -366,16 +388,22 @@ def keycone_parts(k: Any, g: Any, chunk: int | None = None) -> dict[str, torch.T
     Gw = torch.zeros(H, K, K, dtype=torch.float64, device=dev)  # Σ over each head's window of k_t k_tᵀ
     P = torch.zeros(H, K, K, dtype=torch.float64, device=dev)
     zero = torch.zeros((), dtype=torch.float64, device=dev)
-    amp = torch.exp(_suffix_log_decay(g64))  # [T, H]: √w_t of the decayed covariance
+    ampT = torch.exp(_suffix_log_decay(g64)).T  # [H, T]: √w_t of the decayed covariance
     for i in range(0, T, chunk):  # one pass: each chunk converted to float64 once
-        x = _f64(kt[i : i + chunk], dev)
-        s += x.sum(0)
+        n = min(chunk, T - i)
+        tb = max(_MIN_BLOCK, -(-n // blocks))  # tokens per block of the split sums
+        nb = -(-n // tb)
+        x = torch.empty(H, nb * tb, K, dtype=torch.float64, device=dev)  # [H, t, K]: head-major, blocks are views
+        x[:, :n].copy_(kt[i : i + n].transpose(0, 1))
+        x[:, n:].zero_()  # padding rows add exact zeros to every sum
+        s += x.sum(1)
         if i >= first:
-            m = (torch.arange(i, i + x.shape[0], device=dev, dtype=torch.float64)[:, None] >= start)[..., None]
+            m = (torch.arange(i, i + nb * tb, device=dev, dtype=torch.float64) >= start[:, None])[..., None]
             xm = torch.where(m, x, zero)
-            sw += xm.sum(0)
-            Gw += _gram_over_tokens(xm)
-        P += _gram_over_tokens(x * amp[i : i + chunk, :, None])  # rows √w_t k_t (not in place: x may be the input)
+            sw += xm.sum(1)
+            Gw += _gram_split(xm, nb)
+        a = torch.nn.functional.pad(ampT[:, i : i + n], (0, nb * tb - n))
+        P += _gram_split(x * a[..., None], nb)  # rows √w_t k_t
     # centred second moment of the window, Σ (k − μ)(k − μ)ᵀ = Σ k kᵀ − w μ μᵀ with μ = Σ k / w: float64, so the
     # cancellation costs ~1e-16 / (1 − ‖μ‖²) relative (unit keys); a cone with 1 − ‖μ‖² < 1e-8 would lose digits
     C = (Gw - sw[:, :, None] * sw[:, None, :] / w[:, None, None]) / w[:, None, None]
