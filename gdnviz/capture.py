@@ -56,6 +56,9 @@ from gdnviz.errors import EmptyDocument, JobCancelled
 CAPTURE_VERSION = "capture-v1"
 KEY_SAMPLE = 256
 PIPELINE_DEPTH = 4  # layers whose statistics may be in flight on the GPU (bounds the boundary states held)
+# host buffers written by a layer's first job (the second writes "sv" and "final_state")
+_INPUT_FIELDS = ("g", "beta", "key_mean", "key_sample", "kc_horizon", "kc_mean_key_norm", "kc_cov_eigvals",
+                 "kc_P_eigvals")
 
 
 class _DeviceJobs:
@@ -63,26 +66,45 @@ class _DeviceJobs:
     or on the current stream, with at most ``depth`` jobs in flight (the host waits for the oldest beyond that). A
     job is a function launching device work; the tensors it reads are marked with ``record_stream`` for the side
     stream, so the caching allocator does not hand their memory to the main stream before the side stream is done
-    with them. Host seconds: ``seconds[kind]`` to launch each job kind, ``seconds["waiting"]`` for the GPU (the
-    in-flight bound and the final ``finish``)."""
+    with them. A job's ``after`` (host work on its results, e.g. copying them out of pinned buffers) runs once its
+    device work is done: at a later ``submit`` that finds it done (while the GPU is still busy with the forward) or at
+    ``finish`` — on CPU right away. Host seconds: ``seconds[kind]`` to launch each job kind,
+    ``seconds["waiting"]`` for the GPU (the in-flight bound and the final ``finish``), ``seconds["results"]`` in the
+    ``after`` functions."""
 
     def __init__(self, device: torch.device, side: bool, depth: int = PIPELINE_DEPTH):
         self.cuda = device.type == "cuda"
         self.device = device
         self.stream = torch.cuda.Stream(device) if self.cuda and side else None
         self.depth = depth
-        self._events: deque = deque()
+        self._events: deque = deque()  # (event, after) in submission order
         self.seconds: dict[str, float] = {"waiting": 0.0} if self.cuda else {}
 
     def _add(self, key: str, dt: float) -> None:
         self.seconds[key] = self.seconds.get(key, 0.0) + dt
 
-    def submit(self, fn: Callable, *tensors: torch.Tensor, kind: str) -> None:
-        if self.cuda:
+    def _retire(self, after: Callable | None) -> None:
+        if after is not None:
             t0 = time.perf_counter()
-            while len(self._events) >= self.depth:
-                self._events.popleft().synchronize()
+            after()
+            self._add("results", time.perf_counter() - t0)
+
+    def _drain(self, keep: int) -> None:
+        """Retire the oldest jobs: every one whose event has completed, and then (waiting) until ≤ ``keep`` remain."""
+        while self._events and self._events[0][0].query():
+            self._retire(self._events.popleft()[1])
+        t0 = time.perf_counter()
+        while len(self._events) > keep:
+            ev, after = self._events.popleft()
+            ev.synchronize()
             self._add("waiting", time.perf_counter() - t0)
+            self._retire(after)
+            t0 = time.perf_counter()
+        self._add("waiting", time.perf_counter() - t0)
+
+    def submit(self, fn: Callable, *tensors: torch.Tensor, kind: str, after: Callable | None = None) -> None:
+        if self.cuda:
+            self._drain(self.depth - 1)
         t1 = time.perf_counter()
         if self.stream is None:
             fn()
@@ -93,19 +115,19 @@ class _DeviceJobs:
                     t.record_stream(self.stream)
             with torch.cuda.stream(self.stream):
                 fn()
+        self._add(kind, time.perf_counter() - t1)
         if self.cuda:
             ev = torch.cuda.Event()
             ev.record(self.stream if self.stream is not None else torch.cuda.current_stream(self.device))
-            self._events.append(ev)
-        self._add(kind, time.perf_counter() - t1)
+            self._events.append((ev, after))
+        else:
+            self._retire(after)
 
     def finish(self) -> None:
-        """Wait for every job's device work (and so for the copies into the pinned host buffers)."""
-        t0 = time.perf_counter()
-        while self._events:
-            self._events.popleft().synchronize()
+        """Wait for every job's device work (and so for the copies into the pinned host buffers); run their
+        ``after`` functions."""
         if self.cuda:
-            self._add("waiting", time.perf_counter() - t0)
+            self._drain(0)
 
 
 def batched_svdvals(states: torch.Tensor) -> torch.Tensor:
@@ -231,15 +253,16 @@ class CaptureCallback:
             "kc_P_eigvals": ((NL, H, K), torch.float64),
         }
         self._host: dict[str, torch.Tensor] = {}
+        self._out: dict[str, np.ndarray] = {}
         self._states: list = []
         self._done = 0
         self._pipeline_flag = pipeline
         self._jobs: _DeviceJobs | None = None  # created at the first layer, on the keys' device
         self._pos: torch.Tensor | None = None  # key_sample_pos on the keys' device
 
-    def _run(self, fn: Callable, *tensors, kind: str) -> None:
+    def _run(self, fn: Callable, *tensors, kind: str, after: Callable | None = None) -> None:
         """Launch ``fn`` (device work ending in copies to the host buffers) where :class:`_DeviceJobs` says; ``kind``
-        names it in ``statistics_seconds``."""
+        names it in ``statistics_seconds``; ``after`` runs on the host once that work is done."""
         if self._jobs is None:
             dev = next((t.device for t in tensors if torch.is_tensor(t)), torch.device("cpu"))
             side = self._pipeline_flag is None or bool(self._pipeline_flag)  # a side stream exists on CUDA only
@@ -249,8 +272,27 @@ class CaptureCallback:
             new = (lambda shape, dt: torch.empty(shape, dtype=dt, pin_memory=True)) if pin else \
                 (lambda shape, dt: torch.zeros(shape, dtype=dt))
             self._host = {k: new(shape, dt) for k, (shape, dt) in self._shapes.items()}
+            self._out = self._result_arrays()
             self._jobs = _DeviceJobs(dev, side, depth=2 * PIPELINE_DEPTH)  # two jobs per layer
-        self._jobs.submit(fn, *tensors, kind=kind)
+        self._jobs.submit(fn, *tensors, kind=kind, after=after)
+
+    def _result_arrays(self) -> dict:
+        """The result's numpy arrays, one per host buffer (``sv`` in the result's ``[NB, NL, H, n]`` layout); filled
+        layer by layer by :meth:`_copy_out` (a finished forward writes every layer's slot)."""
+        out = {k: np.empty(shape, dtype=torch.empty(0, dtype=dt).numpy().dtype) for k, (shape, dt) in self._shapes.items()}
+        out["sv"] = np.empty(tuple(np.asarray(self._shapes["sv"][0])[[1, 0, 2, 3]]), np.float32)
+        return out
+
+    def _copy_out(self, li: int, names: tuple) -> None:
+        """Copy layer ``li``'s slots of the host buffers ``names`` into the result arrays (their device work is
+        done). On CUDA this runs while later layers are still on the GPU, so the copies out of the pinned buffers
+        (which the next capture reuses) cost no time after the forward."""
+        for name in names:
+            src = self._host[name][li].numpy()
+            if name == "sv":
+                self._out["sv"][:, li] = src
+            else:
+                self._out[name][li] = src
 
     def _put(self, name: str, li: int, value: torch.Tensor) -> None:
         """Copy a device result into layer ``li``'s slot of a host buffer (asynchronous on CUDA: pinned memory)."""
@@ -281,7 +323,8 @@ class CaptureCallback:
         self._states = []
         li = self.layers.index(layer)
         k0, g0, b0 = keys[0], g[0], beta[0]  # [T, H, K], [T, H], [T, H]
-        self._run(lambda: self._layer_input_stats(li, k0, g0, b0), k0, g0, b0, kind="layer_input")
+        self._run(lambda: self._layer_input_stats(li, k0, g0, b0), k0, g0, b0, kind="layer_input",
+                  after=lambda: self._copy_out(li, _INPUT_FIELDS))
 
     def _layer_input_stats(self, li, k0, g0, b0):
         self._put("g", li, g0.float().T)
@@ -309,7 +352,8 @@ class CaptureCallback:
         if position % self.L != 0:
             blocks.append(final)
         self._states = []
-        self._run(lambda: self._layer_end_stats(li, blocks, final), final, *blocks, kind="layer_end")
+        self._run(lambda: self._layer_end_stats(li, blocks, final), final, *blocks, kind="layer_end",
+                  after=lambda: self._copy_out(li, ("sv", "final_state")))
         self._done += 1
         if self.progress is not None:
             self.progress(self._done, len(self.layers))
@@ -322,21 +366,20 @@ class CaptureCallback:
         self._put("final_state", li, final[0].float())
 
     def result(self, meta: dict) -> CaptureResult:
-        """The capture (waits for the GPU first). Its host-side assembly (copies out of the pinned buffers, the key
-        cone's effective ranks) is timed as ``statistics_seconds["results"]``."""
+        """The capture (waits for the GPU first). The copies out of the pinned buffers ran layer by layer as the
+        statistics finished (:meth:`_copy_out`); what is left here is the key cone's effective ranks. Both are
+        timed as ``statistics_seconds["results"]``."""
         self.close()
         t0 = time.perf_counter()
-        if not self._host:  # no GDN layer ran (nothing was launched): the zero buffers
-            self._host = {k: torch.zeros(shape, dtype=dt) for k, (shape, dt) in self._shapes.items()}
-        h = {k: v.numpy() for k, v in self._host.items()}
+        if not self._host:  # no GDN layer ran (nothing was launched): zeros
+            self._out = {k: np.zeros_like(v) for k, v in self._result_arrays().items()}
+        h = self._out
         keycone = self._kc.keycone_finish({name[3:]: h[name] for name in h if name.startswith("kc_")})
-        res = CaptureResult(meta=meta, positions=np.asarray(self.positions, np.int64),
-                            sv=np.ascontiguousarray(h["sv"].transpose(1, 0, 2, 3)),
-                            final_state=h["final_state"].copy(), g=h["g"].copy(), beta=h["beta"].copy(),
-                            key_mean=h["key_mean"].copy(), keycone=keycone, key_sample=h["key_sample"].copy(),
-                            key_sample_pos=self.key_sample_pos)
+        res = CaptureResult(meta=meta, positions=np.asarray(self.positions, np.int64), sv=h["sv"],
+                            final_state=h["final_state"], g=h["g"], beta=h["beta"], key_mean=h["key_mean"],
+                            keycone=keycone, key_sample=h["key_sample"], key_sample_pos=self.key_sample_pos)
         if self._jobs is not None:
-            self._jobs.seconds["results"] = time.perf_counter() - t0
+            self._jobs.seconds["results"] = self._jobs.seconds.get("results", 0.0) + time.perf_counter() - t0
         return res
 
 
