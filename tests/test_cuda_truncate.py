@@ -159,6 +159,22 @@ def test_emulated_certificate_has_teeth(monkeypatch):
 
 
 @needs_gxx
+def test_emulated_attempt_jacobi_stop_is_counted_by_the_certificate(monkeypatch):
+    """The attempts' looser Jacobi stop (``ATTEMPT_JACOBI_TOL``) reaches the kernel and the certificate pays for it:
+    with a stop so loose that no rotation runs (off ≤ 1·‖T‖_F), the kept columns are not Ritz vectors, the bound
+    refuses most states and the full algorithm redoes them; at the default stop the same states are certified."""
+    S, names = _pick(4)
+    _, done0, _ = cuda_truncate.emulate(S, 4, attempts=True, info=True)
+    monkeypatch.setattr(cuda_truncate, "ATTEMPT_JACOBI_TOL", 1.0)
+    out, done, bound = cuda_truncate.emulate(S, 4, attempts=True, info=True)
+    err = energy_error(S, out, 4)
+    assert err.max().item() <= TOL
+    cert = done.bool()
+    assert (err[cert] <= bound[cert] + 1e-12).all()
+    assert done.sum().item() <= done0.sum().item() // 2, (done0.tolist(), done.tolist(), bound.tolist())
+
+
+@needs_gxx
 def test_emulated_iteration_count_is_the_kernels():
     """``iters`` reaches the kernel: with no filter step a graded spectrum is not converged at r = 4 (the criterion
     fails), with the default it is — so the default is not passing by accident."""
