@@ -175,6 +175,30 @@ def test_emulated_attempt_jacobi_stop_is_counted_by_the_certificate(monkeypatch)
 
 
 @needs_gxx
+def test_emulated_tensor_core_build_matches_the_fma_build():
+    """The GPU's default build (``GDNVIZ_DMMA``: the Gram matrix and G·X on mma.sync m8n8k4, each lane's fragment
+    as the PTX manual lays it out, emulated by warp collectives) against the fused multiply-add build: certified
+    attempts on GDN-like states and the full algorithm with per-state ranks (one and two passes, float32 and float64)
+    give the same flags and, to rounding, the same states; every state within 1e-5 of exact. A lane layout read
+    wrong (a transposed fragment, a swapped pair of output columns) moves the energies by far more than that."""
+    from bench.bench_truncate import gdn_like_states
+
+    S = gdn_like_states(2, 128, 128, seed=5)
+    out_f, done_f, _ = cuda_truncate.emulate(S, 4, attempts=True, info=True, dmma=False)
+    out_d, done_d, bound_d = cuda_truncate.emulate(S, 4, attempts=True, info=True, dmma=True)
+    assert done_d.tolist() == done_f.tolist() == [1, 1]
+    err = energy_error(S.double(), out_d.double(), 4)
+    assert err.max().item() <= TOL and (err <= bound_d + 1e-12).all()
+    assert (out_d - out_f).abs().max().item() <= 1e-5 * out_f.abs().max().item()
+    H, _ = hard_states(20, seed=6)
+    X = torch.cat([H[:1], S[:1].double()])
+    ranks = [20, 12]
+    got = cuda_truncate.emulate(X, ranks, dmma=True)
+    assert energy_error(X, got, ranks).max().item() <= TOL
+    assert (got - cuda_truncate.emulate(X, ranks)).abs().max().item() <= 1e-9 * X.abs().max().item()
+
+
+@needs_gxx
 def test_emulated_iteration_count_is_the_kernels():
     """``iters`` reaches the kernel: with no filter step a graded spectrum is not converged at r = 4 (the criterion
     fails), with the default it is — so the default is not passing by accident."""

@@ -17,7 +17,9 @@ Model (enough for kernels written against it, not all of CUDA):
   live thread of the block waits there, ``__syncwarp()`` when every live lane of the warp does (exited threads count
   as arrived, as on the GPU);
 * warp collectives over the full warp: ``__shfl_sync``, ``__shfl_xor_sync``, ``__any_sync``, ``__all_sync`` (a
-  write, a warp barrier, a read, a warp barrier);
+  write, a warp barrier, a read, a warp barrier), and ``dmma_m8n8k4``, the float64 tensor-core instruction
+  ``mma.sync.aligned.m8n8k4.row.col.f64`` with its lane layout (kernels define it with inline PTX unless
+  ``GDNVIZ_EMULATED`` is defined, as it is here);
 * shared memory: dynamic, declared as ``extern __shared__ T name[];`` (one array, NaN-filled before each block), and
   statically sized ``__shared__`` arrays, which become function-level ``static`` arrays (one instance, as for one
   block; not refilled between blocks);
@@ -117,6 +119,25 @@ static inline int emu_vote(int p, int want_all) {
 }
 static inline int __any_sync(unsigned, int p) { return emu_vote(p, 0); }
 static inline int __all_sync(unsigned, int p) { return emu_vote(p, 1); }
+// mma.sync.aligned.m8n8k4.row.col.f64 (a kernel's dmma_m8n8k4 on the GPU): D (8x8) += A (8x4) B (4x8), lane l holding
+// A[l/4][l%4], B[l%4][l/4] and D[l/4][2(l%4) + {0, 1}]; the four products of each entry summed in k order by fma
+#define GDNVIZ_EMULATED 1
+static inline void dmma_m8n8k4(double& d0, double& d1, double a, double b) {
+    const int lane = threadIdx.x & 31, w = threadIdx.x >> 5, row = lane >> 2, c0 = 2 * (lane & 3);
+    double av[4], b0[4], b1[4];
+    std::memcpy(&emu::slot[w][lane], &a, sizeof(double));
+    __syncwarp();
+    for (int k = 0; k < 4; ++k) std::memcpy(&av[k], &emu::slot[w][row * 4 + k], sizeof(double));
+    __syncwarp();
+    std::memcpy(&emu::slot[w][lane], &b, sizeof(double));
+    __syncwarp();
+    for (int k = 0; k < 4; ++k) {
+        std::memcpy(&b0[k], &emu::slot[w][c0 * 4 + k], sizeof(double));
+        std::memcpy(&b1[k], &emu::slot[w][(c0 + 1) * 4 + k], sizeof(double));
+    }
+    __syncwarp();
+    for (int k = 0; k < 4; ++k) { d0 = std::fma(av[k], b0[k], d0); d1 = std::fma(av[k], b1[k], d1); }
+}
 """
 
 TRAMPOLINE = r"""

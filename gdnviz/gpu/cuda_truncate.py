@@ -106,13 +106,15 @@ ATTEMPT_JACOBI_TOL = 1e-6
 # full algorithm in a second launch.
 ATTEMPTS = ((16, ((4, 2),)), (32, ((16, 2),)))
 ATTEMPT_DEFAULT_ON = True
+DMMA_DEFAULT_ON = True
 
 KERNELS = Kernels()  # KERNELS.available / KERNELS.reason: whether compilation worked, and why not
 
 
-def source(K: int, V: int, ctype: str = "float", qb: int = Q) -> str:
+def source(K: int, V: int, ctype: str = "float", qb: int = Q, dmma: bool | None = None) -> str:
     """The kernel's CUDA source for ``[K, V]`` states of C type ``ctype`` ("float" or "double") with a block of ``qb``
-    columns (32: the full algorithm; 16: the small block of the certified attempt)."""
+    columns (32: the full algorithm; 16: the small block of the certified attempt). ``dmma``: the Gram matrix and the
+    products G·X on the float64 tensor cores (``GDNVIZ_DMMA``; None = ``dmma_on()``)."""
     if K not in DIMS or V not in DIMS or ctype not in ("float", "double") or qb not in BLOCKS:
         raise ValueError(f"cuda_truncate takes K, V in {DIMS}, float/double and a block in {BLOCKS}; got {K}, {V}, "
                          f"{ctype}, {qb}")
@@ -120,13 +122,19 @@ def source(K: int, V: int, ctype: str = "float", qb: int = Q) -> str:
         text = f.read()
     for key, val in (("@K@", K), ("@V@", V), ("@T@", ctype), ("@QB@", qb), ("@LQB@", qb.bit_length() - 1)):
         text = text.replace(key, str(val))
-    return text
+    return ("#define GDNVIZ_DMMA\n" if (dmma_on() if dmma is None else dmma) else "") + text
 
 
 def smem_bytes(K: int, qb: int = Q) -> int:
     """Dynamic shared memory per block: G [K, K], two [K, qb + 1] blocks, two [qb, qb + 1] matrices, 384 doubles of
     scalars."""
     return 8 * (K * K + 2 * K * (qb + 1) + 2 * qb * (qb + 1) + 384)
+
+
+def dmma_on() -> bool:
+    """Whether the kernel runs its Gram matrix and its products G·X on the float64 tensor cores (``mma.sync``
+    m8n8k4; ``GDNVIZ_CUDA_TRUNCATE_DMMA=0``: the same sums as fused multiply-adds, the sixth session's code)."""
+    return env_switch("GDNVIZ_CUDA_TRUNCATE_DMMA", DMMA_DEFAULT_ON)
 
 
 def attempts_on() -> bool:
@@ -177,8 +185,9 @@ def supports(X: torch.Tensor) -> bool:
 
 def _kernel(K: int, V: int, dtype: torch.dtype, device: torch.device, qb: int = Q, profile: bool = False):
     ctype = _CTYPES[dtype]
-    src = ("#define GDNVIZ_PROFILE\n" if profile else "") + source(K, V, ctype, qb)
-    return KERNELS.get((K, V, ctype, device.index, qb, profile), device, src, "gdnviz_truncate",
+    dmma = dmma_on()
+    src = ("#define GDNVIZ_PROFILE\n" if profile else "") + source(K, V, ctype, qb, dmma)
+    return KERNELS.get((K, V, ctype, device.index, qb, profile, dmma), device, src, "gdnviz_truncate",
                        shared_mem=smem_bytes(K, qb))
 
 
@@ -284,13 +293,15 @@ def _attempt_tables(device: torch.device) -> dict[int, torch.Tensor]:
 
 
 def emulate(X: torch.Tensor, ranks, iters: int | None = None, attempts: bool | None = None, info: bool = False,
-            concurrent: int = 4):
+            concurrent: int = 4, dmma: bool = False):
     """The same launches of the same kernel source run on the CPU through ``gdnviz.gpu.cuda_emul`` (tests; needs
     ``g++``): ``X [N, K, V]`` float32/float64, ``ranks`` an int or N ints (run as device-side ranks: no attempts).
     ``concurrent`` blocks run at once, in lockstep by barrier phases, so a block writing into another block's part of
     the scratch buffer changes the answers here as it did on the H200 (eighth session). Returns the
-    output, or with ``info`` (output, done int32 ``[N]``, bound float64 ``[N]``) as in ``Launched``. Slow (~0.1–1 s
-    per state and launch): for checking, not for use."""
+    output, or with ``info`` (output, done int32 ``[N]``, bound float64 ``[N]``) as in ``Launched``. ``dmma``: the
+    tensor-core build (``GDNVIZ_DMMA``, the GPU's default), its instructions emulated by warp collectives — several
+    times slower, so the other tests run the fused multiply-add build. Slow (~0.1–1 s per state and launch): for
+    checking, not for use."""
     from gdnviz.gpu.cuda_emul import Emulated
     from gdnviz.gpu.fused_truncate import _constants
 
@@ -310,7 +321,7 @@ def emulate(X: torch.Tensor, ranks, iters: int | None = None, attempts: bool | N
     bound = np.full(N, NO_BOUND)
     sweeps, tol2, skip = _jacobi_args()
     for qb, mode in steps:
-        emu = Emulated(source(K, V, ctype, qb), "gdnviz_truncate", [s.format(T=ctype) for s in SIGNATURE])
+        emu = Emulated(source(K, V, ctype, qb, dmma), "gdnviz_truncate", [s.format(T=ctype) for s in SIGNATURE])
         tab = np.asarray(attempt_table(qb), dtype=np.int32) if mode & ATTEMPT else table.astype(np.int32)
         emu.launch(N, NT, [x, out, rk, rank_int, stride, np.ascontiguousarray(omega), np.ascontiguousarray(fill),
                            np.ascontiguousarray(tab), -1 if iters is None else int(iters), scratch, sweeps,

@@ -59,6 +59,18 @@ typedef @T@ scalar_t;
 #define PROF(i) do { } while (0)
 #endif
 
+// GDNVIZ_DMMA (the default on GPUs): the Gram matrix and the products G X on the float64 tensor cores,
+// mma.sync.aligned.m8n8k4.row.col.f64 — D (8x8) += A (8x4) B (4x8), each lane holding A[lane/4][lane%4],
+// B[lane%4][lane/4] and D[lane/4][2(lane%4) + {0, 1}]. gdnviz.gpu.cuda_emul defines dmma_m8n8k4 from warp shuffles.
+#define RT (K_ / 64)  // 8-row tiles of G per warp (8 warps cover K_ rows)
+#define SG 20         // stride of the Gram's 16-column staging rows: a fragment's 8 rows x 4 columns, 2 wavefronts
+#if defined(GDNVIZ_DMMA) && !defined(GDNVIZ_EMULATED)
+__device__ __forceinline__ void dmma_m8n8k4(double& d0, double& d1, double a, double b) {
+    asm volatile("mma.sync.aligned.m8n8k4.row.col.f64.f64.f64.f64 {%0,%1}, {%2}, {%3}, {%0,%1};\n"
+                 : "+d"(d0), "+d"(d1) : "d"(a), "d"(b));
+}
+#endif
+
 __device__ __forceinline__ double block_sum(double v, double* red) {
     for (int o = 16; o > 0; o >>= 1) v += __shfl_xor_sync(0xffffffffu, v, o);
     if ((threadIdx.x & 31) == 0) red[threadIdx.x >> 5] = v;
@@ -101,6 +113,38 @@ __device__ __forceinline__ double store_tile_trace(const double (&acc)[KR][KR], 
 }
 
 // Y [K][QP] = G [K][K] X [K][QP] (G symmetric: G[k][i] read for G[i][k]); no barrier inside.
+#ifdef GDNVIZ_DMMA
+// Warp w: rows 8 RT w ... (RT tiles of 8) x all QB columns (NB tiles of 8), 4 rows of k per instruction.
+__device__ __forceinline__ void gemm_gx(const double* G, const double* X, double* Y) {
+    const int lane = threadIdx.x & 31, w = threadIdx.x >> 5, lr = lane >> 2, lk = lane & 3;
+    double acc[RT][NB][2];
+#pragma unroll
+    for (int a = 0; a < RT; ++a)
+#pragma unroll
+        for (int b = 0; b < NB; ++b) { acc[a][b][0] = 0.0; acc[a][b][1] = 0.0; }
+#pragma unroll 4
+    for (int k0 = 0; k0 < K_; k0 += 4) {
+        const int k = k0 + lk;
+        double ga[RT];
+#pragma unroll
+        for (int a = 0; a < RT; ++a) ga[a] = G[k * K_ + 8 * (RT * w + a) + lr];  // A[i][k] = G[k][i]
+#pragma unroll
+        for (int b = 0; b < NB; ++b) {
+            const double xb = X[k * QP + 8 * b + lr];  // B[k][j] = X[k][8b + j]
+#pragma unroll
+            for (int a = 0; a < RT; ++a) dmma_m8n8k4(acc[a][b][0], acc[a][b][1], ga[a], xb);
+        }
+    }
+#pragma unroll
+    for (int a = 0; a < RT; ++a)
+#pragma unroll
+        for (int b = 0; b < NB; ++b) {
+            double* y = Y + (8 * (RT * w + a) + lr) * QP + 8 * b + 2 * lk;
+            y[0] = acc[a][b][0];
+            y[1] = acc[a][b][1];
+        }
+}
+#else
 __device__ __forceinline__ void gemm_gx(const double* G, const double* X, double* Y) {
     const int cg = threadIdx.x & 7, rg = threadIdx.x >> 3;
     double acc[RA][NB];
@@ -125,6 +169,7 @@ __device__ __forceinline__ void gemm_gx(const double* G, const double* X, double
 #pragma unroll
         for (int b = 0; b < NB; ++b) Y[(rg + 32 * a) * QP + cg + 8 * b] = acc[a][b];
 }
+#endif
 
 // T [QB][QP] = X^T Y over K rows (X, Y [K][QP]). mirror: T[i][j] = T[max][min] (the lower triangle, as eigh reads
 // it); shift: C_ii (1 + SHIFT) + TINY on the diagonal. No barrier inside.
@@ -252,6 +297,51 @@ gdnviz_truncate(const scalar_t* __restrict__ S, scalar_t* __restrict__ OUT, cons
     for (int e = t; e < K_ * UL; e += NT) Un[e] = 0.0;
     const int tx = t & 15, ty = t >> 4;
 
+#ifdef GDNVIZ_DMMA
+    // ---- G = S S^T / ||S||_F^2 on the tensor cores: S staged 16 columns at a time through As..Bs (free until the
+    // sketch; K_ x SG doubles); warp w owns rows 8 RT w ... of G; the lower triangle is kept and mirrored, so G is
+    // exactly symmetric (gemm_gx reads G[k][i] for G[i][k])
+    double tr;
+    {
+        const int lane = t & 31, w = t >> 5, lr = lane >> 2, lk = lane & 3;
+        double* St = As;
+        double acc[RT][K_ / 8][2];
+#pragma unroll
+        for (int a = 0; a < RT; ++a)
+#pragma unroll
+            for (int c = 0; c < K_ / 8; ++c) { acc[a][c][0] = 0.0; acc[a][c][1] = 0.0; }
+        for (int v0 = 0; v0 < V_; v0 += 16) {
+            for (int e = t; e < K_ * 16; e += NT) St[(e >> 4) * SG + (e & 15)] = (double)Sn[(e >> 4) * V_ + v0 + (e & 15)];
+            __syncthreads();
+#pragma unroll 1
+            for (int k0 = 0; k0 < 16; k0 += 4) {
+                double sa[RT];
+#pragma unroll
+                for (int a = 0; a < RT; ++a) sa[a] = St[(8 * (RT * w + a) + lr) * SG + k0 + lk];  // A[i][k] = S[i][k]
+#pragma unroll
+                for (int c = 0; c < K_ / 8; ++c) {
+                    const double sb = St[(8 * c + lr) * SG + k0 + lk];  // B[k][j] = S[j][k]
+#pragma unroll
+                    for (int a = 0; a < RT; ++a) dmma_m8n8k4(acc[a][c][0], acc[a][c][1], sa[a], sb);
+                }
+            }
+            __syncthreads();
+        }
+#pragma unroll
+        for (int a = 0; a < RT; ++a)
+#pragma unroll
+            for (int c = 0; c < K_ / 8; ++c)
+#pragma unroll
+                for (int h = 0; h < 2; ++h) {
+                    const int i = 8 * (RT * w + a) + lr, j = 8 * c + 2 * lk + h;
+                    if (i >= j) { Gs[i * K_ + j] = acc[a][c][h]; Gs[j * K_ + i] = acc[a][c][h]; }
+                }
+        __syncthreads();
+        double d = 0.0;
+        for (int i = t; i < K_; i += NT) d += Gs[i * K_ + i];
+        tr = block_sum(d, misc + M_RED);
+    }
+#else
     // ---- G = S S^T / ||S||_F^2, S staged through As 32 columns at a time
     double tr;
     {
@@ -279,6 +369,7 @@ gdnviz_truncate(const scalar_t* __restrict__ S, scalar_t* __restrict__ OUT, cons
         }
         tr = store_tile_trace(acc, Gs, misc + M_RED, tx, ty);
     }
+#endif
     const double inv = (tr > 0.0) ? 1.0 / sqrt(tr) : 0.0;
     double gf2 = 0.0;  // ||G||_F^2 (the attempt's certificate)
     for (int e = t; e < K_ * K_; e += NT) {
