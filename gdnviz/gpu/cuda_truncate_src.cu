@@ -703,9 +703,10 @@ gdnviz_truncate(const scalar_t* __restrict__ S, scalar_t* __restrict__ OUT, cons
         cholqr(As, Cs);
         PROF(2);
     }
-    // ---- S_r = U (U^T S): M = U^T S [QB][V] in Gs (S staged through Bs 16 rows at a time), then U M
+    // ---- S_r = U (U^T S): M = U^T S [QB][V] in Gs (S staged through Bs 16 rows at a time), then U M. Only U's
+    // first r columns are kept directions (the rest are zero): M's rows and the sum over columns stop there
     {
-        const int cg = t & 7, vg = t >> 3;
+        const int cg = t & 7, vg = t >> 3, nbu = (r + 7) >> 3;
         double acc[V_ / 32][NB];
 #pragma unroll
         for (int a = 0; a < V_ / 32; ++a)
@@ -716,15 +717,17 @@ gdnviz_truncate(const scalar_t* __restrict__ S, scalar_t* __restrict__ OUT, cons
             __syncthreads();
 #pragma unroll 4
             for (int kk = 0; kk < 16; ++kk) {
-                double u[NB], s[V_ / 32];
-#pragma unroll
-                for (int b = 0; b < NB; ++b) u[b] = As[(k0 + kk) * QP + cg + 8 * b];
+                double s[V_ / 32];
 #pragma unroll
                 for (int a = 0; a < V_ / 32; ++a) s[a] = Bs[kk * V_ + vg + 32 * a];
 #pragma unroll
-                for (int a = 0; a < V_ / 32; ++a)
+                for (int b = 0; b < NB; ++b) {
+                    if (b < nbu) {  // block-uniform
+                        const double u = As[(k0 + kk) * QP + cg + 8 * b];
 #pragma unroll
-                    for (int b = 0; b < NB; ++b) acc[a][b] = fma(u[b], s[a], acc[a][b]);
+                        for (int a = 0; a < V_ / 32; ++a) acc[a][b] = fma(u, s[a], acc[a][b]);
+                    }
+                }
             }
             __syncthreads();
         }
@@ -741,7 +744,7 @@ gdnviz_truncate(const scalar_t* __restrict__ S, scalar_t* __restrict__ OUT, cons
 #pragma unroll
             for (int b = 0; b < VR; ++b) acc[a][b] = 0.0;
 #pragma unroll 1
-        for (int c = 0; c < QB; ++c) {
+        for (int c = 0; c < r; ++c) {
             double m[VR];
 #pragma unroll
             for (int b = 0; b < VR; ++b) m[b] = Gs[c * V_ + tx + 16 * b];
