@@ -427,8 +427,8 @@ def test_keycone_summary_matches_references_per_head_windows(T, chunk):
 @pytest.mark.parametrize("chunk", [300, 2048])
 def test_keycone_parts_split_sums_equal_one_block(chunk):
     """The split sums over token blocks (CUDA's default, ``blocks=16``; T = 1000 pads the last block of each chunk
-    with zero rows) equal the one-block sums to rounding, and both match the reference functions per head (windows
-    of 2 tokens, ~T/2 tokens and all T)."""
+    with zero rows) and the float64 operands written straight from float32 keys (CUDA's ``direct``) equal the
+    one-block sums to rounding, and match the reference functions per head (windows of 2 tokens, ~T/2 and all T)."""
     from gdnviz.analysis.keycone import keycone_finish, keycone_parts
 
     rng = np.random.default_rng(17)
@@ -438,9 +438,11 @@ def test_keycone_parts_split_sums_equal_one_block(chunk):
     g[:, 0], g[:, 1], g[:, 2] = np.log(0.5), np.log(1 - 2.0 / T), 0.0
     g[:, 3] = np.log(rng.uniform(0.6, 0.99, T))
     kt, gt = torch.from_numpy(k), torch.from_numpy(g)
-    one = keycone_parts(kt, gt, chunk=chunk, blocks=1)
-    for blocks in (3, 16):
-        split = keycone_parts(kt, gt, chunk=chunk, blocks=blocks)
+    ref = {False: keycone_parts(kt, gt, chunk=chunk, blocks=1),
+           True: keycone_parts(kt.float(), gt, chunk=chunk, blocks=1, direct=False)}  # float32 keys
+    for blocks, direct in ((3, False), (16, False), (16, True), (1, True)):  # direct: CUDA's default, from the keys
+        one = ref[direct]
+        split = keycone_parts(kt.float() if direct else kt, gt, chunk=chunk, blocks=blocks, direct=direct)
         for name in ("horizon", "mean_key_norm"):
             np.testing.assert_allclose(split[name].numpy(), one[name].numpy(), rtol=1e-13)
         for name in ("cov_eigvals", "P_eigvals"):  # eigenvalues: absolute, to the largest one's rounding

@@ -22,7 +22,7 @@ Memory: nothing of size ``[T, H, K, K]`` is ever formed. Sums over tokens run in
 (float64 copies of one chunk at a time, ``chunk · H · K · 8`` bytes) with a batched GEMM over the token axis into
 ``[H, K, K]`` accumulators, on the device of the input tensor (CPU for numpy; CPU for MPS, which has no
 float64). ``T = 16384, H = 16, K = 128`` needs a few tens of MB beyond the input with the CPU's 2048-token
-chunks; :func:`keycone_parts` on CUDA uses 16,384-token chunks (fewer launches; about 1 GB of float64
+chunks; :func:`keycone_parts` on CUDA uses 16,384-token chunks (fewer launches; about 0.6 GB of float64
 temporaries). :class:`DecayedKeyCovariance` computes ``P`` incrementally, segment by segment, for inputs that never
 exist as one tensor.
 
@@ -346,7 +346,8 @@ def _eigvalsh_device(A: torch.Tensor) -> torch.Tensor:
     return torch.where(bad[:, None], torch.full((), float("nan"), dtype=lam.dtype, device=lam.device), lam)
 
 
-def keycone_parts(k: Any, g: Any, chunk: int | None = None, blocks: int | None = None) -> dict[str, torch.Tensor]:
+def keycone_parts(k: Any, g: Any, chunk: int | None = None, blocks: int | None = None,
+                  direct: bool | None = None) -> dict[str, torch.Tensor]:
     """The device half of :func:`keycone_summary`: every sum over tokens and both eigen-decompositions, as float64
     tensors on the keys' device, **without a host synchronisation** (a capture launches it per layer on CUDA and
     copies the results once; :func:`keycone_finish` turns them into the summary).
@@ -355,13 +356,17 @@ def keycone_parts(k: Any, g: Any, chunk: int | None = None, blocks: int | None =
     applied as a token mask ``t ≥ T − w_h`` over all ``T`` tokens, so no window size has to reach the host; rows
     outside a head's window are replaced by exact zeros (``torch.where``, so a NaN key outside the window stays
     outside, as in :func:`window_key_covariance`). The window's second moment is accumulated uncentred,
-    ``Σ k kᵀ − w μμᵀ``, in the same single pass as the mean and the decayed covariance, so each chunk is converted to
-    float64 once (head-major, ``[H, t, K]``) and two full-size temporaries fewer are written; the sums over tokens are
-    batched GEMMs, on CUDA split over blocks of tokens (:func:`_gram_split`).
+    ``Σ k kᵀ − w μμᵀ``, in the same single pass over the keys as the mean and the decayed covariance. Each chunk's
+    two float64 operands (the window's keys, the decay-weighted keys) are written head-major (``[H, t, K]``) straight
+    from the keys' dtype, one elementwise pass each; the sums over tokens are batched GEMMs, on CUDA split over blocks
+    of tokens (:func:`_gram_split`). (A float64 copy of the keys, a masked copy and a weighted copy, with the sums as
+    reductions over the middle axis, took 2.56 ms per 16K-token layer on an H200; ninth session.)
 
     chunk: tokens per float64 chunk; None = :data:`CUDA_CHUNK` on CUDA, :data:`CHUNK` elsewhere.
     blocks: each chunk's sums split into this many blocks of at least 64 tokens (the last one zero-padded);
     None = :data:`SPLIT_BLOCKS` on CUDA, 1 elsewhere. The results agree to rounding (~1e-15 relative).
+    direct: write the float64 operands straight from the keys (None = on CUDA; elsewhere a float64 copy first,
+    faster on the CPU). The same numbers either way.
 
     Returns ``{"horizon": [H], "mean_key_norm": [H], "cov_eigvals": [H, K], "P_eigvals": [H, K]}`` (eigenvalues
     ascending; NaN rows for matrices with NaN/inf).
@@ -373,6 +378,8 @@ def keycone_parts(k: Any, g: Any, chunk: int | None = None, blocks: int | None =
         chunk = CUDA_CHUNK if dev.type == "cuda" else CHUNK
     if blocks is None:
         blocks = SPLIT_BLOCKS if dev.type == "cuda" else 1
+    if direct is None:
+        direct = dev.type == "cuda"
     g64 = gt.to(dev)
     abar = torch.exp(g64).mean(0)  # mean_alpha
     horizon = torch.where(abar >= 1.0, torch.full_like(abar, float("inf")), 1.0 / (1.0 - abar))  # decay_horizon
@@ -389,21 +396,34 @@ def keycone_parts(k: Any, g: Any, chunk: int | None = None, blocks: int | None =
     P = torch.zeros(H, K, K, dtype=torch.float64, device=dev)
     zero = torch.zeros((), dtype=torch.float64, device=dev)
     ampT = torch.exp(_suffix_log_decay(g64)).T  # [H, T]: √w_t of the decayed covariance
-    for i in range(0, T, chunk):  # one pass: each chunk converted to float64 once
+    zero3 = torch.zeros(1, 1, 1, dtype=torch.float64, device=dev)  # a dimensioned float64 zero: where() promotes
+    ones = None
+    for i in range(0, T, chunk):  # one pass over the keys
         n = min(chunk, T - i)
         tb = max(_MIN_BLOCK, -(-n // blocks))  # tokens per block of the split sums
         nb = -(-n // tb)
-        x = torch.empty(H, nb * tb, K, dtype=torch.float64, device=dev)  # [H, t, K]: head-major, blocks are views
-        x[:, :n].copy_(kt[i : i + n].transpose(0, 1))
-        x[:, n:].zero_()  # padding rows add exact zeros to every sum
-        s += x.sum(1)
+        L = nb * tb  # padded with zero rows, which add exact zeros to every sum
+        kc = kt[i : i + n].to(dev)  # [n, H, K] in the keys' dtype (no copy on the same device)
+        if direct:  # the float64 operands below are written head-major straight from a view of the keys
+            kh = kc.transpose(0, 1)
+            s += kc.sum(0, dtype=torch.float64)
+        else:  # one float64 head-major copy first (the CPU's elementwise kernels from a transposed view are slower)
+            kh = torch.empty(H, n, K, dtype=torch.float64, device=dev)
+            kh.copy_(kc.transpose(0, 1))
+            s += kh.sum(1)
         if i >= first:
-            m = (torch.arange(i, i + nb * tb, device=dev, dtype=torch.float64) >= start[:, None])[..., None]
-            xm = torch.where(m, x, zero)
-            sw += xm.sum(1)
+            m = (torch.arange(i, i + n, device=dev, dtype=torch.float64) >= start[:, None])[..., None]
+            xm = torch.empty(H, L, K, dtype=torch.float64, device=dev)
+            torch.where(m, kh, zero3, out=xm[:, :n])  # the window's keys in float64, in one pass
+            xm[:, n:].zero_()
+            if ones is None or ones.shape[-1] != L:
+                ones = torch.ones(H, 1, L, dtype=torch.float64, device=dev)
+            sw += torch.bmm(ones, xm)[:, 0]  # a GEMV: the sum over the middle axis as a reduction was ~4x slower
             Gw += _gram_split(xm, nb)
-        a = torch.nn.functional.pad(ampT[:, i : i + n], (0, nb * tb - n))
-        P += _gram_split(x * a[..., None], nb)  # rows √w_t k_t
+        y = torch.empty(H, L, K, dtype=torch.float64, device=dev)
+        torch.mul(kh, ampT[:, i : i + n, None], out=y[:, :n])  # rows √w_t k_t in float64, in one pass
+        y[:, n:].zero_()
+        P += _gram_split(y, nb)
     # centred second moment of the window, Σ (k − μ)(k − μ)ᵀ = Σ k kᵀ − w μ μᵀ with μ = Σ k / w: float64, so the
     # cancellation costs ~1e-16 / (1 − ‖μ‖²) relative (unit keys); a cone with 1 − ‖μ‖² < 1e-8 would lose digits
     C = (Gw - sw[:, :, None] * sw[:, None, :] / w[:, None, None]) / w[:, None, None]
