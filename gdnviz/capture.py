@@ -329,7 +329,7 @@ class CaptureCallback:
     def _layer_input_stats(self, li, k0, g0, b0):
         self._put("g", li, g0.float().T)
         self._put("beta", li, b0.T.to(torch.float16))
-        self._put("key_mean", li, k0.float().mean(0))
+        self._put("key_mean", li, k0.mean(0, dtype=torch.float32))  # no float32 copy of the keys
         if self._pos is None or self._pos.device != k0.device:  # once: a host→device copy waits for the stream
             self._pos = torch.as_tensor(self.key_sample_pos, device=k0.device)
         pos = self._pos

@@ -64,6 +64,32 @@ def test_captured_gates_and_keys_match_layer_projections(lm):
     assert cap.key_sample.shape[2] == len(cap.key_sample_pos) == 150
 
 
+def test_captured_key_statistics_match_the_keys_the_layer_writes(lm):
+    """key_mean, key_sample and the key cone's mean key norm against the unit keys the GDN core receives (grabbed
+    by a second callback in the same run): float32 mean over the document, float16 samples at key_sample_pos."""
+    from gdnviz.analysis.keycone import mean_key_norm
+    from gdnviz.capture import CaptureCallback
+
+    x = torch.as_tensor(doc(150, seed=3))[None]
+    keys = {}
+
+    class Grab:
+        modifies_state = False
+
+        def on_layer_input(self, layer, offset, k, g, beta):
+            keys[layer] = k[0].detach().clone()
+
+    cb = CaptureCallback(lm.info, x.shape[1], 64)
+    runner.forward(lm, x, segment_len=64, callbacks=[cb, Grab()], keep_hidden=False)
+    cap = cb.result({})
+    for li, layer in enumerate(lm.info.gdn_layers):
+        k = keys[layer].double()  # [T, H, K]
+        np.testing.assert_allclose(cap.key_mean[li], k.mean(0).numpy(), rtol=1e-5, atol=1e-6)
+        np.testing.assert_allclose(cap.key_sample[li].astype(np.float32),
+                                   k[cap.key_sample_pos].transpose(0, 1).numpy(), atol=2e-3)
+        np.testing.assert_allclose(cap.keycone["mean_key_norm"][li], mean_key_norm(k), rtol=1e-9)
+
+
 def test_save_load_roundtrip(lm, tmp_path):
     cap = capture_document(lm, doc(100, seed=2), 64, name="d")
     p = cap.save(tmp_path / "c.npz")
