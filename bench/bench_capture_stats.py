@@ -31,6 +31,9 @@ def main():
     ap.add_argument("--heads", type=int, default=16)
     ap.add_argument("--dk", type=int, default=128)
     ap.add_argument("--repeats", type=int, default=3)
+    ap.add_argument("--variants", action="store_true",
+                    help="also time keycone_parts' layouts (direct / blocks) and the entrywise NaN check of svdvals")
+    ap.add_argument("--profile", type=int, default=0, help="CUDA kernels of keycone_parts (top N), both layouts")
     args = ap.parse_args()
     from gdnviz.analysis.keycone import keycone_parts
     from gdnviz.capture import CaptureCallback, batched_svdvals
@@ -52,6 +55,32 @@ def main():
         emit(what=what, ms_per_layer=seconds * 1e3, ms_per_capture=seconds * 1e3 * NL, **kw, **base)
 
     row("keycone_parts", timeit(lambda: keycone_parts(keys[0], g[0]), dev, args.repeats))
+    if args.variants:  # the key cone's layouts: float64 operands straight from the keys or from a copy; split sums
+        for direct in (False, True):
+            for blocks in (1, 16):
+                row("keycone_parts_variant", timeit(lambda: keycone_parts(keys[0], g[0], blocks=blocks, direct=direct),
+                                                    dev, args.repeats), direct=direct, blocks=blocks)
+        flat = states[:, 0].reshape(-1, K, K)
+
+        def full_check():  # the eighth session's NaN check: every entry, then the states copied
+            from gdnviz.gpu import symeig
+
+            ok = torch.isfinite(flat).all(-1).all(-1)
+            x = torch.where(ok[:, None, None], flat, torch.zeros((), dtype=flat.dtype, device=flat.device))
+            return torch.where(ok[:, None], symeig.svdvals(x), torch.full((), float("nan"), device=flat.device))
+
+        if dev.type == "cuda":  # symeig.svdvals is the CUDA path
+            row("svdvals_entrywise_nan_check", timeit(full_check, dev, args.repeats), states=nb * H)
+    if args.profile:
+        from torch.profiler import ProfilerActivity, profile
+
+        for direct in (False, True):
+            keycone_parts(keys[0], g[0], direct=direct)
+            with profile(activities=[ProfilerActivity.CUDA]) as prof:
+                keycone_parts(keys[0], g[0], direct=direct)
+                torch.cuda.synchronize()
+            print(f"keycone_parts direct={direct}")
+            print(prof.key_averages().table(sort_by="cuda_time_total", row_limit=args.profile, max_name_column_width=70))
     cb = CaptureCallback(info, T, L)
     cb.on_layer_input(0, 0, keys, g, beta)  # allocates the host buffers
     row("layer_input", timeit(lambda: cb._layer_input_stats(0, keys[0], g[0], beta[0]), dev, args.repeats))
