@@ -175,6 +175,20 @@ def test_emulated_attempt_jacobi_stop_is_counted_by_the_certificate(monkeypatch)
 
 
 @needs_gxx
+def test_emulated_attempts_certify_a_boundary_of_gdn_like_states_at_r12():
+    """bench_cholqr's 16 GDN-like states at r = 12: the 32-column attempt certifies every one (at the attempts'
+    Jacobi stop of 1e-6 one got a bound of 1.7e-5 and went to the full algorithm's second launch, 0.75 ms instead of
+    ~0.25 on the H200); the answers meet the criterion and their bounds."""
+    from bench.bench_truncate import gdn_like_states
+
+    S = gdn_like_states(288, 128, 128, seed=0)[:16].double()  # float64 in and out: no output rounding in err
+    out, done, bound = cuda_truncate.emulate(S, 12, attempts=True, info=True)
+    assert done.tolist() == [1] * 16, bound.tolist()
+    err = energy_error(S, out, 12)
+    assert err.max().item() <= TOL and (err <= bound + 1e-12).all()
+
+
+@needs_gxx
 def test_emulated_tensor_core_build_matches_the_fma_build():
     """The GPU's default build (``GDNVIZ_DMMA``: the Gram matrix and G·X on mma.sync m8n8k4, each lane's fragment
     as the PTX manual lays it out, emulated by warp collectives) against the fused multiply-add build: certified
