@@ -6,9 +6,10 @@ median of --repeats), then every layer of a whole capture's statistics with the 
     python bench/bench_capture_stats.py --device cuda --tokens 16384
 
 One JSON line per component: ms per layer, and × the number of GDN layers (18) as ms per capture. Components:
-``keycone_parts`` (the key cone's sums and eigenvalues), ``layer_input`` (that + gates, key mean and samples, and
-their copies to the host), ``svdvals`` (the boundary states' spectra), ``layer_end`` (that + the final state, and the
-copies), ``all_layers`` (both jobs for every layer as a capture launches them, then ``result()``: waiting for the
+``keycone_parts`` (the key cone's sums and eigenvalues), ``keycone_sums`` (the sums alone, as a capture runs them),
+``layer_input`` (that + gates, key mean and samples, and their copies to the host), ``svdvals`` (the boundary states'
+spectra), ``layer_end`` (the spectra with the key cone's matrices' eigenvalues in the same solve, the final state,
+and the copies), ``all_layers`` (both jobs for every layer as a capture launches them, then ``result()``: waiting for the
 GPU and assembling the host arrays), and ``result_assembly`` (``result()``'s host part alone, from
 ``statistics_seconds["results"]``). Compare ``all_layers`` with bench_capture.py's capture minus its run without
 callbacks to see how much of the statistics the forward hides.
@@ -31,11 +32,10 @@ def main():
     ap.add_argument("--heads", type=int, default=16)
     ap.add_argument("--dk", type=int, default=128)
     ap.add_argument("--repeats", type=int, default=3)
-    ap.add_argument("--variants", action="store_true",
-                    help="also time keycone_parts' layouts (direct / blocks) and the entrywise NaN check of svdvals")
-    ap.add_argument("--profile", type=int, default=0, help="CUDA kernels of keycone_parts (top N), both layouts")
+    ap.add_argument("--variants", action="store_true", help="also time the eighth session's NaN check of the spectra")
+    ap.add_argument("--profile", type=int, default=0, help="CUDA kernels of one keycone_parts call (top N)")
     args = ap.parse_args()
-    from gdnviz.analysis.keycone import keycone_parts
+    from gdnviz.analysis.keycone import keycone_parts, keycone_sums
     from gdnviz.capture import CaptureCallback, batched_svdvals
 
     dev = torch.device(args.device)
@@ -55,14 +55,11 @@ def main():
         emit(what=what, ms_per_layer=seconds * 1e3, ms_per_capture=seconds * 1e3 * NL, **kw, **base)
 
     row("keycone_parts", timeit(lambda: keycone_parts(keys[0], g[0]), dev, args.repeats))
-    if args.variants:  # the key cone's layouts: float64 operands straight from the keys or from a copy; split sums
-        for direct in (False, True):
-            for blocks in (1, 16):
-                row("keycone_parts_variant", timeit(lambda: keycone_parts(keys[0], g[0], blocks=blocks, direct=direct),
-                                                    dev, args.repeats), direct=direct, blocks=blocks)
+    row("keycone_sums", timeit(lambda: keycone_sums(keys[0], g[0]), dev, args.repeats))  # what a capture runs
+    if args.variants:  # the eighth session's NaN check of the spectra: every entry, then the states copied
         flat = states[:, 0].reshape(-1, K, K)
 
-        def full_check():  # the eighth session's NaN check: every entry, then the states copied
+        def full_check():
             from gdnviz.gpu import symeig
 
             ok = torch.isfinite(flat).all(-1).all(-1)
@@ -74,18 +71,23 @@ def main():
     if args.profile:
         from torch.profiler import ProfilerActivity, profile
 
-        for direct in (False, True):
-            keycone_parts(keys[0], g[0], direct=direct)
-            with profile(activities=[ProfilerActivity.CUDA]) as prof:
-                keycone_parts(keys[0], g[0], direct=direct)
-                torch.cuda.synchronize()
-            print(f"keycone_parts direct={direct}")
-            print(prof.key_averages().table(sort_by="cuda_time_total", row_limit=args.profile, max_name_column_width=70))
+        keycone_parts(keys[0], g[0])
+        with profile(activities=[ProfilerActivity.CUDA]) as prof:
+            keycone_parts(keys[0], g[0])
+            torch.cuda.synchronize()
+        print("keycone_parts")
+        print(prof.key_averages().table(sort_by="cuda_time_total", row_limit=args.profile, max_name_column_width=70))
     cb = CaptureCallback(info, T, L)
     cb.on_layer_input(0, 0, keys, g, beta)  # allocates the host buffers
     row("layer_input", timeit(lambda: cb._layer_input_stats(0, keys[0], g[0], beta[0]), dev, args.repeats))
     row("svdvals", timeit(lambda: batched_svdvals(states[:, 0]), dev, args.repeats), states=nb * H)
-    row("layer_end", timeit(lambda: cb._layer_end_stats(0, [states[:, 0]], final), dev, args.repeats))
+    mats = cb._kc_mats[0]  # the key cone's matrices from layer_input, solved with the spectra in layer_end
+
+    def layer_end():
+        cb._kc_mats[0] = mats
+        cb._layer_end_stats(0, [states[:, 0]], final)
+
+    row("layer_end", timeit(layer_end, dev, args.repeats))
     cb.close()
 
     holder = {}

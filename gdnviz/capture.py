@@ -56,9 +56,10 @@ from gdnviz.errors import EmptyDocument, JobCancelled
 CAPTURE_VERSION = "capture-v1"
 KEY_SAMPLE = 256
 PIPELINE_DEPTH = 4  # layers whose statistics may be in flight on the GPU (bounds the boundary states held)
-# host buffers written by a layer's first job (the second writes "sv" and "final_state")
-_INPUT_FIELDS = ("g", "beta", "key_mean", "key_sample", "kc_horizon", "kc_mean_key_norm", "kc_cov_eigvals",
-                 "kc_P_eigvals")
+# host buffers written by a layer's first job (gates, keys, the key cone's sums) and by its second (the spectra of the
+# boundary states and of the key cone's matrices, solved together, and the final state)
+_INPUT_FIELDS = ("g", "beta", "key_mean", "key_sample", "kc_horizon", "kc_mean_key_norm")
+_END_FIELDS = ("sv", "final_state", "kc_cov_eigvals", "kc_P_eigvals")
 
 
 class _DeviceJobs:
@@ -130,7 +131,7 @@ class _DeviceJobs:
             self._drain(0)
 
 
-def batched_svdvals(states: torch.Tensor) -> torch.Tensor:
+def batched_svdvals(states: torch.Tensor, extra: torch.Tensor | None = None):
     """Singular values [..., min(K, V)] float64, descending, of states [..., K, V], as the square roots of the
     eigenvalues of the float64 Gram matrix: Triton kernels (gdnviz.gpu.symeig) on CUDA, LAPACK ``eigvalsh`` on CPU
     (both 8-200× faster than ``torch.linalg.svdvals``, which tests keep as the reference; absolute error on σ
@@ -140,23 +141,39 @@ def batched_svdvals(states: torch.Tensor) -> torch.Tensor:
     kernels returned finite numbers for it. On CUDA (float16/32 states) such a state is found from its Gram matrix's
     diagonal (a NaN or inf entry makes its row's sum of squares NaN or inf; finite float32 entries cannot overflow it
     in float64), and the kernels' numbers for it are replaced — two reductions and a copy over the states, the check
-    of the eighth session, took ~0.8 ms per layer of a 16K-token capture on an H200. Elsewhere its Gram matrix is
-    computed from zeros (LAPACK raises on NaN)."""
+    of the eighth session, took 0.29 ms more per layer of a 16K-token capture on an H200 (ninth session). Elsewhere
+    its Gram matrix is computed from zeros (LAPACK raises on NaN).
+
+    ``extra``: float64 symmetric matrices ``[M, n, n]`` (n = min(K, V)) whose ascending eigenvalues are wanted too;
+    they join the Gram matrices in the same solver call (one launch of each CUDA kernel: a capture's key cone
+    matrices, 32 per layer, took 0.94 ms per layer in launches of their own — latency-bound on 32 SMs — against
+    ~3% of the 1,024 states' solve). Returns ``(sv, eigvals [M, n])`` then, NaN rows where a matrix has NaN/inf
+    (``gdnviz.analysis.keycone.symmetric_eigvals``' contract); else ``sv``."""
     from gdnviz.gpu import symeig
 
     shape = states.shape
     flat = states.reshape(-1, *shape[-2:])
+    N, n = flat.shape[0], min(shape[-2:])
+    if extra is not None:
+        if extra.shape[-2:] != (n, n):
+            raise ValueError(f"extra matrices must be [M, {n}, {n}]; got {tuple(extra.shape)}")
+        A = 0.5 * (extra + extra.transpose(-1, -2)).to(device=flat.device, dtype=torch.float64)
+        bad = ~torch.isfinite(A).all(-1).all(-1)
+        A = torch.where(bad[:, None, None], torch.zeros((), dtype=A.dtype, device=A.device), A)
     if flat.is_cuda and flat.dtype != torch.float64:
         G = symeig.gram(flat)
         ok = torch.isfinite(G.diagonal(dim1=-2, dim2=-1)).all(-1)  # [N]
-        sv = symeig.eigvalsh_tridiag(G).clamp_min(0).sqrt().flip(-1)
     else:
         ok = torch.isfinite(flat).all(-1).all(-1)  # [N]
         flat = torch.where(ok[:, None, None], flat, torch.zeros((), dtype=flat.dtype, device=flat.device))
-        sv = symeig.svdvals(flat) if flat.is_cuda else \
-            torch.linalg.eigvalsh(symeig.gram(flat)).clamp_min(0).sqrt().flip(-1)
-    sv = torch.where(ok[:, None], sv, torch.full((), float("nan"), dtype=sv.dtype, device=sv.device))
-    return sv.reshape(*shape[:-2], sv.shape[-1])
+        G = symeig.gram(flat)
+    if extra is not None:
+        G = torch.cat([G, A])
+    lam = symeig.eigvalsh_tridiag(G) if G.is_cuda else torch.linalg.eigvalsh(G)
+    nan = torch.full((), float("nan"), dtype=lam.dtype, device=lam.device)
+    sv = torch.where(ok[:, None], lam[:N].clamp_min(0).sqrt().flip(-1), nan)
+    sv = sv.reshape(*shape[:-2], sv.shape[-1])
+    return sv if extra is None else (sv, torch.where(bad[:, None], nan, lam[N:]))
 
 
 @dataclass
@@ -261,6 +278,7 @@ class CaptureCallback:
         }
         self._host: dict[str, torch.Tensor] = {}
         self._out: dict[str, np.ndarray] = {}
+        self._kc_mats: dict[int, torch.Tensor] = {}  # layer ordinal -> its key cone's C and P until its layer end
         self._states: list = []
         self._done = 0
         self._pipeline_flag = pipeline
@@ -341,9 +359,10 @@ class CaptureCallback:
             self._pos = torch.as_tensor(self.key_sample_pos, device=k0.device)
         pos = self._pos
         self._put("key_sample", li, k0[pos].transpose(0, 1).to(torch.float16))
-        parts = self._kc.keycone_parts(k0, g0)
-        for name, val in parts.items():
-            self._put("kc_" + name, li, val)
+        sums = self._kc.keycone_sums(k0, g0)  # C and P's eigenvalues join the layer's spectra (_layer_end_stats)
+        self._put("kc_horizon", li, sums["horizon"])
+        self._put("kc_mean_key_norm", li, sums["mean_key_norm"])
+        self._kc_mats[li] = torch.cat([sums["C"], sums["P"]])
 
     def on_boundary(self, layer, position, state):
         self._states.append(state.detach().clone())  # [1, H, K, V]
@@ -360,7 +379,7 @@ class CaptureCallback:
             blocks.append(final)
         self._states = []
         self._run(lambda: self._layer_end_stats(li, blocks, final), final, *blocks, kind="layer_end",
-                  after=lambda: self._copy_out(li, ("sv", "final_state")))
+                  after=lambda: self._copy_out(li, _END_FIELDS))
         self._done += 1
         if self.progress is not None:
             self.progress(self._done, len(self.layers))
@@ -369,7 +388,15 @@ class CaptureCallback:
 
     def _layer_end_stats(self, li, blocks, final):
         stack = torch.cat(blocks) if len(blocks) > 1 else blocks[0]  # [NB, H, K, V]
-        self._put("sv", li, batched_svdvals(stack).float())
+        mats = self._kc_mats.pop(li)  # [2H, K, K]: the key cone's C and P from this layer's first job
+        H = mats.shape[0] // 2
+        if mats.shape[-1] == self.n:  # one solve for the states' spectra and the key cone (K = min(K, V))
+            sv, lam = batched_svdvals(stack, extra=mats)
+        else:
+            sv, lam = batched_svdvals(stack), self._kc.symmetric_eigvals(mats)
+        self._put("sv", li, sv.float())
+        self._put("kc_cov_eigvals", li, lam[:H])
+        self._put("kc_P_eigvals", li, lam[H:])
         self._put("final_state", li, final[0].float())
 
     def result(self, meta: dict) -> CaptureResult:

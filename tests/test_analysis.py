@@ -425,11 +425,11 @@ def test_keycone_summary_matches_references_per_head_windows(T, chunk):
 
 
 @pytest.mark.parametrize("chunk", [300, 2048])
-def test_keycone_parts_split_sums_equal_one_block(chunk):
-    """The split sums over token blocks (CUDA's default, ``blocks=16``; T = 1000 pads the last block of each chunk
-    with zero rows) and the float64 operands written straight from float32 keys (CUDA's ``direct``) equal the
-    one-block sums to rounding, and match the reference functions per head (windows of 2 tokens, ~T/2 and all T)."""
-    from gdnviz.analysis.keycone import keycone_finish, keycone_parts
+def test_keycone_sums_are_the_reference_matrices(chunk):
+    """keycone_sums' window covariance C and decayed covariance P (what a capture hands to its merged eigensolve)
+    equal window_key_covariance over ⌈horizon⌉-token windows and decayed_key_covariance, per head (windows of 2
+    tokens, ~T/2 and all T; chunks that split the windows); keycone_parts' eigenvalues are theirs."""
+    from gdnviz.analysis.keycone import covariance_window, keycone_parts, keycone_sums
 
     rng = np.random.default_rng(17)
     T, H, K = 1000, 4, 8
@@ -438,22 +438,15 @@ def test_keycone_parts_split_sums_equal_one_block(chunk):
     g[:, 0], g[:, 1], g[:, 2] = np.log(0.5), np.log(1 - 2.0 / T), 0.0
     g[:, 3] = np.log(rng.uniform(0.6, 0.99, T))
     kt, gt = torch.from_numpy(k), torch.from_numpy(g)
-    ref = {False: keycone_parts(kt, gt, chunk=chunk, blocks=1),
-           True: keycone_parts(kt.float(), gt, chunk=chunk, blocks=1, direct=False)}  # float32 keys
-    for blocks, direct in ((3, False), (16, False), (16, True), (1, True)):  # direct: CUDA's default, from the keys
-        one = ref[direct]
-        split = keycone_parts(kt.float() if direct else kt, gt, chunk=chunk, blocks=blocks, direct=direct)
-        for name in ("horizon", "mean_key_norm"):
-            np.testing.assert_allclose(split[name].numpy(), one[name].numpy(), rtol=1e-13)
-        for name in ("cov_eigvals", "P_eigvals"):  # eigenvalues: absolute, to the largest one's rounding
-            x, y = split[name].numpy(), one[name].numpy()
-            assert np.all(np.isfinite(x)) and not np.array_equal(x, np.zeros_like(x))
-            np.testing.assert_allclose(x, y, rtol=0, atol=1e-12 * np.abs(y).max())
-    s = keycone_finish(keycone_parts(kt, gt, chunk=chunk, blocks=16))
-    np.testing.assert_allclose(s["key_cov_erank"], key_covariance_erank(k, g), rtol=1e-9)
-    np.testing.assert_allclose(s["decayed_P_erank_eig"], decayed_key_erank(k, g, "eig"), rtol=1e-9)
-    np.testing.assert_allclose(s["decayed_P_erank_sqrt"], decayed_key_erank(k, g, "sqrt"), rtol=1e-9)
-    np.testing.assert_allclose(s["mean_key_norm"], mean_key_norm(k), rtol=1e-12)
+    sums = keycone_sums(kt, gt, chunk=chunk)
+    w = covariance_window(decay_horizon(g), T)
+    np.testing.assert_allclose(sums["C"].numpy(), window_key_covariance(k, w), rtol=1e-9, atol=1e-14)
+    np.testing.assert_allclose(sums["P"].numpy(), decayed_key_covariance(k, g), rtol=1e-12, atol=1e-14)
+    np.testing.assert_allclose(sums["mean_key_norm"].numpy(), mean_key_norm(k), rtol=1e-12)
+    parts = keycone_parts(kt, gt, chunk=chunk)
+    for name, M in (("cov_eigvals", sums["C"]), ("P_eigvals", sums["P"])):
+        np.testing.assert_allclose(parts[name].numpy(), np.linalg.eigvalsh(M.numpy()), rtol=0,
+                                   atol=1e-12 * np.abs(M.numpy()).max())
 
 
 def test_keycone_summary_short_windows_skip_early_chunks():

@@ -65,9 +65,10 @@ def test_captured_gates_and_keys_match_layer_projections(lm):
 
 
 def test_captured_key_statistics_match_the_keys_the_layer_writes(lm):
-    """key_mean, key_sample and the key cone's mean key norm against the unit keys the GDN core receives (grabbed
-    by a second callback in the same run): float32 mean over the document, float16 samples at key_sample_pos."""
-    from gdnviz.analysis.keycone import mean_key_norm
+    """key_mean, key_sample and every key cone statistic against the unit keys and log-decays the GDN core receives
+    (grabbed by a second callback in the same run): float32 mean over the document, float16 samples at
+    key_sample_pos, and the key cone of keycone_summary (the capture solves its matrices with the spectra)."""
+    from gdnviz.analysis.keycone import keycone_summary, mean_key_norm
     from gdnviz.capture import CaptureCallback
 
     x = torch.as_tensor(doc(150, seed=3))[None]
@@ -77,13 +78,16 @@ def test_captured_key_statistics_match_the_keys_the_layer_writes(lm):
         modifies_state = False
 
         def on_layer_input(self, layer, offset, k, g, beta):
-            keys[layer] = k[0].detach().clone()
+            keys[layer] = (k[0].detach().clone(), g[0].detach().clone())
 
     cb = CaptureCallback(lm.info, x.shape[1], 64)
     runner.forward(lm, x, segment_len=64, callbacks=[cb, Grab()], keep_hidden=False)
     cap = cb.result({})
     for li, layer in enumerate(lm.info.gdn_layers):
-        k = keys[layer].double()  # [T, H, K]
+        k, g = (t.double() for t in keys[layer])  # [T, H, K], [T, H]
+        ref = keycone_summary(k, g)  # the key cone on its own (its matrices' eigenvalues solved alone)
+        for name, val in ref.items():
+            np.testing.assert_allclose(cap.keycone[name][li], val, rtol=1e-9, err_msg=name)
         np.testing.assert_allclose(cap.key_mean[li], k.mean(0).numpy(), rtol=1e-5, atol=1e-6)
         np.testing.assert_allclose(cap.key_sample[li].astype(np.float32),
                                    k[cap.key_sample_pos].transpose(0, 1).numpy(), atol=2e-3)
@@ -161,6 +165,26 @@ def test_batched_svdvals_of_states_with_nan_or_inf():
     assert torch.isnan(ours[[1, 3]]).all() and torch.isfinite(ours[[0, 2]]).all()
     ref = torch.linalg.svdvals(S[[0, 2]].double())
     assert ((ours[[0, 2]] - ref).abs() / ref[:, :1]).max() < 1e-7
+
+
+def test_batched_svdvals_solves_extra_symmetric_matrices_in_the_same_call():
+    """``extra`` (a capture's key cone matrices): ascending eigenvalues of each symmetrised matrix, NaN rows for a
+    matrix with NaN/inf, while the states' singular values stay what they are without it; a wrong size is refused."""
+    from gdnviz.analysis.keycone import symmetric_eigvals
+    from gdnviz.capture import batched_svdvals
+
+    g = torch.Generator().manual_seed(3)
+    S = torch.randn(2, 3, 16, 16, generator=g)
+    A = torch.randn(5, 16, 16, generator=g, dtype=torch.float64)
+    A[2, 1, 4] = float("inf")
+    sv, lam = batched_svdvals(S, extra=A)
+    assert torch.equal(sv, batched_svdvals(S))
+    assert torch.isnan(lam[2]).all() and torch.isfinite(lam[[0, 1, 3, 4]]).all()
+    ok = [0, 1, 3, 4]
+    np.testing.assert_allclose(lam[ok].numpy(), np.linalg.eigvalsh(0.5 * (A[ok] + A[ok].mT).numpy()), atol=1e-12)
+    assert torch.equal(lam[ok], symmetric_eigvals(A)[ok])
+    with pytest.raises(ValueError, match="extra"):
+        batched_svdvals(S, extra=A[:, :8, :8])
 
 
 @pytest.mark.gpu

@@ -22,7 +22,7 @@ Memory: nothing of size ``[T, H, K, K]`` is ever formed. Sums over tokens run in
 (float64 copies of one chunk at a time, ``chunk · H · K · 8`` bytes) with a batched GEMM over the token axis into
 ``[H, K, K]`` accumulators, on the device of the input tensor (CPU for numpy; CPU for MPS, which has no
 float64). ``T = 16384, H = 16, K = 128`` needs a few tens of MB beyond the input with the CPU's 2048-token
-chunks; :func:`keycone_parts` on CUDA uses 16,384-token chunks (fewer launches; about 0.6 GB of float64
+chunks; :func:`keycone_parts` on CUDA uses 16,384-token chunks (fewer launches; about 1 GB of float64
 temporaries). :class:`DecayedKeyCovariance` computes ``P`` incrementally, segment by segment, for inputs that never
 exist as one tensor.
 
@@ -49,7 +49,9 @@ __all__ = [
     "decayed_key_erank",
     "DecayedKeyCovariance",
     "keycone_summary",
+    "keycone_sums",
     "keycone_parts",
+    "symmetric_eigvals",
     "keycone_finish",
 ]
 
@@ -59,12 +61,6 @@ CHUNK = 2048
 #: that dominated a capture's statistics at 2048 (83 ms of host time for 16K tokens × 18 layers, H200); a float64
 #: chunk of 16 heads × 128 is 268 MB, and a few live at once.
 CUDA_CHUNK = 16384
-#: Blocks per chunk in :func:`keycone_parts`' split sums over tokens (``_gram_split``) on CUDA: 16 heads × 16 blocks
-#: = 256 GEMM outputs of 128×128, about two waves of tiles on 132 SMs. The CPU sums each chunk in one block (the
-#: split made a 16K-token layer 1.4× slower there, 2-core machine).
-SPLIT_BLOCKS = 16
-#: Fewest tokens per block of the split sums.
-_MIN_BLOCK = 64
 #: Relative tolerance when rounding a horizon up to a window: 1/(1−0.9) = 10.000000000000002 is 10 tokens.
 _CEIL_RTOL = 1e-9
 
@@ -226,18 +222,6 @@ def _gram_over_tokens(X: torch.Tensor) -> torch.Tensor:
     return torch.bmm(X.permute(1, 2, 0), X.permute(1, 0, 2))
 
 
-def _gram_split(X: torch.Tensor, nb: int) -> torch.Tensor:
-    """``Σ_t x_t x_tᵀ`` per head of head-major ``X [H, nb·tb, K]`` (contiguous), split over the token axis into
-    ``nb`` blocks of ``tb``: one batched GEMM of ``H·nb`` products, then a sum over the blocks. ``[H, K, K]``.
-
-    Why: one GEMM per head over all tokens is 16 outputs of 128×128 with a 16K-long inner dimension, too few tiles to
-    fill an H200's 132 SMs (the key cone took 2.7 ms per layer, ~6 float64 TFLOP/s); the split gives ``H·nb`` tiles
-    for the price of summing ``nb`` partial products."""
-    H, t, K = X.shape
-    Xb = X.view(H * nb, t // nb, K)
-    return torch.bmm(Xb.transpose(1, 2), Xb).view(H, nb, K, K).sum(1)
-
-
 def _decayed_sum(kt: torch.Tensor, amp: torch.Tensor, chunk: int) -> torch.Tensor:
     """``Σ_t (amp_t k_t)(amp_t k_t)ᵀ`` per head, chunked over T: ``[H, K, K]`` float64 on ``amp``'s device."""
     T, H, K = kt.shape
@@ -330,7 +314,7 @@ class DecayedKeyCovariance:
         return np.atleast_1d(effective_rank_from_eigenvalues(_eigvalsh(self.P), scale=scale))
 
 
-def _eigvalsh_device(A: torch.Tensor) -> torch.Tensor:
+def symmetric_eigvals(A: torch.Tensor) -> torch.Tensor:
     """:func:`_eigvalsh` on the device of ``A [N, n, n]`` float64 (no host synchronisation): symmetrised, NaN rows
     where ``A`` has NaN/inf. CUDA uses the batched kernels of ``gdnviz.gpu.symeig`` (``torch.linalg.eigvalsh`` loops
     over the batch there); the CPU uses LAPACK through ``torch.linalg.eigvalsh``."""
@@ -346,40 +330,28 @@ def _eigvalsh_device(A: torch.Tensor) -> torch.Tensor:
     return torch.where(bad[:, None], torch.full((), float("nan"), dtype=lam.dtype, device=lam.device), lam)
 
 
-def keycone_parts(k: Any, g: Any, chunk: int | None = None, blocks: int | None = None,
-                  direct: bool | None = None) -> dict[str, torch.Tensor]:
-    """The device half of :func:`keycone_summary`: every sum over tokens and both eigen-decompositions, as float64
-    tensors on the keys' device, **without a host synchronisation** (a capture launches it per layer on CUDA and
-    copies the results once; :func:`keycone_finish` turns them into the summary).
+def keycone_sums(k: Any, g: Any, chunk: int | None = None) -> dict[str, torch.Tensor]:
+    """The sums over tokens of :func:`keycone_parts`, before its eigenvalues: float64 tensors on the keys' device,
+    **without a host synchronisation**. A capture (``gdnviz.capture``) solves the two ``[H, K, K]`` matrices'
+    eigenvalues together with the layer's boundary states' spectra, in one launch of the same kernels.
 
     The key-covariance window of each head (``⌈horizon⌉`` clamped to ``[2, T]``, :func:`covariance_window`) is
     applied as a token mask ``t ≥ T − w_h`` over all ``T`` tokens, so no window size has to reach the host; rows
     outside a head's window are replaced by exact zeros (``torch.where``, so a NaN key outside the window stays
     outside, as in :func:`window_key_covariance`). The window's second moment is accumulated uncentred,
     ``Σ k kᵀ − w μμᵀ``, in the same single pass over the keys as the mean and the decayed covariance: each chunk is
-    copied to float64 head-major (``[H, t, K]``) once, its two float64 operands (the window's keys, the
-    decay-weighted keys) are written from that copy, the window's sum is a GEMV and the sums over tokens are batched
-    GEMMs, on CUDA split over blocks of tokens (:func:`_gram_split`).
+    copied to float64 head-major (``[H, t, K]``) once, and the sums over tokens are batched GEMMs.
 
     chunk: tokens per float64 chunk; None = :data:`CUDA_CHUNK` on CUDA, :data:`CHUNK` elsewhere.
-    blocks: each chunk's sums split into this many blocks of at least 64 tokens (the last one zero-padded);
-    None = :data:`SPLIT_BLOCKS` on CUDA, 1 elsewhere. The results agree to rounding (~1e-15 relative).
-    direct: write the float64 operands straight from a transposed view of the keys instead of from one float64
-    head-major copy (None = no: on an H200 the direct form took 3.38 ms per 16K-token layer against 2.56 with the
-    copy, ninth session; on the CPU it is slower too). The same numbers either way.
 
-    Returns ``{"horizon": [H], "mean_key_norm": [H], "cov_eigvals": [H, K], "P_eigvals": [H, K]}`` (eigenvalues
-    ascending; NaN rows for matrices with NaN/inf).
+    Returns ``{"horizon": [H], "mean_key_norm": [H], "C": [H, K, K], "P": [H, K, K]}``: ``C`` the window covariance
+    (:func:`window_key_covariance`), ``P`` the decayed key covariance (:func:`decayed_key_covariance`).
     """
     kt, gt = _keys_and_g(k, g)
     T, H, K = kt.shape
     dev = _device(kt)
     if chunk is None:
         chunk = CUDA_CHUNK if dev.type == "cuda" else CHUNK
-    if blocks is None:
-        blocks = SPLIT_BLOCKS if dev.type == "cuda" else 1
-    if direct is None:
-        direct = False
     g64 = gt.to(dev)
     abar = torch.exp(g64).mean(0)  # mean_alpha
     horizon = torch.where(abar >= 1.0, torch.full_like(abar, float("inf")), 1.0 / (1.0 - abar))  # decay_horizon
@@ -396,40 +368,37 @@ def keycone_parts(k: Any, g: Any, chunk: int | None = None, blocks: int | None =
     P = torch.zeros(H, K, K, dtype=torch.float64, device=dev)
     zero = torch.zeros((), dtype=torch.float64, device=dev)
     ampT = torch.exp(_suffix_log_decay(g64)).T  # [H, T]: √w_t of the decayed covariance
-    zero3 = torch.zeros(1, 1, 1, dtype=torch.float64, device=dev)  # a dimensioned float64 zero: where() promotes
-    ones = None
-    for i in range(0, T, chunk):  # one pass over the keys
+    for i in range(0, T, chunk):  # one pass: each chunk converted to float64 once
         n = min(chunk, T - i)
-        tb = max(_MIN_BLOCK, -(-n // blocks))  # tokens per block of the split sums
-        nb = -(-n // tb)
-        L = nb * tb  # padded with zero rows, which add exact zeros to every sum
-        kc = kt[i : i + n].to(dev)  # [n, H, K] in the keys' dtype (no copy on the same device)
-        if direct:  # the float64 operands below are written head-major straight from a view of the keys
-            kh = kc.transpose(0, 1)
-            s += kc.sum(0, dtype=torch.float64)
-        else:  # one float64 head-major copy first (the CPU's elementwise kernels from a transposed view are slower)
-            kh = torch.empty(H, n, K, dtype=torch.float64, device=dev)
-            kh.copy_(kc.transpose(0, 1))
-            s += kh.sum(1)
+        x = torch.empty(H, n, K, dtype=torch.float64, device=dev)  # head-major: the GEMMs below read it as is
+        x.copy_(kt[i : i + n].transpose(0, 1))
+        s += x.sum(1)
         if i >= first:
             m = (torch.arange(i, i + n, device=dev, dtype=torch.float64) >= start[:, None])[..., None]
-            xm = torch.empty(H, L, K, dtype=torch.float64, device=dev)
-            torch.where(m, kh, zero3, out=xm[:, :n])  # the window's keys in float64, in one pass
-            xm[:, n:].zero_()
-            if ones is None or ones.shape[-1] != L:
-                ones = torch.ones(H, 1, L, dtype=torch.float64, device=dev)
-            sw += torch.bmm(ones, xm)[:, 0]  # a GEMV: the sum over the middle axis as a reduction was ~4x slower
-            Gw += _gram_split(xm, nb)
-        y = torch.empty(H, L, K, dtype=torch.float64, device=dev)
-        torch.mul(kh, ampT[:, i : i + n, None], out=y[:, :n])  # rows √w_t k_t in float64, in one pass
-        y[:, n:].zero_()
-        P += _gram_split(y, nb)
+            xm = torch.where(m, x, zero)
+            sw += xm.sum(1)
+            Gw += torch.bmm(xm.transpose(1, 2), xm)
+        y = x.mul_(ampT[:, i : i + n, None])  # rows √w_t k_t, in place: x is this chunk's own copy
+        P += torch.bmm(y.transpose(1, 2), y)
     # centred second moment of the window, Σ (k − μ)(k − μ)ᵀ = Σ k kᵀ − w μ μᵀ with μ = Σ k / w: float64, so the
     # cancellation costs ~1e-16 / (1 − ‖μ‖²) relative (unit keys); a cone with 1 − ‖μ‖² < 1e-8 would lose digits
     C = (Gw - sw[:, :, None] * sw[:, None, :] / w[:, None, None]) / w[:, None, None]
-    lam = _eigvalsh_device(torch.cat([C, P]))
-    return {"horizon": horizon, "mean_key_norm": torch.linalg.vector_norm(s / T, dim=-1),
-            "cov_eigvals": lam[:H], "P_eigvals": lam[H:]}
+    return {"horizon": horizon, "mean_key_norm": torch.linalg.vector_norm(s / T, dim=-1), "C": C, "P": P}
+
+
+def keycone_parts(k: Any, g: Any, chunk: int | None = None) -> dict[str, torch.Tensor]:
+    """The device half of :func:`keycone_summary`: :func:`keycone_sums` and both eigen-decompositions, as float64
+    tensors on the keys' device, **without a host synchronisation** (:func:`keycone_finish` turns them into the
+    summary).
+
+    Returns ``{"horizon": [H], "mean_key_norm": [H], "cov_eigvals": [H, K], "P_eigvals": [H, K]}`` (eigenvalues
+    ascending; NaN rows for matrices with NaN/inf).
+    """
+    sums = keycone_sums(k, g, chunk=chunk)
+    H = sums["C"].shape[0]
+    lam = symmetric_eigvals(torch.cat([sums["C"], sums["P"]]))
+    return {"horizon": sums["horizon"], "mean_key_norm": sums["mean_key_norm"], "cov_eigvals": lam[:H],
+            "P_eigvals": lam[H:]}
 
 
 def keycone_finish(parts: dict) -> dict[str, np.ndarray]:
