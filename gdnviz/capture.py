@@ -26,16 +26,23 @@ Nothing else is kept: no per-token keys, no activations, no logits. For a Qwen3.
 
 Statistics on the device, copied once (CUDA): every per-layer statistic (gates, key samples, the key cone's sums and
 eigenvalues, the boundary states' spectra, the final state) is computed by kernels launched right after the layer,
-without a single host synchronisation, and copied asynchronously into pinned host buffers; only the key cone's
-effective ranks (a few numbers per head) are finished on the host after the forward. By default (``pipeline=None``)
+without a single host synchronisation, and copied asynchronously into pinned host buffers. A layer has two jobs: at
+its input the gates, key samples and the key cone's sums (``keycone_sums``); at its end the boundary states' spectra
+together with the eigenvalues of the key cone's two matrices per head, in the same kernel launches
+(``batched_svdvals(extra=...)``: in launches of their own those 32 small eigenproblems took 0.94 ms per layer on an
+H200, ninth session), and the final state. As each job finishes, its results are copied out of the pinned buffers
+into the result's arrays by the host while later layers still run; only the key cone's effective ranks (a few
+numbers per head) are finished on the host after the forward. By default (``pipeline=None``)
 the statistics run on a side CUDA stream that waits for the layer's inputs, so they overlap the next layers' forward
 on the GPU; ``pipeline=False`` queues them on the main stream. At most ``PIPELINE_DEPTH`` layers' statistics are in
 flight (the host waits for the oldest beyond that), which bounds the boundary states held on the GPU. The numbers
 are the same either way (the tests compare them). On CPU everything runs inline. ``meta["statistics_seconds"]``
-says where the host's time went: launching each job kind, waiting for the GPU (``waiting``) and assembling the
-host arrays at the end (``results``). Before this design (sixth session) the statistics ran on a background thread
+says where the host's time went: launching each job kind, waiting for the GPU (``waiting``) and filling the host
+arrays (``results``: the copies out of the pinned buffers, mostly during the forward, and the key cone's effective
+ranks at the end). Before this design (sixth session) the statistics ran on a background thread
 with ~300 synchronous device→host copies and the key cone's eigenvalues on the host: a 16K-token capture took 0.98 s
-(7.4× the prefill) on an H200; now 0.32 s (2.39×; bench/RESULTS.md, seventh session).
+(7.4× the prefill) on an H200; 0.32 s (2.39×) in the seventh session, 0.266 s (2.01×) in the ninth
+(bench/RESULTS.md).
 """
 from __future__ import annotations
 

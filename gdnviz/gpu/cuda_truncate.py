@@ -23,7 +23,9 @@ their bounds, and attempts with no filter step (far from converged) are refused 
 * ``G = S Sᵀ / ‖S‖²_F`` stays in shared memory (128 KiB for K = 128), with the 32-column block ``Q`` and a work
   block (``[K, 33]`` each, padded against bank conflicts) and two 32×32 matrices: 211 KiB of the H200's 227 KiB per
   block. Only ``U`` (the kept directions, ``[K, 32]``) goes to a global scratch buffer.
-* products ``G·Q`` as register-tiled float64 FMAs (4×4 per thread), ``S Sᵀ`` and ``U (Uᵀ S)`` 8×8 per thread;
+* products ``G·Q`` and the Gram matrix ``S Sᵀ`` on the float64 tensor cores (``mma.sync`` m8n8k4, 8-row tiles per
+  warp; ``GDNVIZ_CUDA_TRUNCATE_DMMA=0``: register-tiled float64 FMAs, 4×4 and 8×8 per thread, the build before the
+  ninth session); ``U (Uᵀ S)`` as FMAs over the r kept columns only;
 * Cholesky-QR: the Gram matrix, then one loop over the 32 columns with one barrier per column — threads < K keep
   row t of ``Q`` in registers and forward-substitute it (right-looking), the other threads update the trailing
   lower triangle of the Gram matrix;
@@ -56,9 +58,16 @@ states at r = 4 in 0.166 ms against 0.515 ms for the full algorithm (3.1×); 288
 0.975 ms (issue #6's ≤ 1 ms per boundary); a 16K-token run with every head truncated at r = 4 in 3.25× the prefill
 instead of 5.98× (subspace path).
 
+Measured (H200, ninth session, bench/RESULTS.md): the tensor cores cut the attempt's cycles at r = 4 by 13% (Gram
+17%, G·X 7%: those phases are latency-bound, not arithmetic-bound); with the attempts' looser Jacobi stop
+(``ATTEMPT_JACOBI_TOL``) and the projection over r columns, 288 states take 0.406 / 0.875 / 1.305 / 2.848 ms at
+r = 1 / 4 / 12 / 32 and 16 states 0.145 ms at r = 4; a 16K-token run at r = 4 is 2.81× the prefill.
+
 Verified where: on CPU, the same source compiled with g++ against ``gdnviz.gpu.cuda_emul`` (every thread of a block
 as a user-level context, barriers and warp shuffles emulated, shared memory NaN-filled) equals ``reference_fused``
-on tests/test_truncate.py's batteries (tests/test_cuda_truncate.py); NVRTC compiles it for sm_90 without spills;
+on tests/test_truncate.py's batteries (tests/test_cuda_truncate.py; the FMA build, and the tensor-core build with
+``mma.sync`` emulated from warp collectives against it); NVRTC compiles both builds for sm_90 (spills only for 32
+columns at K = 128, ≤ 320 bytes);
 on CUDA, tests/test_fused_truncate.py's GPU tests run through it when it is on.
 
 Contract (``truncate_cuda``): ``X [N, K, V]`` float32 or float64 CUDA, contiguous; ``ranks`` an int or an int32 CUDA
