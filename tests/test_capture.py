@@ -202,6 +202,26 @@ def test_batched_svdvals_of_states_with_nan_or_inf_on_gpu():
     assert ((ours[[0, 2]] - ref).abs() / ref[:, :1]).max() < 1e-7
 
 
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+def test_batched_svdvals_extra_matrices_on_gpu_equal_cpu():
+    """The capture's merged solve on CUDA (one launch of the tridiagonalisation and bisection kernels for 1,024
+    states and 32 key-cone matrices, with one NaN matrix) against LAPACK on the CPU."""
+    from gdnviz.capture import batched_svdvals
+
+    g = torch.Generator().manual_seed(4)
+    S = torch.randn(64, 16, 128, 128, generator=g) / 128
+    X = torch.randn(32, 128, 128, generator=g, dtype=torch.float64)
+    A = X @ X.mT / 128
+    A[7, 3, 3] = float("nan")
+    sv, lam = batched_svdvals(S.cuda(), extra=A.cuda())
+    sv_c, lam_c = batched_svdvals(S, extra=A)
+    assert ((sv.cpu() - sv_c).abs() / sv_c[..., :1]).max() < 1e-7
+    ok = torch.arange(32) != 7
+    assert torch.isnan(lam[7].cpu()).all() and torch.isnan(lam_c[7]).all()
+    assert ((lam.cpu()[ok] - lam_c[ok]).abs() / lam_c[ok][:, -1:]).max() < 1e-12
+
+
 def _same_capture(a: CaptureResult, b: CaptureResult) -> None:
     for f in ("positions", "sv", "final_state", "g", "beta", "key_mean", "key_sample", "key_sample_pos"):
         np.testing.assert_array_equal(getattr(a, f), getattr(b, f), err_msg=f)
