@@ -210,6 +210,11 @@ def test_emulated_tensor_core_build_matches_the_fma_build():
     got = cuda_truncate.emulate(X, ranks, dmma=True)
     assert energy_error(X, got, ranks).max().item() <= TOL
     assert (got - cuda_truncate.emulate(X, ranks)).abs().max().item() <= 1e-9 * X.abs().max().item()
+    for K, V in ((64, 128), (128, 64)):  # one 8-row tile per warp (K = 64); a Gram matrix of rank ≤ V
+        Y = hard_states(4, K=K, V=V, seed=7)[0][:1]
+        got = cuda_truncate.emulate(Y, [4], dmma=True)
+        assert energy_error(Y, got, 4).max().item() <= TOL, (K, V)
+        assert (got - cuda_truncate.emulate(Y, [4])).abs().max().item() <= 1e-9 * Y.abs().max().item(), (K, V)
 
 
 @needs_gxx
