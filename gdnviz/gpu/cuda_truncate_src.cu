@@ -99,17 +99,21 @@ __device__ __forceinline__ void block_sum4(double (&v)[4], double* red) {
     __syncthreads();
 }
 
-// This thread's KR x KR tile of G (rows ty + 16a, columns tx + 16b) back to shared memory, then G's trace, which every
-// thread gets (block_sum: two barriers).
+// The trace of G [K][K] once every thread has stored its part of it; every thread gets it (three barriers).
+__device__ __forceinline__ double gram_trace(const double* Gs, double* red) {
+    __syncthreads();
+    double d = 0.0;
+    for (int i = threadIdx.x; i < K_; i += NT) d += Gs[i * K_ + i];
+    return block_sum(d, red);
+}
+
+// This thread's KR x KR tile of G (rows ty + 16a, columns tx + 16b) back to shared memory, then G's trace.
 __device__ __forceinline__ double store_tile_trace(const double (&acc)[KR][KR], double* Gs, double* red, int tx, int ty) {
 #pragma unroll
     for (int a = 0; a < KR; ++a)
 #pragma unroll
         for (int b = 0; b < KR; ++b) Gs[(ty + 16 * a) * K_ + tx + 16 * b] = acc[a][b];
-    __syncthreads();
-    double d = 0.0;
-    for (int i = threadIdx.x; i < K_; i += NT) d += Gs[i * K_ + i];
-    return block_sum(d, red);
+    return gram_trace(Gs, red);
 }
 
 // Y [K][QP] = G [K][K] X [K][QP] (G symmetric: G[k][i] read for G[i][k]); no barrier inside.
@@ -336,10 +340,7 @@ gdnviz_truncate(const scalar_t* __restrict__ S, scalar_t* __restrict__ OUT, cons
                     const int i = 8 * (RT * w + a) + lr, j = 8 * c + 2 * lk + h;
                     if (i >= j) { Gs[i * K_ + j] = acc[a][c][h]; Gs[j * K_ + i] = acc[a][c][h]; }
                 }
-        __syncthreads();
-        double d = 0.0;
-        for (int i = t; i < K_; i += NT) d += Gs[i * K_ + i];
-        tr = block_sum(d, misc + M_RED);
+        tr = gram_trace(Gs, misc + M_RED);
     }
 #else
     // ---- G = S S^T / ||S||_F^2, S staged through As 32 columns at a time
