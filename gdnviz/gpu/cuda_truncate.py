@@ -61,7 +61,7 @@ instead of 5.98× (subspace path).
 Measured (H200, ninth session, bench/RESULTS.md): the tensor cores cut the attempt's cycles at r = 4 by 13% (Gram
 17%, G·X 7%: those phases are latency-bound, not arithmetic-bound); with the attempts' looser Jacobi stop
 (``ATTEMPT_JACOBI_TOL``) and the projection over r columns, 288 states take 0.406 / 0.875 / 1.305 / 2.848 ms at
-r = 1 / 4 / 12 / 32 and 16 states 0.145 ms at r = 4; a 16K-token run at r = 4 is 2.81× the prefill.
+r = 1 / 4 / 12 / 32 and 16 states 0.146 ms at r = 4; a 16K-token run at r = 4 is 2.81× the prefill.
 
 Verified where: on CPU, the same source compiled with g++ against ``gdnviz.gpu.cuda_emul`` (every thread of a block
 as a user-level context, barriers and warp shuffles emulated, shared memory NaN-filled) equals ``reference_fused``
@@ -144,7 +144,7 @@ def smem_bytes(K: int, qb: int = Q) -> int:
 
 def dmma_on() -> bool:
     """Whether the kernel runs its Gram matrix and its products G·X on the float64 tensor cores (``mma.sync``
-    m8n8k4; ``GDNVIZ_CUDA_TRUNCATE_DMMA=0``: the same sums as fused multiply-adds, the sixth session's code)."""
+    m8n8k4; ``GDNVIZ_CUDA_TRUNCATE_DMMA=0``: the same sums as fused multiply-adds, as before the ninth session)."""
     return env_switch("GDNVIZ_CUDA_TRUNCATE_DMMA", DMMA_DEFAULT_ON)
 
 
