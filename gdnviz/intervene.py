@@ -87,23 +87,18 @@ def _graph_truncation(heads_d: torch.Tensor, ranks, fused: bool):
 
     every_head = heads_d.tolist() == list(range(int(heads_d.max()) + 1)) if len(heads_d) else False
 
+    def cut(x: torch.Tensor, B: int) -> torch.Tensor:  # x [B·len(heads), K, V], heads repeated over B rows
+        if fused:
+            return truncate_fused(x, ranks if B == 1 or isinstance(ranks, int) else ranks.repeat(B))
+        return truncate_states(x, ranks, method="subspace")
+
     def fn(state: torch.Tensor, rows: torch.Tensor | None = None) -> torch.Tensor:
         if every_head and rows is None and state.shape[1] == len(heads_d):
             # every head of every row: no gather / scatter (two kernels fewer per boundary)
-            x = state.reshape(-1, *state.shape[-2:])
-            if fused:
-                B = state.shape[0]
-                y = truncate_fused(x, ranks if B == 1 or isinstance(ranks, int) else ranks.repeat(B))
-            else:
-                y = truncate_states(x, ranks, method="subspace")
-            return y.reshape(state.shape).to(state.dtype)
+            return cut(state.reshape(-1, *state.shape[-2:]), state.shape[0]).reshape(state.shape).to(state.dtype)
         sub = state if rows is None else state.index_select(0, rows)
         B, _, K, V = sub.shape
-        x = sub.index_select(1, heads_d).reshape(-1, K, V)
-        if fused:
-            y = truncate_fused(x, ranks if B == 1 or isinstance(ranks, int) else ranks.repeat(B))
-        else:
-            y = truncate_states(x, ranks, method="subspace")
+        y = cut(sub.index_select(1, heads_d).reshape(-1, K, V), B)
         sub = sub.index_copy(1, heads_d, y.reshape(B, -1, K, V).to(state.dtype))
         return sub if rows is None else state.index_copy(0, rows, sub)
 
