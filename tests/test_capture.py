@@ -64,21 +64,31 @@ def test_captured_gates_and_keys_match_layer_projections(lm):
     assert cap.key_sample.shape[2] == len(cap.key_sample_pos) == 150
 
 
-def test_captured_key_statistics_match_the_keys_the_layer_writes(lm):
+@pytest.mark.parametrize("dims", [None, (16, 8), (8, 16)])
+def test_captured_key_statistics_match_the_keys_the_layer_writes(lm, dims):
     """key_mean, key_sample and every key cone statistic against the unit keys and log-decays the GDN core receives
     (grabbed by a second callback in the same run): float32 mean over the document, float16 samples at
-    key_sample_pos, and the key cone of keycone_summary (the capture solves its matrices with the spectra)."""
+    key_sample_pos, and the key cone of keycone_summary — with d_k = d_v and d_k < d_v the capture solves the key
+    cone's d_k × d_k matrices with the states' spectra, with d_k > d_v on their own; the spectra of the rectangular
+    states are svdvals'."""
     from gdnviz.analysis.keycone import keycone_summary, mean_key_norm
     from gdnviz.capture import CaptureCallback
 
+    if dims is not None:
+        lm = from_model(tiny_models.qwen3_5(dk=dims[0], dv=dims[1]), "tiny")
+        assert (lm.info.d_k, lm.info.d_v) == dims
     x = torch.as_tensor(doc(150, seed=3))[None]
     keys = {}
+    finals = {}
 
     class Grab:
         modifies_state = False
 
         def on_layer_input(self, layer, offset, k, g, beta):
             keys[layer] = (k[0].detach().clone(), g[0].detach().clone())
+
+        def on_layer_end(self, layer, position, state):
+            finals[layer] = state[0].detach().clone()
 
     cb = CaptureCallback(lm.info, x.shape[1], 64)
     runner.forward(lm, x, segment_len=64, callbacks=[cb, Grab()], keep_hidden=False)
@@ -92,6 +102,8 @@ def test_captured_key_statistics_match_the_keys_the_layer_writes(lm):
         np.testing.assert_allclose(cap.key_sample[li].astype(np.float32),
                                    k[cap.key_sample_pos].transpose(0, 1).numpy(), atol=2e-3)
         np.testing.assert_allclose(cap.keycone["mean_key_norm"][li], mean_key_norm(k), rtol=1e-9)
+        np.testing.assert_allclose(cap.sv[-1, li], torch.linalg.svdvals(finals[layer].double()).numpy(),
+                                   rtol=1e-4, atol=1e-7)
 
 
 def test_save_load_roundtrip(lm, tmp_path):
