@@ -164,9 +164,7 @@ def batched_svdvals(states: torch.Tensor, extra: torch.Tensor | None = None):
     if extra is not None:
         if extra.shape[-2:] != (n, n):
             raise ValueError(f"extra matrices must be [M, {n}, {n}]; got {tuple(extra.shape)}")
-        A = 0.5 * (extra + extra.transpose(-1, -2)).to(device=flat.device, dtype=torch.float64)
-        bad = ~torch.isfinite(A).all(-1).all(-1)
-        A = torch.where(bad[:, None, None], torch.zeros((), dtype=A.dtype, device=A.device), A)
+        A, bad = symeig.finite_symmetric(extra.to(device=flat.device, dtype=torch.float64))
     if flat.is_cuda and flat.dtype != torch.float64:
         G = symeig.gram(flat)
         ok = torch.isfinite(G.diagonal(dim1=-2, dim2=-1)).all(-1)  # [N]
@@ -176,7 +174,7 @@ def batched_svdvals(states: torch.Tensor, extra: torch.Tensor | None = None):
         G = symeig.gram(flat)
     if extra is not None:
         G = torch.cat([G, A])
-    lam = symeig.eigvalsh_tridiag(G) if G.is_cuda else torch.linalg.eigvalsh(G)
+    lam = symeig.eigvalsh(G)
     nan = torch.full((), float("nan"), dtype=lam.dtype, device=lam.device)
     sv = torch.where(ok[:, None], lam[:N].clamp_min(0).sqrt().flip(-1), nan)
     sv = sv.reshape(*shape[:-2], sv.shape[-1])

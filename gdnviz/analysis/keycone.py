@@ -316,17 +316,12 @@ class DecayedKeyCovariance:
 
 def symmetric_eigvals(A: torch.Tensor) -> torch.Tensor:
     """:func:`_eigvalsh` on the device of ``A [N, n, n]`` float64 (no host synchronisation): symmetrised, NaN rows
-    where ``A`` has NaN/inf. CUDA uses the batched kernels of ``gdnviz.gpu.symeig`` (``torch.linalg.eigvalsh`` loops
-    over the batch there); the CPU uses LAPACK through ``torch.linalg.eigvalsh``."""
-    A = 0.5 * (A + A.transpose(-1, -2))
-    bad = ~torch.isfinite(A).all(dim=-1).all(dim=-1)
-    A = torch.where(bad[:, None, None], torch.zeros((), dtype=A.dtype, device=A.device), A)
-    if A.is_cuda:
-        from gdnviz.gpu import symeig
+    where ``A`` has NaN/inf (``gdnviz.gpu.symeig.finite_symmetric`` and ``eigvalsh``: CUDA's batched kernels, LAPACK
+    on the CPU)."""
+    from gdnviz.gpu import symeig
 
-        lam = symeig.eigvalsh_tridiag(A)
-    else:
-        lam = torch.linalg.eigvalsh(A)
+    A, bad = symeig.finite_symmetric(A)
+    lam = symeig.eigvalsh(A)
     return torch.where(bad[:, None], torch.full((), float("nan"), dtype=lam.dtype, device=lam.device), lam)
 
 

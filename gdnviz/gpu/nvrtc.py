@@ -8,6 +8,7 @@ module's callers keep their fallback. ``usable()``: available and an NVIDIA buil
 """
 from __future__ import annotations
 
+import os
 import threading
 
 import torch
@@ -16,8 +17,6 @@ import torch
 def env_switch(env_name: str, default_on: bool) -> bool:
     """An on/off switch in environment variable ``env_name``: unset → ``default_on``, ``0`` → off, any other value →
     on (a module may read further values, e.g. a form)."""
-    import os
-
     env = os.environ.get(env_name, "").strip()
     return default_on if env == "" else env != "0"
 

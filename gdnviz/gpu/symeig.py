@@ -154,6 +154,21 @@ def eigvalsh_tridiag(G: torch.Tensor) -> torch.Tensor:
     return W
 
 
+def eigvalsh(G: torch.Tensor) -> torch.Tensor:
+    """Ascending eigenvalues ``[N, n]`` of symmetric float64 ``G [N, n, n]`` on its device without a host sync: the
+    batched kernels of :func:`eigvalsh_tridiag` on CUDA (``torch.linalg.eigvalsh`` loops over the batch there),
+    LAPACK through ``torch.linalg.eigvalsh`` elsewhere (which raises on NaN/inf: see :func:`finite_symmetric`)."""
+    return eigvalsh_tridiag(G) if G.is_cuda else torch.linalg.eigvalsh(G)
+
+
+def finite_symmetric(A: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """``(0.5 (A + Aᵀ), bad)`` for ``A [N, n, n]``, the matrices with a NaN/inf entry (``bad [N]``, bool) replaced by
+    zeros, so that :func:`eigvalsh` can take them; their eigenvalues are then replaced by NaN. No host sync."""
+    A = 0.5 * (A + A.transpose(-1, -2))
+    bad = ~torch.isfinite(A).all(dim=-1).all(dim=-1)
+    return torch.where(bad[:, None, None], torch.zeros((), dtype=A.dtype, device=A.device), A), bad
+
+
 def svdvals(states: torch.Tensor) -> torch.Tensor:
     """Singular values [N, min(K, V)] float64, descending, of states [N, K, V] (see module docstring)."""
     lam = eigvalsh_tridiag(gram(states))
