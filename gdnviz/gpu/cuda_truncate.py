@@ -129,17 +129,23 @@ def source(K: int, V: int, ctype: str = "float", qb: int = Q, dmma: bool | None 
     if K not in DIMS or V not in DIMS or ctype not in ("float", "double") or qb not in BLOCKS:
         raise ValueError(f"cuda_truncate takes K, V in {DIMS}, float/double and a block in {BLOCKS}; got {K}, {V}, "
                          f"{ctype}, {qb}")
-    with open(_SRC_PATH) as f:
+    with open(source_path()) as f:
         text = f.read()
     for key, val in (("@K@", K), ("@V@", V), ("@T@", ctype), ("@QB@", qb), ("@LQB@", qb.bit_length() - 1)):
         text = text.replace(key, str(val))
     return ("#define GDNVIZ_DMMA\n" if (dmma_on() if dmma is None else dmma) else "") + text
 
 
+def source_path() -> str:
+    """The kernel source file: ``cuda_truncate_src.cu`` beside this module, or the file ``GDNVIZ_CUDA_TRUNCATE_SRC``
+    names (an earlier revision, for same-run A/B timing on the GPU)."""
+    return os.environ.get("GDNVIZ_CUDA_TRUNCATE_SRC", "").strip() or _SRC_PATH
+
+
 def smem_bytes(K: int, qb: int = Q) -> int:
-    """Dynamic shared memory per block: G [K, K], two [K, qb + 1] blocks, two [qb, qb + 1] matrices, 384 doubles of
-    scalars."""
-    return 8 * (K * K + 2 * K * (qb + 1) + 2 * qb * (qb + 1) + 384)
+    """Dynamic shared memory per block: G [K, K + 1] (rows padded to an odd stride), two [K, qb + 1] blocks, two
+    [qb, qb + 1] matrices, 384 doubles of scalars."""
+    return 8 * (K * (K + 1) + 2 * K * (qb + 1) + 2 * qb * (qb + 1) + 384)
 
 
 def dmma_on() -> bool:
@@ -198,7 +204,7 @@ def _kernel(K: int, V: int, dtype: torch.dtype, device: torch.device, qb: int = 
     ctype = _CTYPES[dtype]
     dmma = dmma_on()
     src = ("#define GDNVIZ_PROFILE\n" if profile else "") + source(K, V, ctype, qb, dmma)
-    return KERNELS.get((K, V, ctype, device.index, qb, profile, dmma), device, src, "gdnviz_truncate",
+    return KERNELS.get((K, V, ctype, device.index, qb, profile, dmma, source_path()), device, src, "gdnviz_truncate",
                        shared_mem=smem_bytes(K, qb))
 
 

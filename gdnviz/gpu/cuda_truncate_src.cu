@@ -15,9 +15,6 @@
 #define KR (K_ / 16)
 #define VR (V_ / 16)
 #define RA (K_ / 32)
-#define NU (NT - K_)
-#define NTRI ((QB - 1) * QB / 2)
-#define NE ((NTRI + NU - 1) / NU)
 #define RS (NT / QB)
 #define QT (QB * QB / NT)
 #define NB (QB / 8)
@@ -176,10 +173,12 @@ __device__ __forceinline__ void gemm_gx(const double* G, const double* X, double
 #endif
 
 // T [QB][QP] = X^T Y over K rows (X, Y [K][QP]). mirror: T[i][j] = T[max][min] (the lower triangle, as eigh reads
-// it); shift: C_ii (1 + SHIFT) + TINY on the diagonal. No barrier inside.
+// it); shift: C_ii (1 + SHIFT) + TINY on the diagonal. No barrier inside. With one entry per thread (QB = 16) the
+// sum over k runs as XS interleaved partial sums, so that the chain of dependent fmas is K / XS long, not K.
+#define XS (QT == 1 ? 4 : 1)
 __device__ __forceinline__ void gemm_xty(const double* X, const double* Y, double* T, bool mirror, bool shift) {
     const int j = threadIdx.x & (QB - 1), i0 = threadIdx.x >> LQB;
-    double acc[QT];
+    double acc[QT][XS];
     int ii[QT], jj[QT];
 #pragma unroll
     for (int a = 0; a < QT; ++a) {
@@ -187,68 +186,64 @@ __device__ __forceinline__ void gemm_xty(const double* X, const double* Y, doubl
         const bool sw = mirror && i < j;
         ii[a] = sw ? j : i;
         jj[a] = sw ? i : j;
-        acc[a] = 0.0;
+#pragma unroll
+        for (int h = 0; h < XS; ++h) acc[a][h] = 0.0;
     }
 #pragma unroll 4
-    for (int k = 0; k < K_; ++k) {
+    for (int k = 0; k < K_; k += XS) {
 #pragma unroll
-        for (int a = 0; a < QT; ++a) acc[a] = fma(X[k * QP + ii[a]], Y[k * QP + jj[a]], acc[a]);
+        for (int h = 0; h < XS; ++h)
+#pragma unroll
+            for (int a = 0; a < QT; ++a) acc[a][h] = fma(X[(k + h) * QP + ii[a]], Y[(k + h) * QP + jj[a]], acc[a][h]);
     }
 #pragma unroll
     for (int a = 0; a < QT; ++a) {
         const int i = i0 + RS * a;
-        double v = acc[a];
+        double v = (XS == 4) ? (acc[a][0] + acc[a][1]) + (acc[a][2 % XS] + acc[a][3 % XS]) : acc[a][0];
         if (shift && i == j) v = v * (1.0 + SHIFT) + TINY;
         T[i * QP + j] = v;
     }
 }
 
-// X [K][QP] <- X L^{-T}, L L^T = X^T X + SHIFT diag + TINY I (shifted Cholesky-QR), C [QB][QP] scratch.
-// Threads < K own row t of X in registers (right-looking forward substitution); the others update the trailing
-// lower triangle of C. One barrier per column.
-__device__ void cholqr(double* X, double* C) {
+// X [K][QP] <- X L^{-T}, L L^T = X^T X + SHIFT diag + TINY I (shifted Cholesky-QR), C [QB][QP] scratch, B 2 QB
+// doubles of scratch. Warp 0 factorises: lane i holds row i of C in registers, column j's updated entries C'[.][j]
+// go through B (double-buffered: one __syncwarp per column), and C's lower triangle receives L below the diagonal and
+// 1 / L[j][j] on it. Then threads < K own row t of X in registers (right-looking forward substitution). Three
+// barriers in all instead of one per column, and the same fma / rsqrt sequence per entry as the block-wide column
+// loop this replaced (eighth session), so the same bits.
+__device__ void cholqr(double* X, double* C, double* B) {
     const int t = threadIdx.x;
     gemm_xty(X, X, C, false, true);
-    double x[QB];
-    int ei[NE], ek[NE];
-    if (t < K_) {
+    __syncthreads();
+    if (t < 32) {  // warp-uniform
+        const bool own = t < QB;
+        double c[QB];
 #pragma unroll
-        for (int c = 0; c < QB; ++c) x[c] = X[t * QP + c];
-    } else {
+        for (int k = 0; k < QB; ++k) c[k] = own ? C[t * QP + k] : 0.0;
 #pragma unroll
-        for (int m = 0; m < NE; ++m) {
-            const int e = (t - K_) + m * NU;  // entries (i, k), 1 <= k <= i <= QB - 1, e = i'(i'+1)/2 + k'
-            if (e < NTRI) {
-                int i1 = (int)((sqrt(8.0 * e + 1.0) - 1.0) * 0.5);
-                while ((i1 + 1) * (i1 + 2) / 2 <= e) ++i1;
-                while (i1 * (i1 + 1) / 2 > e) --i1;
-                ei[m] = i1 + 1;
-                ek[m] = e - i1 * (i1 + 1) / 2 + 1;
-            } else {
-                ei[m] = 0;
-                ek[m] = 0;  // k = 0 is never updated
-            }
+        for (int j = 0; j < QB; ++j) {
+            double* b = B + (j & 1) * QB;  // column j's entries (lane i: C'[i][j]); the other buffer is column j - 1's
+            if (own) b[t] = c[j];
+            __syncwarp();
+            const double rj = rsqrt(b[j]);
+            const double l = c[j] * rj;
+            if (own && t >= j) C[t * QP + j] = (t == j) ? rj : l;
+#pragma unroll
+            for (int k = j + 1; k < QB; ++k) c[k] = fma(-l, b[k] * rj, c[k]);  // lanes' entries k > i: unused
         }
     }
     __syncthreads();
+    if (t < K_) {
+        double x[QB];
 #pragma unroll
-    for (int j = 0; j < QB; ++j) {
-        const double rj = rsqrt(C[j * QP + j]);
-        if (t < K_) {
-            const double y = x[j] * rj;
+        for (int c = 0; c < QB; ++c) x[c] = X[t * QP + c];
+#pragma unroll
+        for (int j = 0; j < QB; ++j) {
+            const double y = x[j] * C[j * QP + j];
             x[j] = y;
 #pragma unroll
-            for (int k = j + 1; k < QB; ++k) x[k] = fma(-(C[k * QP + j] * rj), y, x[k]);
-        } else {
-#pragma unroll
-            for (int m = 0; m < NE; ++m) {
-                const int i = ei[m], k = ek[m];
-                if (k > j) C[i * QP + k] = fma(-(C[i * QP + j] * rj), C[k * QP + j] * rj, C[i * QP + k]);
-            }
+            for (int k = j + 1; k < QB; ++k) x[k] = fma(-C[k * QP + j], y, x[k]);
         }
-        __syncthreads();
-    }
-    if (t < K_) {
 #pragma unroll
         for (int c = 0; c < QB; ++c) X[t * QP + c] = x[c];
     }
@@ -422,7 +417,7 @@ gdnviz_truncate(const scalar_t* __restrict__ S, scalar_t* __restrict__ OUT, cons
         }
         __syncthreads();
         PROF(1);
-        cholqr(As, Cs);
+        cholqr(As, Cs, Ls);
         PROF(2);
         // ---- filter steps: Q <- cholqr(G (G Q))
         for (int it = 0; it < n_it; ++it) {
@@ -431,7 +426,7 @@ gdnviz_truncate(const scalar_t* __restrict__ S, scalar_t* __restrict__ OUT, cons
             gemm_gx(Gs, Bs, As);
             __syncthreads();
             PROF(3);
-            cholqr(As, Cs);
+            cholqr(As, Cs, Ls);
             PROF(2);
         }
         // ---- refill damped columns with fixed unit directions, then Cholesky-QR twice
@@ -454,8 +449,8 @@ gdnviz_truncate(const scalar_t* __restrict__ S, scalar_t* __restrict__ OUT, cons
             __syncthreads();
         }
         PROF(4);
-        cholqr(As, Cs);
-        cholqr(As, Cs);
+        cholqr(As, Cs, Ls);
+        cholqr(As, Cs, Ls);
         PROF(2);
         // ---- Rayleigh-Ritz: T = Q^T G Q (lower triangle), cyclic parallel Jacobi (A: Cs/Ls, V: Bs halves)
         gemm_gx(Gs, As, Bs);
@@ -700,8 +695,8 @@ gdnviz_truncate(const scalar_t* __restrict__ S, scalar_t* __restrict__ OUT, cons
     __syncthreads();
     PROF(9);
     if (npass > 1) {
-        cholqr(As, Cs);
-        cholqr(As, Cs);
+        cholqr(As, Cs, Ls);
+        cholqr(As, Cs, Ls);
         PROF(2);
     }
     // ---- S_r = U (U^T S): M = U^T S [QB][V] in Gs (S staged through Bs 16 rows at a time), then U M. Only U's
