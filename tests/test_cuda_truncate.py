@@ -193,7 +193,8 @@ def test_emulated_tensor_core_build_matches_the_fma_build():
     """The GPU's default build (``GDNVIZ_DMMA``: the Gram matrix and G·X on mma.sync m8n8k4, each lane's fragment
     as the PTX manual lays it out, emulated by warp collectives) against the fused multiply-add build: certified
     attempts on GDN-like states and the full algorithm with per-state ranks (one and two passes, float32 and float64)
-    give the same flags and, to rounding, the same states; every state within 1e-5 of exact. A lane layout read
+    give the same flags and, where the top-r subspace is unique, the same states to 1e-5 of their largest entry; every
+    state within 1e-5 of exact. A lane layout read
     wrong (a transposed fragment, a swapped pair of output columns) moves the energies by far more than that."""
     from bench.bench_truncate import gdn_like_states
 
@@ -204,17 +205,21 @@ def test_emulated_tensor_core_build_matches_the_fma_build():
     err = energy_error(S.double(), out_d.double(), 4)
     assert err.max().item() <= TOL and (err <= bound_d + 1e-12).all()
     assert (out_d - out_f).abs().max().item() <= 1e-5 * out_f.abs().max().item()
+    # hard states by their energies only: hard_states(20)'s σ_19 … σ_22 are equal, so its top-20 subspace is not
+    # unique, and the two builds (the tensor cores sum G·X over k in another order) keep different ones; the GDN-like
+    # states, with a gap at their cut, to 1e-5 of their largest entry (the Cholesky-QRs of the filtered blocks,
+    # condition ~1e8, amplify the builds' different roundings to ~3e-7)
     H, _ = hard_states(20, seed=6)
-    X = torch.cat([H[:1], S[:1].double()])
-    ranks = [20, 12]
+    X = torch.cat([H[:1], S[:1].double(), gdn_like_states(1, 128, 128, seed=8).double()])
+    ranks = [20, 12, 20]
     got = cuda_truncate.emulate(X, ranks, dmma=True)
     assert energy_error(X, got, ranks).max().item() <= TOL
-    assert (got - cuda_truncate.emulate(X, ranks)).abs().max().item() <= 1e-9 * X.abs().max().item()
+    assert (got - cuda_truncate.emulate(X, ranks))[1:].abs().max().item() <= 1e-5 * X[1:].abs().max().item()
     for K, V in ((64, 128), (128, 64)):  # one 8-row tile per warp (K = 64); a Gram matrix of rank ≤ V
-        Y = hard_states(4, K=K, V=V, seed=7)[0][:1]
-        got = cuda_truncate.emulate(Y, [4], dmma=True)
+        Y = torch.cat([hard_states(4, K=K, V=V, seed=7)[0][:1], gdn_like_states(1, K, V, seed=9).double()])
+        got = cuda_truncate.emulate(Y, [4, 4], dmma=True)
         assert energy_error(Y, got, 4).max().item() <= TOL, (K, V)
-        assert (got - cuda_truncate.emulate(Y, [4])).abs().max().item() <= 1e-9 * Y.abs().max().item(), (K, V)
+        assert (got - cuda_truncate.emulate(Y, [4, 4]))[1:].abs().max().item() <= 1e-5 * Y[1:].abs().max().item(), (K, V)
 
 
 @needs_gxx

@@ -24,7 +24,8 @@ typedef @T@ scalar_t;
 #define FILLC 1e-6
 
 // shared memory map, in doubles
-#define OFF_A (K_ * K_)
+#define GST (K_ + 1)  // row stride of G: odd, so that gemm_gx's fragment loads hit 16 distinct banks
+#define OFF_A (K_ * GST)
 #define OFF_B (OFF_A + K_ * QP)
 #define OFF_C (OFF_B + K_ * QP)
 #define OFF_L (OFF_C + QB * QP)
@@ -100,7 +101,7 @@ __device__ __forceinline__ void block_sum4(double (&v)[4], double* red) {
 __device__ __forceinline__ double gram_trace(const double* Gs, double* red) {
     __syncthreads();
     double d = 0.0;
-    for (int i = threadIdx.x; i < K_; i += NT) d += Gs[i * K_ + i];
+    for (int i = threadIdx.x; i < K_; i += NT) d += Gs[i * GST + i];
     return block_sum(d, red);
 }
 
@@ -109,7 +110,7 @@ __device__ __forceinline__ double store_tile_trace(const double (&acc)[KR][KR], 
 #pragma unroll
     for (int a = 0; a < KR; ++a)
 #pragma unroll
-        for (int b = 0; b < KR; ++b) Gs[(ty + 16 * a) * K_ + tx + 16 * b] = acc[a][b];
+        for (int b = 0; b < KR; ++b) Gs[(ty + 16 * a) * GST + tx + 16 * b] = acc[a][b];
     return gram_trace(Gs, red);
 }
 
@@ -124,11 +125,11 @@ __device__ __forceinline__ void gemm_gx(const double* G, const double* X, double
 #pragma unroll
         for (int b = 0; b < NB; ++b) { acc[a][b][0] = 0.0; acc[a][b][1] = 0.0; }
 #pragma unroll 4
-    for (int k0 = 0; k0 < K_; k0 += 4) {
-        const int k = k0 + lk;
+    for (int g = 0; g < K_ / 4; ++g) {
+        const int k = 16 * (g >> 2) + (g & 3) + 4 * lk;  // rows 4 apart: G's (stride GST) and X's (QP) both odd
         double ga[RT];
 #pragma unroll
-        for (int a = 0; a < RT; ++a) ga[a] = G[k * K_ + 8 * (RT * w + a) + lr];  // A[i][k] = G[k][i]
+        for (int a = 0; a < RT; ++a) ga[a] = G[k * GST + 8 * (RT * w + a) + lr];  // A[i][k] = G[k][i]
 #pragma unroll
         for (int b = 0; b < NB; ++b) {
             const double xb = X[k * QP + 8 * b + lr];  // B[k][j] = X[k][8b + j]
@@ -157,7 +158,7 @@ __device__ __forceinline__ void gemm_gx(const double* G, const double* X, double
     for (int k = 0; k < K_; ++k) {
         double g[RA], x[NB];
 #pragma unroll
-        for (int a = 0; a < RA; ++a) g[a] = G[k * K_ + rg + 32 * a];
+        for (int a = 0; a < RA; ++a) g[a] = G[k * GST + rg + 32 * a];
 #pragma unroll
         for (int b = 0; b < NB; ++b) x[b] = X[k * QP + cg + 8 * b];
 #pragma unroll
@@ -298,30 +299,58 @@ gdnviz_truncate(const scalar_t* __restrict__ S, scalar_t* __restrict__ OUT, cons
 
 #ifdef GDNVIZ_DMMA
     // ---- G = S S^T / ||S||_F^2 on the tensor cores: S staged 16 columns at a time through As..Bs (free until the
-    // sketch; K_ x SG doubles); warp w owns rows 8 RT w ... of G; the lower triangle is kept and mirrored, so G is
-    // exactly symmetric (gemm_gx reads G[k][i] for G[i][k])
+    // sketch; K_ x SG doubles; the next 16 columns are loaded into registers while a stage's products run). Only the
+    // lower triangle's 8x8 tiles are computed, and mirrored, so G is exactly symmetric (gemm_gx reads G[k][i] for
+    // G[i][k]); warp w owns row tiles w and K_/8 - 1 - w (RT = 2; w alone for RT = 1), which balances the triangle
     double tr;
     {
         const int lane = t & 31, w = t >> 5, lr = lane >> 2, lk = lane & 3;
         double* St = As;
+        int rt[RT];
+        int rmax = 0;
+#pragma unroll
+        for (int a = 0; a < RT; ++a) {
+            rt[a] = (a & 1) ? 8 * (a + 1) - 1 - w : 8 * a + w;
+            rmax = max(rmax, rt[a]);
+        }
         double acc[RT][K_ / 8][2];
 #pragma unroll
         for (int a = 0; a < RT; ++a)
 #pragma unroll
             for (int c = 0; c < K_ / 8; ++c) { acc[a][c][0] = 0.0; acc[a][c][1] = 0.0; }
+        scalar_t nx[K_ * 16 / NT];
+#pragma unroll
+        for (int m = 0; m < K_ * 16 / NT; ++m) {
+            const int e = t + m * NT;
+            nx[m] = Sn[(e >> 4) * V_ + (e & 15)];
+        }
         for (int v0 = 0; v0 < V_; v0 += 16) {
-            for (int e = t; e < K_ * 16; e += NT) St[(e >> 4) * SG + (e & 15)] = (double)Sn[(e >> 4) * V_ + v0 + (e & 15)];
+#pragma unroll
+            for (int m = 0; m < K_ * 16 / NT; ++m) {
+                const int e = t + m * NT;
+                St[(e >> 4) * SG + (e & 15)] = (double)nx[m];
+            }
             __syncthreads();
+            if (v0 + 16 < V_) {
+#pragma unroll
+                for (int m = 0; m < K_ * 16 / NT; ++m) {
+                    const int e = t + m * NT;
+                    nx[m] = Sn[(e >> 4) * V_ + v0 + 16 + (e & 15)];
+                }
+            }
 #pragma unroll 1
             for (int k0 = 0; k0 < 16; k0 += 4) {
                 double sa[RT];
 #pragma unroll
-                for (int a = 0; a < RT; ++a) sa[a] = St[(8 * (RT * w + a) + lr) * SG + k0 + lk];  // A[i][k] = S[i][k]
+                for (int a = 0; a < RT; ++a) sa[a] = St[(8 * rt[a] + lr) * SG + k0 + lk];  // A[i][k] = S[i][k]
 #pragma unroll
                 for (int c = 0; c < K_ / 8; ++c) {
-                    const double sb = St[(8 * c + lr) * SG + k0 + lk];  // B[k][j] = S[j][k]
+                    if (c <= rmax) {  // warp-uniform
+                        const double sb = St[(8 * c + lr) * SG + k0 + lk];  // B[k][j] = S[j][k]
 #pragma unroll
-                    for (int a = 0; a < RT; ++a) dmma_m8n8k4(acc[a][c][0], acc[a][c][1], sa[a], sb);
+                        for (int a = 0; a < RT; ++a)
+                            if (c <= rt[a]) dmma_m8n8k4(acc[a][c][0], acc[a][c][1], sa[a], sb);
+                    }
                 }
             }
             __syncthreads();
@@ -332,8 +361,8 @@ gdnviz_truncate(const scalar_t* __restrict__ S, scalar_t* __restrict__ OUT, cons
             for (int c = 0; c < K_ / 8; ++c)
 #pragma unroll
                 for (int h = 0; h < 2; ++h) {
-                    const int i = 8 * (RT * w + a) + lr, j = 8 * c + 2 * lk + h;
-                    if (i >= j) { Gs[i * K_ + j] = acc[a][c][h]; Gs[j * K_ + i] = acc[a][c][h]; }
+                    const int i = 8 * rt[a] + lr, j = 8 * c + 2 * lk + h;
+                    if (i >= j) { Gs[i * GST + j] = acc[a][c][h]; Gs[j * GST + i] = acc[a][c][h]; }
                 }
         tr = gram_trace(Gs, misc + M_RED);
     }
@@ -369,8 +398,9 @@ gdnviz_truncate(const scalar_t* __restrict__ S, scalar_t* __restrict__ OUT, cons
     const double inv = (tr > 0.0) ? 1.0 / sqrt(tr) : 0.0;
     double gf2 = 0.0;  // ||G||_F^2 (the attempt's certificate)
     for (int e = t; e < K_ * K_; e += NT) {
-        const double g = Gs[e] * (inv * inv);
-        Gs[e] = g;
+        const int ge = (e / K_) * GST + (e % K_);
+        const double g = Gs[ge] * (inv * inv);
+        Gs[ge] = g;
         gf2 = fma(g, g, gf2);
     }
     double zscale = inv;
@@ -663,7 +693,7 @@ gdnviz_truncate(const scalar_t* __restrict__ S, scalar_t* __restrict__ OUT, cons
 #pragma unroll
                 for (int a = 0; a < KR; ++a)
 #pragma unroll
-                    for (int b = 0; b < KR; ++b) acc[a][b] = Gs[(ty + 16 * a) * K_ + tx + 16 * b];
+                    for (int b = 0; b < KR; ++b) acc[a][b] = Gs[(ty + 16 * a) * GST + tx + 16 * b];
 #pragma unroll 1
                 for (int m = 0; m < QB; ++m) {
                     double uj[KR], yj[KR];
@@ -684,7 +714,7 @@ gdnviz_truncate(const scalar_t* __restrict__ S, scalar_t* __restrict__ OUT, cons
             }
             const bool ok = t2 > 0.0;
             const double g2 = ok ? 1.0 / t2 : 0.0;
-            for (int e = t; e < K_ * K_; e += NT) Gs[e] *= g2;
+            for (int e = t; e < K_ * K_; e += NT) Gs[(e / K_) * GST + (e % K_)] *= g2;
             zscale *= ok ? 1.0 / sqrt(t2) : 0.0;
             __syncthreads();
             PROF(8);
