@@ -410,8 +410,14 @@ gdnviz_truncate(const scalar_t* __restrict__ S, scalar_t* __restrict__ OUT, cons
 
     for (int p = 0; p < npass; ++p) {
         const int take = min(r - HALF * p, HALF);
-        // ---- Z = S Omega_p (S staged through Bs), deflated by U for the second pass, scaled to the state's norm
-        {
+        // ---- Z = S Omega_p (S staged through Bs), deflated by U for the second pass, scaled to the state's norm.
+        // An attempt (one pass) starts from Z = G Omega' instead, Omega' the first K rows of OMEGA: G is in shared
+        // memory already, so S is not read again, and G Omega' spans (S S^T) Omega', one power more than S Omega
+        if (attempt) {
+            for (int e = t; e < K_ * QB; e += NT) Bs[(e >> LQB) * QP + (e & (QB - 1))] = OMEGA[(e >> LQB) * UL + (e & (QB - 1))];
+            __syncthreads();
+            gemm_gx(Gs, Bs, As);
+        } else {
             const int c = t & (QB - 1), r0 = t >> LQB;
             double acc[K_ / RS];
 #pragma unroll
@@ -442,7 +448,7 @@ gdnviz_truncate(const scalar_t* __restrict__ S, scalar_t* __restrict__ OUT, cons
                 for (int m = 0; m < QB; ++m) s = fma(Bs[i * QP + m], Cs[m * QP + c], s);
                 As[i * QP + c] = (As[i * QP + c] - s) * zscale;
             }
-        } else {
+        } else if (!attempt) {
             for (int e = t; e < K_ * QB; e += NT) As[(e >> LQB) * QP + (e & (QB - 1))] *= zscale;
         }
         __syncthreads();
@@ -729,8 +735,9 @@ gdnviz_truncate(const scalar_t* __restrict__ S, scalar_t* __restrict__ OUT, cons
         cholqr(As, Cs, Ls);
         PROF(2);
     }
-    // ---- S_r = U (U^T S): M = U^T S [QB][V] in Gs (S staged through Bs 16 rows at a time), then U M. Only U's
-    // first r columns are kept directions (the rest are zero): M's rows and the sum over columns stop there
+    // ---- S_r = U (U^T S): M = U^T S [QB][V] in Gs (S staged through Bs 16 rows at a time, the next 16 in registers),
+    // then U M. Only U's first r columns are kept directions (the rest are zero): M's rows and the sum over columns
+    // stop there
     {
         const int cg = t & 7, vg = t >> 3, nbu = (r + 7) >> 3;
         double acc[V_ / 32][NB];
@@ -738,9 +745,17 @@ gdnviz_truncate(const scalar_t* __restrict__ S, scalar_t* __restrict__ OUT, cons
         for (int a = 0; a < V_ / 32; ++a)
 #pragma unroll
             for (int b = 0; b < NB; ++b) acc[a][b] = 0.0;
+        scalar_t nx[16 * V_ / NT];  // the next 16 rows of S, loaded while a stage's products run
+#pragma unroll
+        for (int m = 0; m < 16 * V_ / NT; ++m) nx[m] = Sn[t + m * NT];
         for (int k0 = 0; k0 < K_; k0 += 16) {
-            for (int e = t; e < 16 * V_; e += NT) Bs[e] = (double)Sn[k0 * V_ + e];
+#pragma unroll
+            for (int m = 0; m < 16 * V_ / NT; ++m) Bs[t + m * NT] = (double)nx[m];
             __syncthreads();
+            if (k0 + 16 < K_) {
+#pragma unroll
+                for (int m = 0; m < 16 * V_ / NT; ++m) nx[m] = Sn[(k0 + 16) * V_ + t + m * NT];
+            }
 #pragma unroll 4
             for (int kk = 0; kk < 16; ++kk) {
                 double s[V_ / 32];
