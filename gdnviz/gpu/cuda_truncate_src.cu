@@ -61,6 +61,7 @@ typedef @T@ scalar_t;
 // mma.sync.aligned.m8n8k4.row.col.f64 — D (8x8) += A (8x4) B (4x8), each lane holding A[lane/4][lane%4],
 // B[lane%4][lane/4] and D[lane/4][2(lane%4) + {0, 1}]. gdnviz.gpu.cuda_emul defines dmma_m8n8k4 from warp shuffles.
 #define RT (K_ / 64)  // 8-row tiles of G per warp (8 warps cover K_ rows)
+#define GSL (K_ == 128 ? 17 : K_ / 8)  // Gram tiles per warp
 #define SG 20         // stride of the Gram's 16-column staging rows: a fragment's 8 rows x 4 columns, 2 wavefronts
 #if defined(GDNVIZ_DMMA) && !defined(GDNVIZ_EMULATED)
 __device__ __forceinline__ void dmma_m8n8k4(double& d0, double& d1, double a, double b) {
@@ -300,24 +301,23 @@ gdnviz_truncate(const scalar_t* __restrict__ S, scalar_t* __restrict__ OUT, cons
 #ifdef GDNVIZ_DMMA
     // ---- G = S S^T / ||S||_F^2 on the tensor cores: S staged 16 columns at a time through As..Bs (free until the
     // sketch; K_ x SG doubles; the next 16 columns are loaded into registers while a stage's products run). Only the
-    // lower triangle's 8x8 tiles are computed, and mirrored, so G is exactly symmetric (gemm_gx reads G[k][i] for
-    // G[i][k]); warp w owns row tiles w and K_/8 - 1 - w (RT = 2; w alone for RT = 1), which balances the triangle
+    // lower triangle's 8x8 tiles are needed (mirrored: G exactly symmetric; gemm_gx reads G[k][i] for G[i][k]). For
+    // K = 128 warp w owns row tiles w and 15 - w, 17 tiles in all (GSL slots, no branch between the products: a
+    // branch per tile, tenth session's call 2, made the Gram 10% slower than the full square); for K = 64
+    // warp w computes row tile w whole and keeps its lower part
     double tr;
     {
         const int lane = t & 31, w = t >> 5, lr = lane >> 2, lk = lane & 3;
         double* St = As;
-        int rt[RT];
-        int rmax = 0;
+        int srow[GSL], scol[GSL];
 #pragma unroll
-        for (int a = 0; a < RT; ++a) {
-            rt[a] = (a & 1) ? 8 * (a + 1) - 1 - w : 8 * a + w;
-            rmax = max(rmax, rt[a]);
+        for (int q = 0; q < GSL; ++q) {
+            srow[q] = (K_ == 128 && q > w) ? 15 - w : w;
+            scol[q] = (K_ == 128 && q > w) ? q - w - 1 : q;
         }
-        double acc[RT][K_ / 8][2];
+        double acc[GSL][2];
 #pragma unroll
-        for (int a = 0; a < RT; ++a)
-#pragma unroll
-            for (int c = 0; c < K_ / 8; ++c) { acc[a][c][0] = 0.0; acc[a][c][1] = 0.0; }
+        for (int q = 0; q < GSL; ++q) { acc[q][0] = 0.0; acc[q][1] = 0.0; }
         scalar_t nx[K_ * 16 / NT];
 #pragma unroll
         for (int m = 0; m < K_ * 16 / NT; ++m) {
@@ -340,30 +340,23 @@ gdnviz_truncate(const scalar_t* __restrict__ S, scalar_t* __restrict__ OUT, cons
             }
 #pragma unroll 1
             for (int k0 = 0; k0 < 16; k0 += 4) {
-                double sa[RT];
+                const double s0 = St[(8 * w + lr) * SG + k0 + lk];  // A[i][k] = S[i][k], row tile w
+                const double s1 = (K_ == 128) ? St[(8 * (15 - w) + lr) * SG + k0 + lk] : s0;  // row tile 15 - w
 #pragma unroll
-                for (int a = 0; a < RT; ++a) sa[a] = St[(8 * rt[a] + lr) * SG + k0 + lk];  // A[i][k] = S[i][k]
-#pragma unroll
-                for (int c = 0; c < K_ / 8; ++c) {
-                    if (c <= rmax) {  // warp-uniform
-                        const double sb = St[(8 * c + lr) * SG + k0 + lk];  // B[k][j] = S[j][k]
-#pragma unroll
-                        for (int a = 0; a < RT; ++a)
-                            if (c <= rt[a]) dmma_m8n8k4(acc[a][c][0], acc[a][c][1], sa[a], sb);
-                    }
+                for (int q = 0; q < GSL; ++q) {
+                    const double sb = St[(8 * scol[q] + lr) * SG + k0 + lk];  // B[k][j] = S[j][k]
+                    dmma_m8n8k4(acc[q][0], acc[q][1], (srow[q] == w) ? s0 : s1, sb);
                 }
             }
             __syncthreads();
         }
 #pragma unroll
-        for (int a = 0; a < RT; ++a)
+        for (int q = 0; q < GSL; ++q)
 #pragma unroll
-            for (int c = 0; c < K_ / 8; ++c)
-#pragma unroll
-                for (int h = 0; h < 2; ++h) {
-                    const int i = 8 * rt[a] + lr, j = 8 * c + 2 * lk + h;
-                    if (i >= j) { Gs[i * GST + j] = acc[a][c][h]; Gs[j * GST + i] = acc[a][c][h]; }
-                }
+            for (int h = 0; h < 2; ++h) {
+                const int i = 8 * srow[q] + lr, j = 8 * scol[q] + 2 * lk + h;
+                if (i >= j) { Gs[i * GST + j] = acc[q][h]; Gs[j * GST + i] = acc[q][h]; }
+            }
         tr = gram_trace(Gs, misc + M_RED);
     }
 #else
