@@ -175,8 +175,78 @@ __device__ __forceinline__ void gemm_gx(const double* G, const double* X, double
 #endif
 
 // T [QB][QP] = X^T Y over K rows (X, Y [K][QP]). mirror: T[i][j] = T[max][min] (the lower triangle, as eigh reads
-// it); shift: C_ii (1 + SHIFT) + TINY on the diagonal. No barrier inside. With one entry per thread (QB = 16) the
-// sum over k runs as XS interleaved partial sums, so that the chain of dependent fmas is K / XS long, not K.
+// it); shift: C_ii (1 + SHIFT) + TINY on the diagonal, X = Y (a Gram matrix, symmetric: also mirrored).
+#ifdef GDNVIZ_DMMA
+// On the tensor cores: 8x8 tiles of T, lower-triangle tiles only when mirrored; warp w takes tasks w, w + 8 (a task:
+// one tile over one of XT_KS chunks of k — two at 16 columns, where 3-4 tiles would leave most warps idle). Fragments
+// read rows of k four apart (QP odd: no bank conflicts, as gemm_gx). With two chunks the second chunk's partial tiles
+// are added through T: one barrier inside, reached by every thread. (The FMA form below loads both operands of every
+// multiply-add from shared memory.)
+#define XT_KS (QB == 16 ? 2 : 1)
+#define XT_R (QB == 16 ? 1 : 2)
+__device__ __forceinline__ void gemm_xty(const double* X, const double* Y, double* T, bool mirror, bool shift) {
+    const int lane = threadIdx.x & 31, w = threadIdx.x >> 5, lr = lane >> 2, lk = lane & 3;
+    const bool lower = mirror || shift;
+    const int ntask = (lower ? NB * (NB + 1) / 2 : NB * NB) * XT_KS;
+    double acc[XT_R][2];
+    int ti[XT_R], tj[XT_R], ch[XT_R];
+    bool act[XT_R];
+#pragma unroll
+    for (int q = 0; q < XT_R; ++q) {
+        const int task = w + 8 * q, tile = task / XT_KS;
+        act[q] = task < ntask;
+        ch[q] = task % XT_KS;
+        int a = 0;
+        if (lower) {
+            while ((a + 1) * (a + 2) / 2 <= tile) ++a;
+            ti[q] = a;
+            tj[q] = tile - a * (a + 1) / 2;
+        } else {
+            ti[q] = tile / NB;
+            tj[q] = tile % NB;
+        }
+        acc[q][0] = 0.0;
+        acc[q][1] = 0.0;
+        if (act[q]) {  // warp-uniform
+            const int g0 = ch[q] * (K_ / 4 / XT_KS);
+#pragma unroll 4
+            for (int g = g0; g < g0 + K_ / 4 / XT_KS; ++g) {
+                const int k = 16 * (g >> 2) + (g & 3) + 4 * lk;
+                dmma_m8n8k4(acc[q][0], acc[q][1], X[k * QP + 8 * ti[q] + lr], Y[k * QP + 8 * tj[q] + lr]);
+            }
+        }
+    }
+    if (XT_KS == 2) {
+#pragma unroll
+        for (int q = 0; q < XT_R; ++q)
+            if (act[q] && ch[q] == 1)
+#pragma unroll
+                for (int h = 0; h < 2; ++h) T[(8 * ti[q] + lr) * QP + 8 * tj[q] + 2 * lk + h] = acc[q][h];
+        __syncthreads();
+#pragma unroll
+        for (int q = 0; q < XT_R; ++q)
+            if (act[q] && ch[q] == 0)
+#pragma unroll
+                for (int h = 0; h < 2; ++h) acc[q][h] += T[(8 * ti[q] + lr) * QP + 8 * tj[q] + 2 * lk + h];
+        __syncwarp();  // every lane has read its partial before any lane writes a mirrored entry
+    }
+#pragma unroll
+    for (int q = 0; q < XT_R; ++q) {
+        if (act[q] && (XT_KS == 1 || ch[q] == 0)) {
+#pragma unroll
+            for (int h = 0; h < 2; ++h) {
+                const int i = 8 * ti[q] + lr, j = 8 * tj[q] + 2 * lk + h;
+                double v = acc[q][h];
+                if (shift && i == j) v = v * (1.0 + SHIFT) + TINY;
+                if (!lower) T[i * QP + j] = v;
+                else if (i >= j) { T[i * QP + j] = v; T[j * QP + i] = v; }
+            }
+        }
+    }
+}
+#else
+// Fused multiply-adds, each thread one entry (QB = 16) or four; with one entry the sum over k runs as XS interleaved
+// partial sums, so that the chain of dependent fmas is K / XS long, not K. No barrier inside.
 #define XS (QT == 1 ? 4 : 1)
 __device__ __forceinline__ void gemm_xty(const double* X, const double* Y, double* T, bool mirror, bool shift) {
     const int j = threadIdx.x & (QB - 1), i0 = threadIdx.x >> LQB;
@@ -206,6 +276,7 @@ __device__ __forceinline__ void gemm_xty(const double* X, const double* Y, doubl
         T[i * QP + j] = v;
     }
 }
+#endif
 
 // X [K][QP] <- X L^{-T}, L L^T = X^T X + SHIFT diag + TINY I (shifted Cholesky-QR), C [QB][QP] scratch, B 2 QB
 // doubles of scratch. Warp 0 factorises: lane i holds row i of C in registers, column j's updated entries C'[.][j]
