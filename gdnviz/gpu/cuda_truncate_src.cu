@@ -80,13 +80,6 @@ __device__ __forceinline__ double block_sum(double v, double* red) {
     return s;
 }
 
-// The Jacobi rounds' threads: one warp at 16 columns (256 entries of A and of V: 8 each per lane, and __syncwarp
-// instead of two block barriers per round), the whole block at 32.
-#define JW (QB == 16 ? 32 : NT)
-__device__ __forceinline__ void jacobi_sync() {
-    if (JW == 32) __syncwarp(); else __syncthreads();
-}
-
 // Four block-wide sums at once (two barriers); every thread gets the totals. red: 4 * NT / 32 doubles.
 __device__ __forceinline__ void block_sum4(double (&v)[4], double* red) {
 #pragma unroll
@@ -602,51 +595,48 @@ gdnviz_truncate(const scalar_t* __restrict__ S, scalar_t* __restrict__ OUT, cons
         for (int sweep = 0; sweep < max_sweeps && off > thresh && any; ++sweep) {
             bool rotated = false;
             for (int k = 0; k < QB - 1; ++k) {
-                if (t < JW) {  // JW: the threads of a round (one warp at 16 columns; the others skip to the swap)
-                    if (t < QB) {  // the rotation of index t's pair in round k (both members compute the same one)
-                        const int j = (2 * k - t + (QB - 1)) % (QB - 1);
-                        const int pr = (t == QB - 1) ? k : ((j == t) ? QB - 1 : j);
-                        const double a_ip = A[t * QP + pr], a_pi = A[pr * QP + t];
-                        const double di = dd[t], dpr = dd[pr];
-                        const bool is_p = t < pr;
-                        const double app = is_p ? di : dpr, aqq = is_p ? dpr : di;
-                        const double apq = 0.5 * (a_ip + a_pi);
-                        // the skip test |a_pq| > skip sqrt|a_pp| sqrt|a_qq| squared, and t = sgn(tau) / (|tau| +
-                        // sqrt(1 + tau^2)), tau = d / h, written as sgn(d) h / (|d| + sqrt(d^2 + h^2)): one square
-                        // root, one division and one reciprocal square root in the chain instead of four roots and
-                        // three divisions (the rounds are latency-bound: bench/RESULTS.md, sixth session)
-                        const bool rot = apq * apq > (skip * skip) * fabs(app * aqq);
-                        const double d = aqq - app, h = 2.0 * apq;
-                        double tt = h / (fabs(d) + sqrt(fma(d, d, h * h)));
-                        tt = rot ? ((d < 0.0) ? -tt : tt) : 0.0;
-                        const double c = rsqrt(fma(tt, tt, 1.0));
-                        const double s = tt * c;
-                        rotated = rotated || rot;
-                        cc[t] = c;
-                        sg[t] = is_p ? -s : s;
-                        pp[t] = (double)pr;
-                        rt[t] = rot ? 1.0 : 0.0;
-                        dn[t] = is_p ? app - tt * apq : aqq + tt * apq;
-                    }
-                    jacobi_sync();
-                    for (int e = t; e < QB * QB; e += JW) {  // A2 = J^T A J, W2 = W J
-                        const int i = e >> LQB, j = e & (QB - 1);
-                        const int pi = (int)pp[i], pj = (int)pp[j];
-                        const double ci = cc[i], si = sg[i], cj = cc[j], sj = sg[j];
-                        double v = ci * (cj * A[i * QP + j] + sj * A[i * QP + pj])
-                                 + si * (cj * A[pi * QP + j] + sj * A[pi * QP + pj]);
-                        if (i == j) v = dn[i];
-                        else if (j == pi && rt[i] != 0.0) v = 0.0;
-                        A2[i * QP + j] = v;
-                        W2[i * QP + j] = cj * W[i * QP + j] + sj * W[i * QP + pj];
-                    }
-                    if (t < QB) dd[t] = dn[t];
-                    jacobi_sync();
+                if (t < QB) {  // the rotation of index t's pair in round k (both members compute the same one)
+                    const int j = (2 * k - t + (QB - 1)) % (QB - 1);
+                    const int pr = (t == QB - 1) ? k : ((j == t) ? QB - 1 : j);
+                    const double a_ip = A[t * QP + pr], a_pi = A[pr * QP + t];
+                    const double di = dd[t], dpr = dd[pr];
+                    const bool is_p = t < pr;
+                    const double app = is_p ? di : dpr, aqq = is_p ? dpr : di;
+                    const double apq = 0.5 * (a_ip + a_pi);
+                    // the skip test |a_pq| > skip sqrt|a_pp| sqrt|a_qq| squared, and t = sgn(tau) / (|tau| +
+                    // sqrt(1 + tau^2)), tau = d / h, written as sgn(d) h / (|d| + sqrt(d^2 + h^2)): one square root,
+                    // one division and one reciprocal square root in the chain instead of four roots and three
+                    // divisions (the rounds are latency-bound: bench/RESULTS.md, sixth session)
+                    const bool rot = apq * apq > (skip * skip) * fabs(app * aqq);
+                    const double d = aqq - app, h = 2.0 * apq;
+                    double tt = h / (fabs(d) + sqrt(fma(d, d, h * h)));
+                    tt = rot ? ((d < 0.0) ? -tt : tt) : 0.0;
+                    const double c = rsqrt(fma(tt, tt, 1.0));
+                    const double s = tt * c;
+                    rotated = rotated || rot;
+                    cc[t] = c;
+                    sg[t] = is_p ? -s : s;
+                    pp[t] = (double)pr;
+                    rt[t] = rot ? 1.0 : 0.0;
+                    dn[t] = is_p ? app - tt * apq : aqq + tt * apq;
                 }
+                __syncthreads();
+                for (int e = t; e < QB * QB; e += NT) {  // A2 = J^T A J, W2 = W J
+                    const int i = e >> LQB, j = e & (QB - 1);
+                    const int pi = (int)pp[i], pj = (int)pp[j];
+                    const double ci = cc[i], si = sg[i], cj = cc[j], sj = sg[j];
+                    double v = ci * (cj * A[i * QP + j] + sj * A[i * QP + pj])
+                             + si * (cj * A[pi * QP + j] + sj * A[pi * QP + pj]);
+                    if (i == j) v = dn[i];
+                    else if (j == pi && rt[i] != 0.0) v = 0.0;
+                    A2[i * QP + j] = v;
+                    W2[i * QP + j] = cj * W[i * QP + j] + sj * W[i * QP + pj];
+                }
+                if (t < QB) dd[t] = dn[t];
+                __syncthreads();
                 double* tmp = A; A = A2; A2 = tmp;
                 tmp = W; W = W2; W2 = tmp;
             }
-            if (JW < NT) __syncthreads();  // the other warps read the sweep's A
             double o = 0.0;
             for (int e = t; e < QB * QB; e += NT) {
                 const int i = e >> LQB, j = e & (QB - 1);
