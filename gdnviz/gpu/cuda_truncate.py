@@ -67,6 +67,12 @@ Measured (H200, ninth session, bench/RESULTS.md): the tensor cores cut the attem
 (``ATTEMPT_JACOBI_TOL``) and the projection over r columns, 288 states take 0.406 / 0.875 / 1.305 / 2.848 ms at
 r = 1 / 4 / 12 / 32 and 16 states 0.146 ms at r = 4; a 16K-token run at r = 4 is 2.81× the prefill.
 
+Measured (H200, tenth session, bench/RESULTS.md): the Cholesky-QR's factorisation in one warp, conflict-free
+``G·Q`` loads, the Gram matrix's lower triangle, the attempts' ``G Ω`` start and ``QᵀQ`` on the tensor cores cut the
+r = 4 attempt from 277,718 to 208,672 cycles (−25%) and the r = 12 one from 705,042 to 552,935 (−22%); 288 states take
+0.307 / 0.688 / 0.984 / 2.203 ms at r = 1 / 4 / 12 / 32 and 16 states 0.113 ms at r = 1 and 4. Running the Jacobi
+rounds of 16 columns in one warp made them 2.6× slower (reverted).
+
 Verified where: on CPU, the same source compiled with g++ against ``gdnviz.gpu.cuda_emul`` (every thread of a block
 as a user-level context, barriers and warp shuffles emulated, shared memory NaN-filled) equals ``reference_fused``
 on tests/test_truncate.py's batteries (tests/test_cuda_truncate.py; the FMA build, and the tensor-core build with
