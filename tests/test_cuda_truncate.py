@@ -201,7 +201,7 @@ def test_emulated_tensor_core_build_matches_the_fma_build():
     as the PTX manual lays it out, emulated by warp collectives) against the fused multiply-add build: certified
     attempts on GDN-like states and the full algorithm with per-state ranks (one and two passes, float32 and float64)
     give the same flags and, where the top-r subspace is unique, the same states to 1e-5 of their largest entry; every
-    state within 1e-5 of exact. A lane layout read
+    state within 1e-5 of exact (16-column attempts also at K = 64 and V = 64). A lane layout read
     wrong (a transposed fragment, a swapped pair of output columns) moves the energies by far more than that."""
     from bench.bench_truncate import gdn_like_states
 
@@ -227,6 +227,11 @@ def test_emulated_tensor_core_build_matches_the_fma_build():
         got = cuda_truncate.emulate(Y, [4, 4], dmma=True)
         assert energy_error(Y, got, 4).max().item() <= TOL, (K, V)
         assert (got - cuda_truncate.emulate(Y, [4, 4]))[1:].abs().max().item() <= 1e-5 * Y[1:].abs().max().item(), (K, V)
+        out_d, done_d, bound_d = cuda_truncate.emulate(Y, 4, attempts=True, info=True, dmma=True)  # 16 columns
+        _, done_f, _ = cuda_truncate.emulate(Y, 4, attempts=True, info=True)
+        err = energy_error(Y, out_d, 4)
+        assert done_d.tolist() == done_f.tolist() and err.max().item() <= TOL, (K, V)
+        assert (err[done_d.bool()] <= bound_d[done_d.bool()] + 1e-12).all(), (K, V)
 
 
 @needs_gxx

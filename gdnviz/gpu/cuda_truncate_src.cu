@@ -282,8 +282,8 @@ __device__ __forceinline__ void gemm_xty(const double* X, const double* Y, doubl
 // doubles of scratch. Warp 0 factorises: lane i holds row i of C in registers, column j's updated entries C'[.][j]
 // go through B (double-buffered: one __syncwarp per column), and C's lower triangle receives L below the diagonal and
 // 1 / L[j][j] on it. Then threads < K own row t of X in registers (right-looking forward substitution). Three
-// barriers in all instead of one per column, and the same fma / rsqrt sequence per entry as the block-wide column
-// loop this replaced (eighth session), so the same bits.
+// barriers in all instead of one per column, and the same fma / rsqrt sequence per entry as the ninth session's
+// block-wide column loop, so the same bits from the same C.
 __device__ void cholqr(double* X, double* C, double* B) {
     const int t = threadIdx.x;
     gemm_xty(X, X, C, false, true);

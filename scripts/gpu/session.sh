@@ -42,7 +42,7 @@ on() { [ "${1:-0}" != 0 ]; }
 TESTS=${*:-tests/test_cuda_truncate.py tests/test_cuda_cholqr.py tests/test_cuda_tridiag.py tests/test_scan_graph.py tests/test_fused_truncate.py tests/test_gpu_runner.py tests/test_jacobi.py tests/test_truncate.py tests/test_symeig.py tests/test_kernels_vs_reference.py tests/test_fla_adapter.py}
 TESTS=$(for t in $TESTS; do [ -e "${t%%::*}" ] && echo "$t"; done)  # in the order given (pytest keeps it)
 if on ${GPU_TEST_SECONDS:-150}; then
-  timeout ${GPU_TEST_SECONDS:-150} python3 -m pytest -v -m gpu -p no:cacheprovider --timeout ${GPU_TEST_TIMEOUT:-100} --tb=short \
+  timeout ${GPU_TEST_SECONDS:-150} python3 -m pytest -v -m gpu -p no:cacheprovider --timeout ${GPU_TEST_TIMEOUT:-100} --tb=short --durations=15 \
       $TESTS > $OUT/gpu_tests.log 2>&1; echo "pytest rc=$?" >> $OUT/gpu_tests.log
   grep -E "PASSED|FAILED|ERROR|SKIPPED|rc=|Error|assert" $OUT/gpu_tests.log | tail -40
 fi
