@@ -18,11 +18,12 @@ algorithm on the states left (a state with NaN or inf is never certified). No ho
 on the device, and a launch whose states are all done costs a few microseconds. Certified answers are exact to their bound, not to
 ``reference_fused``'s rounding; the uncertified ones are ``reference_fused``'s. The same source serves both block
 widths (``@QB@``). Emulated tests: every battery meets the criterion, certified states' actual errors are under
-their bounds, and attempts with no filter step (far from converged) are refused and redone.
+their bounds, and every attempt with no filter step whose answer misses the criterion is refused and redone.
 
-* ``G = S Sᵀ / ‖S‖²_F`` stays in shared memory (128 KiB for K = 128), with the 32-column block ``Q`` and a work
-  block (``[K, 33]`` each, padded against bank conflicts) and two 32×32 matrices: 211 KiB of the H200's 227 KiB per
-  block. Only ``U`` (the kept directions, ``[K, 32]``) goes to a global scratch buffer.
+* ``G = S Sᵀ / ‖S‖²_F`` stays in shared memory (129 KiB for K = 128: rows padded to 129 doubles), with the
+  32-column block ``Q`` and a work block (``[K, 33]`` each, padded against bank conflicts) and two 32×32 matrices:
+  214.5 KiB of the H200's 227 KiB per block. Only ``U`` (the kept directions, ``[K, 32]``) goes to a global scratch
+  buffer.
 * products ``G·Q`` and the Gram matrix ``S Sᵀ`` on the float64 tensor cores (``mma.sync`` m8n8k4, 8-row tiles per
   warp; ``GDNVIZ_CUDA_TRUNCATE_DMMA=0``: register-tiled float64 FMAs, 4×4 and 8×8 per thread, the build before the
   ninth session); ``U (Uᵀ S)`` as FMAs over the r kept columns only. G's rows are padded to an odd stride and the
