@@ -31,9 +31,10 @@ their bounds, and every attempt with no filter step whose answer misses the crit
   were 4-way conflicted: ``G·Q`` took 45% fewer cycles without, tenth session); the Gram matrix computes the lower
   triangle's 17 tiles per warp, not 32; an attempt starts from ``G Ω`` (G in shared memory already) instead of
   reading S again for ``S Ω``;
-* Cholesky-QR: ``QᵀQ`` (four interleaved partial sums at 16 columns), then warp 0 factorises it — lane i holds
-  row i in registers, each column's entries pass through shared memory with one ``__syncwarp`` — and threads < K
-  forward-substitute row t of ``Q`` (right-looking): three block barriers per call instead of one per column;
+* Cholesky-QR: ``QᵀQ`` (on the tensor cores too; the FMA build sums it in four interleaved parts at 16 columns),
+  then warp 0 factorises it — lane i holds row i in registers, each column's entries pass through shared memory
+  with one ``__syncwarp`` — and threads < K forward-substitute row t of ``Q`` (right-looking): three block barriers
+  per call instead of one per column;
 * Rayleigh–Ritz: the cyclic parallel Jacobi of ``gdnviz.gpu.jacobi`` (round-robin pairs, ``a_pq`` the mean of both
   triangles, the skip test, Rutishauser's diagonal, the stop test once per sweep, ``MAX_SWEEPS`` / ``TOL``) with the
   whole block: 32 threads compute a round's 16 rotations, all 256 apply ``Jᵀ A J`` and ``V J`` (two barriers per
