@@ -296,8 +296,8 @@ def _launch(X: torch.Tensor, ranks, iters: int | None, profile: bool = False, at
                 tab = tables[qb] if mode & ATTEMPT else table
                 kernels[qb](grid=(N, 1, 1), block=(NT, 1, 1),
                             args=[X, out, rt, rank_int, stride, omega, fill, tab,
-                                  -1 if iters is None else int(iters), scratch, sweeps, _tol2(mode, tol2, qb), skip, mode,
-                                  done if n_att else table, bound if n_att else scratch, CERT_TOL],
+                                  -1 if iters is None else int(iters), scratch, sweeps, _tol2(mode, tol2, qb), skip,
+                                  mode, done if n_att else table, bound if n_att else scratch, CERT_TOL],
                             shared_mem=smem_bytes(K, qb))
     return Launched(out, scratch, done, bound)
 

@@ -478,7 +478,8 @@ gdnviz_truncate(const scalar_t* __restrict__ S, scalar_t* __restrict__ OUT, cons
         // An attempt (one pass) starts from Z = G Omega' instead, Omega' the first K rows of OMEGA: G is in shared
         // memory already, so S is not read again, and G Omega' spans (S S^T) Omega', one power more than S Omega
         if (attempt) {
-            for (int e = t; e < K_ * QB; e += NT) Bs[(e >> LQB) * QP + (e & (QB - 1))] = OMEGA[(e >> LQB) * UL + (e & (QB - 1))];
+            for (int e = t; e < K_ * QB; e += NT)
+                Bs[(e >> LQB) * QP + (e & (QB - 1))] = OMEGA[(e >> LQB) * UL + (e & (QB - 1))];
             __syncthreads();
             gemm_gx(Gs, Bs, As);
         } else {
