@@ -117,6 +117,11 @@ __device__ __forceinline__ double store_tile_trace(const double (&acc)[KR][KR], 
 
 // Y [K][QP] = G [K][K] X [K][QP] (G symmetric: G[k][i] read for G[i][k]); no barrier inside.
 #ifdef GDNVIZ_DMMA
+// The row of k that lane (., lk) reads at step g of a sum over k on the tensor cores: the instruction's 4 rows of k
+// are 4 apart (16 g/4 + g%4 + 4 lk), so that with row strides ≡ 1 mod 4 (G's GST, QP) a fragment's 8 x 4 loads fall
+// in 16 distinct banks (consecutive rows were 4-way conflicted, tenth session)
+__device__ __forceinline__ int frag_row(int g, int lk) { return 16 * (g >> 2) + (g & 3) + 4 * lk; }
+
 // Warp w: rows 8 RT w ... (RT tiles of 8) x all QB columns (NB tiles of 8), 4 rows of k per instruction.
 __device__ __forceinline__ void gemm_gx(const double* G, const double* X, double* Y) {
     const int lane = threadIdx.x & 31, w = threadIdx.x >> 5, lr = lane >> 2, lk = lane & 3;
@@ -127,7 +132,7 @@ __device__ __forceinline__ void gemm_gx(const double* G, const double* X, double
         for (int b = 0; b < NB; ++b) { acc[a][b][0] = 0.0; acc[a][b][1] = 0.0; }
 #pragma unroll 4
     for (int g = 0; g < K_ / 4; ++g) {
-        const int k = 16 * (g >> 2) + (g & 3) + 4 * lk;  // rows 4 apart: G's (stride GST) and X's (QP) both odd
+        const int k = frag_row(g, lk);
         double ga[RT];
 #pragma unroll
         for (int a = 0; a < RT; ++a) ga[a] = G[k * GST + 8 * (RT * w + a) + lr];  // A[i][k] = G[k][i]
@@ -179,9 +184,9 @@ __device__ __forceinline__ void gemm_gx(const double* G, const double* X, double
 #ifdef GDNVIZ_DMMA
 // On the tensor cores: 8x8 tiles of T, lower-triangle tiles only when mirrored; warp w takes tasks w, w + 8 (a task:
 // one tile over one of XT_KS chunks of k — two at 16 columns, where 3-4 tiles would leave most warps idle). Fragments
-// read rows of k four apart (QP odd: no bank conflicts, as gemm_gx). With two chunks the second chunk's partial tiles
-// are added through T: one barrier inside, reached by every thread. (The FMA form below loads both operands of every
-// multiply-add from shared memory.)
+// read rows of k four apart (frag_row). With two chunks the second chunk's partial tiles are added through T: one
+// barrier inside, reached by every thread. (The FMA form below loads both operands of every multiply-add from shared
+// memory.)
 #define XT_KS (QB == 16 ? 2 : 1)
 #define XT_R (QB == 16 ? 1 : 2)
 __device__ __forceinline__ void gemm_xty(const double* X, const double* Y, double* T, bool mirror, bool shift) {
@@ -211,7 +216,7 @@ __device__ __forceinline__ void gemm_xty(const double* X, const double* Y, doubl
             const int g0 = ch[q] * (K_ / 4 / XT_KS);
 #pragma unroll 4
             for (int g = g0; g < g0 + K_ / 4 / XT_KS; ++g) {
-                const int k = 16 * (g >> 2) + (g & 3) + 4 * lk;
+                const int k = frag_row(g, lk);
                 dmma_m8n8k4(acc[q][0], acc[q][1], X[k * QP + 8 * ti[q] + lr], Y[k * QP + 8 * tj[q] + lr]);
             }
         }
