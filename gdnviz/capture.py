@@ -140,7 +140,8 @@ class _DeviceJobs:
 
 def batched_svdvals(states: torch.Tensor, extra: torch.Tensor | None = None):
     """Singular values [..., min(K, V)] float64, descending, of states [..., K, V], as the square roots of the
-    eigenvalues of the float64 Gram matrix: Triton kernels (gdnviz.gpu.symeig) on CUDA, LAPACK ``eigvalsh`` on CPU
+    eigenvalues of the float64 Gram matrix: the batched kernels of gdnviz.gpu.symeig on CUDA (its CUDA
+    tridiagonalisation and bisection by default, Triton where those are off), LAPACK ``eigvalsh`` on CPU
     (both 8-200× faster than ``torch.linalg.svdvals``, which tests keep as the reference; absolute error on σ
     ≈ sqrt(ε_f64)·σ_max, far below the numerical-rank threshold σ_max·128·ε_f32).
 
