@@ -110,12 +110,23 @@ def main():
         from torch.profiler import ProfilerActivity, profile
 
         acts = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if dev.type == "cuda" else [])
-        with profile(activities=acts) as prof:
-            cap()
-            sync(dev)
         key = "self_cuda_time_total" if dev.type == "cuda" else "self_cpu_time_total"
-        print(prof.key_averages().table(sort_by=key, row_limit=args.profile), flush=True)
-        print(prof.key_averages().table(sort_by="self_cpu_time_total", row_limit=args.profile), flush=True)
+        for name, fn in (("plain prefill", plain), ("capture", cap)):
+            with profile(activities=acts, record_shapes=True) as prof:
+                fn()
+                sync(dev)
+            print(f"=== profile: {name}", flush=True)
+            print(prof.key_averages().table(sort_by=key, row_limit=args.profile), flush=True)
+            if name == "capture":
+                print(prof.key_averages().table(sort_by="self_cpu_time_total", row_limit=args.profile), flush=True)
+            # copies and casts by input shape: which tensors the capture moves (aten::copy_ was unattributed)
+            rows = [e for e in prof.key_averages(group_by_input_shape=True)
+                    if e.key in ("aten::copy_", "aten::_to_copy", "aten::to", "aten::clone", "aten::contiguous")]
+            rows.sort(key=lambda e: -getattr(e, key))
+            print(f"=== {name}: copies by input shape (top 20 by {key}, us)", flush=True)
+            for e in rows[:20]:
+                print(f"  {e.key:16s} calls {e.count:6d}  {key} {getattr(e, key):10.0f}  shapes {e.input_shapes}",
+                      flush=True)
 
     if args.new_lengths:
         # first capture at lengths this process has not seen yet (issue #6: no autotuning stall on a new length);
