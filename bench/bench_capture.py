@@ -122,10 +122,14 @@ def main():
             # copies and casts by input shape: which tensors the capture moves (aten::copy_ was unattributed)
             rows = [e for e in prof.key_averages(group_by_input_shape=True)
                     if e.key in ("aten::copy_", "aten::_to_copy", "aten::to", "aten::clone", "aten::contiguous")]
-            rows.sort(key=lambda e: -getattr(e, key))
-            print(f"=== {name}: copies by input shape (top 20 by {key}, us)", flush=True)
+            def self_time(e):  # FunctionEventAvg: self_device_time_total (torch ≥ 2.4) or self_cuda_time_total
+                return getattr(e, "self_device_time_total", None) or getattr(e, "self_cuda_time_total", 0) \
+                    if dev.type == "cuda" else e.self_cpu_time_total
+
+            rows.sort(key=lambda e: -self_time(e))
+            print(f"=== {name}: copies by input shape (top 20 by self {dev.type} time, us)", flush=True)
             for e in rows[:20]:
-                print(f"  {e.key:16s} calls {e.count:6d}  {key} {getattr(e, key):10.0f}  shapes {e.input_shapes}",
+                print(f"  {e.key:16s} calls {e.count:6d}  self {self_time(e):10.0f}  shapes {e.input_shapes}",
                       flush=True)
 
     if args.new_lengths:

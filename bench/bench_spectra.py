@@ -89,7 +89,7 @@ def main():
             bisect_triton(D, E, W1)
             scale = W1.abs().amax(dim=1, keepdim=True).clamp_min(1e-300)
             # threads per row of the CUDA tridiagonalisation, matrix in shared memory or in registers
-            for tpr, regs in ((4, False), (2, True), (4, True)):  # (2, True) is the library's
+            for tpr, regs in ((4, False), (2, True), (4, True), (2, cuda_tridiag.SPLIT)):
                 try:
                     t = timeit(lambda: cuda_tridiag.tridiag(G, tpr, regs), dev, repeats=3)
                     D2, E2 = cuda_tridiag.tridiag(G, tpr, regs)
@@ -102,14 +102,19 @@ def main():
                     emit(what="candidate_tridiag_cuda", tpr=tpr, regs=regs, error=repr(e)[:300],
                          reason=cuda_tridiag.KERNELS.reason,
                          **base)
-            try:  # the CUDA bisection (tridiagonal in shared memory) against the Triton one, on the same (D, E)
-                t_b_triton = timeit(lambda: bisect_triton(D, E, W1), dev, repeats=3)
-                t_b = timeit(lambda: cuda_bisect.bisect(D, E, symeig.BISECT_STEPS), dev, repeats=3)
-                W3 = cuda_bisect.bisect(D, E, symeig.BISECT_STEPS)
-                emit(what="candidate_bisect_cuda", n=args.big, ms=t_b * 1e3, triton_bisect_ms=t_b_triton * 1e3,
-                     ratio=t_b_triton / t_b, max_eig_diff_rel=((W3 - W1).abs() / scale).max().item(), **base)
-            except Exception as e:  # noqa: BLE001
-                emit(what="candidate_bisect_cuda", error=repr(e)[:300], reason=cuda_bisect.KERNELS.reason, **base)
+            # the CUDA bisection (tridiagonal in shared memory) in both Sturm-count forms (LDLᵀ pivots, leading
+            # minors) against the Triton one, on the same (D, E)
+            t_b_triton = timeit(lambda: bisect_triton(D, E, W1), dev, repeats=3)
+            for form in cuda_bisect.FORMS:
+                try:
+                    t_b = timeit(lambda: cuda_bisect.bisect(D, E, symeig.BISECT_STEPS, form), dev, repeats=3)
+                    W3 = cuda_bisect.bisect(D, E, symeig.BISECT_STEPS, form)
+                    emit(what="candidate_bisect_cuda", form=form, n=args.big, ms=t_b * 1e3,
+                         triton_bisect_ms=t_b_triton * 1e3, ratio=t_b_triton / t_b,
+                         max_eig_diff_rel=((W3 - W1).abs() / scale).max().item(), **base)
+                except Exception as e:  # noqa: BLE001
+                    emit(what="candidate_bisect_cuda", form=form, error=repr(e)[:300],
+                         reason=cuda_bisect.KERNELS.reason, **base)
 
 
 if __name__ == "__main__":

@@ -22,19 +22,23 @@ def test_switch_and_sizes(monkeypatch):
     monkeypatch.delenv("GDNVIZ_CUDA_TRIDIAG", raising=False)
     assert cuda_tridiag.enabled() == usable
     for env, on, regs in (("0", False, cuda_tridiag.REGS), (" 0 ", False, cuda_tridiag.REGS),
-                          ("1", True, cuda_tridiag.REGS), ("regs", True, True), ("smem", True, False)):
+                          ("1", True, cuda_tridiag.REGS), ("regs", True, True), ("smem", True, False),
+                          ("split", True, cuda_tridiag.SPLIT)):
         monkeypatch.setenv("GDNVIZ_CUDA_TRIDIAG", env)
         assert cuda_tridiag.enabled() == (on and usable), env
         assert cuda_tridiag.default_regs() == regs, env
     assert cuda_tridiag.smem_bytes(128, 4, False) == 8 * (128 * 132 + 256 + 32 + 1)  # > 48 KB: the kernel opts in
     assert cuda_tridiag.smem_bytes(128, 4, True) == 8 * (256 + 32 + 1)  # the register form: u, p, partials
+    assert cuda_tridiag.smem_bytes(128, 2, cuda_tridiag.SPLIT) == 0  # static arrays only
+    with pytest.raises(ValueError):
+        cuda_tridiag.source(128, 4, cuda_tridiag.SPLIT)
     assert not cuda_tridiag.supports(torch.zeros(2, 128, 128, dtype=torch.float64))  # CPU: never
     with pytest.raises(ValueError):
         cuda_tridiag.tridiag(torch.zeros(2, 128, 128, dtype=torch.float64))
 
 
 @pytest.mark.parametrize("n", [64, 128])
-@pytest.mark.parametrize("tpr, regs", [(1, False), (2, False), (4, False), (2, True), (4, True)])
+@pytest.mark.parametrize("tpr, regs", [(1, False), (2, False), (4, False), (2, True), (4, True), (2, "split")])
 def test_source_compiles_for_hopper(n, tpr, regs):
     res = compile_log(cuda_tridiag.source(n, tpr, regs))
     if res is None:
@@ -50,7 +54,7 @@ def test_cuda_tridiag_spectra_match(monkeypatch):
     from gdnviz.gpu import symeig
 
     assert cuda_tridiag._kernel(128, torch.device("cuda")) is not None, cuda_tridiag.KERNELS.reason
-    for (name, S), form in ((item, form) for item in cuda_cases().items() for form in ("smem", "regs")):
+    for (name, S), form in ((item, form) for item in cuda_cases().items() for form in ("smem", "regs", "split")):
         monkeypatch.setenv("GDNVIZ_CUDA_TRIDIAG", form)
         ours = symeig.svdvals(S)
         monkeypatch.setenv("GDNVIZ_CUDA_TRIDIAG", "0")
@@ -68,7 +72,8 @@ def test_cuda_tridiag_spectra_match(monkeypatch):
 
 @needs_gxx
 @pytest.mark.parametrize("n, tpr, regs", [(64, 1, False), (64, 4, False), (128, 2, False), (128, 4, False),
-                                          (64, 4, True), (128, 2, True), (128, 4, True)])
+                                          (64, 4, True), (128, 2, True), (128, 4, True), (64, 2, "split"),
+                                          (128, 2, "split")])
 def test_emulated_tridiagonal_keeps_the_eigenvalues(n, tpr, regs):
     """The kernel's CUDA source run on the CPU (gdnviz.gpu.cuda_emul): the tridiagonal (D, E) it returns has the
     eigenvalues of G to 1e-13·λ_max (float64 eigvalsh of both) — a random Gram matrix, a graded one (λ from 1 to

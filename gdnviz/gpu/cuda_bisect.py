@@ -22,6 +22,8 @@ through ``gdnviz.gpu.cuda_emul``) and to the Triton kernel on CUDA.
 """
 from __future__ import annotations
 
+import os
+
 import torch
 
 from gdnviz.gpu.nvrtc import Kernels
@@ -70,13 +72,97 @@ gdnviz_bisect(const double* __restrict__ D, const double* __restrict__ E, double
 }
 """
 
+# The same bisection (interval, halvings, pivmin rule, count) with the Sturm count taken from the signs of the leading
+# principal minors p_i = det(T[:i, :i] - x I) instead of the LDL^T pivots q_i = p_i / p_{i-1}: the three-term
+# recurrence p_i = (d_i - x) p_{i-1} - e_{i-1}^2 p_{i-2} needs no division (a float64 division is a 10-instruction
+# sequence around MUFU.RCP64H with a slow-path branch: ~30 instructions per Sturm step against ~13 here). The pivmin
+# rule is the LDL form's, written on the minors: |p_i| < pivmin |p_{i-1}| (|q_i| < pivmin) -> p_i = -pivmin p_{i-1}
+# (q_i = -pivmin); a negative pivot is a sign change between p_{i-1} and p_i. In floating point each step is the LDL
+# step of T with d_i - x and e_{i-1}^2 perturbed by a few ulps relatively (the same backward error as the LDL form's),
+# so the count is exact for a matrix as close to T; the eigenvalues agree with the LDL form's to a few eps*||T||.
+# Range: T, x and pivmin are scaled by a power of two sigma >= max_i(|d_i| + |e_i|) (exact), so every pivot lies in
+# [pivmin/sigma, 3 + sigma/pivmin] ~ [2^-105, 2^106]; every 4 steps p_i and p_{i-1} are multiplied by 2^-exponent(p_i)
+# (exact), which keeps 4 further steps inside float64's range (2^-1022 .. 2^1023) with a margin of 2^400.
+SOURCE_DET = r"""
+#define NN %(N)d
+extern "C" __global__ void __launch_bounds__(NN)
+gdnviz_bisect(const double* __restrict__ D, const double* __restrict__ E, double* __restrict__ W, int steps)
+{
+    __shared__ double ds[NN];
+    __shared__ double es[NN];
+    __shared__ double2 de[NN];  // (d_i / sigma, e_{i-1}^2 / sigma^2), e_{-1} = 0
+    const int j = threadIdx.x;
+    const long long base = (long long)blockIdx.x * NN;
+    const double ej = (j < NN - 1) ? E[base + j] : 0.0;
+    ds[j] = D[base + j];
+    es[j] = ej;
+    __syncthreads();
+    double lo = 1e300, hi = -1e300, scale = 0.0, e_prev = 0.0;
+    for (int i = 0; i < NN; ++i) {  // Gershgorin interval (every thread the same, in the same order)
+        const double di = ds[i], ei = es[i];
+        const double rad = fabs(ei) + fabs(e_prev);
+        lo = fmin(lo, di - rad);
+        hi = fmax(hi, di + rad);
+        scale = fmax(scale, fabs(di) + fabs(ei));
+        e_prev = ei;
+    }
+    const double span = fmax(hi - lo, 1e-300);
+    double a = lo - 1e-12 * span, b = hi + 1e-12 * span;
+    const double pivmin = 1e-300 + 4.9e-32 * scale;
+    // sigma = 2^(ilogb(max(scale, 1e-280)) + 1): a power of two, so the scaling below is exact
+    const int sexp = ilogb(fmax(scale, 1e-280)) + 1;
+    const double inv = ldexp(1.0, -sexp);
+    {
+        const double em = (j > 0) ? es[j - 1] * inv : 0.0;
+        de[j] = make_double2(ds[j] * inv, em * em);
+    }
+    __syncthreads();
+    const double npiv = -pivmin * inv;  // negated: the replacement -pivmin p_{i-1} is one multiplication
+    for (int s = 0; s < steps; ++s) {
+        const double mid = 0.5 * (a + b);
+        const double x = mid * inv;
+        int cnt = 0;
+        double p1 = 1.0, p2 = 0.0;  // p_{i-1}, p_{i-2}
+#pragma unroll 4
+        for (int i = 0; i < NN; ++i) {
+            const double2 v = de[i];
+            double p = fma(v.x - x, p1, -(v.y * p2));
+            const double m = npiv * p1;
+            p = (fabs(p) < fabs(m)) ? m : p;
+            cnt += ((__double2hiint(p) ^ __double2hiint(p1)) < 0) ? 1 : 0;  // a sign change: a negative pivot
+            p2 = p1;
+            p1 = p;
+            if ((i & 3) == 3) {  // p_i to [1, 2), p_{i-1} by the same power of two
+                const int ex = (__double2hiint(p1) >> 20) & 0x7ff;
+                const double f = __hiloint2double((2046 - ex) << 20, 0);
+                p1 *= f;
+                p2 *= f;
+            }
+        }
+        if (cnt > j) b = mid; else a = mid;  // more than j eigenvalues below mid: the j-th is left of mid
+    }
+    W[base + j] = 0.5 * (a + b);
+}
+"""
+
 SIZES = (64, 128)
+FORMS = ("ldl", "det")  # SOURCE (LDL^T pivots, divisions) and SOURCE_DET (signs of the leading minors)
 KERNELS = Kernels()  # KERNELS.available / KERNELS.reason
 DEFAULT_ON = True
+DEFAULT_FORM = "ldl"
 
 
-def source(n: int) -> str:
-    return SOURCE % {"N": n}
+def default_form() -> str:
+    """``GDNVIZ_CUDA_BISECT=ldl`` or ``=det`` picks the Sturm count's form, else ``DEFAULT_FORM``."""
+    env = os.environ.get("GDNVIZ_CUDA_BISECT", "").strip()
+    return env if env in FORMS else DEFAULT_FORM
+
+
+def source(n: int, form: str | None = None) -> str:
+    form = form or default_form()
+    if form not in FORMS:
+        raise ValueError(f"form must be one of {FORMS}, got {form!r}")
+    return (SOURCE_DET if form == "det" else SOURCE) % {"N": n}
 
 
 def enabled() -> bool:
@@ -89,18 +175,19 @@ def supports(D: torch.Tensor) -> bool:
     return D.is_cuda and D.dim() == 2 and D.dtype == torch.float64 and D.shape[-1] in SIZES
 
 
-def _kernel(n: int, device: torch.device):
-    return KERNELS.get((n, device.index), device, source(n), "gdnviz_bisect")
+def _kernel(n: int, device: torch.device, form: str | None = None):
+    form = form or default_form()
+    return KERNELS.get((n, form, device.index), device, source(n, form), "gdnviz_bisect")
 
 
-def bisect(D: torch.Tensor, E: torch.Tensor, steps: int) -> torch.Tensor:
-    """Ascending eigenvalues ``[N, n]`` of the tridiagonals (D, E) (module docstring); RuntimeError if the kernel
-    is unavailable."""
+def bisect(D: torch.Tensor, E: torch.Tensor, steps: int, form: str | None = None) -> torch.Tensor:
+    """Ascending eigenvalues ``[N, n]`` of the tridiagonals (D, E) (module docstring) by the Sturm counts of ``form``
+    (None: :func:`default_form`); RuntimeError if the kernel is unavailable."""
     if not supports(D) or E.shape != D.shape or E.dtype != D.dtype or E.device != D.device:
         raise ValueError(f"bisect takes float64 CUDA D, E [N, n] with n in {SIZES}; got {D.dtype} {tuple(D.shape)} "
                          f"and {E.dtype} {tuple(E.shape)} on {D.device}")
     N, n = D.shape
-    k = _kernel(n, D.device)
+    k = _kernel(n, D.device, form)
     if k is None:
         raise RuntimeError(f"the CUDA bisection kernel is unavailable: {KERNELS.reason}")
     W = torch.empty_like(D)

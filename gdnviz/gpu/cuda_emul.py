@@ -73,6 +73,17 @@ static inline long long clock64() { return 0; }
 static inline double __dmul_rn(double a, double b) { return a * b; }
 static inline double __dadd_rn(double a, double b) { return a + b; }
 static inline double __dsub_rn(double a, double b) { return a - b; }
+struct alignas(16) double2 { double x, y; };
+static inline double2 make_double2(double x, double y) { return double2{x, y}; }
+using std::ilogb;
+using std::ldexp;
+static inline int __double2hiint(double d) { int64_t b; std::memcpy(&b, &d, 8); return (int)(b >> 32); }
+static inline double __hiloint2double(int hi, int lo) {
+    const uint64_t b = ((uint64_t)(uint32_t)hi << 32) | (uint32_t)lo;
+    double d;
+    std::memcpy(&d, &b, 8);
+    return d;
+}
 static const long EMU_SMEM_DOUBLES = 65536;  // 512 KiB per block: more than any GPU's shared memory per block
 static double* emu_smem_cur = nullptr;      // the running block's dynamic shared memory
 

@@ -191,6 +191,125 @@ gdnviz_tridiag(const double* __restrict__ G, double* __restrict__ D, double* __r
 }
 """
 
+# The split form (``SOURCE_SPLIT``, ``GDNVIZ_CUDA_TRIDIAG=split``): two threads per row as in the register form, but
+# thread (warp w, lane l) holds row i = 32 (w / 2) + l, columns j = HALF (w % 2) + c, c < HALF = n / 2 — each warp a
+# 32-row × HALF-column tile, so that a step's work can be skipped a whole warp at a time: a warp whose rows are all
+# < k or whose columns are all < k has nothing to compute at step k (its u, p are 0 or its entries are final), which
+# leaves ~54% of the register form's warp-steps for n = 128. Column k (the reflector's x) is read from the registers
+# by a switch on the block-uniform k % HALF (one indirect branch, not HALF selects), published in shared memory with
+# ||x||^2; p = A u is two half sums (4 interleaved partial sums each), kept apart in shared memory and added where used;
+# the rank-2 update is A_ij += c1_i p_j + c2_i u_j with c1 = -2 u_i, c2 = 4 (u^T p) u_i - 2 p_i, i.e.
+# A - 2 (u q^T + q u^T) with q = p - (u^T p) u, in two fused multiply-adds per entry. Three barriers per step.
+SOURCE_SPLIT = r"""
+#define NN %(N)d
+#define HALF (NN / 2)
+#define NT (2 * NN)
+#define NWARP (NT / 32)
+#define RB (NN / 32)
+__device__ __forceinline__ double warp_sum(double v)
+{
+    for (int o = 16; o > 0; o >>= 1) v += __shfl_xor_sync(0xffffffffu, v, o);
+    return v;
+}
+
+extern "C" __global__ void __launch_bounds__(NT, 1)
+gdnviz_tridiag(const double* __restrict__ G, double* __restrict__ D, double* __restrict__ E)
+{
+    __align__(16) __shared__ double us[NN];     // u (0 for rows <= k)
+    __align__(16) __shared__ double pp[2 * NN];  // pp[2 j + h]: half h's partial sum of p_j = (A u)_j (0 for j < k)
+    __shared__ double xs[NN];                 // x = A[i][k] for rows i > k, 0 elsewhere
+    __shared__ double red1[RB];               // per row block: partial ||x||^2
+    __shared__ double red2[NWARP];            // per warp: partial u^T p
+    const int t = threadIdx.x, w = t >> 5, lane = t & 31;
+    const int h = w & 1, rb = w >> 1;
+    const int i = 32 * rb + lane;             // this thread's row
+    const int jb = HALF * h;                  // its columns jb .. jb + HALF - 1
+    const long long base = (long long)blockIdx.x * NN * NN;
+    double a[HALF];
+    {
+        const double2* g2 = reinterpret_cast<const double2*>(G + base + (long long)i * NN + jb);
+#pragma unroll
+        for (int c = 0; c < HALF / 2; ++c) {
+            const double2 v = g2[c];
+            a[2 * c] = v.x;
+            a[2 * c + 1] = v.y;
+        }
+    }
+    for (int k = 0; k < NN - 2; ++k) {
+        const int hk = k / HALF, ck = k %% HALF;  // block-uniform: the half and the column that hold column k
+        if (h == hk) {
+            double x = 0.0;
+            switch (ck) {
+%(SWITCH)s
+            }
+            x = (i > k) ? x : 0.0;
+            xs[i] = x;
+            const double s1 = warp_sum(x * x);
+            if (lane == 0) red1[rb] = s1;
+        }
+        __syncthreads();
+        double nrm2 = 0.0;
+#pragma unroll
+        for (int r = 0; r < RB; ++r) nrm2 += red1[r];
+        const double nrm = sqrt(nrm2);
+        const double xk1 = xs[k + 1];
+        const double alpha = (xk1 >= 0.0) ? -nrm : nrm;
+        // ||x - alpha e_{k+1}||^2 = 2 (||x||^2 + |x_{k+1}| ||x||): alpha has x_{k+1}'s opposite sign, no cancellation
+        const double vn2 = 2.0 * (nrm2 + fabs(xk1) * nrm);
+        const double v = xs[i] - ((i == k + 1) ? alpha : 0.0);
+        const double u = (vn2 > 0.0) ? v / sqrt(vn2) : 0.0;
+        if (h == 0) us[i] = u;
+        __syncthreads();
+        // rows < k are finished (p = 0 there); columns < k hold no u and no p: such warps skip the step
+        const bool active = (32 * rb + 31 >= k) && (jb + HALF - 1 >= k);
+        double p = 0.0;
+        if (active) {
+            const double2* u2 = reinterpret_cast<const double2*>(us + jb);
+            double s0 = 0.0, s1 = 0.0, s2 = 0.0, s3 = 0.0;
+#pragma unroll
+            for (int c = 0; c < HALF; c += 4) {
+                const double2 ua = u2[c / 2], ub = u2[c / 2 + 1];
+                s0 = fma(a[c], ua.x, s0);
+                s1 = fma(a[c + 1], ua.y, s1);
+                s2 = fma(a[c + 2], ub.x, s2);
+                s3 = fma(a[c + 3], ub.y, s3);
+            }
+            p = (i >= k) ? (s0 + s1) + (s2 + s3) : 0.0;
+        }
+        pp[2 * i + h] = p;
+        const double s2w = warp_sum(u * p);
+        if (lane == 0) red2[w] = s2w;
+        __syncthreads();
+        if (active) {
+            double kk = 0.0;
+#pragma unroll
+            for (int r = 0; r < NWARP; ++r) kk += red2[r];
+            const double2 pi2 = reinterpret_cast<const double2*>(pp)[i];
+            const double pi = pi2.x + pi2.y;
+            const double c1 = -2.0 * u, c2 = 4.0 * kk * u - 2.0 * pi;
+            const double2* p2 = reinterpret_cast<const double2*>(pp) + jb;
+            const double2* u2 = reinterpret_cast<const double2*>(us + jb);
+#pragma unroll
+            for (int c = 0; c < HALF; c += 2) {
+                const double2 ua = u2[c / 2], pa = p2[c], pb = p2[c + 1];
+                a[c] = fma(c1, pa.x + pa.y, fma(c2, ua.x, a[c]));
+                a[c + 1] = fma(c1, pb.x + pb.y, fma(c2, ua.y, a[c + 1]));
+            }
+        }
+    }
+    double d = 0.0, e = 0.0;  // D[i] = A[i][i] (column i), E[i-1] = A[i][i-1] (column i-1)
+#pragma unroll
+    for (int c = 0; c < HALF; ++c) {
+        const int j = jb + c;
+        d = (j == i) ? a[c] : d;
+        e = (j == i - 1) ? a[c] : e;
+    }
+    if (i >= jb && i < jb + HALF) D[(long long)blockIdx.x * NN + i] = d;
+    if (i > 0 && i - 1 >= jb && i - 1 < jb + HALF) E[(long long)blockIdx.x * NN + i - 1] = e;
+    if (i == NN - 1 && h == 0) E[(long long)blockIdx.x * NN + NN - 1] = 0.0;
+}
+"""
+
 
 KERNELS = Kernels()  # KERNELS.available / KERNELS.reason: whether compilation worked, and why not
 
@@ -203,22 +322,36 @@ TPR_REGS = 2  # threads per row in the register form (64 doubles of G per thread
 TPR_SMEM = 4  # threads per row in the shared-memory form
 
 
-def default_regs() -> bool:
-    """The form ``tridiag`` uses unless told: ``GDNVIZ_CUDA_TRIDIAG=regs`` or ``=smem`` pick one, else ``REGS``."""
+SPLIT = "split"  # ``regs=SPLIT``: the split form (SOURCE_SPLIT, 2 threads per row, static shared memory only)
+
+
+def default_regs() -> bool | str:
+    """The form ``tridiag`` uses unless told: ``GDNVIZ_CUDA_TRIDIAG=regs``, ``=smem`` or ``=split`` pick one (True,
+    False, ``SPLIT``), else ``REGS``."""
     env = os.environ.get("GDNVIZ_CUDA_TRIDIAG", "").strip()
-    return True if env == "regs" else False if env == "smem" else REGS
+    return True if env == "regs" else False if env == "smem" else SPLIT if env == SPLIT else REGS
 
 
-def source(n: int, tpr: int, regs: bool) -> str:
+def _switch(half: int) -> str:
+    return "\n".join(f"            case {c}: x = a[{c}]; break;" for c in range(half))
+
+
+def source(n: int, tpr: int, regs: bool | str) -> str:
     """The kernel's CUDA source for n × n matrices and ``tpr`` threads per row (``n * tpr`` threads per block), the
-    matrix in shared memory or (``regs``) in registers."""
+    matrix in shared memory, (``regs``) in registers, or (``regs=SPLIT``, tpr 2) the split form."""
+    if regs == SPLIT:
+        if tpr != 2:
+            raise ValueError("the split form has 2 threads per row")
+        return SOURCE_SPLIT % {"N": n, "SWITCH": _switch(n // 2)}
     return (SOURCE_REG if regs else SOURCE) % {"N": n, "TPR": tpr}
 
 
-def smem_bytes(n: int, tpr: int, regs: bool) -> int:
+def smem_bytes(n: int, tpr: int, regs: bool | str) -> int:
     """Dynamic shared memory of the kernel for n × n matrices: the matrix (shared-memory form only; rows padded to
     n + tpr doubles, which spreads a warp's reads of tpr adjacent columns of 32 / tpr rows over all banks), u, p,
-    two partial sums per warp and one scalar."""
+    two partial sums per warp and one scalar; 0 for the split form (static arrays only)."""
+    if regs == SPLIT:
+        return 0
     return 8 * ((0 if regs else n * (n + tpr)) + 2 * n + 2 * (n * tpr // 32) + 1)
 
 
@@ -236,9 +369,9 @@ def supports(G: torch.Tensor) -> bool:
     return G.is_cuda and G.dim() == 3 and G.dtype == torch.float64 and G.shape[-1] in SIZES and G.shape[-2] == G.shape[-1]
 
 
-def _form(tpr: int | None, regs: bool | None) -> tuple[int, bool]:
+def _form(tpr: int | None, regs: bool | str | None) -> tuple[int, bool | str]:
     regs = default_regs() if regs is None else regs
-    return (tpr if tpr is not None else TPR_REGS if regs else TPR_SMEM), regs
+    return (tpr if tpr is not None else 2 if regs == SPLIT else TPR_REGS if regs else TPR_SMEM), regs
 
 
 def _kernel(n: int, device: torch.device, tpr: int | None = None, regs: bool | None = None):
