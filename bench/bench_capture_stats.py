@@ -56,6 +56,15 @@ def main():
 
     row("keycone_parts", timeit(lambda: keycone_parts(keys[0], g[0]), dev, args.repeats))
     row("keycone_sums", timeit(lambda: keycone_sums(keys[0], g[0]), dev, args.repeats))  # what a capture runs
+    from gdnviz.analysis import keycone
+
+    split, keycone.CUDA_SPLIT_TOKENS = keycone.CUDA_SPLIT_TOKENS, 0  # A/B: one GEMM per head over all tokens
+    row("keycone_sums_unsplit", timeit(lambda: keycone_sums(keys[0], g[0]), dev, args.repeats))
+    a = keycone_sums(keys[0], g[0])
+    keycone.CUDA_SPLIT_TOKENS = split
+    b = keycone_sums(keys[0], g[0])
+    emit(what="keycone_sums_split_vs_unsplit", max_rel_diff=max(
+        float(((b[n] - a[n]).abs().max() / a[n].abs().max().clamp_min(1e-300))) for n in ("C", "P")), **base)
     if args.variants:  # the eighth session's NaN check of the spectra: every entry, then the states copied
         flat = states[:, 0].reshape(-1, K, K)
 

@@ -39,6 +39,10 @@ def main():
     ap.add_argument("--small", action="store_true", help="4 layers / 4 heads, vocab 32000: a CPU smoke run")
     ap.add_argument("--repeats", type=int, default=3)
     ap.add_argument("--profile", type=int, default=0)
+    ap.add_argument("--split-ab", action="store_true",
+                    help="after each --ranks row, the same run with GDNVIZ_SPLIT_SCAN=0 (fla's whole chunk pass per "
+                         "segment inside the graph windows instead of its chunk-local half once per window); the "
+                         "row says whether the last positions' log-probabilities are identical")
     args = ap.parse_args()
 
     from gdnviz import runner
@@ -91,6 +95,19 @@ def main():
         graphed[r] = h
         emit(what="truncated_run_graph", rank=r, seconds=t, first_call_seconds=t_first, baseline="plain_prefill",
              ratio=t / t_plain, readouts=h["readouts"], **base)
+        if args.split_ab:
+            from gdnviz.gpu import scan_graph
+
+            os.environ["GDNVIZ_SPLIT_SCAN"] = "0"
+            h0 = {}
+            truncated(r, True, h0)
+            t0 = timeit(lambda: truncated(r, True), dev, repeats=args.repeats, warmup=0)
+            del os.environ["GDNVIZ_SPLIT_SCAN"]
+            scan_graph.clear()
+            emit(what="truncated_run_graph_unsplit", rank=r, seconds=t0, baseline="plain_prefill", ratio=t0 / t_plain,
+                 split_seconds=t, split_speedup=t0 / t,
+                 logp_identical=bool(torch.equal(h0["logp"], h["logp"])),
+                 max_abs_logp_diff=float((h0["logp"] - h["logp"]).abs().max()), **base)
     for r in [int(x) for x in str(args.fused_rank).split(",") if x and int(x) > 0]:
         if dev.type != "cuda":
             break

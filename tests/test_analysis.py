@@ -424,12 +424,19 @@ def test_keycone_summary_matches_references_per_head_windows(T, chunk):
         assert np.isinf(s["horizon"][2]) and s["key_cov_erank"][2] > 1
 
 
-@pytest.mark.parametrize("chunk", [300, 2048])
-def test_keycone_sums_are_the_reference_matrices(chunk):
+@pytest.mark.parametrize("chunk, split", [(300, 0), (2048, 0), (300, 64), (2048, 96)])
+def test_keycone_sums_are_the_reference_matrices(chunk, split, monkeypatch):
     """keycone_sums' window covariance C and decayed covariance P (what a capture hands to its merged eigensolve)
     equal window_key_covariance over ⌈horizon⌉-token windows and decayed_key_covariance, per head (windows of 2
-    tokens, ~T/2 and all T; chunks that split the windows); keycone_parts' eigenvalues are theirs."""
+    tokens, ~T/2 and all T; chunks that split the windows); keycone_parts' eigenvalues are theirs. ``split``: the
+    sums over tokens in parts of that many tokens (CUDA's split-K form, here forced on the CPU; 96 leaves a rest)."""
+    import functools
+
+    from gdnviz.analysis import keycone
     from gdnviz.analysis.keycone import covariance_window, keycone_parts, keycone_sums
+
+    if split:
+        monkeypatch.setattr(keycone, "_gram_head_major", functools.partial(keycone._gram_head_major, p=split))
 
     rng = np.random.default_rng(17)
     T, H, K = 1000, 4, 8

@@ -340,3 +340,48 @@ def test_tiling_noise_criterion():
             _assert_same_up_to_tiling_noise(leak(ref.clone()), ref, leak.__name__)
     with pytest.raises(AssertionError, match="greedy token differs"):
         _assert_same_up_to_tiling_noise(greedy(ref.clone()), ref, "greedy")
+
+
+def test_split_scan_needs_fla_on_cuda_and_the_chunk_grid(monkeypatch):
+    """The window body splits fla's chunk pass only where slices of one window-wide chunk-local pass are what each
+    piece's own call would compute: fla on CUDA, every piece a multiple of 64 tokens; GDNVIZ_SPLIT_SCAN=0 turns it off."""
+    from gdnviz.gdn import kernels
+
+    assert not scan_graph.split_scan(torch.device("cpu"), ((256, "all"),))  # the torch bodies: never
+    monkeypatch.setattr(kernels, "backend_for", lambda device: "fla")
+    assert scan_graph.split_scan(torch.device("cpu"), ((256, "all"),))
+    assert scan_graph.split_scan(torch.device("cpu"), ((64, (0,)), (192, None)))
+    assert not scan_graph.split_scan(torch.device("cpu"), ((100, (0,)), (156, None)))  # a piece off the grid
+    monkeypatch.setenv("GDNVIZ_SPLIT_SCAN", "0")
+    assert not scan_graph.split_scan(torch.device("cpu"), ((256, "all"),))
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+@pytest.mark.parametrize("dtype, B", [(torch.bfloat16, 1), (torch.float32, 3)])
+def test_split_scan_equals_chunk_calls_on_gpu(dtype, B):
+    """kernels.intra once over 1,024 tokens, then kernels.segment per 256-token segment == kernels.core (fla's chunk
+    call) per segment: outputs and states bit for bit, with the state replaced between segments as a truncation does."""
+    from gdnviz.gdn import kernels
+
+    if kernels.fla_ops() is None:
+        pytest.skip("fla not importable")
+    gen = torch.Generator(device="cuda").manual_seed(0)
+    T, H, K, V, L = 1024, 4, 128, 128, 256
+
+    def rnd(*shape):
+        return torch.randn(*shape, device="cuda", generator=gen)
+
+    q, k = (kernels.l2norm(rnd(B, T, H, K)).to(dtype) for _ in range(2))
+    v = rnd(B, T, H, V).to(dtype)
+    g = -0.1 * torch.rand(B, T, H, device="cuda", generator=gen)
+    beta = torch.rand(B, T, H, device="cuda", generator=gen).to(dtype)
+    Sa = Sb = 0.1 * rnd(B, H, K, V)
+    gc, w, u = kernels.intra(k, v, g, beta)
+    for s in range(0, T, L):
+        sl = slice(s, s + L)
+        oa, Sa = kernels.core(q[:, sl], k[:, sl], v[:, sl], g[:, sl], beta[:, sl], Sa)
+        ob, Sb = kernels.segment(q[:, sl], k[:, sl], gc[:, sl], w[:, sl], u[:, sl], Sb)
+        assert oa.dtype == ob.dtype == dtype and Sb.dtype == torch.float32
+        assert torch.equal(oa, ob) and torch.equal(Sa, Sb), s
+        Sa, Sb = 0.5 * Sa, 0.5 * Sb

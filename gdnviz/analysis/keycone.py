@@ -61,6 +61,10 @@ CHUNK = 2048
 #: that dominated a capture's statistics at 2048 (83 ms of host time for 16K tokens × 18 layers, H200); a float64
 #: chunk of 16 heads × 128 is 268 MB, and a few live at once.
 CUDA_CHUNK = 16384
+#: Tokens per partial product of :func:`keycone_sums`' sums over tokens on CUDA (0: one product per chunk). A sum
+#: ``Σ_t x_t x_tᵀ`` over a 16K-token chunk is 16 float64 GEMMs of 128 × 128 outputs, each reducing over 16K tokens:
+#: too few thread blocks for the GPU. Cut into 1,024-token parts it is 256 GEMMs, then a sum over the parts.
+CUDA_SPLIT_TOKENS = 1024
 #: Relative tolerance when rounding a horizon up to a window: 1/(1−0.9) = 10.000000000000002 is 10 tokens.
 _CEIL_RTOL = 1e-9
 
@@ -325,6 +329,23 @@ def symmetric_eigvals(A: torch.Tensor) -> torch.Tensor:
     return torch.where(bad[:, None], torch.full((), float("nan"), dtype=lam.dtype, device=lam.device), lam)
 
 
+def _gram_head_major(x: torch.Tensor, p: int | None = None) -> torch.Tensor:
+    """``Σ_t x_t x_tᵀ`` per head of head-major ``x [H, n, K]`` (float64): ``[H, K, K]``. The tokens are cut into parts
+    of ``p`` (default: :data:`CUDA_SPLIT_TOKENS` on CUDA, no cut elsewhere): one batched GEMM over heads × parts, then
+    a sum over the parts."""
+    H, n, K = x.shape
+    p = (CUDA_SPLIT_TOKENS if x.is_cuda else 0) if p is None else p
+    if p <= 0 or n < 2 * p:
+        return torch.bmm(x.transpose(1, 2), x)
+    c = n // p
+    xs = x[:, : c * p].reshape(H, c, p, K)
+    out = torch.matmul(xs.transpose(-1, -2), xs).sum(1)
+    if c * p < n:
+        r = x[:, c * p:]
+        out = out + torch.bmm(r.transpose(1, 2), r)
+    return out
+
+
 def keycone_sums(k: Any, g: Any, chunk: int | None = None) -> dict[str, torch.Tensor]:
     """The sums over tokens of :func:`keycone_parts`, before its eigenvalues: float64 tensors on the keys' device,
     **without a host synchronisation**. A capture (``gdnviz.capture``) solves the two ``[H, K, K]`` matrices'
@@ -372,9 +393,9 @@ def keycone_sums(k: Any, g: Any, chunk: int | None = None) -> dict[str, torch.Te
             m = (torch.arange(i, i + n, device=dev, dtype=torch.float64) >= start[:, None])[..., None]
             xm = torch.where(m, x, zero)
             sw += xm.sum(1)
-            Gw += torch.bmm(xm.transpose(1, 2), xm)
+            Gw += _gram_head_major(xm)
         y = x.mul_(ampT[:, i : i + n, None])  # rows √w_t k_t, in place: x is this chunk's own copy
-        P += torch.bmm(y.transpose(1, 2), y)
+        P += _gram_head_major(y)
     # centred second moment of the window, Σ (k − μ)(k − μ)ᵀ = Σ k kᵀ − w μ μᵀ with μ = Σ k / w: float64, so the
     # cancellation costs ~1e-16 / (1 − ‖μ‖²) relative (unit keys); a cone with 1 − ‖μ‖² < 1e-8 would lose digits
     C = (Gw - sw[:, :, None] * sw[:, None, :] / w[:, None, None]) / w[:, None, None]

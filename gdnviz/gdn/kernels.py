@@ -126,6 +126,43 @@ def core_with_states(q, k, v, g, beta, state, cuts):
     return o.to(v.dtype), final, picked
 
 
+def intra(k, v, g, beta):
+    """The chunk-local half of fla's chunk pass over all T tokens of a window (CUDA with fla only): ``(gc, w, u)``,
+    the per-64-token-chunk cumulative log2-decays ``gc [B, T, H]`` float32 and the WY factors ``w [B, T, H, K]``,
+    ``u [B, T, H, V]`` (fla's ``chunk_local_cumsum`` and ``chunk_gated_delta_rule_fwd_intra``, as
+    ``chunk_gated_delta_rule`` runs them). None of it reads the state, and nothing crosses a chunk's edge, so a segment
+    that starts on the 64-token grid gets from slices of these exactly what its own chunk call would compute (fla
+    0.6's autotuning keys do not include T: the same kernel configurations for a window as for a segment). The
+    truncated run's graph windows (``gdnviz.gpu.scan_graph``) compute it once per window instead of once per segment
+    and run only :func:`segment` per segment."""
+    from fla.ops.gated_delta_rule.chunk_fwd import chunk_gated_delta_rule_fwd_intra
+    from fla.ops.utils import chunk_local_cumsum
+    from fla.ops.utils.constant import RCP_LN2
+
+    with torch.cuda.device(k.device.index):
+        gc = chunk_local_cumsum(g.float().contiguous(), chunk_size=FLA_CHUNK, scale=RCP_LN2)
+        w, u, _A = chunk_gated_delta_rule_fwd_intra(k=k.contiguous(), v=v.contiguous(), g=gc,
+                                                    beta=beta.contiguous(), chunk_size=FLA_CHUNK)
+    return gc, w, u
+
+
+def segment(q, k, gc, w, u, state):
+    """The state-dependent half of fla's chunk pass over one segment (slices of :func:`intra`'s outputs over the
+    segment's tokens, which start on the 64-token grid): the state recurrence (``chunk_gated_delta_rule_fwd_h``,
+    from ``state`` [B, H, K, V] float32) and the output pass (``chunk_fwd_o``, query scale K^-1/2). Returns
+    ``(out [B, T, H, V] in q's dtype, final state float32)``, bit for bit what :func:`core` returns for the segment
+    (``tests/test_scan_graph.py`` pins them on CUDA)."""
+    from fla.ops.common.chunk_delta_h import chunk_gated_delta_rule_fwd_h
+    from fla.ops.common.chunk_o import chunk_fwd_o
+
+    q, k, gc, w, u = (x.contiguous() for x in (q, k, gc, w, u))  # slices of a batch (B > 1) are strided
+    with torch.cuda.device(q.device.index):
+        h, v_new, final = chunk_gated_delta_rule_fwd_h(k=k, w=w, u=u, g=gc, initial_state=state,
+                                                       output_final_state=True, chunk_size=FLA_CHUNK)
+        o = chunk_fwd_o(q=q, k=k, v=v_new, h=h, g=gc, scale=k.shape[-1] ** -0.5, chunk_size=FLA_CHUNK)
+    return o.to(q.dtype), final
+
+
 def l2norm(x: torch.Tensor, eps: float = 1e-6) -> torch.Tensor:
     """``x * rsqrt(sum(x^2) + eps)`` over the last dim in float32, as fla and transformers normalise q and k."""
     x = x.float()

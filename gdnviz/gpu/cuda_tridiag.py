@@ -13,8 +13,8 @@ p_i = Σ_j G[i][j] u_j is TPR partial sums joined by shuffles, and the rank-2 up
 lanes. The two scalars per step (‖x‖² and uᵀp) are warp sums whose per-warp partials are published by the barrier the
 step needs anyway, and ‖x − αe₁‖² = 2(‖x‖² + |x₁|‖x‖) needs no reduction of its own: three barriers per reflection.
 
-- register form (``SOURCE_REG``, the default, TPR = 2: 256 threads, 64 doubles of G in each thread's registers,
-  200 registers, no spills): the matrix never touches shared memory; every loop over a thread's columns is unrolled,
+- register form (``SOURCE_REG``, the default until the tenth session, TPR = 2: 256 threads, 64 doubles of G in
+  each thread's registers, 200 registers, no spills): the matrix never touches shared memory; every loop over a thread's columns is unrolled,
   so the register array is indexed by constants only and column k is picked out by predicated selects;
 - shared-memory form (``SOURCE``, ``GDNVIZ_CUDA_TRIDIAG=smem``, TPR = 4: the matrix in shared memory, rows padded
   to n + TPR doubles, 135 KB for n = 128): step k touches only the trailing block (rows and columns ≥ k), a third
@@ -25,6 +25,11 @@ capture, one run): register form 41.8 ms, shared-memory form 47.0 ms, the Triton
 registers of one 16-warp program, reductions and layout conversions across warps) 205.9 ms, so 4.9× faster; the
 first CUDA version (sixth session: one thread per row, the whole matrix updated every step, eight barriers per step)
 took 105.6 ms. Eigenvalues after the same bisection equal to 1.8e-15 relative.
+
+- split form (``SOURCE_SPLIT``, the default since the eleventh session; its comment has the layout): the register
+  form's arithmetic in 32-row × 64-column warp tiles, so that warps whose rows or columns are finished skip a step,
+  and two fused multiply-adds per entry of the update. H200: 30.9 ms for the 18,432 matrices against 41.4 ms for the
+  register form in the same run, eigenvalues equal to 1.8e-15 relative.
 
 Status: used by ``gdnviz.gpu.symeig.eigvalsh_tridiag`` (so by ``svdvals`` and the capture's spectra) on NVIDIA CUDA
 builds for float64 64×64 and 128×128 matrices by default; ``GDNVIZ_CUDA_TRIDIAG=0`` keeps the Triton kernel. Compiled
@@ -314,10 +319,11 @@ gdnviz_tridiag(const double* __restrict__ G, double* __restrict__ D, double* __r
 KERNELS = Kernels()  # KERNELS.available / KERNELS.reason: whether compilation worked, and why not
 
 
-# The defaults, measured on an H200 (bench/bench_spectra.py --candidates, seventh session, 18,432 matrices 128×128,
-# one run): register form at 2 threads per row 41.8 ms; shared-memory form at 4 per row 47.0 ms (2 per row 52.7,
-# 1 per row 69.4); register form at 4 per row 56.7 ms; the Triton kernel 205.9 ms.
-REGS = True  # the register form (SOURCE_REG)
+# The defaults, measured on an H200 (bench/bench_spectra.py --candidates, 18,432 matrices 128×128, one run each):
+# eleventh session: split form 30.9 ms, register form at 2 threads per row 41.4 ms, shared-memory form at 4 per row
+# 47.0 ms, the Triton kernel 205.9 ms; seventh session: shared memory at 2 per row 52.7, 1 per row 69.4; register
+# form at 4 per row 56.7 ms.
+REGS = "split"  # the split form (SOURCE_SPLIT; True: the register form SOURCE_REG, False: shared memory)
 TPR_REGS = 2  # threads per row in the register form (64 doubles of G per thread for n = 128: 200 registers)
 TPR_SMEM = 4  # threads per row in the shared-memory form
 

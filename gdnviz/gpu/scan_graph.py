@@ -17,7 +17,10 @@ every row; a tuple of batch rows; None: no boundary). A plain run's windows star
 positions, but those positions repeat every L tokens, so once every row has started, every period has the same
 pattern (``row_pattern``): one graph serves every window of every layer of that batch.
 
-What is recorded: static input buffers (copied into before each replay), the chunk calls on slices of them, the
+What is recorded: static input buffers (copied into before each replay), the chunk calls on slices of them — on
+CUDA with fla, when every piece lies on fla's 64-token chunk grid (``split_scan``), the chunk-local half of the
+chunk pass (decay cumsums, WY factors: ``kernels.intra``) once for the whole window and only the state recurrence and
+output pass (``kernels.segment``) per piece, the same numbers with ~2 kernels per segment instead of ~6 — the
 boundary function after each piece that ends at a boundary, the outputs written into a static output buffer and
 the final state copied into the static state buffer. Constraints on the boundary function ``fn(state, rows)``
 (``rows`` None for all rows, else a device index tensor): no host sync, no data-dependent shapes, constants created
@@ -35,6 +38,7 @@ same window body without a graph (CPU tests pin the window plumbing to the plain
 from __future__ import annotations
 
 import logging
+import os
 from collections import OrderedDict
 from typing import Callable
 
@@ -43,6 +47,7 @@ import torch
 from gdnviz.gdn import kernels
 
 WINDOW = 16  # periods per graph replay (4,096 tokens at L = 256)
+SPLIT_SCAN = True  # see _WindowGraph.split: fla's chunk-local half once per window (GDNVIZ_SPLIT_SCAN=0: per piece)
 MAX_GRAPHS = 4
 _GRAPHS: "OrderedDict[tuple, _WindowGraph]" = OrderedDict()
 _BROKEN: dict = {}  # key -> repr of the capture error
@@ -100,8 +105,8 @@ def row_pattern(row_starts, offset: int, first: int, L: int) -> tuple:
 class _WindowGraph:
     """Static buffers, the window body and (after ``capture``) its CUDA graph."""
 
-    def __init__(self, proto: dict, L: int, W: int, boundary_fn: Callable, pattern: tuple):
-        self.L, self.W, self.fn, self.pattern = L, W, boundary_fn, pattern
+    def __init__(self, proto: dict, L: int, W: int, boundary_fn: Callable, pattern: tuple, split: bool = False):
+        self.L, self.W, self.fn, self.pattern, self.split = L, W, boundary_fn, pattern, split
         n = L * W
         self.buf = {name: torch.zeros((t.shape[0], n, *t.shape[2:]), dtype=t.dtype, device=t.device)
                     for name, t in proto.items() if name != "state"}
@@ -122,11 +127,17 @@ class _WindowGraph:
     def body(self) -> None:
         b = self.buf
         S = self.state
+        pre = kernels.intra(b["k"], b["v"], b["g"], b["beta"]) if self.split else None
         t = 0
         for _ in range(self.W):
             for (n, rows), idx in zip(self.pattern, self.rows):
                 sl = slice(t, t + n)
-                o, S = kernels.core(b["q"][:, sl], b["k"][:, sl], b["v"][:, sl], b["g"][:, sl], b["beta"][:, sl], S)
+                if pre is not None:
+                    gc, w, u = pre
+                    o, S = kernels.segment(b["q"][:, sl], b["k"][:, sl], gc[:, sl], w[:, sl], u[:, sl], S)
+                else:
+                    o, S = kernels.core(b["q"][:, sl], b["k"][:, sl], b["v"][:, sl], b["g"][:, sl],
+                                        b["beta"][:, sl], S)
                 self.out[:, sl].copy_(o)
                 if rows is not None:
                     S = self.fn(S, idx)
@@ -165,6 +176,15 @@ class _WindowGraph:
             self.body()
 
 
+def split_scan(device, pattern: tuple) -> bool:
+    """Whether a window body runs fla's chunk-local half once per window (``kernels.intra``) and only the
+    state-dependent half per piece (``kernels.segment``): fla on CUDA, every piece on the 64-token grid (so every
+    piece starts on it), not switched off (``GDNVIZ_SPLIT_SCAN=0``)."""
+    return (SPLIT_SCAN and os.environ.get("GDNVIZ_SPLIT_SCAN", "").strip() != "0"
+            and kernels.backend_for(device) == "fla"
+            and all(n % kernels.FLA_CHUNK == 0 for n, _ in pattern))
+
+
 def run_windows(q, k, v, g, beta, state, starts: list[int], L: int, W: int, fn: Callable, fn_key,
                 out: torch.Tensor, pattern: tuple | None = None, eager: bool = False, row_starts=None
                 ) -> tuple | None:
@@ -176,17 +196,18 @@ def run_windows(q, k, v, g, beta, state, starts: list[int], L: int, W: int, fn: 
     """
     pattern = pattern or ((L, "all"),)
     proto = {"q": q, "k": k, "v": v, "g": g, "beta": beta, "state": state}
+    split = split_scan(v.device, pattern)
     key = (str(v.device), tuple(q.shape[:1]) + tuple(q.shape[2:]), tuple(v.shape[2:]),
-           q.dtype, k.dtype, v.dtype, g.dtype, beta.dtype, L, W, pattern, fn_key)
+           q.dtype, k.dtype, v.dtype, g.dtype, beta.dtype, L, W, pattern, fn_key, split)
     fresh = False
     if eager:
-        wg = _WindowGraph(proto, L, W, fn, pattern)
+        wg = _WindowGraph(proto, L, W, fn, pattern, split)
     elif key in _BROKEN:
         return None
     else:
         wg = _GRAPHS.get(key)
         if wg is None:
-            wg, fresh = _WindowGraph(proto, L, W, fn, pattern), True
+            wg, fresh = _WindowGraph(proto, L, W, fn, pattern, split), True
         else:
             _GRAPHS.move_to_end(key)
     wg.state.copy_(state)
