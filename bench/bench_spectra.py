@@ -35,8 +35,8 @@ def main():
     ap.add_argument("--candidates", action="store_true",
                     help="also time what might replace the Triton tridiagonalisation (issue #6, capture ≤ 1.5×): "
                          "cuSOLVER's batched gesvda (torch.linalg.svd driver='gesvda', f64 and f32) on 288 states; "
-                         "on the big batch the CUDA tridiagonalisation (shared-memory and register forms), the CUDA "
-                         "bisection, each against its Triton kernel")
+                         "on the big batch the CUDA tridiagonalisation (shared-memory, register and split forms), the "
+                         "CUDA bisection (LDLᵀ pivots and leading minors), each against its Triton kernel")
     args = ap.parse_args()
     from gdnviz.gpu import symeig
 

@@ -6,13 +6,14 @@ computed as the square roots of the eigenvalues of the float64 Gram matrix G = S
 1. G is formed in float64 (products of float32 entries are exact in float64);
 2. a first kernel reduces each G to tridiagonal form with Householder reflections: for n ∈ {64, 128} on NVIDIA
    builds the NVRTC-compiled CUDA kernel ``gdnviz.gpu.cuda_tridiag`` (one thread block per matrix, the matrix in
-   shared memory; 1.95× faster than the Triton kernel on an H200, the same reflections; ``GDNVIZ_CUDA_TRIDIAG=0``
-   turns it off), otherwise — or if its compilation fails — a Triton kernel, one program per matrix with the whole
-   n×n tile in registers (n ≤ 128);
+   its threads' registers in 32-row × 64-column warp tiles; 6.7× faster than the Triton kernel on an H200, the same
+   reflections; ``GDNVIZ_CUDA_TRIDIAG=0`` turns it off), otherwise — or if its compilation fails — a Triton kernel,
+   one program per matrix with the whole n×n tile in registers (n ≤ 128);
 3. a second kernel finds all eigenvalues of many tridiagonals at once by bisection on Sturm counts, one lane
    per (matrix, eigenvalue index), 64 halvings of the Gershgorin interval (absolute accuracy ≈ ε_f64·‖G‖): the
-   CUDA kernel ``gdnviz.gpu.cuda_bisect`` (the tridiagonal in shared memory; ``GDNVIZ_CUDA_BISECT=0`` turns it off)
-   for n ∈ {64, 128} on NVIDIA builds, otherwise a Triton kernel.
+   CUDA kernel ``gdnviz.gpu.cuda_bisect`` (the tridiagonal in shared memory, Sturm counts from the signs of the
+   leading minors, no division; ``GDNVIZ_CUDA_BISECT=0`` turns it off) for n ∈ {64, 128} on NVIDIA builds, otherwise a
+   Triton kernel (Sturm counts from the LDLᵀ pivots).
 
 Why: ``torch.linalg.svdvals`` / ``eigvalsh`` on CUDA loop over the batch for n > 32 (about 1–5 ms per 128×128
 matrix), which is the whole budget of a capture. The reference is ``torch.linalg.svdvals`` in float64; the
