@@ -34,24 +34,25 @@ import torch
 
 from gdnviz.gpu.nvrtc import Kernels
 
-SOURCE = r"""
+# Shared by both forms: the block's tridiagonal in shared memory and the Gershgorin interval widened by 1e-12 of its
+# span, with pivmin (every thread computes the same, in the same order).
+PREAMBLE = r"""
 #define NN %(N)d
-extern "C" __global__ void __launch_bounds__(NN)
-gdnviz_bisect(const double* __restrict__ D, const double* __restrict__ E, double* __restrict__ W, int steps)
+__device__ __forceinline__ void load_tridiagonal(const double* __restrict__ D, const double* __restrict__ E,
+                                                 long long base, int j, double* ds, double* es)
 {
-    __shared__ double ds[NN];
-    __shared__ double e2s[NN];  // e2s[i] = E[i-1]^2 (e2s[0] = 0): the term the pivot at row i subtracts
-    __shared__ double es[NN];
-    const int j = threadIdx.x;
-    const long long base = (long long)blockIdx.x * NN;
     const double ej = (j < NN - 1) ? E[base + j] : 0.0;
     ds[j] = D[base + j];
     es[j] = ej;
-    __syncthreads();
-    e2s[j] = (j > 0) ? es[j - 1] * es[j - 1] : 0.0;
-    __syncthreads();
-    double lo = 1e300, hi = -1e300, scale = 0.0, e_prev = 0.0;
-    for (int i = 0; i < NN; ++i) {  // Gershgorin interval (every thread the same, in the same order)
+}
+
+// [a, b] contains every eigenvalue; scale = max_i(|d_i| + |e_i|); pivmin = 1e-300 + 4.9e-32 scale
+__device__ __forceinline__ void gershgorin(const double* ds, const double* es, double& a, double& b, double& scale,
+                                           double& pivmin)
+{
+    double lo = 1e300, hi = -1e300, e_prev = 0.0;
+    scale = 0.0;
+    for (int i = 0; i < NN; ++i) {
         const double di = ds[i], ei = es[i];
         const double rad = fabs(ei) + fabs(e_prev);
         lo = fmin(lo, di - rad);
@@ -60,8 +61,27 @@ gdnviz_bisect(const double* __restrict__ D, const double* __restrict__ E, double
         e_prev = ei;
     }
     const double span = fmax(hi - lo, 1e-300);
-    double a = lo - 1e-12 * span, b = hi + 1e-12 * span;
-    const double pivmin = 1e-300 + 4.9e-32 * scale;
+    a = lo - 1e-12 * span;
+    b = hi + 1e-12 * span;
+    pivmin = 1e-300 + 4.9e-32 * scale;
+}
+"""
+
+SOURCE = PREAMBLE + r"""
+extern "C" __global__ void __launch_bounds__(NN)
+gdnviz_bisect(const double* __restrict__ D, const double* __restrict__ E, double* __restrict__ W, int steps)
+{
+    __shared__ double ds[NN];
+    __shared__ double e2s[NN];  // e2s[i] = E[i-1]^2 (e2s[0] = 0): the term the pivot at row i subtracts
+    __shared__ double es[NN];
+    const int j = threadIdx.x;
+    const long long base = (long long)blockIdx.x * NN;
+    load_tridiagonal(D, E, base, j, ds, es);
+    __syncthreads();
+    e2s[j] = (j > 0) ? es[j - 1] * es[j - 1] : 0.0;
+    __syncthreads();
+    double a, b, scale, pivmin;
+    gershgorin(ds, es, a, b, scale, pivmin);
     for (int s = 0; s < steps; ++s) {
         const double mid = 0.5 * (a + b);
         int cnt = 0;
@@ -89,8 +109,7 @@ gdnviz_bisect(const double* __restrict__ D, const double* __restrict__ E, double
 # Range: T, x and pivmin are scaled by a power of two sigma >= max_i(|d_i| + |e_i|) (exact), so every pivot lies in
 # [pivmin/sigma, 3 + sigma/pivmin] ~ [2^-105, 2^106]; every 4 steps p_i and p_{i-1} are multiplied by 2^-exponent(p_i)
 # (exact), which keeps 4 further steps inside float64's range (2^-1022 .. 2^1023) with a margin of 2^400.
-SOURCE_DET = r"""
-#define NN %(N)d
+SOURCE_DET = PREAMBLE + r"""
 extern "C" __global__ void __launch_bounds__(NN)
 gdnviz_bisect(const double* __restrict__ D, const double* __restrict__ E, double* __restrict__ W, int steps)
 {
@@ -99,22 +118,10 @@ gdnviz_bisect(const double* __restrict__ D, const double* __restrict__ E, double
     __shared__ double2 de[NN];  // (d_i / sigma, e_{i-1}^2 / sigma^2), e_{-1} = 0
     const int j = threadIdx.x;
     const long long base = (long long)blockIdx.x * NN;
-    const double ej = (j < NN - 1) ? E[base + j] : 0.0;
-    ds[j] = D[base + j];
-    es[j] = ej;
+    load_tridiagonal(D, E, base, j, ds, es);
     __syncthreads();
-    double lo = 1e300, hi = -1e300, scale = 0.0, e_prev = 0.0;
-    for (int i = 0; i < NN; ++i) {  // Gershgorin interval (every thread the same, in the same order)
-        const double di = ds[i], ei = es[i];
-        const double rad = fabs(ei) + fabs(e_prev);
-        lo = fmin(lo, di - rad);
-        hi = fmax(hi, di + rad);
-        scale = fmax(scale, fabs(di) + fabs(ei));
-        e_prev = ei;
-    }
-    const double span = fmax(hi - lo, 1e-300);
-    double a = lo - 1e-12 * span, b = hi + 1e-12 * span;
-    const double pivmin = 1e-300 + 4.9e-32 * scale;
+    double a, b, scale, pivmin;
+    gershgorin(ds, es, a, b, scale, pivmin);
     // sigma = 2^(ilogb(max(scale, 1e-280)) + 1): a power of two, so the scaling below is exact
     const int sexp = ilogb(fmax(scale, 1e-280)) + 1;
     const double inv = ldexp(1.0, -sexp);
