@@ -65,6 +65,9 @@ CUDA_CHUNK = 16384
 #: ``Σ_t x_t x_tᵀ`` over a 16K-token chunk is 16 float64 GEMMs of 128 × 128 outputs, each reducing over 16K tokens:
 #: too few thread blocks for the GPU. Cut into 1,024-token parts it is 256 GEMMs, then a sum over the parts.
 CUDA_SPLIT_TOKENS = 1024
+#: :func:`keycone_sums` on CUDA in its blocked form (:func:`_blocked_sums`: fewer passes over the float64 keys).
+#: Off until measured on the GPU (``bench/bench_capture_stats.py`` times both in one run).
+CUDA_BLOCKED = False
 #: Relative tolerance when rounding a horizon up to a window: 1/(1−0.9) = 10.000000000000002 is 10 tokens.
 _CEIL_RTOL = 1e-9
 
@@ -346,7 +349,41 @@ def _gram_head_major(x: torch.Tensor, p: int | None = None) -> torch.Tensor:
     return out
 
 
-def keycone_sums(k: Any, g: Any, chunk: int | None = None) -> dict[str, torch.Tensor]:
+def _blocked_sums(kt: torch.Tensor, start: torch.Tensor, ampT: torch.Tensor, p: int
+                  ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    """The sums of :func:`keycone_sums` in fewer passes over the keys: ``(s [H, K], sw [H, K], Gw [H, K, K],
+    P [H, K, K])`` float64 for keys ``kt [T, H, K]``, each head's window ``t ≥ start[h]`` (``start [H]`` float64,
+    integral) and amplitudes ``ampT [H, T]``.
+
+    The keys are copied once to float64, head-major, with a column of ones appended (``[H, T', K + 1]``, T' = T
+    rounded up to ``p`` with zero rows). One batched GEMM per block of ``p`` tokens gives each block's ``Σ x xᵀ``,
+    ``Σ x`` (the ones column) and count; the window's sums are the blocks wholly inside it plus a masked GEMM over the
+    one block that it starts in (gathered per head, no host synchronisation), so neither a masked copy of all keys
+    nor the separate reductions ``Σ x`` and ``Σ_window x`` are needed. Masks are ``torch.where`` (exact zeros: a NaN
+    key outside a window stays outside). ``P`` scales the same float64 copy in place by the amplitudes."""
+    T, H, K = kt.shape
+    dev = kt.device
+    c = -(-T // p)
+    xa = torch.zeros(H, c * p, K + 1, dtype=torch.float64, device=dev)
+    xa[:, :T, :K].copy_(kt.transpose(0, 1))
+    xa[:, :T, K] = 1.0
+    xb = xa.view(H, c, p, K + 1)
+    Gb = torch.matmul(xb.transpose(-1, -2), xb)  # [H, c, K + 1, K + 1]
+    st = start.to(torch.long)
+    blk = torch.div(st, p, rounding_mode="floor")  # the block each window starts in
+    zero = torch.zeros((), dtype=torch.float64, device=dev)
+    whole = torch.arange(c, device=dev)[None, :] > blk[:, None]  # [H, c]: blocks wholly inside the window
+    Gwa = torch.where(whole[:, :, None, None], Gb, zero).sum(1)
+    part = xb[torch.arange(H, device=dev), blk]  # [H, p, K + 1] (a copy)
+    inside = torch.arange(p, device=dev)[None, :] >= (st - blk * p)[:, None]
+    part = torch.where(inside[:, :, None], part, zero)
+    Gwa = Gwa + torch.bmm(part.transpose(1, 2), part)
+    s = Gb[:, :, K, :K].sum(1)
+    y = xa[:, :T, :K].mul_(ampT[:, :, None])  # rows √w_t k_t, in place (part is a copy, Gb is done)
+    return s, Gwa[:, K, :K], Gwa[:, :K, :K], _gram_head_major(y)
+
+
+def keycone_sums(k: Any, g: Any, chunk: int | None = None, blocked: bool | None = None) -> dict[str, torch.Tensor]:
     """The sums over tokens of :func:`keycone_parts`, before its eigenvalues: float64 tensors on the keys' device,
     **without a host synchronisation**. A capture (``gdnviz.capture``) solves the two ``[H, K, K]`` matrices'
     eigenvalues together with the layer's boundary states' spectra, in one launch of the same kernels.
@@ -359,6 +396,8 @@ def keycone_sums(k: Any, g: Any, chunk: int | None = None) -> dict[str, torch.Te
     copied to float64 head-major (``[H, t, K]``) once, and the sums over tokens are batched GEMMs.
 
     chunk: tokens per float64 chunk; None = :data:`CUDA_CHUNK` on CUDA, :data:`CHUNK` elsewhere.
+    blocked: the single-pass form :func:`_blocked_sums` (blocks of :data:`CUDA_SPLIT_TOKENS` tokens, or 1,024 when
+    that is 0; ``chunk`` unused); None = :data:`CUDA_BLOCKED` on CUDA, off elsewhere.
 
     Returns ``{"horizon": [H], "mean_key_norm": [H], "C": [H, K, K], "P": [H, K, K]}``: ``C`` the window covariance
     (:func:`window_key_covariance`), ``P`` the decayed key covariance (:func:`decayed_key_covariance`).
@@ -376,6 +415,10 @@ def keycone_sums(k: Any, g: Any, chunk: int | None = None) -> dict[str, torch.Te
     hh = torch.where(nan, torch.full_like(hh, float(T)), hh)  # covariance_window; NaN: window T, erank NaN later
     w = torch.clamp(torch.ceil(hh), min=2.0).clamp(max=float(T))
     start = float(T) - w  # [H]: token t is in head h's window iff t >= start[h]
+    ampT = torch.exp(_suffix_log_decay(g64)).T  # [H, T]: √w_t of the decayed covariance
+    if blocked if blocked is not None else (CUDA_BLOCKED and dev.type == "cuda"):
+        s, sw, Gw, P = _blocked_sums(kt.to(dev), start, ampT, CUDA_SPLIT_TOKENS or 1024)
+        return _keycone_result(horizon, s, sw, Gw, P, w, T)
     # chunks wholly before every window add exact zeros: skipped where knowing that costs no synchronisation (CPU)
     first = 0 if dev.type == "cuda" else max(0, (T - int(w.max().item())) // chunk * chunk)
     s = torch.zeros(H, K, dtype=torch.float64, device=dev)
@@ -383,7 +426,6 @@ def keycone_sums(k: Any, g: Any, chunk: int | None = None) -> dict[str, torch.Te
     Gw = torch.zeros(H, K, K, dtype=torch.float64, device=dev)  # Σ over each head's window of k_t k_tᵀ
     P = torch.zeros(H, K, K, dtype=torch.float64, device=dev)
     zero = torch.zeros((), dtype=torch.float64, device=dev)
-    ampT = torch.exp(_suffix_log_decay(g64)).T  # [H, T]: √w_t of the decayed covariance
     for i in range(0, T, chunk):  # one pass: each chunk converted to float64 once
         n = min(chunk, T - i)
         x = torch.empty(H, n, K, dtype=torch.float64, device=dev)  # head-major: the GEMMs below read it as is
@@ -396,6 +438,11 @@ def keycone_sums(k: Any, g: Any, chunk: int | None = None) -> dict[str, torch.Te
             Gw += _gram_head_major(xm)
         y = x.mul_(ampT[:, i : i + n, None])  # rows √w_t k_t, in place: x is this chunk's own copy
         P += _gram_head_major(y)
+    return _keycone_result(horizon, s, sw, Gw, P, w, T)
+
+
+def _keycone_result(horizon, s, sw, Gw, P, w, T: int) -> dict[str, torch.Tensor]:
+    """:func:`keycone_sums`' dictionary from its sums."""
     # centred second moment of the window, Σ (k − μ)(k − μ)ᵀ = Σ k kᵀ − w μ μᵀ with μ = Σ k / w: float64, so the
     # cancellation costs ~1e-16 / (1 − ‖μ‖²) relative (unit keys); a cone with 1 − ‖μ‖² < 1e-8 would lose digits
     C = (Gw - sw[:, :, None] * sw[:, None, :] / w[:, None, None]) / w[:, None, None]
