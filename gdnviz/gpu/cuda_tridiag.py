@@ -51,16 +51,19 @@ SIZES = (64, 128)
 
 # Shared by both forms: the block layout and the two per-step block scalars. Block sums are warp shuffles, one partial
 # per warp in shared memory, and the barrier that publishes them is the one the step needs anyway.
-PREAMBLE = r"""
-#define NN %(N)d
-#define TPR %(TPR)d
-#define NT (NN * TPR)
-#define NWARP (NT / 32)
+WARP_SUM = r"""
 __device__ __forceinline__ double warp_sum(double v)
 {
     for (int o = 16; o > 0; o >>= 1) v += __shfl_xor_sync(0xffffffffu, v, o);
     return v;
 }
+"""
+
+PREAMBLE = WARP_SUM + r"""
+#define NN %(N)d
+#define TPR %(TPR)d
+#define NT (NN * TPR)
+#define NWARP (NT / 32)
 
 // Row i's entry u_i of step k's unit reflector, from x_i = A[i][k] (0 for i <= k): publishes ||x||^2 (red1) and
 // x_{k+1} (sc[0]), then stores u in us[]; two barriers.
@@ -205,17 +208,12 @@ gdnviz_tridiag(const double* __restrict__ G, double* __restrict__ D, double* __r
 # ||x||^2; p = A u is two half sums (4 interleaved partial sums each), kept apart in shared memory and added where used;
 # the rank-2 update is A_ij += c1_i p_j + c2_i u_j with c1 = -2 u_i, c2 = 4 (u^T p) u_i - 2 p_i, i.e.
 # A - 2 (u q^T + q u^T) with q = p - (u^T p) u, in two fused multiply-adds per entry. Three barriers per step.
-SOURCE_SPLIT = r"""
+SOURCE_SPLIT = WARP_SUM + r"""
 #define NN %(N)d
 #define HALF (NN / 2)
 #define NT (2 * NN)
 #define NWARP (NT / 32)
 #define RB (NN / 32)
-__device__ __forceinline__ double warp_sum(double v)
-{
-    for (int o = 16; o > 0; o >>= 1) v += __shfl_xor_sync(0xffffffffu, v, o);
-    return v;
-}
 
 extern "C" __global__ void __launch_bounds__(NT, 1)
 gdnviz_tridiag(const double* __restrict__ G, double* __restrict__ D, double* __restrict__ E)
