@@ -8,28 +8,28 @@ diagonal and the subdiagonal (``E[:, i] = T[i+1, i]``, ``E[:, n-1] = 0``) of the
 α = −sign(x₀)‖x‖, u = (x − α e₀)/‖x − α e₀‖, p = G u, q = p − (uᵀp) u, G ← G − 2(u qᵀ + q uᵀ)), so the bisection
 kernel that follows is unchanged.
 
-Two forms of one algorithm. Both give a row of G to TPR threads, each owning the columns j ≡ h (mod TPR):
-p_i = Σ_j G[i][j] u_j is TPR partial sums joined by shuffles, and the rank-2 update of row i is private to its TPR
-lanes. The two scalars per step (‖x‖² and uᵀp) are warp sums whose per-warp partials are published by the barrier the
+Three forms of one algorithm. Each gives a row of G to TPR threads (register and shared-memory forms: thread h owns
+the columns j ≡ h (mod TPR); split form: one contiguous half each): p_i = Σ_j G[i][j] u_j is TPR partial sums, and
+the rank-2 update of row i is private to its TPR threads. The two scalars per step (‖x‖² and uᵀp) are warp sums whose per-warp partials are published by the barrier the
 step needs anyway, and ‖x − αe₁‖² = 2(‖x‖² + |x₁|‖x‖) needs no reduction of its own: three barriers per reflection.
 
 - register form (``SOURCE_REG``, the default until the tenth session, TPR = 2: 256 threads, 64 doubles of G in
-  each thread's registers, 200 registers, no spills): the matrix never touches shared memory; every loop over a thread's columns is unrolled,
-  so the register array is indexed by constants only and column k is picked out by predicated selects;
+  each thread's registers, 200 registers, no spills): the matrix never touches shared memory; every loop over a
+  thread's columns is unrolled, so the register array is indexed by constants only and column k is picked out by
+  predicated selects;
 - shared-memory form (``SOURCE``, ``GDNVIZ_CUDA_TRIDIAG=smem``, TPR = 4: the matrix in shared memory, rows padded
   to n + TPR doubles, 135 KB for n = 128): step k touches only the trailing block (rows and columns ≥ k), a third
-  of the arithmetic of updating the whole matrix.
+  of the arithmetic of updating the whole matrix;
+- split form (``SOURCE_SPLIT``, the default since the eleventh session; its comment has the layout): the register
+  form's arithmetic in 32-row × 64-column warp tiles, so that warps whose rows or columns are finished skip a step,
+  and two fused multiply-adds per entry of the update. H200: 30.9 ms for the 18,432 matrices against 41.4 ms for the
+  register form in the same run, eigenvalues equal to 1.8e-15 relative.
 
 Measured on an H200 (``bench/bench_spectra.py --candidates``, seventh session, the 18,432 Gram matrices of a 16K
 capture, one run): register form 41.8 ms, shared-memory form 47.0 ms, the Triton kernel (the whole matrix in the
 registers of one 16-warp program, reductions and layout conversions across warps) 205.9 ms, so 4.9× faster; the
 first CUDA version (sixth session: one thread per row, the whole matrix updated every step, eight barriers per step)
 took 105.6 ms. Eigenvalues after the same bisection equal to 1.8e-15 relative.
-
-- split form (``SOURCE_SPLIT``, the default since the eleventh session; its comment has the layout): the register
-  form's arithmetic in 32-row × 64-column warp tiles, so that warps whose rows or columns are finished skip a step,
-  and two fused multiply-adds per entry of the update. H200: 30.9 ms for the 18,432 matrices against 41.4 ms for the
-  register form in the same run, eigenvalues equal to 1.8e-15 relative.
 
 Status: used by ``gdnviz.gpu.symeig.eigvalsh_tridiag`` (so by ``svdvals`` and the capture's spectra) on NVIDIA CUDA
 builds for float64 64×64 and 128×128 matrices by default; ``GDNVIZ_CUDA_TRIDIAG=0`` keeps the Triton kernel. Compiled
