@@ -61,7 +61,8 @@ def test_emulated_bisection_finds_every_eigenvalue(n, form):
     from gdnviz.gpu.symeig import BISECT_STEPS
 
     D, E = tridiagonals(n, seed=n)
-    emu = Emulated(cuda_bisect.source(n, form), "gdnviz_bisect", ["const double*", "const double*", "double*", "int"])
+    emu = Emulated(cuda_bisect.source(n, form), "gdnviz_bisect",
+                   ["const double*", "const double*", "double*", "int"])
     W = np.empty_like(D)
     emu.launch(len(D), n, [D, E, W, BISECT_STEPS])
     for b in range(len(D)):

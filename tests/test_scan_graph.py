@@ -344,7 +344,8 @@ def test_tiling_noise_criterion():
 
 def test_split_scan_needs_fla_on_cuda_and_the_chunk_grid(monkeypatch):
     """The window body splits fla's chunk pass only where slices of one window-wide chunk-local pass are what each
-    piece's own call would compute: fla on CUDA, every piece a multiple of 64 tokens; GDNVIZ_SPLIT_SCAN=0 turns it off."""
+    piece's own call would compute: fla on CUDA, every piece a multiple of 64 tokens; GDNVIZ_SPLIT_SCAN=0 turns it
+    off."""
     from gdnviz.gdn import kernels
 
     assert not scan_graph.split_scan(torch.device("cpu"), ((256, "all"),))  # the torch bodies: never
