@@ -76,10 +76,11 @@ def test_emulated_bisection_finds_every_eigenvalue(n, form):
 
 
 def extreme_tridiagonals(n: int, seed: int = 0) -> tuple[np.ndarray, np.ndarray]:
-    """Cases for the minors' range: random at 1e140 and 1e-140 (the LDLᵀ form squares e: 1e250 overflows it), a Gram matrix of rank 3 reduced to tridiagonal form
-    (125 eigenvalues at rounding level: the minors near 0 shrink by ~1e-16 per step), graded over 300 decades, and a
-    matrix whose leading 4×4 minor is exactly 0 at the first midpoint (0: the Gershgorin interval is [-4, 4]), at a
-    step where the minors are rescaled (a zero has no exponent; the pivmin rule keeps every minor nonzero)."""
+    """Cases for the minors' range: random at 1e140 and 1e-140 (the LDLᵀ form squares e: 1e250 overflows it), a Gram
+    matrix of rank 3 reduced to tridiagonal form (125 eigenvalues at rounding level: the minors near 0 shrink by
+    ~1e-16 per step), graded over 300 decades, and a matrix whose leading 4×4 minor is exactly 0 at the first
+    midpoint (0: the Gershgorin interval is [-4, 4]), at a step where the minors are rescaled (a zero has no
+    exponent; the pivmin rule keeps every minor nonzero)."""
     rng = np.random.default_rng(seed)
     D = np.empty((5, n))
     E = np.empty((5, n))

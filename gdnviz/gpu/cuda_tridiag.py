@@ -8,10 +8,11 @@ diagonal and the subdiagonal (``E[:, i] = T[i+1, i]``, ``E[:, n-1] = 0``) of the
 α = −sign(x₀)‖x‖, u = (x − α e₀)/‖x − α e₀‖, p = G u, q = p − (uᵀp) u, G ← G − 2(u qᵀ + q uᵀ)), so the bisection
 kernel that follows is unchanged.
 
-Three forms of one algorithm. Each gives a row of G to TPR threads (register and shared-memory forms: thread h
-owns the columns j ≡ h (mod TPR); split form: one contiguous half each): p_i = Σ_j G[i][j] u_j is TPR partial
-sums, and the rank-2 update of row i is private to its TPR threads. The two scalars per step (‖x‖² and uᵀp) are warp sums whose per-warp partials are published by the barrier the
-step needs anyway, and ‖x − αe₁‖² = 2(‖x‖² + |x₁|‖x‖) needs no reduction of its own: three barriers per reflection.
+Three forms of one algorithm. Each gives a row of G to TPR threads (register and shared-memory forms: thread h owns
+the columns j ≡ h (mod TPR); split form: one contiguous half each): p_i = Σ_j G[i][j] u_j is TPR partial sums, and the
+rank-2 update of row i is private to its TPR threads. The two scalars per step (‖x‖² and uᵀp) are warp sums whose
+per-warp partials are published by the barrier the step needs anyway, and ‖x − αe₁‖² = 2(‖x‖² + |x₁|‖x‖) needs no
+reduction of its own: three barriers per reflection.
 
 - register form (``SOURCE_REG``, the default until the tenth session, TPR = 2: 256 threads, 64 doubles of G in
   each thread's registers, 200 registers, no spills): the matrix never touches shared memory; every loop over a
