@@ -43,6 +43,10 @@ def main():
                     help="after each --ranks row, the same run with GDNVIZ_SPLIT_SCAN=0 (fla's whole chunk pass per "
                          "segment inside the graph windows instead of its chunk-local half once per window); the "
                          "row says whether the last positions' log-probabilities are identical")
+    ap.add_argument("--qknorm-ab", action="store_true",
+                    help="the run without callbacks and each --ranks row again with GDNVIZ_FAST_QK_NORM=1 (q̂, k̂ "
+                         "normalised straight into the value dtype, kernels.unit_rows), with the largest change of "
+                         "the last positions' log-probabilities")
     args = ap.parse_args()
 
     from gdnviz import runner
@@ -108,6 +112,18 @@ def main():
                  split_seconds=t, split_speedup=t0 / t,
                  logp_identical=bool(torch.equal(h0["logp"], h["logp"])),
                  max_abs_logp_diff=float((h0["logp"] - h["logp"]).abs().max()), **base)
+    if args.qknorm_ab:
+        os.environ["GDNVIZ_FAST_QK_NORM"] = "1"
+        t_fast = timeit(lambda: runner.forward(lm, ids, segment_len=L, keep_hidden=False), dev, repeats=args.repeats)
+        emit(what="segmented_run_no_callbacks_fast_qk_norm", seconds=t_fast, baseline="plain_prefill",
+             ratio=t_fast / t_plain, default_seconds=t_scan, **base)
+        for r, h in graphed.items():
+            hf = {}
+            truncated(r, True, hf)
+            t = timeit(lambda: truncated(r, True), dev, repeats=args.repeats, warmup=0)
+            emit(what="truncated_run_graph_fast_qk_norm", rank=r, seconds=t, baseline="plain_prefill",
+                 ratio=t / t_plain, max_abs_logp_diff=float((hf["logp"] - h["logp"]).abs().max()), **base)
+        del os.environ["GDNVIZ_FAST_QK_NORM"]
     for r in [int(x) for x in str(args.fused_rank).split(",") if x and int(x) > 0]:
         if dev.type != "cuda":
             break

@@ -46,6 +46,7 @@ from __future__ import annotations
 import contextlib
 import contextvars
 import inspect
+import os
 from dataclasses import dataclass, field
 from typing import Any, Iterable
 
@@ -103,9 +104,29 @@ def boundary_cuts(offset: int, length: int, segment_len: int) -> list[int]:
     return list(range(first - offset, length + 1, segment_len))
 
 
-def prepare_core_inputs(query, key, num_value_heads: int):
-    """L2-normalise q and k (fp32, eps 1e-6) and repeat key heads to value heads (repeat_interleave)."""
-    q_hat, k_hat = kernels.l2norm(query), kernels.l2norm(key)
+FAST_QK_NORM = False  # see prepare_core_inputs; off until measured on the GPU (bench_truncated_run.py --qknorm-ab)
+
+
+def fast_qk_norm(ctx: RunContext | None, device) -> bool:
+    """Whether :func:`prepare_core_inputs` may hand q̂, k̂ back in the value dtype (``kernels.unit_rows``): fla on
+    CUDA, no callback reads the keys (``on_layer_input`` wants float32 keys), and ``FAST_QK_NORM`` or
+    ``GDNVIZ_FAST_QK_NORM=1`` (``=0`` forces it off)."""
+    env = os.environ.get("GDNVIZ_FAST_QK_NORM", "").strip()
+    on = FAST_QK_NORM if env == "" else env != "0"
+    return (on and ctx is not None and kernels.backend_for(device) == "fla"
+            and not any(hasattr(cb, "on_layer_input") for cb in ctx.callbacks))
+
+
+def prepare_core_inputs(query, key, num_value_heads: int, ctx: RunContext | None = None, dtype=None):
+    """L2-normalise q and k (fp32, eps 1e-6) and repeat key heads to value heads (repeat_interleave).
+
+    With ``ctx`` and ``dtype`` (the values' dtype) where :func:`fast_qk_norm` allows it, q̂ and k̂ are computed
+    straight into ``dtype`` (``kernels.unit_rows``): the kernels read them in that dtype anyway, and nothing reads
+    the float32 copies."""
+    if dtype is not None and fast_qk_norm(ctx, query.device):
+        q_hat, k_hat = kernels.unit_rows(query, dtype), kernels.unit_rows(key, dtype)
+    else:
+        q_hat, k_hat = kernels.l2norm(query), kernels.l2norm(key)
     if k_hat.shape[2] != num_value_heads:
         rep = num_value_heads // k_hat.shape[2]
         q_hat = q_hat.repeat_interleave(rep, dim=2)

@@ -163,6 +163,17 @@ def segment(q, k, gc, w, u, state):
     return o.to(q.dtype), final
 
 
+def unit_rows(x: torch.Tensor, dtype: torch.dtype, eps: float = 1e-6) -> torch.Tensor:
+    """:func:`l2norm` written straight into ``dtype`` in two passes over ``x``: the row norms in float32
+    (``vector_norm``), then one multiplication computed in float32 and stored in ``dtype``. ``l2norm`` then ``.to``
+    makes five passes and two float32 copies of a ``[B, T, H, K]`` tensor. The row scale is rsqrt(‖x‖² + eps) with
+    ‖x‖² the square of a float32 norm, so it can differ from :func:`l2norm`'s by an ulp (a test bounds the
+    difference)."""
+    norm = torch.linalg.vector_norm(x, dim=-1, keepdim=True, dtype=torch.float32)
+    inv = torch.rsqrt(norm.square_().add_(eps))
+    return torch.mul(x, inv, out=torch.empty(x.shape, dtype=dtype, device=x.device))
+
+
 def l2norm(x: torch.Tensor, eps: float = 1e-6) -> torch.Tensor:
     """``x * rsqrt(sum(x^2) + eps)`` over the last dim in float32, as fla and transformers normalise q and k."""
     x = x.float()

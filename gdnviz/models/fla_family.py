@@ -171,7 +171,7 @@ def _dispatcher(orig):
         init = a.get("initial_state")
         if init is not None and v_first:
             init = init.transpose(-1, -2)
-        q_hat, k_hat = runner.prepare_core_inputs(q, k, v.shape[2])
+        q_hat, k_hat = runner.prepare_core_inputs(q, k, v.shape[2], ctx, v.dtype)
         out, state = runner.gdn_scan(ctx, ctx.current_layer, q_hat, k_hat, v, g, beta, init)
         out = out.to(q.dtype)
         if not a.get("output_final_state"):
@@ -290,8 +290,8 @@ def _short_conv(x, conv, cache, use_cache):
 
 def _core(layer_idx, q, k, v, g, beta, init_canonical):
     """The GDN core on prepared gates: gdn_scan inside a run, kernels.core outside. States canonical."""
-    q_hat, k_hat = runner.prepare_core_inputs(q, k, v.shape[2])
     ctx = runner.active()
+    q_hat, k_hat = runner.prepare_core_inputs(q, k, v.shape[2], ctx, v.dtype)
     if ctx is not None:
         return runner.gdn_scan(ctx, layer_idx, q_hat, k_hat, v, g, beta, init_canonical)
     q_in = q_hat.to(v.dtype) if v.dtype != torch.float32 else q_hat

@@ -42,7 +42,7 @@ def _dispatcher(orig):
                 raise RuntimeError("gdnviz expects use_qk_l2norm_in_kernel=True from the GDN layer")
             if kwargs.get("cu_seqlens") is not None:
                 raise RuntimeError("gdnviz runs do not support packed sequences (cu_seqlens)")
-            q_hat, k_hat = runner.prepare_core_inputs(query, key, value.shape[2])
+            q_hat, k_hat = runner.prepare_core_inputs(query, key, value.shape[2], ctx, value.dtype)
             out, state = runner.gdn_scan(ctx, ctx.current_layer, q_hat, k_hat, value, g, beta, initial_state)
             return out, (state if output_final_state else None)
         fn = orig if query.device.type == "cuda" else torch_body

@@ -1,0 +1,97 @@
+"""The GDN core's q̂/k̂ normalisation written straight into the value dtype (``kernels.unit_rows``), the path
+``runner.prepare_core_inputs`` takes when ``runner.fast_qk_norm`` allows it (off unless switched on: not measured
+on the GPU yet).
+
+CPU: ``unit_rows`` against ``kernels.l2norm`` (float32 to a few ulps; bfloat16 the same as ``l2norm(x).to(bf16)``
+to one bf16 ulp, and for nearly every entry exactly), including zero rows (eps); when the fast path may run (fla on
+CUDA, no callback reading keys, the switch); a CPU run with it forced on gives the same logits as without.
+CUDA: a bf16 truncated run with ``GDNVIZ_FAST_QK_NORM=1`` against ``=0``.
+"""
+import pytest
+import torch
+
+from gdnviz import runner
+from gdnviz.gdn import kernels
+from gdnviz.intervene import TruncateCallback, TruncationSpec
+from gdnviz.models import load
+
+
+def _rows(seed: int = 0) -> torch.Tensor:
+    g = torch.Generator().manual_seed(seed)
+    x = torch.randn(2, 300, 4, 128, generator=g) * torch.logspace(-3, 3, 300)[None, :, None, None]
+    x[0, 7] = 0.0  # zero rows: eps keeps them at 0
+    return x
+
+
+def test_unit_rows_float32_equals_l2norm_to_a_few_ulps():
+    x = _rows()
+    want = kernels.l2norm(x)
+    got = kernels.unit_rows(x, torch.float32)
+    assert got.dtype == torch.float32
+    torch.testing.assert_close(got, want, rtol=4 * torch.finfo(torch.float32).eps, atol=1e-30)
+    assert not got[0, 7].any()
+
+
+def test_unit_rows_bfloat16_is_l2norm_rounded():
+    x = _rows(1).to(torch.bfloat16)
+    want = kernels.l2norm(x).to(torch.bfloat16)
+    got = kernels.unit_rows(x, torch.bfloat16)
+    assert got.dtype == torch.bfloat16
+    diff = (got.float() - want.float()).abs()
+    assert (diff <= 2.0 ** -8 * want.float().abs()).all()  # one bf16 ulp at most
+    assert (diff == 0).float().mean() > 0.99
+
+
+def test_fast_qk_norm_only_for_fla_runs_that_read_no_keys(monkeypatch):
+    monkeypatch.delenv("GDNVIZ_FAST_QK_NORM", raising=False)
+    ctx = runner.RunContext(segment_len=4)
+    assert not runner.fast_qk_norm(ctx, torch.device("cpu"))  # off by default, and CPU runs the torch bodies
+    monkeypatch.setattr(kernels, "backend_for", lambda device: "fla")
+    assert runner.fast_qk_norm(ctx, torch.device("cpu")) == runner.FAST_QK_NORM
+    monkeypatch.setenv("GDNVIZ_FAST_QK_NORM", "1")
+    assert runner.fast_qk_norm(ctx, torch.device("cpu"))
+    assert not runner.fast_qk_norm(None, torch.device("cpu"))  # outside a run
+
+    class ReadsKeys:
+        def on_layer_input(self, layer, offset, keys, g, beta):
+            pass
+
+    assert not runner.fast_qk_norm(runner.RunContext(segment_len=4, callbacks=[ReadsKeys()]), torch.device("cpu"))
+    monkeypatch.setenv("GDNVIZ_FAST_QK_NORM", "0")
+    assert not runner.fast_qk_norm(ctx, torch.device("cpu"))
+
+
+def _truncated_logits(lm, x, spec):
+    ctx = runner.RunContext(segment_len=16, callbacks=[TruncateCallback(lm.info, spec)])
+    return runner.forward(lm, x, logits_positions="all", ctx=ctx).logits
+
+
+def test_forced_fast_qk_norm_keeps_a_cpu_run(monkeypatch):
+    """The demo model in float32 on the CPU, every head truncated to rank 4: the same logits with q̂, k̂ from
+    unit_rows (forced on) as from l2norm, to float32 rounding."""
+    lm = load("demo", device="cpu", dtype="float32")
+    x = torch.randint(10, 8000, (1, 96), generator=torch.Generator().manual_seed(2))
+    spec = TruncationSpec.all_heads(lm.info, 4)
+    ref = _truncated_logits(lm, x, spec)
+    used = []
+    monkeypatch.setattr(runner, "fast_qk_norm", lambda ctx, device: used.append(1) or True)
+    got = _truncated_logits(lm, x, spec)
+    assert used  # the forced path ran
+    torch.testing.assert_close(got, ref, rtol=1e-4, atol=1e-4)
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+def test_fast_qk_norm_on_gpu(monkeypatch):
+    """bf16 demo model, every head at rank 4, 5,000 tokens (graph windows): the fast path's log-probabilities within
+    bf16 noise of the float32 normalisation's."""
+    if kernels.fla_ops() is None:
+        pytest.skip("fla not importable")
+    lm = load("demo", device="cuda", dtype="bfloat16")
+    x = torch.randint(10, 8000, (1, 5000), generator=torch.Generator().manual_seed(5)).cuda()
+    spec = TruncationSpec.all_heads(lm.info, 4)
+    monkeypatch.setenv("GDNVIZ_FAST_QK_NORM", "0")
+    ref = _truncated_logits(lm, x, spec).float().log_softmax(-1)
+    monkeypatch.setenv("GDNVIZ_FAST_QK_NORM", "1")
+    got = _truncated_logits(lm, x, spec).float().log_softmax(-1)
+    assert (got - ref).abs().max() < 0.05
