@@ -47,7 +47,7 @@ import torch
 from gdnviz.gdn import kernels
 
 WINDOW = 16  # periods per graph replay (4,096 tokens at L = 256)
-SPLIT_SCAN = True  # see _WindowGraph.split: fla's chunk-local half once per window (GDNVIZ_SPLIT_SCAN=0: per piece)
+SPLIT_SCAN = True  # see split_scan: fla's chunk-local half once per window (GDNVIZ_SPLIT_SCAN=0: per piece)
 MAX_GRAPHS = 4
 _GRAPHS: "OrderedDict[tuple, _WindowGraph]" = OrderedDict()
 _BROKEN: dict = {}  # key -> repr of the capture error
