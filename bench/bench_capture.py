@@ -33,6 +33,9 @@ def main():
     ap.add_argument("--profile", type=int, default=0, help="print the top N ops of one capture (torch.profiler)")
     ap.add_argument("--no-compare", action="store_true",
                     help="skip the inline-statistics and segment-loop captures (long documents: time and memory only)")
+    ap.add_argument("--fla-conv-ab", action="store_true",
+                    help="also the plain prefill with GDNVIZ_FLA_CONV=all and the capture with GDNVIZ_FLA_CONV=1 "
+                         "(fla's causal_conv1d instead of transformers' PyTorch fallback)")
     args = ap.parse_args()
 
     from gdnviz import runner
@@ -84,6 +87,16 @@ def main():
          stored_mb=len(c.to_bytes()) / 2**20, boundaries=len(c.positions), backends=c.meta["backends"],
          readouts=c.meta.get("readouts"), pipelined=c.meta.get("pipelined"),
          statistics_seconds=c.meta.get("statistics_seconds"), **base)
+    if args.fla_conv_ab:
+        os.environ["GDNVIZ_FLA_CONV"] = "all"
+        t_plain_fla = timeit(plain, dev, repeats=args.repeats)
+        emit(what="plain_prefill_fla_conv", seconds=t_plain_fla, baseline="plain_prefill",
+             ratio=t_plain_fla / t_plain, **base)
+        os.environ["GDNVIZ_FLA_CONV"] = "1"
+        t_cap_fla = timeit(cap, dev, repeats=args.repeats)
+        emit(what="capture_fla_conv", seconds=t_cap_fla, baseline="plain_prefill", ratio=t_cap_fla / t_plain,
+             ratio_to_plain_prefill_fla_conv=t_cap_fla / t_plain_fla, **base)
+        del os.environ["GDNVIZ_FLA_CONV"]
     if dev.type == "cuda" and not args.no_compare:  # the same capture with each layer's statistics inline
         def cap_inline():
             holder["i"] = capture_document(lm, ids[0].cpu(), L, pipeline=False)

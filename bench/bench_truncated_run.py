@@ -47,6 +47,10 @@ def main():
                     help="the run without callbacks and each --ranks row again with GDNVIZ_FAST_QK_NORM=1 (q̂, k̂ "
                          "normalised straight into the value dtype, kernels.unit_rows), with the largest change of "
                          "the last positions' log-probabilities")
+    ap.add_argument("--fla-conv-ab", action="store_true",
+                    help="the plain prefill with GDNVIZ_FLA_CONV=all (fla's causal_conv1d instead of transformers' "
+                         "PyTorch fallback, a second baseline), then the run without callbacks and each --ranks row "
+                         "with GDNVIZ_FLA_CONV=1")
     args = ap.parse_args()
 
     from gdnviz import runner
@@ -124,6 +128,23 @@ def main():
             emit(what="truncated_run_graph_fast_qk_norm", rank=r, seconds=t, baseline="plain_prefill",
                  ratio=t / t_plain, max_abs_logp_diff=float((hf["logp"] - h["logp"]).abs().max()), **base)
         del os.environ["GDNVIZ_FAST_QK_NORM"]
+    if args.fla_conv_ab:
+        os.environ["GDNVIZ_FLA_CONV"] = "all"
+        t_plain_fla = timeit(plain, dev, repeats=args.repeats)
+        emit(what="plain_prefill_fla_conv", seconds=t_plain_fla, baseline="plain_prefill",
+             ratio=t_plain_fla / t_plain, **base)
+        os.environ["GDNVIZ_FLA_CONV"] = "1"
+        t_fc = timeit(lambda: runner.forward(lm, ids, segment_len=L, keep_hidden=False), dev, repeats=args.repeats)
+        emit(what="segmented_run_no_callbacks_fla_conv", seconds=t_fc, baseline="plain_prefill",
+             ratio=t_fc / t_plain, ratio_to_plain_prefill_fla_conv=t_fc / t_plain_fla, **base)
+        for r, h in graphed.items():
+            hf = {}
+            truncated(r, True, hf)
+            t = timeit(lambda: truncated(r, True), dev, repeats=args.repeats, warmup=0)
+            emit(what="truncated_run_graph_fla_conv", rank=r, seconds=t, baseline="plain_prefill",
+                 ratio=t / t_plain, ratio_to_plain_prefill_fla_conv=t / t_plain_fla,
+                 max_abs_logp_diff=float((hf["logp"] - h["logp"]).abs().max()), **base)
+        del os.environ["GDNVIZ_FLA_CONV"]
     for r in [int(x) for x in str(args.fused_rank).split(",") if x and int(x) > 0]:
         if dev.type != "cuda":
             break

@@ -11,12 +11,21 @@ globals, once per process, with a dispatcher:
 
 The carried state lives in ``cache.layers[i].recurrent_states[0]`` as ``[B, H, d_k, d_v]`` float32: already the
 canonical layout, no transpose.
+
+The short convolution (module-level ``causal_conv1d_fn``) is patched too, and by default passes every call through.
+With ``FLA_CONV`` or ``GDNVIZ_FLA_CONV=1`` a gdnviz run on CUDA convolves with fla's Triton ``causal_conv1d`` on the
+``[B, T, D]`` layout the projection produced, instead of transformers' PyTorch fallback (without the
+``causal-conv1d`` package: a copy of the transposed ``[B, D, T]`` view, ``F.conv1d`` padded on both sides, a slice,
+SiLU). The same causal convolution, rounded once in float32 instead of in bf16 steps. Off until measured on the GPU
+(``bench/bench_truncated_run.py --fla-conv-ab``). ``GDNVIZ_FLA_CONV=all`` also applies it outside gdnviz runs, so a
+benchmark can time the plain prefill with the same convolution.
 """
 from __future__ import annotations
 
 import functools
 import importlib
 import inspect
+import os
 
 import torch
 
@@ -53,6 +62,50 @@ def _dispatcher(orig):
     return dispatch
 
 
+FLA_CONV = False  # see the module docstring; off until measured on the GPU
+
+
+@functools.lru_cache(maxsize=1)
+def _fla_causal_conv1d():
+    """fla's ``causal_conv1d`` (``x [B, T, D]``, ``weight [D, W]``) or None when fla does not import."""
+    try:
+        from fla.modules.causal_conv1d.ops import causal_conv1d
+    except Exception:  # noqa: BLE001 - fla absent or broken: transformers' convolution stays
+        return None
+    return causal_conv1d
+
+
+def fla_conv_on(x: torch.Tensor) -> bool:
+    """Whether this short-convolution call goes to fla's kernel (module docstring): CUDA, fla importable, and
+    ``GDNVIZ_FLA_CONV=1`` (or ``FLA_CONV``) inside a gdnviz run, ``=all`` anywhere; ``=0`` never."""
+    env = os.environ.get("GDNVIZ_FLA_CONV", "").strip()
+    if env == "0" or not x.is_cuda:
+        return False
+    if env != "all" and not ((FLA_CONV or env != "") and runner.active() is not None):
+        return False
+    return _fla_causal_conv1d() is not None
+
+
+_PACKING_KWARGS = ("seq_idx", "cu_seqlens", "cu_seq_lens_q", "cu_seq_lens_k")  # packed sequences: the original
+
+
+def _conv_dispatcher(orig):
+    @functools.wraps(orig)
+    def conv(hidden_states, weight, bias=None, activation=None, **kwargs):
+        # hidden_states [B, D, T]: the projection's [B, T, D] output transposed. The layer passes its own keyword
+        # arguments on (use_cache, ...), which transformers' fallback ignores; those that describe packed sequences
+        # keep the original.
+        packed = any(kwargs.get(k) is not None for k in _PACKING_KWARGS)
+        if not packed and fla_conv_on(hidden_states):
+            y, _ = _fla_causal_conv1d()(hidden_states.transpose(1, 2), weight=weight, bias=bias,
+                                        activation=activation)
+            return y.transpose(1, 2)
+        return orig(hidden_states, weight, bias, activation=activation, **kwargs)
+
+    conv.__gdnviz_original__ = orig
+    return conv
+
+
 def install(family: str) -> None:
     """Patch the family's modeling module once per process (idempotent)."""
     if family in _INSTALLED:
@@ -62,6 +115,9 @@ def install(family: str) -> None:
         fn = getattr(mod, name)
         if not hasattr(fn, "__gdnviz_original__"):
             setattr(mod, name, _dispatcher(fn))
+    conv = getattr(mod, "causal_conv1d_fn", None)
+    if conv is not None and not hasattr(conv, "__gdnviz_original__"):
+        mod.causal_conv1d_fn = _conv_dispatcher(conv)
     _INSTALLED.add(family)
 
 

@@ -1,0 +1,113 @@
+"""The short convolution of transformers' GDN layers routed to fla's ``causal_conv1d`` inside gdnviz runs
+(``gdnviz.models.transformers_family``: ``GDNVIZ_FLA_CONV`` / ``FLA_CONV``, off until measured on the GPU).
+
+CPU: the dispatcher is installed and passes calls through by default; the switch's cases; the plumbing (the
+``[B, T, D]`` layout handed over, the output transposed back) with fla's function replaced by a float64 reference of
+the same causal convolution, which keeps a run's logits. CUDA: fla's kernel against transformers' fallback on the
+demo model's convolution, and a bf16 truncated run with the switch on against off.
+"""
+import pytest
+import torch
+
+import tiny_models
+from gdnviz import runner
+from gdnviz.intervene import TruncateCallback, TruncationSpec
+from gdnviz.models import from_model, load, transformers_family
+
+
+def causal_conv_btd(x, weight, bias=None, activation=None):
+    """y_t = Σ_w weight[:, w] x_{t − (W−1) + w} (+ bias), SiLU: the causal convolution on ``x [B, T, D]``, float64."""
+    B, T, D = x.shape
+    W = weight.shape[-1]
+    xp = torch.cat([x.new_zeros(B, W - 1, D), x], 1).double()
+    y = sum(weight[:, w].double() * xp[:, w:w + T] for w in range(W))
+    if bias is not None:
+        y = y + bias.double()
+    if activation in ("silu", "swish"):
+        y = torch.nn.functional.silu(y)
+    return y.to(x.dtype), None
+
+
+def test_dispatcher_installed_and_off_by_default(monkeypatch):
+    import transformers.models.qwen3_5.modeling_qwen3_5 as mod
+
+    lm = from_model(tiny_models.qwen3_5(), "tiny")
+    assert hasattr(mod.causal_conv1d_fn, "__gdnviz_original__")
+    monkeypatch.delenv("GDNVIZ_FLA_CONV", raising=False)
+    x = torch.randn(1, 8, 5)
+    assert not transformers_family.fla_conv_on(x)  # CPU: never
+    assert lm.info.gdn_layers
+
+
+def test_switch(monkeypatch):
+    class OnCuda:
+        is_cuda = True
+
+    monkeypatch.setattr(transformers_family, "_fla_causal_conv1d", lambda: causal_conv_btd)
+    x = OnCuda()
+    monkeypatch.delenv("GDNVIZ_FLA_CONV", raising=False)
+    with runner.run_context(runner.RunContext(segment_len=4)):
+        assert transformers_family.fla_conv_on(x) == transformers_family.FLA_CONV
+        monkeypatch.setenv("GDNVIZ_FLA_CONV", "1")
+        assert transformers_family.fla_conv_on(x)
+        monkeypatch.setenv("GDNVIZ_FLA_CONV", "0")
+        assert not transformers_family.fla_conv_on(x)
+    monkeypatch.setenv("GDNVIZ_FLA_CONV", "1")
+    assert not transformers_family.fla_conv_on(x)  # outside a run
+    monkeypatch.setenv("GDNVIZ_FLA_CONV", "all")
+    assert transformers_family.fla_conv_on(x)
+    monkeypatch.setattr(transformers_family, "_fla_causal_conv1d", lambda: None)  # fla absent
+    assert not transformers_family.fla_conv_on(x)
+
+
+def _truncated_logits(lm, x, rank=2, L=8):
+    cb = TruncateCallback(lm.info, TruncationSpec.all_heads(lm.info, rank))
+    ctx = runner.RunContext(segment_len=L, callbacks=[cb])
+    return runner.forward(lm, x, logits_positions="all", ctx=ctx).logits
+
+
+def test_forced_route_keeps_a_run(monkeypatch):
+    """The tiny Qwen3.5 on the CPU, every head at rank 2: with the route forced and fla's function replaced by the
+    float64 reference above, the logits equal the default run's to float32 rounding; the function got the
+    projection's contiguous [B, T, D] tensor."""
+    lm = from_model(tiny_models.qwen3_5(), "tiny")
+    x = torch.randint(0, 97, (1, 40), generator=torch.Generator().manual_seed(0))
+    ref = _truncated_logits(lm, x)
+    seen = []
+
+    def recording(xb, weight, bias=None, activation=None):
+        seen.append((tuple(xb.shape), xb.is_contiguous(), activation))
+        return causal_conv_btd(xb, weight, bias, activation)
+
+    monkeypatch.setattr(transformers_family, "fla_conv_on", lambda t: True)
+    monkeypatch.setattr(transformers_family, "_fla_causal_conv1d", lambda: recording)
+    got = _truncated_logits(lm, x)
+    gdn = len(lm.info.gdn_layers)
+    assert len(seen) == gdn and all(s[0][:2] == (1, 40) and s[1] and s[2] == "silu" for s in seen), seen
+    torch.testing.assert_close(got, ref, rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+def test_fla_conv_on_gpu(monkeypatch):
+    """fla's causal_conv1d equals transformers' fallback on the demo model's first GDN convolution (bf16 inputs,
+    to bf16 rounding), and a bf16 truncated run with GDNVIZ_FLA_CONV=1 stays within bf16 noise of =0."""
+    import transformers.models.qwen3_5.modeling_qwen3_5 as mod
+
+    if transformers_family._fla_causal_conv1d() is None:
+        pytest.skip("fla not importable")
+    lm = load("demo", device="cuda", dtype="bfloat16")
+    conv = lm.model.model.layers[lm.info.gdn_layers[0]].linear_attn.conv1d
+    D = conv.weight.shape[0]
+    h = torch.randn(2, 700, D, device="cuda", generator=torch.Generator(device="cuda").manual_seed(0))
+    h = h.to(torch.bfloat16).transpose(1, 2)  # [B, D, T] as the layer passes it
+    want = mod.causal_conv1d_fn.__gdnviz_original__(h, conv.weight.squeeze(1), conv.bias, activation="silu")
+    got, _ = transformers_family._fla_causal_conv1d()(h.transpose(1, 2), weight=conv.weight.squeeze(1),
+                                                      bias=conv.bias, activation="silu")
+    torch.testing.assert_close(got.transpose(1, 2).float(), want.float(), rtol=2e-2, atol=2e-2)
+    x = torch.randint(10, 8000, (1, 5000), generator=torch.Generator().manual_seed(5)).cuda()
+    monkeypatch.setenv("GDNVIZ_FLA_CONV", "0")
+    ref = _truncated_logits(lm, x, rank=4, L=256).float().log_softmax(-1)
+    monkeypatch.setenv("GDNVIZ_FLA_CONV", "1")
+    got = _truncated_logits(lm, x, rank=4, L=256).float().log_softmax(-1)
+    assert (got - ref).abs().max() < 0.1
