@@ -17,7 +17,8 @@ import time
 import torch
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-from bench.common import device_name, emit, qwen35_08b_config, random_model, run_parser, sync, timeit  # noqa: E402
+from bench.common import (device_name, emit, env, plain_prefill_fla_conv, qwen35_08b_config,  # noqa: E402
+                          random_model, run_parser, sync, timeit)
 
 
 def main():
@@ -88,15 +89,11 @@ def main():
          readouts=c.meta.get("readouts"), pipelined=c.meta.get("pipelined"),
          statistics_seconds=c.meta.get("statistics_seconds"), **base)
     if args.fla_conv_ab:
-        os.environ["GDNVIZ_FLA_CONV"] = "all"
-        t_plain_fla = timeit(plain, dev, repeats=args.repeats)
-        emit(what="plain_prefill_fla_conv", seconds=t_plain_fla, baseline="plain_prefill",
-             ratio=t_plain_fla / t_plain, **base)
-        os.environ["GDNVIZ_FLA_CONV"] = "1"
-        t_cap_fla = timeit(cap, dev, repeats=args.repeats)
+        t_plain_fla = plain_prefill_fla_conv(plain, dev, args.repeats, t_plain, base)
+        with env("GDNVIZ_FLA_CONV", "1"):
+            t_cap_fla = timeit(cap, dev, repeats=args.repeats)
         emit(what="capture_fla_conv", seconds=t_cap_fla, baseline="plain_prefill", ratio=t_cap_fla / t_plain,
              ratio_to_plain_prefill_fla_conv=t_cap_fla / t_plain_fla, **base)
-        del os.environ["GDNVIZ_FLA_CONV"]
     if dev.type == "cuda" and not args.no_compare:  # the same capture with each layer's statistics inline
         def cap_inline():
             holder["i"] = capture_document(lm, ids[0].cpu(), L, pipeline=False)

@@ -21,7 +21,8 @@ import time
 import torch
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-from bench.common import device_name, emit, qwen35_08b_config, random_model, run_parser, sync, timeit  # noqa: E402
+from bench.common import (device_name, emit, env, plain_prefill_fla_conv, qwen35_08b_config,  # noqa: E402
+                          random_model, run_parser, sync, timeit)
 
 
 def main():
@@ -117,34 +118,31 @@ def main():
                  logp_identical=bool(torch.equal(h0["logp"], h["logp"])),
                  max_abs_logp_diff=float((h0["logp"] - h["logp"]).abs().max()), **base)
     if args.qknorm_ab:
-        os.environ["GDNVIZ_FAST_QK_NORM"] = "1"
-        t_fast = timeit(lambda: runner.forward(lm, ids, segment_len=L, keep_hidden=False), dev, repeats=args.repeats)
-        emit(what="segmented_run_no_callbacks_fast_qk_norm", seconds=t_fast, baseline="plain_prefill",
-             ratio=t_fast / t_plain, default_seconds=t_scan, **base)
-        for r, h in graphed.items():
-            hf = {}
-            truncated(r, True, hf)
-            t = timeit(lambda: truncated(r, True), dev, repeats=args.repeats, warmup=0)
-            emit(what="truncated_run_graph_fast_qk_norm", rank=r, seconds=t, baseline="plain_prefill",
-                 ratio=t / t_plain, max_abs_logp_diff=float((hf["logp"] - h["logp"]).abs().max()), **base)
-        del os.environ["GDNVIZ_FAST_QK_NORM"]
+        with env("GDNVIZ_FAST_QK_NORM", "1"):
+            t_fast = timeit(lambda: runner.forward(lm, ids, segment_len=L, keep_hidden=False), dev,
+                            repeats=args.repeats)
+            emit(what="segmented_run_no_callbacks_fast_qk_norm", seconds=t_fast, baseline="plain_prefill",
+                 ratio=t_fast / t_plain, default_seconds=t_scan, **base)
+            for r, h in graphed.items():
+                hf = {}
+                truncated(r, True, hf)
+                t = timeit(lambda: truncated(r, True), dev, repeats=args.repeats, warmup=0)
+                emit(what="truncated_run_graph_fast_qk_norm", rank=r, seconds=t, baseline="plain_prefill",
+                     ratio=t / t_plain, max_abs_logp_diff=float((hf["logp"] - h["logp"]).abs().max()), **base)
     if args.fla_conv_ab:
-        os.environ["GDNVIZ_FLA_CONV"] = "all"
-        t_plain_fla = timeit(plain, dev, repeats=args.repeats)
-        emit(what="plain_prefill_fla_conv", seconds=t_plain_fla, baseline="plain_prefill",
-             ratio=t_plain_fla / t_plain, **base)
-        os.environ["GDNVIZ_FLA_CONV"] = "1"
-        t_fc = timeit(lambda: runner.forward(lm, ids, segment_len=L, keep_hidden=False), dev, repeats=args.repeats)
-        emit(what="segmented_run_no_callbacks_fla_conv", seconds=t_fc, baseline="plain_prefill",
-             ratio=t_fc / t_plain, ratio_to_plain_prefill_fla_conv=t_fc / t_plain_fla, **base)
-        for r, h in graphed.items():
-            hf = {}
-            truncated(r, True, hf)
-            t = timeit(lambda: truncated(r, True), dev, repeats=args.repeats, warmup=0)
-            emit(what="truncated_run_graph_fla_conv", rank=r, seconds=t, baseline="plain_prefill",
-                 ratio=t / t_plain, ratio_to_plain_prefill_fla_conv=t / t_plain_fla,
-                 max_abs_logp_diff=float((hf["logp"] - h["logp"]).abs().max()), **base)
-        del os.environ["GDNVIZ_FLA_CONV"]
+        t_plain_fla = plain_prefill_fla_conv(plain, dev, args.repeats, t_plain, base)
+        with env("GDNVIZ_FLA_CONV", "1"):
+            t_fc = timeit(lambda: runner.forward(lm, ids, segment_len=L, keep_hidden=False), dev,
+                          repeats=args.repeats)
+            emit(what="segmented_run_no_callbacks_fla_conv", seconds=t_fc, baseline="plain_prefill",
+                 ratio=t_fc / t_plain, ratio_to_plain_prefill_fla_conv=t_fc / t_plain_fla, **base)
+            for r, h in graphed.items():
+                hf = {}
+                truncated(r, True, hf)
+                t = timeit(lambda: truncated(r, True), dev, repeats=args.repeats, warmup=0)
+                emit(what="truncated_run_graph_fla_conv", rank=r, seconds=t, baseline="plain_prefill",
+                     ratio=t / t_plain, ratio_to_plain_prefill_fla_conv=t / t_plain_fla,
+                     max_abs_logp_diff=float((hf["logp"] - h["logp"]).abs().max()), **base)
     for r in [int(x) for x in str(args.fused_rank).split(",") if x and int(x) > 0]:
         if dev.type != "cuda":
             break

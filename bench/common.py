@@ -1,7 +1,9 @@
 """Shared helpers for benchmarks: a Qwen3.5-0.8B-shaped random model, timing, JSON lines."""
 from __future__ import annotations
 
+import contextlib
 import json
+import os
 import platform
 import sys
 import time
@@ -73,3 +75,26 @@ def emit(**row):
     row.setdefault("torch", torch.__version__)
     print(json.dumps(row, default=str), flush=True)
     sys.stdout.flush()
+
+
+@contextlib.contextmanager
+def env(name: str, value: str):
+    """Environment variable ``name`` set to ``value`` inside the block, restored (or removed) after it."""
+    old = os.environ.get(name)
+    os.environ[name] = value
+    try:
+        yield
+    finally:
+        if old is None:
+            os.environ.pop(name, None)
+        else:
+            os.environ[name] = old
+
+
+def plain_prefill_fla_conv(plain, dev, repeats: int, t_plain: float, base: dict) -> float:
+    """Time ``plain`` (a plain prefill) on ``dev`` with fla's short convolution (``GDNVIZ_FLA_CONV=all``), emit the
+    row (with the fields of ``base``), return its seconds: the second baseline of the ``--fla-conv-ab`` rows."""
+    with env("GDNVIZ_FLA_CONV", "all"):
+        t = timeit(plain, dev, repeats=repeats)
+    emit(what="plain_prefill_fla_conv", seconds=t, baseline="plain_prefill", ratio=t / t_plain, **base)
+    return t
