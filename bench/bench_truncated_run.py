@@ -80,7 +80,10 @@ def main():
 
     t_plain = timeit(plain, dev, repeats=args.repeats)
     emit(what="plain_prefill", seconds=t_plain, **base)
-    t_scan = timeit(lambda: runner.forward(lm, ids, segment_len=L, keep_hidden=False), dev, repeats=args.repeats)
+    def scan_only():
+        runner.forward(lm, ids, segment_len=L, keep_hidden=False)
+
+    t_scan = timeit(scan_only, dev, repeats=args.repeats)
     emit(what="segmented_run_no_callbacks", seconds=t_scan, baseline="plain_prefill", ratio=t_scan / t_plain, **base)
 
     def truncated(r, graphs, holder=None):
@@ -107,42 +110,38 @@ def main():
         if args.split_ab:
             from gdnviz.gpu import scan_graph
 
-            os.environ["GDNVIZ_SPLIT_SCAN"] = "0"
             h0 = {}
-            truncated(r, True, h0)
-            t0 = timeit(lambda: truncated(r, True), dev, repeats=args.repeats, warmup=0)
-            del os.environ["GDNVIZ_SPLIT_SCAN"]
+            with env("GDNVIZ_SPLIT_SCAN", "0"):
+                truncated(r, True, h0)
+                t0 = timeit(lambda: truncated(r, True), dev, repeats=args.repeats, warmup=0)
             scan_graph.clear()
             emit(what="truncated_run_graph_unsplit", rank=r, seconds=t0, baseline="plain_prefill", ratio=t0 / t_plain,
                  split_seconds=t, split_speedup=t0 / t,
                  logp_identical=bool(torch.equal(h0["logp"], h["logp"])),
                  max_abs_logp_diff=float((h0["logp"] - h["logp"]).abs().max()), **base)
+    def switched_rows(suffix, other_baselines=None):
+        """Inside a switch's env block: the run without callbacks and each graphed rank again, rows named with
+        ``suffix``, each with the largest change of the last positions' log-probabilities against its default row
+        and its ratio to every baseline in ``other_baselines`` (name -> seconds)."""
+        others = other_baselines or {}
+        t_nc = timeit(scan_only, dev, repeats=args.repeats)
+        emit(what=f"segmented_run_no_callbacks_{suffix}", seconds=t_nc, baseline="plain_prefill",
+             ratio=t_nc / t_plain, default_seconds=t_scan, **{k: t_nc / v for k, v in others.items()}, **base)
+        for r, h in graphed.items():
+            hs = {}
+            truncated(r, True, hs)
+            t = timeit(lambda: truncated(r, True), dev, repeats=args.repeats, warmup=0)
+            emit(what=f"truncated_run_graph_{suffix}", rank=r, seconds=t, baseline="plain_prefill", ratio=t / t_plain,
+                 **{k: t / v for k, v in others.items()},
+                 max_abs_logp_diff=float((hs["logp"] - h["logp"]).abs().max()), **base)
+
     if args.qknorm_ab:
         with env("GDNVIZ_FAST_QK_NORM", "1"):
-            t_fast = timeit(lambda: runner.forward(lm, ids, segment_len=L, keep_hidden=False), dev,
-                            repeats=args.repeats)
-            emit(what="segmented_run_no_callbacks_fast_qk_norm", seconds=t_fast, baseline="plain_prefill",
-                 ratio=t_fast / t_plain, default_seconds=t_scan, **base)
-            for r, h in graphed.items():
-                hf = {}
-                truncated(r, True, hf)
-                t = timeit(lambda: truncated(r, True), dev, repeats=args.repeats, warmup=0)
-                emit(what="truncated_run_graph_fast_qk_norm", rank=r, seconds=t, baseline="plain_prefill",
-                     ratio=t / t_plain, max_abs_logp_diff=float((hf["logp"] - h["logp"]).abs().max()), **base)
+            switched_rows("fast_qk_norm")
     if args.fla_conv_ab:
         t_plain_fla = plain_prefill_fla_conv(plain, dev, args.repeats, t_plain, base)
         with env("GDNVIZ_FLA_CONV", "1"):
-            t_fc = timeit(lambda: runner.forward(lm, ids, segment_len=L, keep_hidden=False), dev,
-                          repeats=args.repeats)
-            emit(what="segmented_run_no_callbacks_fla_conv", seconds=t_fc, baseline="plain_prefill",
-                 ratio=t_fc / t_plain, ratio_to_plain_prefill_fla_conv=t_fc / t_plain_fla, **base)
-            for r, h in graphed.items():
-                hf = {}
-                truncated(r, True, hf)
-                t = timeit(lambda: truncated(r, True), dev, repeats=args.repeats, warmup=0)
-                emit(what="truncated_run_graph_fla_conv", rank=r, seconds=t, baseline="plain_prefill",
-                     ratio=t / t_plain, ratio_to_plain_prefill_fla_conv=t / t_plain_fla,
-                     max_abs_logp_diff=float((hf["logp"] - h["logp"]).abs().max()), **base)
+            switched_rows("fla_conv", {"ratio_to_plain_prefill_fla_conv": t_plain_fla})
     for r in [int(x) for x in str(args.fused_rank).split(",") if x and int(x) > 0]:
         if dev.type != "cuda":
             break
