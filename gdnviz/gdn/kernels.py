@@ -95,17 +95,13 @@ def core_with_states(q, k, v, g, beta, state, cuts):
     import triton
     from fla.ops.common.chunk_delta_h import chunk_gated_delta_rule_fwd_kernel_h_blockdim64 as h_kernel
     from fla.ops.common.chunk_o import chunk_fwd_o
-    from fla.ops.gated_delta_rule.chunk_fwd import chunk_gated_delta_rule_fwd_intra
-    from fla.ops.utils import chunk_local_cumsum
-    from fla.ops.utils.constant import RCP_LN2
 
     B, T, H, K = k.shape
     V = v.shape[-1]
     BT = FLA_CHUNK
     q, k, v, beta = (x.contiguous() for x in (q, k, v, beta))
+    gc, w, u = intra(k, v, g, beta)
     with torch.cuda.device(q.device.index):
-        gc = chunk_local_cumsum(g.float().contiguous(), chunk_size=BT, scale=RCP_LN2)
-        w, u, _A = chunk_gated_delta_rule_fwd_intra(k=k, v=v, g=gc, beta=beta, chunk_size=BT)
         NT = triton.cdiv(T, BT)
         h = torch.empty(B, NT, H, K, V, device=k.device, dtype=torch.float32)
         v_new = torch.empty_like(u)
@@ -134,7 +130,7 @@ def intra(k, v, g, beta):
     that starts on the 64-token grid gets from slices of these exactly what its own chunk call would compute (fla
     0.6's autotuning keys do not include T: the same kernel configurations for a window as for a segment). The
     truncated run's graph windows (``gdnviz.gpu.scan_graph``) compute it once per window instead of once per segment
-    and run only :func:`segment` per segment."""
+    and run only :func:`segment` per segment; the capture's one pass (:func:`core_with_states`) starts with it."""
     from fla.ops.gated_delta_rule.chunk_fwd import chunk_gated_delta_rule_fwd_intra
     from fla.ops.utils import chunk_local_cumsum
     from fla.ops.utils.constant import RCP_LN2
