@@ -11,8 +11,8 @@ import torch
 
 import tiny_models
 from gdnviz import runner
-from gdnviz.intervene import TruncateCallback, TruncationSpec
 from gdnviz.models import from_model, load, transformers_family
+from test_qk_norm import truncated_logits
 
 
 def causal_conv_btd(x, weight, bias=None, activation=None):
@@ -60,19 +60,13 @@ def test_switch(monkeypatch):
     assert not transformers_family.fla_conv_on(x)
 
 
-def _truncated_logits(lm, x, rank=2, L=8):
-    cb = TruncateCallback(lm.info, TruncationSpec.all_heads(lm.info, rank))
-    ctx = runner.RunContext(segment_len=L, callbacks=[cb])
-    return runner.forward(lm, x, logits_positions="all", ctx=ctx).logits
-
-
 def test_forced_route_keeps_a_run(monkeypatch):
     """The tiny Qwen3.5 on the CPU, every head at rank 2: with the route forced and fla's function replaced by the
     float64 reference above, the logits equal the default run's to float32 rounding; the function got the
     projection's contiguous [B, T, D] tensor."""
     lm = from_model(tiny_models.qwen3_5(), "tiny")
     x = torch.randint(0, 97, (1, 40), generator=torch.Generator().manual_seed(0))
-    ref = _truncated_logits(lm, x)
+    ref = truncated_logits(lm, x, 2, 8)
     seen = []
 
     def recording(xb, weight, bias=None, activation=None):
@@ -81,7 +75,7 @@ def test_forced_route_keeps_a_run(monkeypatch):
 
     monkeypatch.setattr(transformers_family, "fla_conv_on", lambda t: True)
     monkeypatch.setattr(transformers_family, "_fla_causal_conv1d", lambda: recording)
-    got = _truncated_logits(lm, x)
+    got = truncated_logits(lm, x, 2, 8)
     gdn = len(lm.info.gdn_layers)
     assert len(seen) == gdn and all(s[0][:2] == (1, 40) and s[1] and s[2] == "silu" for s in seen), seen
     torch.testing.assert_close(got, ref, rtol=1e-5, atol=1e-5)
@@ -107,7 +101,7 @@ def test_fla_conv_on_gpu(monkeypatch):
     torch.testing.assert_close(got.transpose(1, 2).float(), want.float(), rtol=2e-2, atol=2e-2)
     x = torch.randint(10, 8000, (1, 5000), generator=torch.Generator().manual_seed(5)).cuda()
     monkeypatch.setenv("GDNVIZ_FLA_CONV", "0")
-    ref = _truncated_logits(lm, x, rank=4, L=256).float().log_softmax(-1)
+    ref = truncated_logits(lm, x, 4, 256).float().log_softmax(-1)
     monkeypatch.setenv("GDNVIZ_FLA_CONV", "1")
-    got = _truncated_logits(lm, x, rank=4, L=256).float().log_softmax(-1)
+    got = truncated_logits(lm, x, 4, 256).float().log_softmax(-1)
     assert (got - ref).abs().max() < 0.1

@@ -61,8 +61,10 @@ def test_fast_qk_norm_only_for_fla_runs_that_read_no_keys(monkeypatch):
     assert not runner.fast_qk_norm(ctx, torch.device("cpu"))
 
 
-def _truncated_logits(lm, x, spec):
-    ctx = runner.RunContext(segment_len=16, callbacks=[TruncateCallback(lm.info, spec)])
+def truncated_logits(lm, x, rank: int, L: int):
+    """Logits at every position of a run with every head of ``lm`` truncated to ``rank`` at every L tokens."""
+    cb = TruncateCallback(lm.info, TruncationSpec.all_heads(lm.info, rank))
+    ctx = runner.RunContext(segment_len=L, callbacks=[cb])
     return runner.forward(lm, x, logits_positions="all", ctx=ctx).logits
 
 
@@ -71,11 +73,10 @@ def test_forced_fast_qk_norm_keeps_a_cpu_run(monkeypatch):
     unit_rows (forced on) as from l2norm, to float32 rounding."""
     lm = load("demo", device="cpu", dtype="float32")
     x = torch.randint(10, 8000, (1, 96), generator=torch.Generator().manual_seed(2))
-    spec = TruncationSpec.all_heads(lm.info, 4)
-    ref = _truncated_logits(lm, x, spec)
+    ref = truncated_logits(lm, x, 4, 16)
     used = []
     monkeypatch.setattr(runner, "fast_qk_norm", lambda ctx, device: used.append(1) or True)
-    got = _truncated_logits(lm, x, spec)
+    got = truncated_logits(lm, x, 4, 16)
     assert used  # the forced path ran
     torch.testing.assert_close(got, ref, rtol=1e-4, atol=1e-4)
 
@@ -89,9 +90,8 @@ def test_fast_qk_norm_on_gpu(monkeypatch):
         pytest.skip("fla not importable")
     lm = load("demo", device="cuda", dtype="bfloat16")
     x = torch.randint(10, 8000, (1, 5000), generator=torch.Generator().manual_seed(5)).cuda()
-    spec = TruncationSpec.all_heads(lm.info, 4)
     monkeypatch.setenv("GDNVIZ_FAST_QK_NORM", "0")
-    ref = _truncated_logits(lm, x, spec).float().log_softmax(-1)
+    ref = truncated_logits(lm, x, 4, 16).float().log_softmax(-1)
     monkeypatch.setenv("GDNVIZ_FAST_QK_NORM", "1")
-    got = _truncated_logits(lm, x, spec).float().log_softmax(-1)
+    got = truncated_logits(lm, x, 4, 16).float().log_softmax(-1)
     assert (got - ref).abs().max() < 0.05
