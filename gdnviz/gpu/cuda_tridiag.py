@@ -58,6 +58,18 @@ __device__ __forceinline__ double warp_sum(double v)
     for (int o = 16; o > 0; o >>= 1) v += __shfl_xor_sync(0xffffffffu, v, o);
     return v;
 }
+
+// Row i's entry of step k's unit reflector u = (x - alpha e_{k+1}) / ||x - alpha e_{k+1}||, from x_i, ||x||^2 and
+// x_{k+1} (every form's arithmetic, in this order)
+__device__ __forceinline__ double reflector_entry(double x, int i, int k, double nrm2, double xk1)
+{
+    const double nrm = sqrt(nrm2);
+    const double alpha = (xk1 >= 0.0) ? -nrm : nrm;
+    // ||x - alpha e_{k+1}||^2 = 2 (||x||^2 + |x_{k+1}| ||x||): alpha has x_{k+1}'s opposite sign, no cancellation
+    const double vn2 = 2.0 * (nrm2 + fabs(xk1) * nrm);
+    const double v = x - ((i == k + 1) ? alpha : 0.0);
+    return (vn2 > 0.0) ? v / sqrt(vn2) : 0.0;
+}
 """
 
 PREAMBLE = WARP_SUM + r"""
@@ -77,13 +89,7 @@ __device__ __forceinline__ double reflector(double x, int i, int h, int k, doubl
     double nrm2 = 0.0;
 #pragma unroll
     for (int w = 0; w < NWARP; ++w) nrm2 += red1[w];
-    const double nrm = sqrt(nrm2);
-    const double xk1 = sc[0];
-    const double alpha = (xk1 >= 0.0) ? -nrm : nrm;
-    // ||x - alpha e_{k+1}||^2 = 2 (||x||^2 + |x_{k+1}| ||x||): alpha has x_{k+1}'s opposite sign, no cancellation
-    const double vn2 = 2.0 * (nrm2 + fabs(xk1) * nrm);
-    const double v = x - ((i == k + 1) ? alpha : 0.0);
-    const double u = (vn2 > 0.0) ? v / sqrt(vn2) : 0.0;
+    const double u = reflector_entry(x, i, k, nrm2, sc[0]);
     if (h == 0) us[i] = u;
     __syncthreads();
     return u;
@@ -255,13 +261,7 @@ gdnviz_tridiag(const double* __restrict__ G, double* __restrict__ D, double* __r
         double nrm2 = 0.0;
 #pragma unroll
         for (int r = 0; r < RB; ++r) nrm2 += red1[r];
-        const double nrm = sqrt(nrm2);
-        const double xk1 = xs[k + 1];
-        const double alpha = (xk1 >= 0.0) ? -nrm : nrm;
-        // ||x - alpha e_{k+1}||^2 = 2 (||x||^2 + |x_{k+1}| ||x||): alpha has x_{k+1}'s opposite sign, no cancellation
-        const double vn2 = 2.0 * (nrm2 + fabs(xk1) * nrm);
-        const double v = xs[i] - ((i == k + 1) ? alpha : 0.0);
-        const double u = (vn2 > 0.0) ? v / sqrt(vn2) : 0.0;
+        const double u = reflector_entry(xs[i], i, k, nrm2, xs[k + 1]);
         if (h == 0) us[i] = u;
         __syncthreads();
         // rows < k are finished (p = 0 there); columns < k hold no u and no p: such warps skip the step
