@@ -34,6 +34,9 @@ def main():
     ap.add_argument("--profile", type=int, default=0, help="print the top N ops of one capture (torch.profiler)")
     ap.add_argument("--no-compare", action="store_true",
                     help="skip the inline-statistics and segment-loop captures (long documents: time and memory only)")
+    ap.add_argument("--blocked-ab", action="store_true",
+                    help="also the capture with GDNVIZ_KEYCONE_BLOCKED=1 (the blocked key-cone sums), and with it and "
+                         "GDNVIZ_FLA_CONV=1 together when --fla-conv-ab is given")
     ap.add_argument("--fla-conv-ab", action="store_true",
                     help="also the plain prefill with GDNVIZ_FLA_CONV=all and the capture with GDNVIZ_FLA_CONV=1 "
                          "(fla's causal_conv1d instead of transformers' PyTorch fallback)")
@@ -94,6 +97,16 @@ def main():
             t_cap_fla = timeit(cap, dev, repeats=args.repeats)
         emit(what="capture_fla_conv", seconds=t_cap_fla, baseline="plain_prefill", ratio=t_cap_fla / t_plain,
              ratio_to_plain_prefill_fla_conv=t_cap_fla / t_plain_fla, **base)
+    if args.blocked_ab:
+        with env("GDNVIZ_KEYCONE_BLOCKED", "1"):
+            t_cap_b = timeit(cap, dev, repeats=args.repeats)
+            emit(what="capture_keycone_blocked", seconds=t_cap_b, baseline="plain_prefill", ratio=t_cap_b / t_plain,
+                 **base)
+            if args.fla_conv_ab:
+                with env("GDNVIZ_FLA_CONV", "1"):
+                    t_cap_bf = timeit(cap, dev, repeats=args.repeats)
+                emit(what="capture_keycone_blocked_fla_conv", seconds=t_cap_bf, baseline="plain_prefill",
+                     ratio=t_cap_bf / t_plain, ratio_to_plain_prefill_fla_conv=t_cap_bf / t_plain_fla, **base)
     if dev.type == "cuda" and not args.no_compare:  # the same capture with each layer's statistics inline
         def cap_inline():
             holder["i"] = capture_document(lm, ids[0].cpu(), L, pipeline=False)

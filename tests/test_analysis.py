@@ -491,6 +491,21 @@ def test_blocked_keycone_sums_keep_nan_keys_outside_their_windows(monkeypatch):
     assert torch.isnan(sums["C"][2]).all() and torch.isnan(ref["C"][2]).all()
 
 
+@pytest.mark.parametrize("env, module, want", [("", False, False), ("", True, True), ("1", False, True),
+                                                ("0", True, False)])
+def test_keycone_blocked_switch(env, module, want, monkeypatch):
+    """GDNVIZ_KEYCONE_BLOCKED, when set, overrides keycone.CUDA_BLOCKED (read at each call: a benchmark times a whole
+    capture both ways in one process)."""
+    from gdnviz.analysis import keycone
+
+    monkeypatch.setattr(keycone, "CUDA_BLOCKED", module)
+    if env:
+        monkeypatch.setenv("GDNVIZ_KEYCONE_BLOCKED", env)
+    else:
+        monkeypatch.delenv("GDNVIZ_KEYCONE_BLOCKED", raising=False)
+    assert keycone._blocked_default() is want
+
+
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
 @pytest.mark.parametrize("blocked", [False, True])

@@ -31,6 +31,7 @@ Returned arrays are float64 numpy, whatever the input type.
 
 from __future__ import annotations
 
+import os
 import warnings
 from typing import Any
 
@@ -66,10 +67,17 @@ CUDA_CHUNK = 16384
 #: too few thread blocks for the GPU. Cut into 1,024-token parts it is 256 GEMMs, then a sum over the parts.
 CUDA_SPLIT_TOKENS = 1024
 #: :func:`keycone_sums` on CUDA in its blocked form (:func:`_blocked_sums`: fewer passes over the float64 keys).
-#: Off until measured on the GPU (``bench/bench_capture_stats.py`` times both in one run).
+#: Off until measured on the GPU (``bench/bench_capture_stats.py`` times both in one run). ``GDNVIZ_KEYCONE_BLOCKED=1``
+#: (or ``=0``) overrides it, read at each call, so a benchmark can time a whole capture both ways in one process.
 CUDA_BLOCKED = False
 #: Relative tolerance when rounding a horizon up to a window: 1/(1−0.9) = 10.000000000000002 is 10 tokens.
 _CEIL_RTOL = 1e-9
+
+
+def _blocked_default() -> bool:
+    """:data:`CUDA_BLOCKED`, or ``GDNVIZ_KEYCONE_BLOCKED`` when set (``0`` off, anything else on)."""
+    env = os.environ.get("GDNVIZ_KEYCONE_BLOCKED", "").strip()
+    return CUDA_BLOCKED if env == "" else env != "0"
 
 
 def _tensor(x: Any) -> torch.Tensor:
@@ -416,7 +424,7 @@ def keycone_sums(k: Any, g: Any, chunk: int | None = None, blocked: bool | None 
     w = torch.clamp(torch.ceil(hh), min=2.0).clamp(max=float(T))
     start = float(T) - w  # [H]: token t is in head h's window iff t >= start[h]
     ampT = torch.exp(_suffix_log_decay(g64)).T  # [H, T]: √w_t of the decayed covariance
-    if blocked if blocked is not None else (CUDA_BLOCKED and dev.type == "cuda"):
+    if blocked if blocked is not None else (_blocked_default() and dev.type == "cuda"):
         s, sw, Gw, P = _blocked_sums(kt.to(dev), start, ampT, CUDA_SPLIT_TOKENS or 1024)
         return _keycone_result(horizon, s, sw, Gw, P, w, T)
     # chunks wholly before every window add exact zeros: skipped where knowing that costs no synchronisation (CPU)
