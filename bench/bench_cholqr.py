@@ -33,8 +33,12 @@ from gdnviz.gpu import cuda_cholqr  # noqa: E402
 # the shuffle factorisation (named explicitly: "1" means the default form, which changed from smem to shfl)
 # "cuda_truncate": the whole truncation as one CUDA kernel, one thread block per state (gdnviz.gpu.cuda_truncate)
 # "triton_fused": the Triton fused kernel (gdnviz.gpu.fused_truncate with GDNVIZ_CUDA_TRUNCATE=0), one program per state
+# "cuda_truncate_fused" / "cuda_truncate_split": the CUDA kernel with its split launches forced off / on
+# (GDNVIZ_CUDA_TRUNCATE_SPLIT; "cuda_truncate" takes the default: split for at most SPLIT_MAX_STATES states)
 VARIANTS = {"torch": "0", "cuda_cholqr": "smem", "cuda_cholqr_shfl": "shfl", "cuda_truncate": "shfl",
+            "cuda_truncate_fused": "shfl", "cuda_truncate_split": "shfl",
             "cuda_truncate_full": "shfl", "triton_fused": "shfl"}  # cuda_truncate_full: without the certified attempts
+SPLIT_ENV = {"cuda_truncate_fused": "0", "cuda_truncate_split": "1"}
 
 
 def main() -> None:
@@ -70,7 +74,11 @@ def main() -> None:
                 os.environ["GDNVIZ_CUDA_CHOLQR"] = VARIANTS[name]
                 os.environ["GDNVIZ_CUDA_TRUNCATE"] = "0" if name == "triton_fused" else "1"
                 os.environ["GDNVIZ_CUDA_TRUNCATE_ATTEMPT"] = "0" if name == "cuda_truncate_full" else "1"
-                if name in ("cuda_truncate", "cuda_truncate_full"):
+                if name in SPLIT_ENV:
+                    os.environ["GDNVIZ_CUDA_TRUNCATE_SPLIT"] = SPLIT_ENV[name]
+                else:
+                    os.environ.pop("GDNVIZ_CUDA_TRUNCATE_SPLIT", None)
+                if name.startswith("cuda_truncate"):
                     from gdnviz.gpu.cuda_truncate import truncate_cuda
 
                     fn = lambda x, r=r: truncate_cuda(x, r)  # noqa: E731

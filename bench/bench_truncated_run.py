@@ -14,6 +14,7 @@ the top N ops of one warm graphed run.
 """
 from __future__ import annotations
 
+import contextlib
 import os
 import sys
 import time
@@ -52,6 +53,9 @@ def main():
                     help="the plain prefill with GDNVIZ_FLA_CONV=all (fla's causal_conv1d instead of transformers' "
                          "PyTorch fallback, a second baseline), then the run without callbacks and each --ranks row "
                          "with GDNVIZ_FLA_CONV=1")
+    ap.add_argument("--env-ab", action="append", default=[],
+                    help="NAME=VALUE[,NAME=VALUE...]: the run without callbacks and each --ranks row again with these "
+                         "environment variables set (CUDA graphs recaptured); repeatable")
     args = ap.parse_args()
 
     from gdnviz import runner
@@ -142,6 +146,17 @@ def main():
         t_plain_fla = plain_prefill_fla_conv(plain, dev, args.repeats, t_plain, base)
         with env("GDNVIZ_FLA_CONV", "1"):
             switched_rows("fla_conv", {"ratio_to_plain_prefill_fla_conv": t_plain_fla})
+    for spec in args.env_ab:
+        from gdnviz.gpu import scan_graph
+
+        pairs = [kv.split("=", 1) for kv in spec.split(",") if kv]
+        others = {"ratio_to_plain_prefill_fla_conv": t_plain_fla} if args.fla_conv_ab else {}
+        scan_graph.clear()
+        with contextlib.ExitStack() as stack:
+            for k, v in pairs:
+                stack.enter_context(env(k, v))
+            switched_rows("env_" + "_".join(f"{k.removeprefix('GDNVIZ_').lower()}{v}" for k, v in pairs), others)
+        scan_graph.clear()
     for r in [int(x) for x in str(args.fused_rank).split(",") if x and int(x) > 0]:
         if dev.type != "cuda":
             break

@@ -253,6 +253,49 @@ def test_emulated_tensor_core_build_matches_the_fma_build():
 
 
 @needs_gxx
+@pytest.mark.parametrize("dmma", [False, True])
+def test_emulated_split_launches_equal_the_fused_kernel(dmma):
+    """The split launches (``gdnviz_gram`` → the algorithm reading G and leaving U → ``gdnviz_project``) give the
+    fused kernel's bits: the same sums in the same order, for the certified attempts (r = 4 and 12, float32, flags and
+    bounds too), per-state ranks with kept (≥ min(K, V)), zero, invalid and two-pass (20) states, float64, both
+    builds (the tensor cores' Gram tiles summed in the fused kernel's mma.sync order), and K = 64 / V = 64."""
+    from bench.bench_truncate import gdn_like_states
+
+    S = gdn_like_states(3, 128, 128, seed=11)
+    for r in (4, 12):
+        fused = cuda_truncate.emulate(S, r, attempts=True, info=True, dmma=dmma)
+        split = cuda_truncate.emulate(S, r, attempts=True, info=True, dmma=dmma, split=True)
+        assert fused[1].tolist() == [1, 1, 1]
+        for a, b in zip(fused, split):
+            assert torch.equal(a, b), r
+    H, _ = hard_states(20, seed=6)
+    X = torch.cat([H[:2], S[:2].double(), torch.zeros(1, 128, 128, dtype=F64)])
+    X[1, 0, 0] = float("nan")
+    ranks = [20, 4, 128, 0, 3]
+    fused = cuda_truncate.emulate(X, ranks, dmma=dmma)
+    split = cuda_truncate.emulate(X, ranks, dmma=dmma, split=True)
+    assert torch.equal(fused.nan_to_num(7.0), split.nan_to_num(7.0)) and torch.equal(fused.isnan(), split.isnan())
+    assert torch.equal(split[2], X[2]) and torch.isnan(split[3]).all() and torch.equal(split[4], X[4])
+    assert energy_error(X[[0]], split[[0]], 20).max().item() <= TOL
+    for K, V in ((64, 128), (128, 64)):
+        Y = gdn_like_states(2, K, V, seed=9)
+        assert torch.equal(cuda_truncate.emulate(Y, [4, 12], dmma=dmma),
+                           cuda_truncate.emulate(Y, [4, 12], dmma=dmma, split=True)), (K, V)
+
+
+def test_split_switch(monkeypatch):
+    """Split launches for calls of at most SPLIT_MAX_STATES states (a layer's heads at one boundary), the fused
+    kernel above; GDNVIZ_CUDA_TRUNCATE_SPLIT=0 / 1 forces either. One G tile of 8 × 8 per warp: 17 blocks at K = 128."""
+    monkeypatch.delenv("GDNVIZ_CUDA_TRUNCATE_SPLIT", raising=False)
+    assert cuda_truncate.split_on(16) and not cuda_truncate.split_on(288)
+    monkeypatch.setenv("GDNVIZ_CUDA_TRUNCATE_SPLIT", "0")
+    assert not cuda_truncate.split_on(16)
+    monkeypatch.setenv("GDNVIZ_CUDA_TRUNCATE_SPLIT", "1")
+    assert cuda_truncate.split_on(288)
+    assert cuda_truncate.gram_blocks(128) == 17 and cuda_truncate.gram_blocks(64) == 5
+
+
+@needs_gxx
 def test_emulated_iteration_count_is_the_kernels():
     """``iters`` reaches the kernel: with no filter step a graded spectrum is not converged at r = 4 (the criterion
     fails), with the default it is — so the default is not passing by accident."""
@@ -415,3 +458,31 @@ def test_cuda_kernel_device_ranks_no_sync_and_graph_replay():
         graph.replay()
         torch.cuda.synchronize()
         assert torch.equal(static_out, cuda_truncate.truncate_cuda(S, ranks))
+
+
+@pytest.mark.gpu
+def test_cuda_split_launches_equal_the_fused_kernel(monkeypatch):
+    """On the GPU, 16 GDN-like states (a layer's heads at one boundary): the split launches (the default at ≤
+    SPLIT_MAX_STATES states) give the fused kernel's outputs bit for bit — certified attempts at r = 1, 4, 12, the
+    full algorithm at r = 32, per-state ranks with a kept state — and replay from a CUDA graph."""
+    from bench.bench_truncate import gdn_like_states
+    from gdnviz.gpu.cuda_graph import capture
+
+    S = gdn_like_states(16, 128, 128, seed=52).cuda()
+    ranks = torch.tensor([1, 4, 12, 32, 128, 2, 16, 17] * 2, device="cuda", dtype=torch.int32)
+    for r in (1, 4, 12, 32, ranks):
+        monkeypatch.setenv("GDNVIZ_CUDA_TRUNCATE_SPLIT", "0")
+        fused = cuda_truncate._launch(S, r, None)
+        monkeypatch.setenv("GDNVIZ_CUDA_TRUNCATE_SPLIT", "1")
+        split = cuda_truncate._launch(S, r, None)
+        assert torch.equal(fused.out, split.out), r
+        assert torch.equal(fused.done, split.done) and torch.equal(fused.bound, split.bound), r
+    monkeypatch.delenv("GDNVIZ_CUDA_TRUNCATE_SPLIT")
+    assert cuda_truncate.split_on(16)
+    static_in = S.clone()
+    graph, static_out = capture(cuda_truncate.truncate_cuda, static_in, 4)
+    static_in.copy_(gdn_like_states(16, 128, 128, seed=53).cuda())
+    graph.replay()
+    torch.cuda.synchronize()
+    assert torch.equal(static_out, cuda_truncate.truncate_cuda(static_in, 4))
+    assert energy_error(static_in.double().cpu(), static_out.double().cpu(), 4).max().item() <= TOL

@@ -81,17 +81,40 @@ def test_forced_fast_qk_norm_keeps_a_cpu_run(monkeypatch):
     torch.testing.assert_close(got, ref, rtol=1e-4, atol=1e-4)
 
 
+def bf16_deviation(x, env_name: str, value: str, monkeypatch, rank: int = 4, L: int = 64) -> dict:
+    """How far the bf16 demo model's truncated run (every head at ``rank`` every ``L`` tokens) is from the float32
+    model's, with ``env_name`` unset-equivalent ``0`` (``default``) and with ``value`` (``switched``): mean and largest
+    |Δ log p| over every position and token, and the share of positions whose top token differs."""
+    lm32 = load("demo", device="cuda", dtype="float32")
+    ref = truncated_logits(lm32, x, rank, L).float().log_softmax(-1)
+    del lm32
+    lm = load("demo", device="cuda", dtype="bfloat16")
+    out = {}
+    for name, v in (("default", "0"), ("switched", value)):
+        monkeypatch.setenv(env_name, v)
+        lp = truncated_logits(lm, x, rank, L).float().log_softmax(-1)
+        d = (lp - ref).abs()
+        out[name] = {"mean": d.mean().item(), "max": d.max().item(),
+                     "top1_changed": (lp.argmax(-1) != ref.argmax(-1)).float().mean().item()}
+    return out
+
+
+def assert_within_bf16_noise(dev: dict) -> None:
+    """The switched bf16 run is no further from float32 than the default bf16 run, up to a quarter of its deviation
+    (both are bf16 roundings of the same computation)."""
+    d, s = dev["default"], dev["switched"]
+    assert s["mean"] <= 1.25 * d["mean"] + 1e-4, dev
+    assert s["top1_changed"] <= 1.25 * d["top1_changed"] + 2e-3, dev
+
+
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
 def test_fast_qk_norm_on_gpu(monkeypatch):
-    """bf16 demo model, every head at rank 4, 5,000 tokens (graph windows): the fast path's log-probabilities within
-    bf16 noise of the float32 normalisation's."""
+    """bf16 demo model, every head at rank 4 every 64 tokens, 5,000 tokens (graph windows): with q̂, k̂ from
+    unit_rows the run is as close to the float32 model's as with the float32 normalisation (its deviation printed)."""
     if kernels.fla_ops() is None:
         pytest.skip("fla not importable")
-    lm = load("demo", device="cuda", dtype="bfloat16")
     x = torch.randint(10, 8000, (1, 5000), generator=torch.Generator().manual_seed(5)).cuda()
-    monkeypatch.setenv("GDNVIZ_FAST_QK_NORM", "0")
-    ref = truncated_logits(lm, x, 4, 16).float().log_softmax(-1)
-    monkeypatch.setenv("GDNVIZ_FAST_QK_NORM", "1")
-    got = truncated_logits(lm, x, 4, 16).float().log_softmax(-1)
-    assert (got - ref).abs().max() < 0.05
+    dev = bf16_deviation(x, "GDNVIZ_FAST_QK_NORM", "1", monkeypatch)
+    print("bf16 deviation from float32, fast q/k norm:", dev)
+    assert_within_bf16_noise(dev)

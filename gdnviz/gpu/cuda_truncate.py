@@ -108,8 +108,19 @@ DEFAULT_ON = True  # measured on an H200 (module docstring)
 _SRC_PATH = os.path.join(os.path.dirname(os.path.abspath(__file__)), "cuda_truncate_src.cu")
 _CTYPES = {torch.float32: "float", torch.float64: "double"}
 SIGNATURE = ["const {T}*", "{T}*", "const int*", "int", "int", "const double*", "const double*", "const int*", "int",
-             "double*", "int", "double", "double", "int", "int*", "double*", "double"]
-READ_DONE, ATTEMPT = 1, 2  # the kernel's mode bits (cuda_truncate_src.cu)
+             "double*", "int", "double", "double", "int", "int*", "double*", "double", "const double*"]
+GRAM_SIGNATURE = ["const {T}*", "double*"]
+PROJECT_SIGNATURE = ["const {T}*", "{T}*", "const int*", "int", "int", "const double*"]
+READ_DONE, ATTEMPT, GRAM_IN, NO_PROJ = 1, 2, 4, 8  # the kernel's mode bits (cuda_truncate_src.cu)
+# Split launches for few states (``split_on``): S Sᵀ by ``gdnviz_gram`` (one 8 × 8 tile of G per warp, K = 128: 17
+# thread blocks per state), the algorithm by ``gdnviz_truncate`` reading G (mode GRAM_IN) and leaving U in the scratch
+# (NO_PROJ), then U (Uᵀ S) by ``gdnviz_project`` (8 thread blocks per state). The same bits as the fused kernel. Why:
+# a truncated run truncates the 16 heads of one layer at a time, so the fused kernel runs 16 thread blocks on a GPU of
+# 132 multiprocessors, and its Gram matrix (22% of its cycles at r = 4) and projection (10%) run on one multiprocessor
+# per state while the rest idle.
+SPLIT_MAX_STATES = 64  # split launches when a call has at most this many states (GDNVIZ_CUDA_TRUNCATE_SPLIT=0|1)
+SPLIT_DEFAULT_ON = True
+PCOLS = 16  # columns of S per gdnviz_project thread block (the kernel's PCOLS)
 NO_BOUND = 1e300  # the kernel's bound where none holds (not attempted, or no spectral gap)
 CERT_TOL = 5e-6  # an attempt's result stands when its energy-error bound is at most this (criterion 1e-5)
 # An attempt's Jacobi stops at off(T') ≤ ATTEMPT_JACOBI_TOL[block width]·‖T'‖_F instead of 1e-15: its certificate is
@@ -200,6 +211,21 @@ def plan(rank: int | None, iters: int | None, attempts: bool, n: int = 0, sms: i
     return out
 
 
+def split_on(n: int) -> bool:
+    """Whether a call on ``n`` states uses the split launches: ``GDNVIZ_CUDA_TRUNCATE_SPLIT=1`` always, ``=0`` never,
+    unset: ``SPLIT_DEFAULT_ON`` and ``n ≤ SPLIT_MAX_STATES``."""
+    env = os.environ.get("GDNVIZ_CUDA_TRUNCATE_SPLIT", "").strip()
+    if env:
+        return env != "0"
+    return SPLIT_DEFAULT_ON and n <= SPLIT_MAX_STATES
+
+
+def gram_blocks(K: int) -> int:
+    """Thread blocks of ``gdnviz_gram`` per state: one 8 × 8 tile of G's lower triangle per warp."""
+    tiles = (K // 8) * (K // 8 + 1) // 2
+    return -(-tiles // (NT // 32))
+
+
 def enabled() -> bool:
     """Whether ``fused_truncate.truncate_fused`` runs this kernel on CUDA: ``GDNVIZ_CUDA_TRUNCATE=1`` (``0`` off;
     unset: ``DEFAULT_ON``), compiled, and an NVIDIA build (the kernel assumes 32-lane warps)."""
@@ -213,12 +239,19 @@ def supports(X: torch.Tensor) -> bool:
     return X.is_cuda and X.dim() == 3 and X.dtype in _CTYPES and X.shape[1] in DIMS and X.shape[2] in DIMS
 
 
-def _kernel(K: int, V: int, dtype: torch.dtype, device: torch.device, qb: int = Q, profile: bool = False):
+def _kernel(K: int, V: int, dtype: torch.dtype, device: torch.device, qb: int = Q, profile: bool = False,
+            name: str = "gdnviz_truncate"):
     ctype = _CTYPES[dtype]
     dmma = dmma_on()
     src = ("#define GDNVIZ_PROFILE\n" if profile else "") + source(K, V, ctype, qb, dmma)
-    return KERNELS.get((K, V, ctype, device.index, qb, profile, dmma, source_path()), device, src, "gdnviz_truncate",
-                       shared_mem=smem_bytes(K, qb))
+    smem = {"gdnviz_truncate": smem_bytes(K, qb), "gdnviz_project": project_smem_bytes(K)}.get(name, 0)
+    return KERNELS.get((K, V, ctype, device.index, qb, profile, dmma, source_path(), name), device, src, name,
+                       shared_mem=smem)
+
+
+def project_smem_bytes(K: int) -> int:
+    """Dynamic shared memory of ``gdnviz_project``: U [K, 32], its 16 columns of S [K, 16], M [32, 16] (float64)."""
+    return 8 * (K * MAX_RANK + K * PCOLS + MAX_RANK * PCOLS)
 
 
 # GDNVIZ_PROFILE build: clock64() cycles of thread 0 per phase (summed over passes and calls), index 15 = Jacobi sweeps
@@ -273,8 +306,12 @@ def _launch(X: torch.Tensor, ranks, iters: int | None, profile: bool = False, at
     device_ranks = isinstance(ranks, torch.Tensor)
     steps = plan(None if device_ranks else int(ranks), iters, attempts_on() if attempts is None else attempts, N,
                  _sm_count(X.device))
+    split = not profile and split_on(N)
     kernels = {qb: _kernel(K, V, X.dtype, X.device, qb, profile) for qb, _ in steps}
-    if any(k is None for k in kernels.values()):
+    if split:
+        gram = _kernel(K, V, X.dtype, X.device, Q, False, "gdnviz_gram")
+        project = _kernel(K, V, X.dtype, X.device, Q, False, "gdnviz_project")
+    if any(k is None for k in kernels.values()) or (split and (gram is None or project is None)):
         raise RuntimeError(f"the CUDA truncation kernel is unavailable: {KERNELS.reason}")
     X = X.contiguous()
     omega, fill, table = _constants(K, V, X.device)
@@ -292,13 +329,20 @@ def _launch(X: torch.Tensor, ranks, iters: int | None, profile: bool = False, at
         sweeps, tol2, skip = _jacobi_args()
         tables = _attempt_tables(X.device)
         with torch.cuda.device(X.device):
+            G = torch.empty(N, K, K, dtype=torch.float64, device=X.device) if split else scratch
+            if split:
+                gram(grid=(N * gram_blocks(K), 1, 1), block=(NT, 1, 1), args=[X, G])
             for qb, mode in steps:
                 tab = tables[qb] if mode & ATTEMPT else table
                 kernels[qb](grid=(N, 1, 1), block=(NT, 1, 1),
                             args=[X, out, rt, rank_int, stride, omega, fill, tab,
                                   -1 if iters is None else int(iters), scratch, sweeps, _tol2(mode, tol2, qb), skip,
-                                  mode, done if n_att else table, bound if n_att else scratch, CERT_TOL],
+                                  mode | (GRAM_IN | NO_PROJ if split else 0), done if n_att else table,
+                                  bound if n_att else scratch, CERT_TOL, G],
                             shared_mem=smem_bytes(K, qb))
+            if split:
+                project(grid=(N * (V // PCOLS), 1, 1), block=(NT, 1, 1), args=[X, out, rt, rank_int, stride, scratch],
+                        shared_mem=project_smem_bytes(K))
     return Launched(out, scratch, done, bound)
 
 
@@ -324,15 +368,16 @@ def _attempt_tables(device: torch.device) -> dict[int, torch.Tensor]:
 
 
 def emulate(X: torch.Tensor, ranks, iters: int | None = None, attempts: bool | None = None, info: bool = False,
-            concurrent: int = 4, dmma: bool = False):
+            concurrent: int = 4, dmma: bool = False, split: bool = False):
     """The same launches of the same kernel source run on the CPU through ``gdnviz.gpu.cuda_emul`` (tests; needs
     ``g++``): ``X [N, K, V]`` float32/float64, ``ranks`` an int or N ints (run as device-side ranks: no attempts).
     ``concurrent`` blocks run at once, in lockstep by barrier phases, so a block writing into another block's part of
     the scratch buffer changes the answers here as it did on the H200 (eighth session). Returns the
     output, or with ``info`` (output, done int32 ``[N]``, bound float64 ``[N]``) as in ``Launched``. ``dmma``: the
     tensor-core build (``GDNVIZ_DMMA``, the GPU's default), its instructions emulated by warp collectives — several
-    times slower, so the other tests run the fused multiply-add build. Slow (~0.1–1 s per state and launch): for
-    checking, not for use."""
+    times slower, so the other tests run the fused multiply-add build. ``split``: the split launches (``split_on``:
+    ``gdnviz_gram``, the algorithm with modes GRAM_IN | NO_PROJ, ``gdnviz_project``). Slow (~0.1–1 s per state and
+    launch): for checking, not for use."""
     from gdnviz.gpu.cuda_emul import Emulated
     from gdnviz.gpu.fused_truncate import _constants
 
@@ -351,12 +396,20 @@ def emulate(X: torch.Tensor, ranks, iters: int | None = None, attempts: bool | N
     done = np.zeros(N, dtype=np.int32)
     bound = np.full(N, NO_BOUND)
     sweeps, tol2, skip = _jacobi_args()
+    G = np.full((N, K, K), np.nan) if split else np.zeros(1)
+    if split:
+        emu = Emulated(source(K, V, ctype, Q, dmma), "gdnviz_gram", [s.format(T=ctype) for s in GRAM_SIGNATURE])
+        emu.launch(N * gram_blocks(K), NT, [x, G], 0, concurrent=concurrent)
     for qb, mode in steps:
         emu = Emulated(source(K, V, ctype, qb, dmma), "gdnviz_truncate", [s.format(T=ctype) for s in SIGNATURE])
         tab = np.asarray(attempt_table(qb), dtype=np.int32) if mode & ATTEMPT else table.astype(np.int32)
         emu.launch(N, NT, [x, out, rk, rank_int, stride, np.ascontiguousarray(omega), np.ascontiguousarray(fill),
                            np.ascontiguousarray(tab), -1 if iters is None else int(iters), scratch, sweeps,
-                           _tol2(mode, tol2, qb), skip, mode, done, bound, CERT_TOL], smem_bytes(K, qb),
+                           _tol2(mode, tol2, qb), skip, mode | (GRAM_IN | NO_PROJ if split else 0), done, bound,
+                           CERT_TOL, G], smem_bytes(K, qb), concurrent=concurrent)
+    if split:
+        emu = Emulated(source(K, V, ctype, Q, dmma), "gdnviz_project", [s.format(T=ctype) for s in PROJECT_SIGNATURE])
+        emu.launch(N * (V // PCOLS), NT, [x, out, rk, rank_int, stride, scratch], project_smem_bytes(K),
                    concurrent=concurrent)
     res = torch.from_numpy(out)
     return (res, torch.from_numpy(done), torch.from_numpy(bound)) if info else res

@@ -49,6 +49,12 @@ typedef @T@ scalar_t;
 #define NO_BOUND 1e300  // BOUND where no bound holds (not attempted, no gap); NVRTC has no INFINITY
 #define READ_DONE 1
 #define ATTEMPT 2
+// split launches (few states: gdnviz.gpu.cuda_truncate.split_on): GRAM_IN reads S S^T from GIN [N][K][K] (written by
+// gdnviz_gram, whose thread blocks cover the GPU) instead of computing it; NO_PROJ writes the final U into the
+// scratch and leaves S_r = U (U^T S) to gdnviz_project. Both give the fused kernel's bits: the same sums in the same
+// order, only spread over more thread blocks
+#define GRAM_IN 4
+#define NO_PROJ 8
 
 // GDNVIZ_PROFILE (bench/bench_truncate_phases.py): thread 0 adds clock64() deltas per phase; written to U's scratch
 #ifdef GDNVIZ_PROFILE
@@ -333,7 +339,7 @@ gdnviz_truncate(const scalar_t* __restrict__ S, scalar_t* __restrict__ OUT, cons
                 int rank, int rank_stride, const double* __restrict__ OMEGA, const double* __restrict__ FILLD,
                 const int* __restrict__ ITER_TAB, int iters, double* __restrict__ USCR, int max_sweeps,
                 double tol2, double skip, int mode, int* __restrict__ DONE, double* __restrict__ BOUND,
-                double cert_tol)
+                double cert_tol, const double* __restrict__ GIN)
 {
     extern __shared__ double smem[];
     double* Gs = smem;
@@ -374,6 +380,12 @@ gdnviz_truncate(const scalar_t* __restrict__ S, scalar_t* __restrict__ OUT, cons
     for (int e = t; e < K_ * UL; e += NT) Un[e] = 0.0;
     const int tx = t & 15, ty = t >> 4;
 
+    double tr;
+    if (mode & GRAM_IN) {  // G = S S^T from gdnviz_gram (both triangles written there)
+        const double* Gn = GIN + n * (K_ * K_);
+        for (int e = t; e < K_ * K_; e += NT) Gs[(e / K_) * GST + (e % K_)] = Gn[e];
+        tr = gram_trace(Gs, misc + M_RED);
+    } else {
 #ifdef GDNVIZ_DMMA
     // ---- G = S S^T / ||S||_F^2 on the tensor cores: S staged 16 columns at a time through As..Bs (free until the
     // sketch; K_ x SG doubles; the next 16 columns are loaded into registers while a stage's products run). Only the
@@ -381,7 +393,6 @@ gdnviz_truncate(const scalar_t* __restrict__ S, scalar_t* __restrict__ OUT, cons
     // K = 128 warp w owns row tiles w and 15 - w, 17 tiles in all (GSL slots, no branch between the products: a
     // branch per tile, tenth session's call 2, made the Gram 10% slower than the full square); for K = 64
     // warp w computes row tile w whole and keeps its lower part
-    double tr;
     {
         const int lane = t & 31, w = t >> 5, lr = lane >> 2, lk = lane & 3;
         double* St = As;
@@ -437,7 +448,6 @@ gdnviz_truncate(const scalar_t* __restrict__ S, scalar_t* __restrict__ OUT, cons
     }
 #else
     // ---- G = S S^T / ||S||_F^2, S staged through As 32 columns at a time
-    double tr;
     {
         double acc[KR][KR];
 #pragma unroll
@@ -464,6 +474,7 @@ gdnviz_truncate(const scalar_t* __restrict__ S, scalar_t* __restrict__ OUT, cons
         tr = store_tile_trace(acc, Gs, misc + M_RED, tx, ty);
     }
 #endif
+    }
     const double inv = (tr > 0.0) ? 1.0 / sqrt(tr) : 0.0;
     double gf2 = 0.0;  // ||G||_F^2 (the attempt's certificate)
     for (int e = t; e < K_ * K_; e += NT) {
@@ -805,6 +816,10 @@ gdnviz_truncate(const scalar_t* __restrict__ S, scalar_t* __restrict__ OUT, cons
         cholqr(As, Cs, Ls);
         PROF(2);
     }
+    if (mode & NO_PROJ) {  // U for gdnviz_project (its first r columns are the kept directions)
+        for (int e = t; e < K_ * QB; e += NT) Un[(e >> LQB) * UL + (e & (QB - 1))] = As[(e >> LQB) * QP + (e & (QB - 1))];
+        return;
+    }
     // ---- S_r = U (U^T S): M = U^T S [QB][V] in Gs (S staged through Bs 16 rows at a time, the next 16 in registers),
     // then U M. Only U's first r columns are kept directions (the rest are zero): M's rows and the sum over columns
     // stop there
@@ -876,4 +891,98 @@ gdnviz_truncate(const scalar_t* __restrict__ S, scalar_t* __restrict__ OUT, cons
     if (t == 0)
         for (int q = 0; q < 16; ++q) Un[q] = (double)pacc[q];
 #endif
+}
+
+// ---- split launches (mode GRAM_IN | NO_PROJ): the fused kernel's first and last phases over more thread blocks ----
+
+// Tiles of 8 x 8 in G's lower triangle (row tile >= column tile), and thread blocks of gdnviz_gram per state (one
+// tile per warp, NT / 32 warps per block).
+#define GT_ (K_ / 8)
+#define GTILES (GT_ * (GT_ + 1) / 2)
+#define GRAM_BLOCKS ((GTILES + NT / 32 - 1) / (NT / 32))
+
+// G [N][K][K] = S S^T, both triangles, unscaled: what the fused kernel holds in Gs before its trace. Grid N *
+// GRAM_BLOCKS; warp w of block b computes lower tile b * NT / 32 + w. The DMMA build sums each tile with the same
+// mma.sync sequence as the fused kernel (k = 0, 4, ..., V - 4, one accumulator pair), the FMA build each entry as one
+// chain over v = 0 ... V - 1: the same bits either way.
+extern "C" __global__ void __launch_bounds__(NT)
+gdnviz_gram(const scalar_t* __restrict__ S, double* __restrict__ G)
+{
+    const long long n = blockIdx.x / GRAM_BLOCKS;
+    const int tile = (blockIdx.x % GRAM_BLOCKS) * (NT / 32) + (threadIdx.x >> 5);
+    if (tile >= GTILES) return;  // warp-uniform; no barrier in this kernel
+    int I = 0;
+    while ((I + 1) * (I + 2) / 2 <= tile) ++I;
+    const int J = tile - I * (I + 1) / 2;
+    const scalar_t* Sn = S + n * (K_ * V_);
+    double* Gn = G + n * (K_ * K_);
+    const int lane = threadIdx.x & 31;
+#ifdef GDNVIZ_DMMA
+    const int lr = lane >> 2, lk = lane & 3;
+    double acc0 = 0.0, acc1 = 0.0;
+    const scalar_t* a = Sn + (8 * I + lr) * V_ + lk;
+    const scalar_t* b = Sn + (8 * J + lr) * V_ + lk;
+    double av[V_ / 4], bv[V_ / 4];  // every load in flight before the chain of mma.sync
+#pragma unroll
+    for (int q = 0; q < V_ / 4; ++q) { av[q] = (double)a[4 * q]; bv[q] = (double)b[4 * q]; }
+#pragma unroll
+    for (int q = 0; q < V_ / 4; ++q) dmma_m8n8k4(acc0, acc1, av[q], bv[q]);
+    const double acc[2] = {acc0, acc1};
+#pragma unroll
+    for (int h = 0; h < 2; ++h) {
+        const int i = 8 * I + lr, j = 8 * J + 2 * lk + h;
+        if (i >= j) { Gn[i * K_ + j] = acc[h]; Gn[j * K_ + i] = acc[h]; }
+    }
+#else
+    for (int q = lane; q < 64; q += 32) {
+        const int i = 8 * I + (q >> 3), j = 8 * J + (q & 7);
+        if (i >= j) {
+            double s = 0.0;
+            for (int v = 0; v < V_; ++v) s = fma((double)Sn[i * V_ + v], (double)Sn[j * V_ + v], s);
+            Gn[i * K_ + j] = s;
+            Gn[j * K_ + i] = s;
+        }
+    }
+#endif
+}
+
+// S_r = U (U^T S) from the U that gdnviz_truncate left in the scratch (mode NO_PROJ), 16 columns of S per thread
+// block: grid N * (V / 16). States with rank >= min(K, V) or an invalid rank were written by gdnviz_truncate itself.
+// U's r columns and the block's columns of S are staged in shared memory first (every load in flight at once), then
+// M = U^T S as one chain over k per entry and S_r as one chain over the r kept columns: the fused kernel's order.
+#define PCOLS 16
+#define PROJ_SMEM_DOUBLES (K_ * 2 * HALF + K_ * PCOLS + 2 * HALF * PCOLS)
+extern "C" __global__ void __launch_bounds__(NT)
+gdnviz_project(const scalar_t* __restrict__ S, scalar_t* __restrict__ OUT, const int* __restrict__ RANKS, int rank,
+               int rank_stride, const double* __restrict__ USCR)
+{
+    extern __shared__ double psm[];  // U [K][2 HALF], S's columns [K][PCOLS], M [2 HALF][PCOLS]
+    double* Us = psm;
+    double* Ss = psm + K_ * 2 * HALF;
+    double* Ms = Ss + K_ * PCOLS;
+    const long long n = blockIdx.x / (V_ / PCOLS);
+    const int v0 = (blockIdx.x % (V_ / PCOLS)) * PCOLS;
+    const int r = (rank_stride >= 0) ? RANKS[n * rank_stride] : rank;
+    if (r >= M_ || r < 1 || r > 2 * HALF) return;  // block-uniform
+    const scalar_t* Sn = S + n * (K_ * V_);
+    scalar_t* On = OUT + n * (K_ * V_);
+    const double* Un = USCR + n * (K_ * UL);
+    const int t = threadIdx.x;
+    for (int e = t; e < K_ * 2 * HALF; e += NT) Us[e] = Un[(e / (2 * HALF)) * UL + e % (2 * HALF)];
+    for (int e = t; e < K_ * PCOLS; e += NT) Ss[e] = (double)Sn[(e / PCOLS) * V_ + v0 + e % PCOLS];
+    __syncthreads();
+    for (int e = t; e < r * PCOLS; e += NT) {
+        const int c = e / PCOLS, v = e % PCOLS;
+        double s = 0.0;
+#pragma unroll 8
+        for (int k = 0; k < K_; ++k) s = fma(Us[k * 2 * HALF + c], Ss[k * PCOLS + v], s);
+        Ms[e] = s;
+    }
+    __syncthreads();
+    for (int e = t; e < K_ * PCOLS; e += NT) {
+        const int i = e / PCOLS, v = e % PCOLS;
+        double s = 0.0;
+        for (int c = 0; c < r; ++c) s = fma(Us[i * 2 * HALF + c], Ms[c * PCOLS + v], s);
+        On[i * V_ + v0 + v] = (scalar_t)s;
+    }
 }
