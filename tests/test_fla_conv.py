@@ -1,10 +1,10 @@
 """The short convolution of transformers' GDN layers routed to fla's ``causal_conv1d`` inside gdnviz runs
-(``gdnviz.models.transformers_family``: ``GDNVIZ_FLA_CONV`` / ``FLA_CONV``, off until measured on the GPU).
+(``gdnviz.models.transformers_family``: ``FLA_CONV``, on since the twelfth session; ``GDNVIZ_FLA_CONV=0`` off).
 
 CPU: the dispatcher is installed and passes calls through by default; the switch's cases; the plumbing (the
 ``[B, T, D]`` layout handed over, the output transposed back) with fla's function replaced by a float64 reference of
 the same causal convolution, which keeps a run's logits. CUDA: fla's kernel against transformers' fallback on the
-demo model's convolution, and a bf16 truncated run with the switch on against off.
+demo model's convolution, and a bf16 truncated run with the switch on and off, each against the float32 model's run.
 """
 import pytest
 import torch
@@ -48,6 +48,7 @@ def test_switch(monkeypatch):
     monkeypatch.delenv("GDNVIZ_FLA_CONV", raising=False)
     with runner.run_context(runner.RunContext(segment_len=4)):
         assert transformers_family.fla_conv_on(x) == transformers_family.FLA_CONV
+        assert transformers_family.FLA_CONV  # on by default since the twelfth session's measurement
         monkeypatch.setenv("GDNVIZ_FLA_CONV", "1")
         assert transformers_family.fla_conv_on(x)
         monkeypatch.setenv("GDNVIZ_FLA_CONV", "0")

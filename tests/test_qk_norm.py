@@ -1,11 +1,11 @@
 """The GDN core's q̂/k̂ normalisation written straight into the value dtype (``kernels.unit_rows``), the path
-``runner.prepare_core_inputs`` takes when ``runner.fast_qk_norm`` allows it (off unless switched on: not measured
-on the GPU yet).
+``runner.prepare_core_inputs`` takes when ``runner.fast_qk_norm`` allows it (on by default since the twelfth session's
+H200 measurement; ``GDNVIZ_FAST_QK_NORM=0`` turns it off).
 
 CPU: ``unit_rows`` against ``kernels.l2norm`` (float32 to a few ulps; bfloat16 the same as ``l2norm(x).to(bf16)``
 to one bf16 ulp, and for nearly every entry exactly), including zero rows (eps); when the fast path may run (fla on
 CUDA, no callback reading keys, the switch); a CPU run with it forced on gives the same logits as without.
-CUDA: a bf16 truncated run with ``GDNVIZ_FAST_QK_NORM=1`` against ``=0``.
+CUDA: a bf16 truncated run with ``GDNVIZ_FAST_QK_NORM=1`` and with ``=0``, each against the float32 model's run.
 """
 import pytest
 import torch
@@ -45,9 +45,10 @@ def test_unit_rows_bfloat16_is_l2norm_rounded():
 def test_fast_qk_norm_only_for_fla_runs_that_read_no_keys(monkeypatch):
     monkeypatch.delenv("GDNVIZ_FAST_QK_NORM", raising=False)
     ctx = runner.RunContext(segment_len=4)
-    assert not runner.fast_qk_norm(ctx, torch.device("cpu"))  # off by default, and CPU runs the torch bodies
+    assert not runner.fast_qk_norm(ctx, torch.device("cpu"))  # CPU runs the torch bodies
     monkeypatch.setattr(kernels, "backend_for", lambda device: "fla")
     assert runner.fast_qk_norm(ctx, torch.device("cpu")) == runner.FAST_QK_NORM
+    assert runner.FAST_QK_NORM  # on by default since the twelfth session's measurement
     monkeypatch.setenv("GDNVIZ_FAST_QK_NORM", "1")
     assert runner.fast_qk_norm(ctx, torch.device("cpu"))
     assert not runner.fast_qk_norm(None, torch.device("cpu"))  # outside a run
