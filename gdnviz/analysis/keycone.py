@@ -67,7 +67,9 @@ CUDA_CHUNK = 16384
 #: too few thread blocks for the GPU. Cut into 1,024-token parts it is 256 GEMMs, then a sum over the parts.
 CUDA_SPLIT_TOKENS = 1024
 #: :func:`keycone_sums` on CUDA in its blocked form (:func:`_blocked_sums`: fewer passes over the float64 keys).
-#: Off until measured on the GPU (``bench/bench_capture_stats.py`` times both in one run). ``GDNVIZ_KEYCONE_BLOCKED=1``
+#: Off: measured on the H200 (twelfth session) it is no faster alone (2.04 vs 1.98 ms per layer,
+#: ``bench/bench_capture_stats.py``) and a capture with it moved within the captures' own spread (``bench_capture.py
+#: --blocked-ab``: 4.5 and 17 ms less, ~10 ms between timings). ``GDNVIZ_KEYCONE_BLOCKED=1``
 #: (or ``=0``) overrides it, read at each call, so a benchmark can time a whole capture both ways in one process.
 CUDA_BLOCKED = False
 #: Relative tolerance when rounding a horizon up to a window: 1/(1−0.9) = 10.000000000000002 is 10 tokens.

@@ -117,7 +117,9 @@ READ_DONE, ATTEMPT, GRAM_IN, NO_PROJ = 1, 2, 4, 8  # the kernel's mode bits (cud
 # (NO_PROJ), then U (Uᵀ S) by ``gdnviz_project`` (8 thread blocks per state). The same bits as the fused kernel. Why:
 # a truncated run truncates the 16 heads of one layer at a time, so the fused kernel runs 16 thread blocks on a GPU of
 # 132 multiprocessors, and its Gram matrix (22% of its cycles at r = 4) and projection (10%) run on one multiprocessor
-# per state while the rest idle.
+# per state while the rest idle. Measured on the H200 (bench/RESULTS.md, twelfth session): 16 states 1–5% faster
+# (r = 4: 0.1056 vs 0.1117 ms), a 16K truncated run at r = 4 0.2918 → 0.2831 s; 288 states 10–30% slower, hence the
+# limit.
 SPLIT_MAX_STATES = 64  # split launches when a call has at most this many states (GDNVIZ_CUDA_TRUNCATE_SPLIT=0|1)
 SPLIT_DEFAULT_ON = True
 PCOLS = 16  # columns of S per gdnviz_project thread block (the kernel's PCOLS)
@@ -162,7 +164,8 @@ def source(K: int, V: int, ctype: str = "float", qb: int = Q, dmma: bool | None 
 
 def source_path() -> str:
     """The kernel source file: ``cuda_truncate_src.cu`` beside this module, or the file ``GDNVIZ_CUDA_TRUNCATE_SRC``
-    names (an earlier revision, for same-run A/B timing on the GPU)."""
+    names (an earlier revision, for same-run A/B timing on the GPU; revisions before 4aa323e take one argument fewer,
+    the split launches' G, and cannot be launched by this module)."""
     return os.environ.get("GDNVIZ_CUDA_TRUNCATE_SRC", "").strip() or _SRC_PATH
 
 
