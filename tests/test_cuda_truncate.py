@@ -296,6 +296,25 @@ def test_split_switch(monkeypatch):
 
 
 @needs_gxx
+def test_emulated_full_algorithm_jacobi_stop(monkeypatch):
+    """The full algorithm's Jacobi stops at FULL_JACOBI_TOL (1e-10) instead of 1e-15: on 6 GDN-like states at r = 32
+    (two passes) the kernel runs fewer sweeps (the profile build's counter) and keeps the same energies to 1e-13 —
+    the stop's energy cost is at most ~1e-10 of a state's energy; the criterion is 1e-5."""
+    from bench.bench_truncate import gdn_like_states
+
+    assert cuda_truncate.FULL_JACOBI_TOL == 1e-10
+    S = gdn_like_states(6, 128, 128, seed=0).double()
+    out, count = cuda_truncate.emulate(S, 32, attempts=False, counters=True)
+    monkeypatch.setattr(cuda_truncate, "FULL_JACOBI_TOL", 1e-15)
+    tight, count_tight = cuda_truncate.emulate(S, 32, attempts=False, counters=True)
+    sweeps, sweeps_tight = count[:, 15], count_tight[:, 15]
+    assert (sweeps <= sweeps_tight).all() and sweeps.sum() <= sweeps_tight.sum() - 6, (sweeps, sweeps_tight)
+    assert energy_error(S, out, 32).max().item() <= 1e-12
+    assert (retained_energy(S, out) - retained_energy(S, tight)).abs().max().item() <= 1e-13
+    assert _projection_defect(S, out) <= 1e-10
+
+
+@needs_gxx
 def test_emulated_iteration_count_is_the_kernels():
     """``iters`` reaches the kernel: with no filter step a graded spectrum is not converged at r = 4 (the criterion
     fails), with the default it is — so the default is not passing by accident."""

@@ -135,6 +135,13 @@ CERT_TOL = 5e-6  # an attempt's result stands when its energy-error bound is at 
 # GDN-like states (emulated, tenth session, G Ω start) it certifies the same 286 of 288 at r = 4 (all 288 at r = 1)
 # with the same largest bound as 1e-9, in 2.28 / 2.36 sweeps on average instead of 2.95 / 2.99 (bench/RESULTS.md).
 ATTEMPT_JACOBI_TOL = {16: 1e-6, 32: 1e-9}
+# The full algorithm's Jacobi stop (no certificate; before the twelfth session jacobi.TOL = 1e-15). Within the block
+# the Jacobi only rotates: stopping at off(T') ≤ tol·‖T'‖_F leaves each kept Ritz direction mixed with discarded
+# ones by an angle θ with (λ_kept − λ_discarded)·sin²θ ≤ off(T'), so the energy error it adds is at most ~off(T')
+# ≤ 1e-10 of the state's energy (criterion 1e-5). Emulated on GDN-like states (tests/test_cuda_truncate.py) it saves
+# a sweep or two of the ~8 at r = 32 (two passes) and of ~3.5 at r = 12, with retained energies equal to 1e-15. Not
+# yet timed on the GPU.
+FULL_JACOBI_TOL = 1e-10
 # The certified attempts: (block width, ((largest rank, filter steps), ...)); a rank has at most one. Chosen from
 # bench/study_small_block.py on the demo model's trajectories (bench/RESULTS.md, eighth session): a 16-column block
 # with 2 steps certifies every state at r = 1 and r = 4 (1 step would do at r = 1 there, but on GDN-like test states
@@ -273,14 +280,15 @@ def phase_cycles(X: torch.Tensor, ranks, attempts: bool = False):
     return (cyc, res.done.cpu()) if attempts else cyc
 
 
-def _jacobi_args() -> tuple[int, float, float]:
-    return _jacobi.MAX_SWEEPS, _jacobi.TOL * _jacobi.TOL, _jacobi._SKIP
+def _jacobi_args() -> tuple[int, float]:
+    """The Jacobi's sweep cap and rotation skip threshold (gdnviz.gpu.jacobi's)."""
+    return _jacobi.MAX_SWEEPS, _jacobi._SKIP
 
 
-def _tol2(mode: int, tol2: float, qb: int) -> float:
+def _tol2(mode: int, qb: int) -> float:
     """The Jacobi stop (squared relative off-diagonal norm) for a launch of ``mode`` with a ``qb``-column block:
-    looser for attempts."""
-    return ATTEMPT_JACOBI_TOL[qb] ** 2 if mode & ATTEMPT else tol2
+    ``ATTEMPT_JACOBI_TOL`` for attempts, ``FULL_JACOBI_TOL`` for the full algorithm."""
+    return ATTEMPT_JACOBI_TOL[qb] ** 2 if mode & ATTEMPT else FULL_JACOBI_TOL**2
 
 
 def truncate_cuda(X: torch.Tensor, ranks, iters: int | None = None) -> torch.Tensor:
@@ -329,7 +337,7 @@ def _launch(X: torch.Tensor, ranks, iters: int | None, profile: bool = False, at
     done = torch.empty(n_att, dtype=torch.int32, device=X.device)
     bound = torch.empty(n_att, dtype=torch.float64, device=X.device)
     if N:
-        sweeps, tol2, skip = _jacobi_args()
+        sweeps, skip = _jacobi_args()
         tables = _attempt_tables(X.device)
         with torch.cuda.device(X.device):
             G = torch.empty(N, K, K, dtype=torch.float64, device=X.device) if split else scratch
@@ -339,7 +347,7 @@ def _launch(X: torch.Tensor, ranks, iters: int | None, profile: bool = False, at
                 tab = tables[qb] if mode & ATTEMPT else table
                 kernels[qb](grid=(N, 1, 1), block=(NT, 1, 1),
                             args=[X, out, rt, rank_int, stride, omega, fill, tab,
-                                  -1 if iters is None else int(iters), scratch, sweeps, _tol2(mode, tol2, qb), skip,
+                                  -1 if iters is None else int(iters), scratch, sweeps, _tol2(mode, qb), skip,
                                   mode | (GRAM_IN | NO_PROJ if split else 0), done if n_att else table,
                                   bound if n_att else scratch, CERT_TOL, G],
                             shared_mem=smem_bytes(K, qb))
@@ -371,7 +379,7 @@ def _attempt_tables(device: torch.device) -> dict[int, torch.Tensor]:
 
 
 def emulate(X: torch.Tensor, ranks, iters: int | None = None, attempts: bool | None = None, info: bool = False,
-            concurrent: int = 4, dmma: bool = False, split: bool = False):
+            concurrent: int = 4, dmma: bool = False, split: bool = False, counters: bool = False):
     """The same launches of the same kernel source run on the CPU through ``gdnviz.gpu.cuda_emul`` (tests; needs
     ``g++``): ``X [N, K, V]`` float32/float64, ``ranks`` an int or N ints (run as device-side ranks: no attempts).
     ``concurrent`` blocks run at once, in lockstep by barrier phases, so a block writing into another block's part of
@@ -379,8 +387,10 @@ def emulate(X: torch.Tensor, ranks, iters: int | None = None, attempts: bool | N
     output, or with ``info`` (output, done int32 ``[N]``, bound float64 ``[N]``) as in ``Launched``. ``dmma``: the
     tensor-core build (``GDNVIZ_DMMA``, the GPU's default), its instructions emulated by warp collectives — several
     times slower, so the other tests run the fused multiply-add build. ``split``: the split launches (``split_on``:
-    ``gdnviz_gram``, the algorithm with modes GRAM_IN | NO_PROJ, ``gdnviz_project``). Slow (~0.1–1 s per state and
-    launch): for checking, not for use."""
+    ``gdnviz_gram``, the algorithm with modes GRAM_IN | NO_PROJ, ``gdnviz_project``). ``counters``: the
+    ``GDNVIZ_PROFILE`` build (not with ``split``), returning ``(output, counters float64 [N, 16])`` — its clock
+    readings are 0 here, index 15 counts Jacobi sweeps (summed over passes and launches). Slow (~0.1–1 s per state
+    and launch): for checking, not for use."""
     from gdnviz.gpu.cuda_emul import Emulated
     from gdnviz.gpu.fused_truncate import _constants
 
@@ -398,21 +408,32 @@ def emulate(X: torch.Tensor, ranks, iters: int | None = None, attempts: bool | N
     scratch = np.empty((N, K, Q), dtype=np.float64)
     done = np.zeros(N, dtype=np.int32)
     bound = np.full(N, NO_BOUND)
-    sweeps, tol2, skip = _jacobi_args()
+    sweeps, skip = _jacobi_args()
     G = np.full((N, K, K), np.nan) if split else np.zeros(1)
     if split:
         emu = Emulated(source(K, V, ctype, Q, dmma), "gdnviz_gram", [s.format(T=ctype) for s in GRAM_SIGNATURE])
         emu.launch(N * gram_blocks(K), NT, [x, G], 0, concurrent=concurrent)
+    if counters and split:
+        raise ValueError("counters come from the fused kernel's profile build: not with split")
+    prof = "#define GDNVIZ_PROFILE\n" if counters else ""
+    count = np.zeros((N, 16))
     for qb, mode in steps:
-        emu = Emulated(source(K, V, ctype, qb, dmma), "gdnviz_truncate", [s.format(T=ctype) for s in SIGNATURE])
+        if counters:
+            scratch[:] = 0.0
+        emu = Emulated(prof + source(K, V, ctype, qb, dmma), "gdnviz_truncate",
+                       [s.format(T=ctype) for s in SIGNATURE])
         tab = np.asarray(attempt_table(qb), dtype=np.int32) if mode & ATTEMPT else table.astype(np.int32)
         emu.launch(N, NT, [x, out, rk, rank_int, stride, np.ascontiguousarray(omega), np.ascontiguousarray(fill),
                            np.ascontiguousarray(tab), -1 if iters is None else int(iters), scratch, sweeps,
-                           _tol2(mode, tol2, qb), skip, mode | (GRAM_IN | NO_PROJ if split else 0), done, bound,
+                           _tol2(mode, qb), skip, mode | (GRAM_IN | NO_PROJ if split else 0), done, bound,
                            CERT_TOL, G], smem_bytes(K, qb), concurrent=concurrent)
+        if counters:
+            count += scratch[:, 0, :16]
     if split:
         emu = Emulated(source(K, V, ctype, Q, dmma), "gdnviz_project", [s.format(T=ctype) for s in PROJECT_SIGNATURE])
         emu.launch(N * (V // PCOLS), NT, [x, out, rk, rank_int, stride, scratch], project_smem_bytes(K),
                    concurrent=concurrent)
     res = torch.from_numpy(out)
+    if counters:
+        return res, torch.from_numpy(count)
     return (res, torch.from_numpy(done), torch.from_numpy(bound)) if info else res
