@@ -11,8 +11,11 @@
 #
 # Steps and their limits (defaults add up to more than 600 s: pick what a call should measure):
 #   GPU_TEST_SECONDS (150)      pytest -m gpu on TESTS (default: the GPU test files below); GPU_TEST_TIMEOUT (100) is
-#                               pytest's limit per test (test_fla_adapter's fp32 kernels test needs more in a cold
-#                               process: fla compiles its Triton kernels; cut off in every session since the sixth)
+#                               pytest's limit per test (tests/test_fla_adapter.py is not in the default list: it
+#                               has its own step, FLA_TEST_SECONDS)
+#   FLA_TEST_SECONDS (0)        pytest -m gpu tests/test_fla_adapter.py alone (fla's own GatedDeltaNet models, 16-dim
+#                               heads: fla compiles and autotunes its kernels for them in a cold process; the two fp32
+#                               tests took most of 290 s on a fresh machine, twelfth session, and the bf16 pair more)
 #   TRUNC_SECONDS (100)         bench_truncate.py --quick: one boundary of 288 states (+ fused kernel rows)
 #   TRITON_CHOLQR_SECONDS (0)   bench_truncate.py --quick --triton-cholqr (Cholesky-QR in one Triton launch)
 #   CHOLQR_KERNEL_SECONDS (0)   bench_cholqr.py: truncation with the CUDA Cholesky-QR kernel (shared-memory and
@@ -39,12 +42,17 @@ export PYTHONPATH=/tmp/site:$PWD PYTHONUNBUFFERED=1
 nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv
 python3 -c "import torch, transformers, triton, fla; print(torch.__version__, transformers.__version__, triton.__version__, fla.__version__)"
 on() { [ "${1:-0}" != 0 ]; }
-TESTS=${*:-tests/test_cuda_truncate.py tests/test_cuda_cholqr.py tests/test_cuda_tridiag.py tests/test_scan_graph.py tests/test_fused_truncate.py tests/test_gpu_runner.py tests/test_jacobi.py tests/test_truncate.py tests/test_symeig.py tests/test_kernels_vs_reference.py tests/test_fla_adapter.py}
+TESTS=${*:-tests/test_cuda_truncate.py tests/test_cuda_cholqr.py tests/test_cuda_tridiag.py tests/test_cuda_bisect.py tests/test_scan_graph.py tests/test_fused_truncate.py tests/test_gpu_runner.py tests/test_qk_norm.py tests/test_fla_conv.py tests/test_analysis.py tests/test_capture.py tests/test_jacobi.py tests/test_truncate.py tests/test_symeig.py tests/test_kernels_vs_reference.py}
 TESTS=$(for t in $TESTS; do [ -e "${t%%::*}" ] && echo "$t"; done)  # in the order given (pytest keeps it)
 if on ${GPU_TEST_SECONDS:-150}; then
   timeout ${GPU_TEST_SECONDS:-150} python3 -m pytest -v -m gpu -p no:cacheprovider --timeout ${GPU_TEST_TIMEOUT:-100} --tb=short --durations=15 \
       $TESTS > $OUT/gpu_tests.log 2>&1; echo "pytest rc=$?" >> $OUT/gpu_tests.log
   grep -E "PASSED|FAILED|ERROR|SKIPPED|rc=|Error|assert" $OUT/gpu_tests.log | tail -40
+fi
+if on ${FLA_TEST_SECONDS:-0}; then
+  timeout ${FLA_TEST_SECONDS} python3 -m pytest -v -s -m gpu -p no:cacheprovider --timeout ${FLA_TEST_SECONDS} --tb=short \
+      tests/test_fla_adapter.py > $OUT/gpu_tests_fla.log 2>&1; echo "pytest rc=$?" >> $OUT/gpu_tests_fla.log
+  grep -E "PASSED|FAILED|ERROR|rc=|cuda-vs-cpu|bf16 hybrid" $OUT/gpu_tests_fla.log | cut -c1-300
 fi
 if on ${TRUNC_SECONDS:-100}; then
   timeout ${TRUNC_SECONDS:-100} python3 bench/bench_truncate.py --device cuda --quick > $OUT/bench_truncate.log 2>&1
