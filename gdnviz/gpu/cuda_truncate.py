@@ -155,10 +155,12 @@ DMMA_DEFAULT_ON = True
 KERNELS = Kernels()  # KERNELS.available / KERNELS.reason: whether compilation worked, and why not
 
 
-def source(K: int, V: int, ctype: str = "float", qb: int = Q, dmma: bool | None = None) -> str:
+def source(K: int, V: int, ctype: str = "float", qb: int = Q, dmma: bool | None = None,
+           warp_jacobi: bool | None = None) -> str:
     """The kernel's CUDA source for ``[K, V]`` states of C type ``ctype`` ("float" or "double") with a block of ``qb``
     columns (32: the full algorithm; 16: the small block of the certified attempt). ``dmma``: the Gram matrix and the
-    products G·X on the float64 tensor cores (``GDNVIZ_DMMA``; None = ``dmma_on()``)."""
+    products G·X on the float64 tensor cores (``GDNVIZ_DMMA``; None = ``dmma_on()``). ``warp_jacobi``: the 16-column
+    block's Jacobi in one warp (``GDNVIZ_WARP_JACOBI``; None = ``warp_jacobi_on()``)."""
     if K not in DIMS or V not in DIMS or ctype not in ("float", "double") or qb not in BLOCKS:
         raise ValueError(f"cuda_truncate takes K, V in {DIMS}, float/double and a block in {BLOCKS}; got {K}, {V}, "
                          f"{ctype}, {qb}")
@@ -166,7 +168,10 @@ def source(K: int, V: int, ctype: str = "float", qb: int = Q, dmma: bool | None 
         text = f.read()
     for key, val in (("@K@", K), ("@V@", V), ("@T@", ctype), ("@QB@", qb), ("@LQB@", qb.bit_length() - 1)):
         text = text.replace(key, str(val))
-    return ("#define GDNVIZ_DMMA\n" if (dmma_on() if dmma is None else dmma) else "") + text
+    head = "#define GDNVIZ_DMMA\n" if (dmma_on() if dmma is None else dmma) else ""
+    if warp_jacobi_on() if warp_jacobi is None else warp_jacobi:
+        head += "#define GDNVIZ_WARP_JACOBI\n"
+    return head + text
 
 
 def source_path() -> str:
@@ -186,6 +191,16 @@ def dmma_on() -> bool:
     """Whether the kernel runs its Gram matrix and its products G·X on the float64 tensor cores (``mma.sync``
     m8n8k4; ``GDNVIZ_CUDA_TRUNCATE_DMMA=0``: the same sums as fused multiply-adds, as before the ninth session)."""
     return env_switch("GDNVIZ_CUDA_TRUNCATE_DMMA", DMMA_DEFAULT_ON)
+
+
+WARP_JACOBI_DEFAULT_ON = False  # not yet timed on the GPU
+
+
+def warp_jacobi_on() -> bool:
+    """Whether the 16-column attempt's Jacobi runs in one warp, rows in registers, rounds exchanged by shuffles
+    (``GDNVIZ_CUDA_TRUNCATE_WARP_JACOBI=1``; off by default until timed on the GPU: the block form spends ~1,200
+    cycles a round, two block barriers, 35,400 of the attempt's 168,900 cycles at r = 4 on the H200)."""
+    return env_switch("GDNVIZ_CUDA_TRUNCATE_WARP_JACOBI", WARP_JACOBI_DEFAULT_ON)
 
 
 def attempts_on() -> bool:
@@ -252,10 +267,10 @@ def supports(X: torch.Tensor) -> bool:
 def _kernel(K: int, V: int, dtype: torch.dtype, device: torch.device, qb: int = Q, profile: bool = False,
             name: str = "gdnviz_truncate"):
     ctype = _CTYPES[dtype]
-    dmma = dmma_on()
-    src = ("#define GDNVIZ_PROFILE\n" if profile else "") + source(K, V, ctype, qb, dmma)
+    dmma, wj = dmma_on(), warp_jacobi_on()
+    src = ("#define GDNVIZ_PROFILE\n" if profile else "") + source(K, V, ctype, qb, dmma, wj)
     smem = {"gdnviz_truncate": smem_bytes(K, qb), "gdnviz_project": project_smem_bytes(K)}.get(name, 0)
-    return KERNELS.get((K, V, ctype, device.index, qb, profile, dmma, source_path(), name), device, src, name,
+    return KERNELS.get((K, V, ctype, device.index, qb, profile, dmma, wj, source_path(), name), device, src, name,
                        shared_mem=smem)
 
 
@@ -379,7 +394,8 @@ def _attempt_tables(device: torch.device) -> dict[int, torch.Tensor]:
 
 
 def emulate(X: torch.Tensor, ranks, iters: int | None = None, attempts: bool | None = None, info: bool = False,
-            concurrent: int = 4, dmma: bool = False, split: bool = False, counters: bool = False):
+            concurrent: int = 4, dmma: bool = False, split: bool = False, counters: bool = False,
+            warp_jacobi: bool = False):
     """The same launches of the same kernel source run on the CPU through ``gdnviz.gpu.cuda_emul`` (tests; needs
     ``g++``): ``X [N, K, V]`` float32/float64, ``ranks`` an int or N ints (run as device-side ranks: no attempts).
     ``concurrent`` blocks run at once, in lockstep by barrier phases, so a block writing into another block's part of
@@ -390,7 +406,8 @@ def emulate(X: torch.Tensor, ranks, iters: int | None = None, attempts: bool | N
     ``gdnviz_gram``, the algorithm with modes GRAM_IN | NO_PROJ, ``gdnviz_project``). ``counters``: the
     ``GDNVIZ_PROFILE`` build (not with ``split``), returning ``(output, counters float64 [N, 16])`` — its clock
     readings are 0 here, index 15 counts Jacobi sweeps (summed over passes and launches). Slow (~0.1–1 s per state
-    and launch): for checking, not for use."""
+    and launch). ``warp_jacobi``: the one-warp Jacobi of the 16-column attempts (``GDNVIZ_WARP_JACOBI``). For
+    checking, not for use."""
     from gdnviz.gpu.cuda_emul import Emulated
     from gdnviz.gpu.fused_truncate import _constants
 
@@ -411,7 +428,7 @@ def emulate(X: torch.Tensor, ranks, iters: int | None = None, attempts: bool | N
     sweeps, skip = _jacobi_args()
     G = np.full((N, K, K), np.nan) if split else np.zeros(1)
     if split:
-        emu = Emulated(source(K, V, ctype, Q, dmma), "gdnviz_gram", [s.format(T=ctype) for s in GRAM_SIGNATURE])
+        emu = Emulated(source(K, V, ctype, Q, dmma, False), "gdnviz_gram", [s.format(T=ctype) for s in GRAM_SIGNATURE])
         emu.launch(N * gram_blocks(K), NT, [x, G], 0, concurrent=concurrent)
     if counters and split:
         raise ValueError("counters come from the fused kernel's profile build: not with split")
@@ -420,7 +437,7 @@ def emulate(X: torch.Tensor, ranks, iters: int | None = None, attempts: bool | N
     for qb, mode in steps:
         if counters:
             scratch[:] = 0.0
-        emu = Emulated(prof + source(K, V, ctype, qb, dmma), "gdnviz_truncate",
+        emu = Emulated(prof + source(K, V, ctype, qb, dmma, warp_jacobi), "gdnviz_truncate",
                        [s.format(T=ctype) for s in SIGNATURE])
         tab = np.asarray(attempt_table(qb), dtype=np.int32) if mode & ATTEMPT else table.astype(np.int32)
         emu.launch(N, NT, [x, out, rk, rank_int, stride, np.ascontiguousarray(omega), np.ascontiguousarray(fill),
@@ -430,7 +447,7 @@ def emulate(X: torch.Tensor, ranks, iters: int | None = None, attempts: bool | N
         if counters:
             count += scratch[:, 0, :16]
     if split:
-        emu = Emulated(source(K, V, ctype, Q, dmma), "gdnviz_project", [s.format(T=ctype) for s in PROJECT_SIGNATURE])
+        emu = Emulated(source(K, V, ctype, Q, dmma, False), "gdnviz_project", [s.format(T=ctype) for s in PROJECT_SIGNATURE])
         emu.launch(N * (V // PCOLS), NT, [x, out, rk, rank_int, stride, scratch], project_smem_bytes(K),
                    concurrent=concurrent)
     res = torch.from_numpy(out)

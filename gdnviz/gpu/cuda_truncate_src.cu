@@ -608,6 +608,87 @@ gdnviz_truncate(const scalar_t* __restrict__ S, scalar_t* __restrict__ OUT, cons
         fro = block_sum(fro, misc + M_RED);
         off = block_sum(off, misc + M_RED);
         const double thresh = tol2 * fro;
+#if defined(GDNVIZ_WARP_JACOBI) && QB == 16
+        // ---- the same cyclic Jacobi in warp 0 alone (GDNVIZ_WARP_JACOBI, 16-column blocks): lane l < 16 holds row l
+        // of A in registers and lane 16 + l row l of W; a round's rotations, its partners' rows and its column
+        // parameters pass by shuffles, so a round needs no block barrier (the block form: two per round, ~1,200
+        // cycles a round on the H200). Each rotation and each updated entry is the block form's expression; the
+        // off-diagonal sum at a sweep's end is added in another order (a stop may differ at rounding level).
+        if (t < 32) {  // warp-uniform
+            const int lane = t, row = lane & 15;
+            const bool isA = lane < 16;
+            double a[16];
+#pragma unroll
+            for (int m = 0; m < 16; ++m) a[m] = isA ? A[row * QP + m] : W[row * QP + m];
+            double dg = isA ? dd[row] : 0.0;
+            bool more = true;
+            double offw = off;
+            for (int sweep = 0; sweep < max_sweeps && offw > thresh && more; ++sweep) {
+                bool rotated = false;
+#pragma unroll
+                for (int k = 0; k < QB - 1; ++k) {
+                    const int jr = (2 * k - row + (QB - 1)) % (QB - 1);
+                    const int pr = (row == QB - 1) ? k : ((jr == row) ? QB - 1 : jr);
+                    double x = 0.0;  // A[row][pr]: a register picked by a lane-dependent index
+#pragma unroll
+                    for (int m = 0; m < 16; ++m) x = (pr == m) ? a[m] : x;
+                    const double a_ip = x;
+                    const double a_pi = __shfl_sync(0xffffffffu, x, pr);  // lane pr's A[pr][row]
+                    const double di = dg, dpr = __shfl_sync(0xffffffffu, dg, pr);
+                    const bool is_p = row < pr;
+                    const double app = is_p ? di : dpr, aqq = is_p ? dpr : di;
+                    const double apq = 0.5 * (a_ip + a_pi);
+                    const bool rot = apq * apq > (skip * skip) * fabs(app * aqq);
+                    const double d = aqq - app, h = 2.0 * apq;
+                    double tt = h / (fabs(d) + sqrt(fma(d, d, h * h)));
+                    tt = rot ? ((d < 0.0) ? -tt : tt) : 0.0;
+                    const double c = rsqrt(fma(tt, tt, 1.0));
+                    const double s = tt * c;
+                    const double sgn = is_p ? -s : s;
+                    const double dn = is_p ? app - tt * apq : aqq + tt * apq;
+                    rotated = rotated || (isA && rot);
+                    double prow[16];  // row pr of A (for W lanes: unused)
+#pragma unroll
+                    for (int m = 0; m < 16; ++m) prow[m] = __shfl_sync(0xffffffffu, a[m], pr);
+                    double na[16];
+#pragma unroll
+                    for (int j = 0; j < 16; ++j) {
+                        const int jj = (2 * k - j + (QB - 1)) % (QB - 1);
+                        const int pj = (j == QB - 1) ? k : ((jj == j) ? QB - 1 : jj);  // a constant once unrolled
+                        const double cj = __shfl_sync(0xffffffffu, c, j), sj = __shfl_sync(0xffffffffu, sgn, j);
+                        double v;
+                        if (isA) {
+                            const double ci = c, si = sgn;
+                            v = ci * (cj * a[j] + sj * a[pj])
+                              + si * (cj * prow[j] + sj * prow[pj]);
+                            if (row == j) v = dn;
+                            else if (j == pr && rot) v = 0.0;
+                        } else {
+                            v = cj * a[j] + sj * a[pj];
+                        }
+                        na[j] = v;
+                    }
+#pragma unroll
+                    for (int m = 0; m < 16; ++m) a[m] = na[m];
+                    if (isA) dg = dn;
+                }
+                double o = 0.0;
+#pragma unroll
+                for (int m = 0; m < 16; ++m)
+                    if (isA && m != row) o = fma(a[m], a[m], o);
+                for (int q = 16; q > 0; q >>= 1) o += __shfl_xor_sync(0xffffffffu, o, q);
+                offw = o;
+                more = __any_sync(0xffffffffu, rotated) != 0;
+#ifdef GDNVIZ_PROFILE
+                pacc[15] += 1;
+#endif
+            }
+#pragma unroll
+            for (int m = 0; m < 16; ++m) (isA ? A : W)[row * QP + m] = a[m];
+            if (isA) dd[row] = dg;
+        }
+        __syncthreads();
+#else
         bool any = true;
         for (int sweep = 0; sweep < max_sweeps && off > thresh && any; ++sweep) {
             bool rotated = false;
@@ -665,6 +746,7 @@ gdnviz_truncate(const scalar_t* __restrict__ S, scalar_t* __restrict__ OUT, cons
             pacc[15] += 1;
 #endif
         }
+#endif
         PROF(6);
         // ---- the top `take` Ritz vectors (descending, ties by index) -> U columns HALF*p ...
         // NaN Ritz values (a state with NaN or inf) rank last: the ranks stay a permutation, so every selected
