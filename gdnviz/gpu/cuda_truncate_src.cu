@@ -104,6 +104,13 @@ __device__ __forceinline__ void block_sum4(double (&v)[4], double* red) {
     __syncthreads();
 }
 
+// The partner of index i in round k of the cyclic parallel Jacobi ordering (QB - 1 rounds of QB / 2 disjoint pairs:
+// round k pairs i with (2k - i) mod (QB - 1), the index that would pair with itself goes with QB - 1)
+__device__ __forceinline__ int jacobi_partner(int i, int k) {
+    const int j = (2 * k - i + (QB - 1)) % (QB - 1);
+    return (i == QB - 1) ? k : ((j == i) ? QB - 1 : j);
+}
+
 // The trace of G [K][K] once every thread has stored its part of it; every thread gets it (three barriers).
 __device__ __forceinline__ double gram_trace(const double* Gs, double* red) {
     __syncthreads();
@@ -627,8 +634,7 @@ gdnviz_truncate(const scalar_t* __restrict__ S, scalar_t* __restrict__ OUT, cons
                 bool rotated = false;
 #pragma unroll
                 for (int k = 0; k < QB - 1; ++k) {
-                    const int jr = (2 * k - row + (QB - 1)) % (QB - 1);
-                    const int pr = (row == QB - 1) ? k : ((jr == row) ? QB - 1 : jr);
+                    const int pr = jacobi_partner(row, k);
                     double x = 0.0;  // A[row][pr]: a register picked by a lane-dependent index
 #pragma unroll
                     for (int m = 0; m < 16; ++m) x = (pr == m) ? a[m] : x;
@@ -653,8 +659,7 @@ gdnviz_truncate(const scalar_t* __restrict__ S, scalar_t* __restrict__ OUT, cons
                     double na[16];
 #pragma unroll
                     for (int j = 0; j < 16; ++j) {
-                        const int jj = (2 * k - j + (QB - 1)) % (QB - 1);
-                        const int pj = (j == QB - 1) ? k : ((jj == j) ? QB - 1 : jj);  // a constant once unrolled
+                        const int pj = jacobi_partner(j, k);  // a constant once unrolled
                         const double cj = __shfl_sync(0xffffffffu, c, j), sj = __shfl_sync(0xffffffffu, sgn, j);
                         double v;
                         if (isA) {
@@ -694,8 +699,7 @@ gdnviz_truncate(const scalar_t* __restrict__ S, scalar_t* __restrict__ OUT, cons
             bool rotated = false;
             for (int k = 0; k < QB - 1; ++k) {
                 if (t < QB) {  // the rotation of index t's pair in round k (both members compute the same one)
-                    const int j = (2 * k - t + (QB - 1)) % (QB - 1);
-                    const int pr = (t == QB - 1) ? k : ((j == t) ? QB - 1 : j);
+                    const int pr = jacobi_partner(t, k);
                     const double a_ip = A[t * QP + pr], a_pi = A[pr * QP + t];
                     const double di = dd[t], dpr = dd[pr];
                     const bool is_p = t < pr;
