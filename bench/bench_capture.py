@@ -17,8 +17,8 @@ import time
 import torch
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-from bench.common import (device_name, emit, env, plain_prefill_fla_conv, qwen35_08b_config,  # noqa: E402
-                          random_model, run_parser, sync, timeit)
+from bench.common import (device_name, emit, env, fla_conv_flip, plain_prefill_fla_conv,  # noqa: E402
+                          qwen35_08b_config, random_model, run_parser, sync, timeit)
 
 
 def main():
@@ -35,11 +35,11 @@ def main():
     ap.add_argument("--no-compare", action="store_true",
                     help="skip the inline-statistics and segment-loop captures (long documents: time and memory only)")
     ap.add_argument("--blocked-ab", action="store_true",
-                    help="also the capture with GDNVIZ_KEYCONE_BLOCKED=1 (the blocked key-cone sums), and with it and "
-                         "GDNVIZ_FLA_CONV=1 together when --fla-conv-ab is given")
+                    help="also the capture with GDNVIZ_KEYCONE_BLOCKED=1 (the blocked key-cone sums)")
     ap.add_argument("--fla-conv-ab", action="store_true",
-                    help="also the plain prefill with GDNVIZ_FLA_CONV=all and the capture with GDNVIZ_FLA_CONV=1 "
-                         "(fla's causal_conv1d instead of transformers' PyTorch fallback)")
+                    help="also the plain prefill with GDNVIZ_FLA_CONV=all (fla's causal_conv1d instead of "
+                         "transformers' PyTorch fallback), a second baseline every capture row is also divided by, "
+                         "and the capture with the other convolution than the default")
     args = ap.parse_args()
 
     from gdnviz import runner
@@ -73,6 +73,12 @@ def main():
 
     t_plain = timeit(plain, dev, repeats=args.repeats)
     emit(what="plain_prefill", seconds=t_plain, **base)
+    others = {}  # second baselines: name of the ratio -> seconds
+    if args.fla_conv_ab:
+        others["ratio_to_plain_prefill_fla_conv"] = plain_prefill_fla_conv(plain, dev, args.repeats, t_plain, base)
+
+    def ratios(t):
+        return {k: t / v for k, v in others.items()}
 
     def scan_only():
         runner.forward(lm, ids, segment_len=L, keep_hidden=False)
@@ -87,26 +93,21 @@ def main():
 
     t_cap = timeit(cap, dev, repeats=args.repeats)
     c = holder["c"]
-    emit(what="capture", seconds=t_cap, baseline="plain_prefill", ratio=t_cap / t_plain,
+    emit(what="capture", seconds=t_cap, baseline="plain_prefill", ratio=t_cap / t_plain, **ratios(t_cap),
          stored_mb=len(c.to_bytes()) / 2**20, boundaries=len(c.positions), backends=c.meta["backends"],
          readouts=c.meta.get("readouts"), pipelined=c.meta.get("pipelined"),
          statistics_seconds=c.meta.get("statistics_seconds"), **base)
     if args.fla_conv_ab:
-        t_plain_fla = plain_prefill_fla_conv(plain, dev, args.repeats, t_plain, base)
-        with env("GDNVIZ_FLA_CONV", "1"):
+        value, suffix = fla_conv_flip()
+        with env("GDNVIZ_FLA_CONV", value):
             t_cap_fla = timeit(cap, dev, repeats=args.repeats)
-        emit(what="capture_fla_conv", seconds=t_cap_fla, baseline="plain_prefill", ratio=t_cap_fla / t_plain,
-             ratio_to_plain_prefill_fla_conv=t_cap_fla / t_plain_fla, **base)
+        emit(what=f"capture_{suffix}", seconds=t_cap_fla, baseline="plain_prefill", ratio=t_cap_fla / t_plain,
+             **ratios(t_cap_fla), **base)
     if args.blocked_ab:
         with env("GDNVIZ_KEYCONE_BLOCKED", "1"):
             t_cap_b = timeit(cap, dev, repeats=args.repeats)
-            emit(what="capture_keycone_blocked", seconds=t_cap_b, baseline="plain_prefill", ratio=t_cap_b / t_plain,
-                 **base)
-            if args.fla_conv_ab:
-                with env("GDNVIZ_FLA_CONV", "1"):
-                    t_cap_bf = timeit(cap, dev, repeats=args.repeats)
-                emit(what="capture_keycone_blocked_fla_conv", seconds=t_cap_bf, baseline="plain_prefill",
-                     ratio=t_cap_bf / t_plain, ratio_to_plain_prefill_fla_conv=t_cap_bf / t_plain_fla, **base)
+        emit(what="capture_keycone_blocked", seconds=t_cap_b, baseline="plain_prefill", ratio=t_cap_b / t_plain,
+             **ratios(t_cap_b), **base)
     if dev.type == "cuda" and not args.no_compare:  # the same capture with each layer's statistics inline
         def cap_inline():
             holder["i"] = capture_document(lm, ids[0].cpu(), L, pipeline=False)

@@ -22,8 +22,8 @@ import time
 import torch
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-from bench.common import (device_name, emit, env, plain_prefill_fla_conv, qwen35_08b_config,  # noqa: E402
-                          random_model, run_parser, sync, timeit)
+from bench.common import (device_name, emit, env, fla_conv_flip, plain_prefill_fla_conv,  # noqa: E402
+                          qwen35_08b_config, random_model, run_parser, sync, timeit)
 
 
 def main():
@@ -46,13 +46,13 @@ def main():
                          "segment inside the graph windows instead of its chunk-local half once per window); the "
                          "row says whether the last positions' log-probabilities are identical")
     ap.add_argument("--qknorm-ab", action="store_true",
-                    help="the run without callbacks and each --ranks row again with GDNVIZ_FAST_QK_NORM=1 (q̂, k̂ "
-                         "normalised straight into the value dtype, kernels.unit_rows), with the largest change of "
-                         "the last positions' log-probabilities")
+                    help="the run without callbacks and each --ranks row again with q̂, k̂ normalised the other way "
+                         "than the default (GDNVIZ_FAST_QK_NORM=0: through float32; =1: straight into the value "
+                         "dtype, kernels.unit_rows), with the largest change of the last positions' log-probabilities")
     ap.add_argument("--fla-conv-ab", action="store_true",
                     help="the plain prefill with GDNVIZ_FLA_CONV=all (fla's causal_conv1d instead of transformers' "
-                         "PyTorch fallback, a second baseline), then the run without callbacks and each --ranks row "
-                         "with GDNVIZ_FLA_CONV=1")
+                         "PyTorch fallback) first, a second baseline every row is also divided by, then the run "
+                         "without callbacks and each --ranks row with the other convolution than the default")
     ap.add_argument("--env-ab", action="append", default=[],
                     help="NAME=VALUE[,NAME=VALUE...]: the run without callbacks and each --ranks row again with these "
                          "environment variables set (CUDA graphs recaptured); repeatable")
@@ -84,11 +84,19 @@ def main():
 
     t_plain = timeit(plain, dev, repeats=args.repeats)
     emit(what="plain_prefill", seconds=t_plain, **base)
+    others = {}  # second baselines: name of the ratio -> seconds
+    if args.fla_conv_ab:
+        others["ratio_to_plain_prefill_fla_conv"] = plain_prefill_fla_conv(plain, dev, args.repeats, t_plain, base)
+
+    def ratios(t):
+        return {k: t / v for k, v in others.items()}
+
     def scan_only():
         runner.forward(lm, ids, segment_len=L, keep_hidden=False)
 
     t_scan = timeit(scan_only, dev, repeats=args.repeats)
-    emit(what="segmented_run_no_callbacks", seconds=t_scan, baseline="plain_prefill", ratio=t_scan / t_plain, **base)
+    emit(what="segmented_run_no_callbacks", seconds=t_scan, baseline="plain_prefill", ratio=t_scan / t_plain,
+         **ratios(t_scan), **base)
 
     def truncated(r, graphs, holder=None):
         """One truncated run: every head at rank ``r``, or the per-head ranks of ``r`` when it is a TruncationSpec."""
@@ -110,7 +118,7 @@ def main():
         t = timeit(lambda: truncated(r, True), dev, repeats=args.repeats, warmup=0)
         graphed[r] = h
         emit(what="truncated_run_graph", rank=r, seconds=t, first_call_seconds=t_first, baseline="plain_prefill",
-             ratio=t / t_plain, readouts=h["readouts"], **base)
+             ratio=t / t_plain, **ratios(t), readouts=h["readouts"], **base)
         if args.split_ab:
             from gdnviz.gpu import scan_graph
 
@@ -123,39 +131,36 @@ def main():
                  split_seconds=t, split_speedup=t0 / t,
                  logp_identical=bool(torch.equal(h0["logp"], h["logp"])),
                  max_abs_logp_diff=float((h0["logp"] - h["logp"]).abs().max()), **base)
-    def switched_rows(suffix, other_baselines=None):
+    def switched_rows(suffix):
         """Inside a switch's env block: the run without callbacks and each graphed rank again, rows named with
         ``suffix``, each with the largest change of the last positions' log-probabilities against its default row
-        and its ratio to every baseline in ``other_baselines`` (name -> seconds)."""
-        others = other_baselines or {}
+        and its ratio to every second baseline."""
         t_nc = timeit(scan_only, dev, repeats=args.repeats)
         emit(what=f"segmented_run_no_callbacks_{suffix}", seconds=t_nc, baseline="plain_prefill",
-             ratio=t_nc / t_plain, default_seconds=t_scan, **{k: t_nc / v for k, v in others.items()}, **base)
+             ratio=t_nc / t_plain, default_seconds=t_scan, **ratios(t_nc), **base)
         for r, h in graphed.items():
             hs = {}
             truncated(r, True, hs)
             t = timeit(lambda: truncated(r, True), dev, repeats=args.repeats, warmup=0)
             emit(what=f"truncated_run_graph_{suffix}", rank=r, seconds=t, baseline="plain_prefill", ratio=t / t_plain,
-                 **{k: t / v for k, v in others.items()},
-                 max_abs_logp_diff=float((hs["logp"] - h["logp"]).abs().max()), **base)
+                 **ratios(t), max_abs_logp_diff=float((hs["logp"] - h["logp"]).abs().max()), **base)
 
     if args.qknorm_ab:
-        with env("GDNVIZ_FAST_QK_NORM", "1"):
-            switched_rows("fast_qk_norm")
+        with env("GDNVIZ_FAST_QK_NORM", "0" if runner.FAST_QK_NORM else "1"):
+            switched_rows("float32_qk_norm" if runner.FAST_QK_NORM else "fast_qk_norm")
     if args.fla_conv_ab:
-        t_plain_fla = plain_prefill_fla_conv(plain, dev, args.repeats, t_plain, base)
-        with env("GDNVIZ_FLA_CONV", "1"):
-            switched_rows("fla_conv", {"ratio_to_plain_prefill_fla_conv": t_plain_fla})
+        value, suffix = fla_conv_flip()
+        with env("GDNVIZ_FLA_CONV", value):
+            switched_rows(suffix)
     for spec in args.env_ab:
         from gdnviz.gpu import scan_graph
 
         pairs = [kv.split("=", 1) for kv in spec.split(",") if kv]
-        others = {"ratio_to_plain_prefill_fla_conv": t_plain_fla} if args.fla_conv_ab else {}
         scan_graph.clear()
         with contextlib.ExitStack() as stack:
             for k, v in pairs:
                 stack.enter_context(env(k, v))
-            switched_rows("env_" + "_".join(f"{k.removeprefix('GDNVIZ_').lower()}{v}" for k, v in pairs), others)
+            switched_rows("env_" + "_".join(f"{k.removeprefix('GDNVIZ_').lower()}{v}" for k, v in pairs))
         scan_graph.clear()
     for r in [int(x) for x in str(args.fused_rank).split(",") if x and int(x) > 0]:
         if dev.type != "cuda":

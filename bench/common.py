@@ -91,6 +91,14 @@ def env(name: str, value: str):
             os.environ[name] = old
 
 
+def fla_conv_flip() -> tuple[str, str]:
+    """(GDNVIZ_FLA_CONV value, row suffix) for the ``--fla-conv-ab`` rows: the other side of the library's default
+    (``transformers_family.FLA_CONV``: fla's convolution in runs, on since the twelfth session)."""
+    from gdnviz.models import transformers_family
+
+    return ("0", "fallback_conv") if transformers_family.FLA_CONV else ("1", "fla_conv")
+
+
 def plain_prefill_fla_conv(plain, dev, repeats: int, t_plain: float, base: dict) -> float:
     """Time ``plain`` (a plain prefill) on ``dev`` with fla's short convolution (``GDNVIZ_FLA_CONV=all``), emit the
     row (with the fields of ``base``), return its seconds: the second baseline of the ``--fla-conv-ab`` rows."""
