@@ -6,10 +6,11 @@ head shapes. Later documents of other lengths cost at most ~1.2 s more than warm
 shapes, not the length), and later processes on the same machine start in ~1 s (fla's and Triton's on-disk caches).
 So the worker runs every kernel family a user's jobs will need once, at load time, on a short dummy input:
 
-* a capture (one fla chunk pass per GDN layer with the state read-out, the spectra kernels — the NVRTC-compiled
-  CUDA tridiagonalisation and the Triton bisection — the statistics);
-* a truncated run with every head at rank 4 over 16 segments (fla's chunk call per segment, the truncation kernels
-  — the Jacobi Rayleigh–Ritz — and the CUDA-graph window of ``gdnviz.gpu.scan_graph`` for this model's layers);
+* a capture (fla's short convolution and one chunk pass per GDN layer with the state read-out, the spectra kernels
+  — the NVRTC-compiled CUDA tridiagonalisation and bisection — the statistics);
+* a truncated run with every head at rank 4 over 16 segments (fla's chunk kernels inside the CUDA-graph window of
+  ``gdnviz.gpu.scan_graph`` for this model's layers, and the truncation kernels of ``gdnviz.gpu.cuda_truncate`` in
+  their split launches: a layer's heads are at most 64 states);
 * two greedy decoding steps (fla's fused recurrent kernel);
 * the fused truncation of two states with different ranks (one of them two-pass), which graph windows use for layers
   whose heads have different ranks: on CUDA the NVRTC compilation of ``gdnviz.gpu.cuda_truncate``.
