@@ -10,7 +10,7 @@ So the worker runs every kernel family a user's jobs will need once, at load tim
   — the NVRTC-compiled CUDA tridiagonalisation and bisection — the statistics);
 * a truncated run with every head at rank 4 over 16 segments (fla's chunk kernels inside the CUDA-graph window of
   ``gdnviz.gpu.scan_graph`` for this model's layers, and the truncation kernels of ``gdnviz.gpu.cuda_truncate`` in
-  their split launches: a layer's heads are at most 64 states);
+  their split launches when a layer has at most 64 heads);
 * two greedy decoding steps (fla's fused recurrent kernel);
 * the fused truncation of two states with different ranks (one of them two-pass), which graph windows use for layers
   whose heads have different ranks: on CUDA the NVRTC compilation of ``gdnviz.gpu.cuda_truncate``.
