@@ -22,8 +22,8 @@ import time
 import torch
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-from bench.common import (device_name, emit, env, fla_conv_flip, plain_prefill_fla_conv,  # noqa: E402
-                          qwen35_08b_config, random_model, run_parser, sync, timeit)
+from bench.common import (device_name, emit, env, fla_conv_flip, qwen35_08b_config, random_model,  # noqa: E402
+                          run_parser, second_baselines, sync, timeit)
 
 
 def main():
@@ -84,12 +84,7 @@ def main():
 
     t_plain = timeit(plain, dev, repeats=args.repeats)
     emit(what="plain_prefill", seconds=t_plain, **base)
-    others = {}  # second baselines: name of the ratio -> seconds
-    if args.fla_conv_ab:
-        others["ratio_to_plain_prefill_fla_conv"] = plain_prefill_fla_conv(plain, dev, args.repeats, t_plain, base)
-
-    def ratios(t):
-        return {k: t / v for k, v in others.items()}
+    ratios = second_baselines(args.fla_conv_ab, plain, dev, args.repeats, t_plain, base)
 
     def scan_only():
         runner.forward(lm, ids, segment_len=L, keep_hidden=False)

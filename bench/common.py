@@ -106,3 +106,13 @@ def plain_prefill_fla_conv(plain, dev, repeats: int, t_plain: float, base: dict)
         t = timeit(plain, dev, repeats=repeats)
     emit(what="plain_prefill_fla_conv", seconds=t, baseline="plain_prefill", ratio=t / t_plain, **base)
     return t
+
+
+def second_baselines(fla_conv: bool, plain, dev, repeats: int, t_plain: float, base: dict):
+    """The second baselines a bench divides every row by, as a function ``ratios(seconds) -> {name: ratio}``: with
+    ``fla_conv`` (``--fla-conv-ab``) the plain prefill with fla's convolution (:func:`plain_prefill_fla_conv`, timed
+    and emitted now), else none."""
+    others = {}
+    if fla_conv:
+        others["ratio_to_plain_prefill_fla_conv"] = plain_prefill_fla_conv(plain, dev, repeats, t_plain, base)
+    return lambda t: {k: t / v for k, v in others.items()}

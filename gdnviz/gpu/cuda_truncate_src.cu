@@ -111,6 +111,27 @@ __device__ __forceinline__ int jacobi_partner(int i, int k) {
     return (i == QB - 1) ? k : ((j == i) ? QB - 1 : j);
 }
 
+// The rotation of index i with its partner p in a Jacobi round, from a_ip = A[i][p], a_pi = A[p][i] and the diagonal
+// entries d_i, d_p: whether it rotates (the skip test |a_pq| > skip sqrt|a_pp| sqrt|a_qq|, squared), its cosine c,
+// index i's signed sine sgn (−s for the pair's first index) and i's new diagonal entry dn. t = sgn(tau) / (|tau| +
+// sqrt(1 + tau^2)), tau = d / h, is written as sgn(d) h / (|d| + sqrt(d^2 + h^2)): one square root, one division and
+// one reciprocal square root in the chain instead of four roots and three divisions (the rounds are latency-bound:
+// bench/RESULTS.md, sixth session). Both members of a pair compute the same rotation.
+__device__ __forceinline__ bool jacobi_rotation(double a_ip, double a_pi, double di, double dp, bool is_p, double skip,
+                                                double& c, double& sgn, double& dn) {
+    const double app = is_p ? di : dp, aqq = is_p ? dp : di;
+    const double apq = 0.5 * (a_ip + a_pi);
+    const bool rot = apq * apq > (skip * skip) * fabs(app * aqq);
+    const double d = aqq - app, h = 2.0 * apq;
+    double tt = h / (fabs(d) + sqrt(fma(d, d, h * h)));
+    tt = rot ? ((d < 0.0) ? -tt : tt) : 0.0;
+    c = rsqrt(fma(tt, tt, 1.0));
+    const double s = tt * c;
+    sgn = is_p ? -s : s;
+    dn = is_p ? app - tt * apq : aqq + tt * apq;
+    return rot;
+}
+
 // The trace of G [K][K] once every thread has stored its part of it; every thread gets it (three barriers).
 __device__ __forceinline__ double gram_trace(const double* Gs, double* red) {
     __syncthreads();
@@ -640,18 +661,9 @@ gdnviz_truncate(const scalar_t* __restrict__ S, scalar_t* __restrict__ OUT, cons
                     for (int m = 0; m < 16; ++m) x = (pr == m) ? a[m] : x;
                     const double a_ip = x;
                     const double a_pi = __shfl_sync(0xffffffffu, x, pr);  // lane pr's A[pr][row]
-                    const double di = dg, dpr = __shfl_sync(0xffffffffu, dg, pr);
-                    const bool is_p = row < pr;
-                    const double app = is_p ? di : dpr, aqq = is_p ? dpr : di;
-                    const double apq = 0.5 * (a_ip + a_pi);
-                    const bool rot = apq * apq > (skip * skip) * fabs(app * aqq);
-                    const double d = aqq - app, h = 2.0 * apq;
-                    double tt = h / (fabs(d) + sqrt(fma(d, d, h * h)));
-                    tt = rot ? ((d < 0.0) ? -tt : tt) : 0.0;
-                    const double c = rsqrt(fma(tt, tt, 1.0));
-                    const double s = tt * c;
-                    const double sgn = is_p ? -s : s;
-                    const double dn = is_p ? app - tt * apq : aqq + tt * apq;
+                    const double dpr = __shfl_sync(0xffffffffu, dg, pr);
+                    double c, sgn, dn;
+                    const bool rot = jacobi_rotation(a_ip, a_pi, dg, dpr, row < pr, skip, c, sgn, dn);
                     rotated = rotated || (isA && rot);
                     double prow[16];  // row pr of A (for W lanes: unused)
 #pragma unroll
@@ -701,26 +713,14 @@ gdnviz_truncate(const scalar_t* __restrict__ S, scalar_t* __restrict__ OUT, cons
                 if (t < QB) {  // the rotation of index t's pair in round k (both members compute the same one)
                     const int pr = jacobi_partner(t, k);
                     const double a_ip = A[t * QP + pr], a_pi = A[pr * QP + t];
-                    const double di = dd[t], dpr = dd[pr];
-                    const bool is_p = t < pr;
-                    const double app = is_p ? di : dpr, aqq = is_p ? dpr : di;
-                    const double apq = 0.5 * (a_ip + a_pi);
-                    // the skip test |a_pq| > skip sqrt|a_pp| sqrt|a_qq| squared, and t = sgn(tau) / (|tau| +
-                    // sqrt(1 + tau^2)), tau = d / h, written as sgn(d) h / (|d| + sqrt(d^2 + h^2)): one square root,
-                    // one division and one reciprocal square root in the chain instead of four roots and three
-                    // divisions (the rounds are latency-bound: bench/RESULTS.md, sixth session)
-                    const bool rot = apq * apq > (skip * skip) * fabs(app * aqq);
-                    const double d = aqq - app, h = 2.0 * apq;
-                    double tt = h / (fabs(d) + sqrt(fma(d, d, h * h)));
-                    tt = rot ? ((d < 0.0) ? -tt : tt) : 0.0;
-                    const double c = rsqrt(fma(tt, tt, 1.0));
-                    const double s = tt * c;
+                    double c, sgn, dnew;
+                    const bool rot = jacobi_rotation(a_ip, a_pi, dd[t], dd[pr], t < pr, skip, c, sgn, dnew);
                     rotated = rotated || rot;
                     cc[t] = c;
-                    sg[t] = is_p ? -s : s;
+                    sg[t] = sgn;
                     pp[t] = (double)pr;
                     rt[t] = rot ? 1.0 : 0.0;
-                    dn[t] = is_p ? app - tt * apq : aqq + tt * apq;
+                    dn[t] = dnew;
                 }
                 __syncthreads();
                 for (int e = t; e < QB * QB; e += NT) {  // A2 = J^T A J, W2 = W J
