@@ -159,8 +159,8 @@ def source(K: int, V: int, ctype: str = "float", qb: int = Q, dmma: bool | None 
            warp_jacobi: bool | None = None) -> str:
     """The kernel's CUDA source for ``[K, V]`` states of C type ``ctype`` ("float" or "double") with a block of ``qb``
     columns (32: the full algorithm; 16: the small block of the certified attempt). ``dmma``: the Gram matrix and the
-    products G·X on the float64 tensor cores (``GDNVIZ_DMMA``; None = ``dmma_on()``). ``warp_jacobi``: the 16-column
-    block's Jacobi in one warp (``GDNVIZ_WARP_JACOBI``; None = ``warp_jacobi_on()``)."""
+    products G·X on the float64 tensor cores (``GDNVIZ_DMMA``; None = ``dmma_on()``). ``warp_jacobi``: the Jacobi in
+    warps (``GDNVIZ_WARP_JACOBI``; None = ``warp_jacobi_on()``)."""
     if K not in DIMS or V not in DIMS or ctype not in ("float", "double") or qb not in BLOCKS:
         raise ValueError(f"cuda_truncate takes K, V in {DIMS}, float/double and a block in {BLOCKS}; got {K}, {V}, "
                          f"{ctype}, {qb}")
@@ -197,9 +197,12 @@ WARP_JACOBI_DEFAULT_ON = False  # not yet timed on the GPU
 
 
 def warp_jacobi_on() -> bool:
-    """Whether the 16-column attempt's Jacobi runs in one warp, rows in registers, rounds exchanged by shuffles
-    (``GDNVIZ_CUDA_TRUNCATE_WARP_JACOBI=1``; off by default until timed on the GPU: the block form spends ~1,200
-    cycles a round, two block barriers, 35,400 of the attempt's 168,900 cycles at r = 4 on the H200)."""
+    """Whether the Jacobi of the Rayleigh quotient runs in warps, rows in registers, rounds exchanged by shuffles
+    (``GDNVIZ_CUDA_TRUNCATE_WARP_JACOBI=1``): 16-column blocks in one warp (A's rows in lanes 0–15, W's in 16–31),
+    32-column blocks in warp 0 with W's rows in warp 1, which applies each sweep's recorded rotations while warp 0
+    runs the next (one block barrier per sweep). Off by default until timed on the GPU: the block form spends ~1,200
+    cycles a round at 16 columns, two block barriers, 35,400 of the attempt's 168,900 cycles at r = 4 on the H200.
+    The 32-column build spills 132 bytes (NVRTC, sm_90)."""
     return env_switch("GDNVIZ_CUDA_TRUNCATE_WARP_JACOBI", WARP_JACOBI_DEFAULT_ON)
 
 
@@ -406,8 +409,7 @@ def emulate(X: torch.Tensor, ranks, iters: int | None = None, attempts: bool | N
     ``gdnviz_gram``, the algorithm with modes GRAM_IN | NO_PROJ, ``gdnviz_project``). ``counters``: the
     ``GDNVIZ_PROFILE`` build (not with ``split``), returning ``(output, counters float64 [N, 16])`` — its clock
     readings are 0 here, index 15 counts Jacobi sweeps (summed over passes and launches). Slow (~0.1–1 s per state
-    and launch). ``warp_jacobi``: the one-warp Jacobi of the 16-column attempts (``GDNVIZ_WARP_JACOBI``). For
-    checking, not for use."""
+    and launch). ``warp_jacobi``: the Jacobi in warps (``GDNVIZ_WARP_JACOBI``). For checking, not for use."""
     from gdnviz.gpu.cuda_emul import Emulated
     from gdnviz.gpu.fused_truncate import _constants
 

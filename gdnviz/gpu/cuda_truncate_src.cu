@@ -705,6 +705,123 @@ gdnviz_truncate(const scalar_t* __restrict__ S, scalar_t* __restrict__ OUT, cons
             if (isA) dd[row] = dg;
         }
         __syncthreads();
+#elif defined(GDNVIZ_WARP_JACOBI) && QB == 32
+        // ---- the same cyclic Jacobi for 32-column blocks (GDNVIZ_WARP_JACOBI): warp 0 holds row l of A in lane l's
+        // registers and runs the rounds with shuffles; it leaves each round's rotations (c, and the pair's first
+        // index's signed sine) in shared memory, and warp 1, holding row l of W in lane l, applies a sweep's rounds
+        // while warp 0 runs the next sweep (two buffers after W in Bs: 2 x 31 rounds x 16 pairs x 2 doubles). One
+        // block barrier per sweep, where the stop is read. Round k's pairs: (k, 31) is pair 0, {k - d, k + d} mod 31
+        // pair d. The rotations and entry updates are the block form's expressions (the sweep-end sum of the
+        // off-diagonal squares is added in another order).
+        {
+            double* rbuf = Bs + QB * QP;  // [2][QB - 1][QB / 2][2]
+            double* flag = misc + M_R4;   // [2][2]: off, any, per sweep parity
+            const int lane = t & 31, wp = t >> 5;
+            double a[QB];
+#pragma unroll
+            for (int m = 0; m < QB; ++m) a[m] = (wp == 0) ? A[lane * QP + m] : ((wp == 1) ? W[lane * QP + m] : 0.0);
+            double dg = (wp == 0) ? dd[lane] : 0.0;
+            bool go = off > thresh;
+            int sweep = 0;
+            for (; sweep < max_sweeps && go; ++sweep) {
+                const int par = sweep & 1;
+                if (wp == 0) {  // warp-uniform: one sweep of A
+                    bool rotated = false;
+#pragma unroll
+                    for (int k = 0; k < QB - 1; ++k) {
+                        const int pr = jacobi_partner(lane, k);
+                        double x = 0.0;  // A[lane][pr]
+#pragma unroll
+                        for (int m = 0; m < QB; ++m) x = (pr == m) ? a[m] : x;
+                        const double a_pi = __shfl_sync(0xffffffffu, x, pr);
+                        const double dpr = __shfl_sync(0xffffffffu, dg, pr);
+                        double c, sgn, dn;
+                        const bool rot = jacobi_rotation(x, a_pi, dg, dpr, lane < pr, skip, c, sgn, dn);
+                        rotated = rotated || rot;
+                        if (lane < pr) {  // the pair's first index records the rotation for W
+                            const int d0 = (lane == QB - 1) ? 0 : (lane - k + (QB - 1)) % (QB - 1);
+                            const int d = (lane == QB - 1 || pr == QB - 1) ? 0 : ((d0 <= (QB - 2) / 2) ? d0 : QB - 1 - d0);
+                            rbuf[((par * (QB - 1) + k) * (QB / 2) + d) * 2] = c;
+                            rbuf[((par * (QB - 1) + k) * (QB / 2) + d) * 2 + 1] = sgn;
+                        }
+#pragma unroll
+                        for (int p = 0; p < QB; ++p) {
+                            const int q = jacobi_partner(p, k);  // constants once unrolled
+                            if (p < q) {
+                                // row pr's entries p and q, read before any lane updates them (pairs are disjoint)
+                                const double rp = __shfl_sync(0xffffffffu, a[p], pr), rq = __shfl_sync(0xffffffffu, a[q], pr);
+                                const double cp = __shfl_sync(0xffffffffu, c, p), sp = __shfl_sync(0xffffffffu, sgn, p);
+                                const double sq = -sp;  // the second index's signed sine; the same cosine
+                                double vp = c * (cp * a[p] + sp * a[q]) + sgn * (cp * rp + sp * rq);
+                                double vq = c * (cp * a[q] + sq * a[p]) + sgn * (cp * rq + sq * rp);
+                                if (lane == p) vp = dn;
+                                else if (p == pr && rot) vp = 0.0;
+                                if (lane == q) vq = dn;
+                                else if (q == pr && rot) vq = 0.0;
+                                a[p] = vp;
+                                a[q] = vq;
+                            }
+                        }
+                        dg = dn;
+                    }
+                    double o = 0.0;
+#pragma unroll
+                    for (int m = 0; m < QB; ++m)
+                        if (m != lane) o = fma(a[m], a[m], o);
+                    for (int q = 16; q > 0; q >>= 1) o += __shfl_xor_sync(0xffffffffu, o, q);
+                    const bool anyr = __any_sync(0xffffffffu, rotated) != 0;
+                    if (lane == 0) { flag[2 * par] = o; flag[2 * par + 1] = anyr ? 1.0 : 0.0; }
+                } else if (wp == 1 && sweep > 0) {  // W <- W J for the previous sweep's rounds
+                    const double* rb = rbuf + (par ^ 1) * (QB - 1) * (QB / 2) * 2;
+#pragma unroll 1
+                    for (int k = 0; k < QB - 1; ++k) {
+#pragma unroll
+                        for (int p = 0; p < QB; ++p) {
+                            const int q = jacobi_partner(p, k);
+                            if (p < q) {
+                                const int d0 = (p == QB - 1) ? 0 : (p - k + (QB - 1)) % (QB - 1);
+                                const int d = (q == QB - 1) ? 0 : ((d0 <= (QB - 2) / 2) ? d0 : QB - 1 - d0);
+                                const double cp = rb[(k * (QB / 2) + d) * 2], sp = rb[(k * (QB / 2) + d) * 2 + 1];
+                                const double wpn = cp * a[p] + sp * a[q];
+                                const double wqn = cp * a[q] + (-sp) * a[p];
+                                a[p] = wpn;
+                                a[q] = wqn;
+                            }
+                        }
+                    }
+                }
+                __syncthreads();
+                go = flag[2 * par] > thresh && flag[2 * par + 1] != 0.0;
+#ifdef GDNVIZ_PROFILE
+                pacc[15] += 1;
+#endif
+            }
+            if (wp == 1 && sweep > 0) {  // the last sweep's rounds
+                const double* rb = rbuf + ((sweep - 1) & 1) * (QB - 1) * (QB / 2) * 2;
+#pragma unroll 1
+                for (int k = 0; k < QB - 1; ++k) {
+#pragma unroll
+                    for (int p = 0; p < QB; ++p) {
+                        const int q = jacobi_partner(p, k);
+                        if (p < q) {
+                            const int d0 = (p == QB - 1) ? 0 : (p - k + (QB - 1)) % (QB - 1);
+                            const int d = (q == QB - 1) ? 0 : ((d0 <= (QB - 2) / 2) ? d0 : QB - 1 - d0);
+                            const double cp = rb[(k * (QB / 2) + d) * 2], sp = rb[(k * (QB / 2) + d) * 2 + 1];
+                            const double wpn = cp * a[p] + sp * a[q];
+                            const double wqn = cp * a[q] + (-sp) * a[p];
+                            a[p] = wpn;
+                            a[q] = wqn;
+                        }
+                    }
+                }
+            }
+            if (wp < 2) {
+#pragma unroll
+                for (int m = 0; m < QB; ++m) (wp == 0 ? A : W)[lane * QP + m] = a[m];
+                if (wp == 0) dd[lane] = dg;
+            }
+            __syncthreads();
+        }
 #else
         bool any = true;
         for (int sweep = 0; sweep < max_sweeps && off > thresh && any; ++sweep) {
