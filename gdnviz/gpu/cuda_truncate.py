@@ -202,7 +202,7 @@ def warp_jacobi_on() -> bool:
     32-column blocks in warp 0 with W's rows in warp 1, which applies each sweep's recorded rotations while warp 0
     runs the next (one block barrier per sweep). Off by default until timed on the GPU: the block form spends ~1,200
     cycles a round at 16 columns, two block barriers, 35,400 of the attempt's 168,900 cycles at r = 4 on the H200.
-    The 32-column build spills 132 bytes (NVRTC, sm_90)."""
+    The 32-column build spills 108 bytes (NVRTC, sm_90)."""
     return env_switch("GDNVIZ_CUDA_TRUNCATE_WARP_JACOBI", WARP_JACOBI_DEFAULT_ON)
 
 

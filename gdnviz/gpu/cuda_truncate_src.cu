@@ -132,6 +132,36 @@ __device__ __forceinline__ bool jacobi_rotation(double a_ip, double a_pi, double
     return rot;
 }
 
+#if defined(GDNVIZ_WARP_JACOBI) && QB == 32
+// The slot of pair {p, q} (p < q) of round k among the round's QB / 2 pairs: (k, QB - 1) is slot 0, {k - d, k + d}
+// mod (QB - 1) slot d.
+__device__ __forceinline__ int jacobi_pair_slot(int p, int q, int k) {
+    if (q == QB - 1) return 0;
+    const int d0 = (p - k + (QB - 1)) % (QB - 1);
+    return (d0 <= (QB - 2) / 2) ? d0 : QB - 1 - d0;
+}
+
+// A row w of W (registers) times the QB - 1 rounds of rotations recorded in rb ([round][slot][c, the pair's first
+// index's signed sine]), in order: W2[i][j] = c_j W[i][j] + s_j W[i][partner(j)], the block form's update.
+__device__ __forceinline__ void jacobi_apply_rounds(double (&w)[QB], const double* rb) {
+#pragma unroll 1
+    for (int k = 0; k < QB - 1; ++k) {
+#pragma unroll
+        for (int p = 0; p < QB; ++p) {
+            const int q = jacobi_partner(p, k);
+            if (p < q) {
+                const int d = jacobi_pair_slot(p, q, k);
+                const double cp = rb[(k * (QB / 2) + d) * 2], sp = rb[(k * (QB / 2) + d) * 2 + 1];
+                const double wpn = cp * w[p] + sp * w[q];
+                const double wqn = cp * w[q] + (-sp) * w[p];
+                w[p] = wpn;
+                w[q] = wqn;
+            }
+        }
+    }
+}
+#endif
+
 // The trace of G [K][K] once every thread has stored its part of it; every thread gets it (three barriers).
 __device__ __forceinline__ double gram_trace(const double* Gs, double* red) {
     __syncthreads();
@@ -739,8 +769,7 @@ gdnviz_truncate(const scalar_t* __restrict__ S, scalar_t* __restrict__ OUT, cons
                         const bool rot = jacobi_rotation(x, a_pi, dg, dpr, lane < pr, skip, c, sgn, dn);
                         rotated = rotated || rot;
                         if (lane < pr) {  // the pair's first index records the rotation for W
-                            const int d0 = (lane == QB - 1) ? 0 : (lane - k + (QB - 1)) % (QB - 1);
-                            const int d = (lane == QB - 1 || pr == QB - 1) ? 0 : ((d0 <= (QB - 2) / 2) ? d0 : QB - 1 - d0);
+                            const int d = jacobi_pair_slot(lane, pr, k);
                             rbuf[((par * (QB - 1) + k) * (QB / 2) + d) * 2] = c;
                             rbuf[((par * (QB - 1) + k) * (QB / 2) + d) * 2 + 1] = sgn;
                         }
@@ -772,23 +801,7 @@ gdnviz_truncate(const scalar_t* __restrict__ S, scalar_t* __restrict__ OUT, cons
                     const bool anyr = __any_sync(0xffffffffu, rotated) != 0;
                     if (lane == 0) { flag[2 * par] = o; flag[2 * par + 1] = anyr ? 1.0 : 0.0; }
                 } else if (wp == 1 && sweep > 0) {  // W <- W J for the previous sweep's rounds
-                    const double* rb = rbuf + (par ^ 1) * (QB - 1) * (QB / 2) * 2;
-#pragma unroll 1
-                    for (int k = 0; k < QB - 1; ++k) {
-#pragma unroll
-                        for (int p = 0; p < QB; ++p) {
-                            const int q = jacobi_partner(p, k);
-                            if (p < q) {
-                                const int d0 = (p == QB - 1) ? 0 : (p - k + (QB - 1)) % (QB - 1);
-                                const int d = (q == QB - 1) ? 0 : ((d0 <= (QB - 2) / 2) ? d0 : QB - 1 - d0);
-                                const double cp = rb[(k * (QB / 2) + d) * 2], sp = rb[(k * (QB / 2) + d) * 2 + 1];
-                                const double wpn = cp * a[p] + sp * a[q];
-                                const double wqn = cp * a[q] + (-sp) * a[p];
-                                a[p] = wpn;
-                                a[q] = wqn;
-                            }
-                        }
-                    }
+                    jacobi_apply_rounds(a, rbuf + (par ^ 1) * (QB - 1) * (QB / 2) * 2);
                 }
                 __syncthreads();
                 go = flag[2 * par] > thresh && flag[2 * par + 1] != 0.0;
@@ -796,25 +809,8 @@ gdnviz_truncate(const scalar_t* __restrict__ S, scalar_t* __restrict__ OUT, cons
                 pacc[15] += 1;
 #endif
             }
-            if (wp == 1 && sweep > 0) {  // the last sweep's rounds
-                const double* rb = rbuf + ((sweep - 1) & 1) * (QB - 1) * (QB / 2) * 2;
-#pragma unroll 1
-                for (int k = 0; k < QB - 1; ++k) {
-#pragma unroll
-                    for (int p = 0; p < QB; ++p) {
-                        const int q = jacobi_partner(p, k);
-                        if (p < q) {
-                            const int d0 = (p == QB - 1) ? 0 : (p - k + (QB - 1)) % (QB - 1);
-                            const int d = (q == QB - 1) ? 0 : ((d0 <= (QB - 2) / 2) ? d0 : QB - 1 - d0);
-                            const double cp = rb[(k * (QB / 2) + d) * 2], sp = rb[(k * (QB / 2) + d) * 2 + 1];
-                            const double wpn = cp * a[p] + sp * a[q];
-                            const double wqn = cp * a[q] + (-sp) * a[p];
-                            a[p] = wpn;
-                            a[q] = wqn;
-                        }
-                    }
-                }
-            }
+            if (wp == 1 && sweep > 0)  // the last sweep's rounds
+                jacobi_apply_rounds(a, rbuf + ((sweep - 1) & 1) * (QB - 1) * (QB / 2) * 2);
             if (wp < 2) {
 #pragma unroll
                 for (int m = 0; m < QB; ++m) (wp == 0 ? A : W)[lane * QP + m] = a[m];
