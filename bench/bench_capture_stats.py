@@ -65,7 +65,7 @@ def main():
     b = keycone_sums(keys[0], g[0])
     emit(what="keycone_sums_split_vs_unsplit", max_rel_diff=max(
         float(((b[n] - a[n]).abs().max() / a[n].abs().max().clamp_min(1e-300))) for n in ("C", "P")), **base)
-    # A/B: the blocked single-pass form (keycone.CUDA_BLOCKED, off by default until measured here)
+    # A/B: the blocked single-pass form (keycone.CUDA_BLOCKED; left off after the twelfth session's measurement)
     row("keycone_sums_blocked", timeit(lambda: keycone_sums(keys[0], g[0], blocked=True), dev, args.repeats))
     c = keycone_sums(keys[0], g[0], blocked=True)
     emit(what="keycone_sums_blocked_vs_default", max_rel_diff=max(

@@ -59,6 +59,7 @@ def main():
     args = ap.parse_args()
 
     from gdnviz import runner
+    from gdnviz.gpu import scan_graph
     from gdnviz.intervene import TruncateCallback, TruncationSpec
     from gdnviz.models import from_model
 
@@ -115,8 +116,6 @@ def main():
         emit(what="truncated_run_graph", rank=r, seconds=t, first_call_seconds=t_first, baseline="plain_prefill",
              ratio=t / t_plain, **ratios(t), readouts=h["readouts"], **base)
         if args.split_ab:
-            from gdnviz.gpu import scan_graph
-
             h0 = {}
             with env("GDNVIZ_SPLIT_SCAN", "0"):
                 truncated(r, True, h0)
@@ -148,8 +147,6 @@ def main():
         with env("GDNVIZ_FLA_CONV", value):
             switched_rows(suffix)
     for spec in args.env_ab:
-        from gdnviz.gpu import scan_graph
-
         pairs = [kv.split("=", 1) for kv in spec.split(",") if kv]
         scan_graph.clear()
         with contextlib.ExitStack() as stack:

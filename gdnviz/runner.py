@@ -46,7 +46,6 @@ from __future__ import annotations
 import contextlib
 import contextvars
 import inspect
-import os
 from dataclasses import dataclass, field
 from typing import Any, Iterable
 
@@ -55,6 +54,7 @@ import torch
 from gdnviz.errors import BadSegmentLength
 from gdnviz.gdn import kernels
 from gdnviz.gpu import scan_graph
+from gdnviz.gpu.nvrtc import env_switch
 
 DEFAULT_SEGMENT_LEN = 256
 
@@ -114,9 +114,7 @@ def fast_qk_norm(ctx: RunContext | None, device) -> bool:
     """Whether :func:`prepare_core_inputs` may hand q̂, k̂ back in the value dtype (``kernels.unit_rows``): fla on
     CUDA, no callback reads the keys (``on_layer_input`` wants float32 keys), and ``FAST_QK_NORM`` or
     ``GDNVIZ_FAST_QK_NORM=1`` (``=0`` forces it off)."""
-    env = os.environ.get("GDNVIZ_FAST_QK_NORM", "").strip()
-    on = FAST_QK_NORM if env == "" else env != "0"
-    return (on and ctx is not None and kernels.backend_for(device) == "fla"
+    return (env_switch("GDNVIZ_FAST_QK_NORM", FAST_QK_NORM) and ctx is not None and kernels.backend_for(device) == "fla"
             and not any(hasattr(cb, "on_layer_input") for cb in ctx.callbacks))
 
 

@@ -113,7 +113,6 @@ def test_fla_conv_run_on_gpu(monkeypatch):
 
     if transformers_family._fla_causal_conv1d() is None:
         pytest.skip("fla not importable")
-    x = torch.randint(10, 8000, (1, 5000), generator=torch.Generator().manual_seed(5)).cuda()
-    dev = bf16_deviation(x, "GDNVIZ_FLA_CONV", "1", monkeypatch)
+    dev = bf16_deviation("GDNVIZ_FLA_CONV", "1", monkeypatch)
     print("bf16 deviation from float32, fla conv:", dev)
     assert_within_bf16_noise(dev)

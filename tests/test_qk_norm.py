@@ -82,10 +82,11 @@ def test_forced_fast_qk_norm_keeps_a_cpu_run(monkeypatch):
     torch.testing.assert_close(got, ref, rtol=1e-4, atol=1e-4)
 
 
-def bf16_deviation(x, env_name: str, value: str, monkeypatch, rank: int = 4, L: int = 64) -> dict:
-    """How far the bf16 demo model's truncated run (every head at ``rank`` every ``L`` tokens) is from the float32
-    model's, with ``env_name`` unset-equivalent ``0`` (``default``) and with ``value`` (``switched``): mean and largest
-    |Δ log p| over every position and token, and the share of positions whose top token differs."""
+def bf16_deviation(env_name: str, value: str, monkeypatch, rank: int = 4, L: int = 64, T: int = 5000) -> dict:
+    """How far the bf16 demo model's truncated run (``T`` random tokens, every head at ``rank`` every ``L`` tokens) is
+    from the float32 model's, with ``env_name`` at ``0`` (``default``) and at ``value`` (``switched``): mean and
+    largest |Δ log p| over every position and token, and the share of positions whose top token differs."""
+    x = torch.randint(10, 8000, (1, T), generator=torch.Generator().manual_seed(5)).cuda()
     lm32 = load("demo", device="cuda", dtype="float32")
     ref = truncated_logits(lm32, x, rank, L).float().log_softmax(-1)
     del lm32
@@ -115,7 +116,6 @@ def test_fast_qk_norm_on_gpu(monkeypatch):
     unit_rows the run is as close to the float32 model's as with the float32 normalisation (its deviation printed)."""
     if kernels.fla_ops() is None:
         pytest.skip("fla not importable")
-    x = torch.randint(10, 8000, (1, 5000), generator=torch.Generator().manual_seed(5)).cuda()
-    dev = bf16_deviation(x, "GDNVIZ_FAST_QK_NORM", "1", monkeypatch)
+    dev = bf16_deviation("GDNVIZ_FAST_QK_NORM", "1", monkeypatch)
     print("bf16 deviation from float32, fast q/k norm:", dev)
     assert_within_bf16_noise(dev)

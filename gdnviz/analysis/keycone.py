@@ -31,12 +31,13 @@ Returned arrays are float64 numpy, whatever the input type.
 
 from __future__ import annotations
 
-import os
 import warnings
 from typing import Any
 
 import numpy as np
 import torch
+
+from gdnviz.gpu.nvrtc import env_switch
 
 from .horizons import decay_horizon
 from .spectra import _as_f64, effective_rank_from_eigenvalues
@@ -78,8 +79,7 @@ _CEIL_RTOL = 1e-9
 
 def _blocked_default() -> bool:
     """:data:`CUDA_BLOCKED`, or ``GDNVIZ_KEYCONE_BLOCKED`` when set (``0`` off, anything else on)."""
-    env = os.environ.get("GDNVIZ_KEYCONE_BLOCKED", "").strip()
-    return CUDA_BLOCKED if env == "" else env != "0"
+    return env_switch("GDNVIZ_KEYCONE_BLOCKED", CUDA_BLOCKED)
 
 
 def _tensor(x: Any) -> torch.Tensor:

@@ -242,10 +242,7 @@ def plan(rank: int | None, iters: int | None, attempts: bool, n: int = 0, sms: i
 def split_on(n: int) -> bool:
     """Whether a call on ``n`` states uses the split launches: ``GDNVIZ_CUDA_TRUNCATE_SPLIT=1`` always, ``=0`` never,
     unset: ``SPLIT_DEFAULT_ON`` and ``n ≤ SPLIT_MAX_STATES``."""
-    env = os.environ.get("GDNVIZ_CUDA_TRUNCATE_SPLIT", "").strip()
-    if env:
-        return env != "0"
-    return SPLIT_DEFAULT_ON and n <= SPLIT_MAX_STATES
+    return env_switch("GDNVIZ_CUDA_TRUNCATE_SPLIT", SPLIT_DEFAULT_ON and n <= SPLIT_MAX_STATES)
 
 
 def gram_blocks(K: int) -> int:
