@@ -6,6 +6,8 @@ head shapes. Later documents of other lengths cost at most ~1.2 s more than warm
 shapes, not the length), and later processes on the same machine start in ~1 s (fla's and Triton's on-disk caches).
 So the worker runs every kernel family a user's jobs will need once, at load time, on a short dummy input:
 
+* the NVRTC builds of gdnviz's own CUDA kernels (truncation, tridiagonalisation, bisection) that are not yet in the
+  on-disk cache, compiled in parallel processes (``gdnviz.gpu.prebuild``; 7–45 s each, one after another otherwise);
 * a capture (fla's short convolution and one chunk pass per GDN layer with the state read-out, the spectra kernels
   — the NVRTC-compiled CUDA tridiagonalisation and bisection — the statistics);
 * a truncated run with every head at rank 4 over 16 segments (fla's chunk kernels inside the CUDA-graph window of
@@ -53,6 +55,7 @@ def warm_up(lm, tokens: int = SEGMENT * SEGMENTS, segment_len: int = SEGMENT) ->
     ids = torch.randint(0, max(2, min(vocab, 1000)), (tokens,), generator=torch.Generator().manual_seed(0)).tolist()
     out: dict = {}
     steps = [
+        ("kernel_builds", lambda: _prebuild(lm)),
         ("capture", lambda: capture_document(lm, ids, segment_len)),
         ("truncated_run", lambda: greedy_generate(lm, ids, 2, segment_len=segment_len,
                                                   spec=TruncationSpec.all_heads(lm.info, 4), stop_ids=set())),
@@ -72,6 +75,18 @@ def warm_up(lm, tokens: int = SEGMENT * SEGMENTS, segment_len: int = SEGMENT) ->
             break
         out[name] = round(time.perf_counter() - t, 3)
     return out
+
+
+def _prebuild(lm) -> None:
+    """The NVRTC builds this model's runs use, compiled in parallel processes into the on-disk cache when missing
+    (``gdnviz.gpu.prebuild``): the first process on a machine waits for the slowest build instead of their sum."""
+    from gdnviz.gpu import cuda_truncate
+    from gdnviz.gpu.prebuild import default_sources, prebuild
+
+    if torch.device(lm.device).type != "cuda" or not cuda_truncate.KERNELS.usable():
+        return
+    cap = "%d%d" % torch.cuda.get_device_capability(lm.device)
+    prebuild(default_sources(lm.info.d_k, lm.info.d_v), cap)
 
 
 def _fused_truncation(lm) -> None:

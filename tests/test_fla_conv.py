@@ -105,6 +105,7 @@ def test_fla_conv_kernel_equals_the_fallback_on_gpu():
 
 
 @pytest.mark.gpu
+@pytest.mark.timeout(300)  # 99 s on a warm H200, > 100 s on a fresh one (thirteenth session): fla autotunes
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
 def test_fla_conv_run_on_gpu(monkeypatch):
     """A bf16 truncated run with GDNVIZ_FLA_CONV=1 is as close to the float32 model's as with the fallback (its

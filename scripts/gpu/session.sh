@@ -10,6 +10,9 @@
 # fill the same fla/ package, so they are unpacked with zipfile rather than `pip --target --upgrade`.
 #
 # Steps and their limits (defaults add up to more than 600 s: pick what a call should measure):
+#   PRECOMPILE_SECONDS (90)     scripts/gpu/precompile.py: gdnviz's NVRTC builds into the on-disk kernel cache, in
+#                               parallel processes (PRECOMPILE_ARGS, e.g. "--warp-jacobi both --profile"), so that
+#                               the steps below read them instead of compiling one after another (7-45 s each)
 #   GPU_TEST_SECONDS (150)      pytest -m gpu on TESTS (default: the GPU test files below); GPU_TEST_TIMEOUT (100) is
 #                               pytest's limit per test (tests/test_fla_adapter.py is not in the default list: it
 #                               has its own step, FLA_TEST_SECONDS)
@@ -44,6 +47,9 @@ python3 -c "import torch, transformers, triton, fla; print(torch.__version__, tr
 on() { [ "${1:-0}" != 0 ]; }
 TESTS=${*:-tests/test_cuda_truncate.py tests/test_cuda_cholqr.py tests/test_cuda_tridiag.py tests/test_cuda_bisect.py tests/test_scan_graph.py tests/test_fused_truncate.py tests/test_gpu_runner.py tests/test_qk_norm.py tests/test_fla_conv.py tests/test_analysis.py tests/test_capture.py tests/test_jacobi.py tests/test_truncate.py tests/test_symeig.py tests/test_kernels_vs_reference.py}
 TESTS=$(for t in $TESTS; do [ -e "${t%%::*}" ] && echo "$t"; done)  # in the order given (pytest keeps it)
+if on ${PRECOMPILE_SECONDS:-90}; then
+  timeout ${PRECOMPILE_SECONDS:-90} python3 scripts/gpu/precompile.py ${PRECOMPILE_ARGS:-} 2>&1 | tail -3
+fi
 if on ${GPU_TEST_SECONDS:-150}; then
   timeout ${GPU_TEST_SECONDS:-150} python3 -m pytest -v -m gpu -p no:cacheprovider --timeout ${GPU_TEST_TIMEOUT:-100} --tb=short --durations=15 \
       $TESTS > $OUT/gpu_tests.log 2>&1; echo "pytest rc=$?" >> $OUT/gpu_tests.log
