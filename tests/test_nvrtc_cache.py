@@ -48,7 +48,7 @@ def test_unwritable_cache_folder_only_loses_the_cache(tmp_path):
 
 
 SOURCE = r'''
-extern "C" __global__ void gdnviz_test_axpy(const float* x, float* y, float a, int n) {
+extern "C" __global__ void gdnviz_test_axpy(const float* x, float* y, double a, int n) {  // torch passes floats as double
     int i = blockIdx.x * blockDim.x + threadIdx.x;
     if (i < n) y[i] = a * x[i] + y[i];
 }
@@ -82,6 +82,7 @@ def test_entries_of_one_source_share_one_compilation(monkeypatch, tmp_path):
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
 def test_second_process_loads_from_disk(monkeypatch, tmp_path):
     monkeypatch.setenv("GDNVIZ_KERNEL_CACHE", str(tmp_path))
+    monkeypatch.setattr(nvrtc, "_BINARIES", {})
     dev = torch.device("cuda", torch.cuda.current_device())
     x = torch.arange(1000, dtype=torch.float32, device=dev)
 

@@ -193,16 +193,20 @@ def dmma_on() -> bool:
     return env_switch("GDNVIZ_CUDA_TRUNCATE_DMMA", DMMA_DEFAULT_ON)
 
 
-WARP_JACOBI_DEFAULT_ON = False  # not yet timed on the GPU
+WARP_JACOBI_DEFAULT_ON = False  # measured 1.8-2.0x slower on the H200 (thirteenth session), see warp_jacobi_on
 
 
 def warp_jacobi_on() -> bool:
     """Whether the Jacobi of the Rayleigh quotient runs in warps, rows in registers, rounds exchanged by shuffles
     (``GDNVIZ_CUDA_TRUNCATE_WARP_JACOBI=1``): 16-column blocks in one warp (A's rows in lanes 0–15, W's in 16–31),
     32-column blocks in warp 0 with W's rows in warp 1, which applies each sweep's recorded rotations while warp 0
-    runs the next (one block barrier per sweep). Off by default until timed on the GPU: the block form spends ~1,200
-    cycles a round at 16 columns, two block barriers, 35,400 of the attempt's 168,900 cycles at r = 4 on the H200.
-    The 32-column build spills 108 bytes (NVRTC, sm_90)."""
+    runs the next (one block barrier per sweep). Equal to the block form bit for bit on the H200
+    (``test_cuda_warp_jacobi_matches_the_block_jacobi``) but **slower, so off**: timed in the thirteenth session
+    (``bench_cholqr.py``, CUDA-graph replay) 16 states r = 1 / 4 / 12 / 32 0.185 / 0.188 / 0.587 / 1.344 ms against
+    the block form's 0.103 / 0.104 / 0.276 / 0.707 ms; 288 states r = 4 1.331 vs 0.648 ms. The attempt's Jacobi phase
+    went from 34,800 to 112,600 cycles at r = 4 (``bench_truncate_phases.py --attempts``): one warp does serially the
+    rotations 512 threads shared (16 columns per lane per round), which costs more than the two block barriers per
+    round it saves. The 32-column build also spills 108 bytes (NVRTC, sm_90)."""
     return env_switch("GDNVIZ_CUDA_TRUNCATE_WARP_JACOBI", WARP_JACOBI_DEFAULT_ON)
 
 

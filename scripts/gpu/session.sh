@@ -6,7 +6,9 @@
 # Library switches (GDNVIZ_CUDA_CHOLQR=0|smem|shfl, GDNVIZ_CUDA_TRIDIAG=0, ...) set before the command reach every bench.
 # Same-run A/B of the truncation kernel: `env OUT=$OUT/old GDNVIZ_CUDA_TRUNCATE_SRC=bench/ab/<old>.cu ... bash $0` then
 # the current tree, in one device call (bench/ab/ is git-ignored: carry [".whl", "bench/ab"]; bench/RESULTS.md, tenth session).
-# .whl holds flash_linear_attention-0.6.0 and fla_core-0.6.0 (pure-Python wheels; README "GPU"). Both wheels
+# .whl holds flash_linear_attention-0.6.0 and fla_core-0.6.0 (pure-Python wheels; README "GPU"), diskcache (the worker's
+# store, tests/test_warmup.py) and wonderwords (RULER's word lists, bench_sweep.py): `pip download diskcache wonderwords
+# --no-deps -d .whl` (both pure-Python wheels). The fla wheels
 # fill the same fla/ package, so they are unpacked with zipfile rather than `pip --target --upgrade`.
 #
 # Steps and their limits (defaults add up to more than 600 s: pick what a call should measure):
