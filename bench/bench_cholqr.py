@@ -36,11 +36,11 @@ from gdnviz.gpu import cuda_cholqr  # noqa: E402
 # "cuda_truncate_fused" / "cuda_truncate_split": the CUDA kernel with its split launches forced off / on
 # (GDNVIZ_CUDA_TRUNCATE_SPLIT; "cuda_truncate" takes the default: split for at most SPLIT_MAX_STATES states)
 VARIANTS = {"torch": "0", "cuda_cholqr": "smem", "cuda_cholqr_shfl": "shfl", "cuda_truncate": "shfl",
-            "cuda_truncate_fused": "shfl", "cuda_truncate_split": "shfl", "cuda_truncate_warp_jacobi": "shfl",
+            "cuda_truncate_fused": "shfl", "cuda_truncate_split": "shfl",
             "cuda_truncate_full": "shfl", "triton_fused": "shfl"}  # cuda_truncate_full: without the certified attempts
 SPLIT_ENV = {"cuda_truncate_fused": "0", "cuda_truncate_split": "1"}
-# "cuda_truncate_warp_jacobi": the default launches with the 16-column attempts' Jacobi in one warp
-# (GDNVIZ_CUDA_TRUNCATE_WARP_JACOBI=1; every other variant runs with it unset)
+# (the thirteenth session's "cuda_truncate_warp_jacobi", the Jacobi in warps, measured 1.8-2x slower and removed:
+# bench/RESULTS.md)
 
 
 def main() -> None:
@@ -76,10 +76,6 @@ def main() -> None:
                 os.environ["GDNVIZ_CUDA_CHOLQR"] = VARIANTS[name]
                 os.environ["GDNVIZ_CUDA_TRUNCATE"] = "0" if name == "triton_fused" else "1"
                 os.environ["GDNVIZ_CUDA_TRUNCATE_ATTEMPT"] = "0" if name == "cuda_truncate_full" else "1"
-                if name == "cuda_truncate_warp_jacobi":
-                    os.environ["GDNVIZ_CUDA_TRUNCATE_WARP_JACOBI"] = "1"
-                else:
-                    os.environ.pop("GDNVIZ_CUDA_TRUNCATE_WARP_JACOBI", None)
                 if name in SPLIT_ENV:
                     os.environ["GDNVIZ_CUDA_TRUNCATE_SPLIT"] = SPLIT_ENV[name]
                 else:

@@ -125,8 +125,8 @@ def test_prebuild_lists_the_builds_runs_select_and_skips_cached_ones(monkeypatch
     src = default_sources()
     names = [n for _, n in src]
     assert names == ["gdnviz_truncate", "gdnviz_truncate", "gdnviz_tridiag", "gdnviz_bisect"]
-    assert src[0][0] == ct.source(128, 128, "float", 16, ct.dmma_on(), ct.warp_jacobi_on())  # what _kernel builds
-    assert len(default_sources(warp_jacobi=(False, True), profile=True, dtypes=("float", "double"))) == 18
+    assert src[0][0] == ct.source(128, 128, "float", 16, ct.dmma_on())  # what _kernel builds
+    assert len(default_sources(profile=True, dtypes=("float", "double"))) == 10
     assert [n for _, n in default_sources(64, 32)] == ["gdnviz_tridiag", "gdnviz_bisect"]  # V = 32: no truncation
     assert missing(src, "90") == src
     nvrtc.write_cached(str(tmp_path / (nvrtc.cache_key(src[0][0], "90") + ".cubin")), b"bin")

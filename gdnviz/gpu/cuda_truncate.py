@@ -155,12 +155,10 @@ DMMA_DEFAULT_ON = True
 KERNELS = Kernels()  # KERNELS.available / KERNELS.reason: whether compilation worked, and why not
 
 
-def source(K: int, V: int, ctype: str = "float", qb: int = Q, dmma: bool | None = None,
-           warp_jacobi: bool | None = None) -> str:
+def source(K: int, V: int, ctype: str = "float", qb: int = Q, dmma: bool | None = None) -> str:
     """The kernel's CUDA source for ``[K, V]`` states of C type ``ctype`` ("float" or "double") with a block of ``qb``
     columns (32: the full algorithm; 16: the small block of the certified attempt). ``dmma``: the Gram matrix and the
-    products G·X on the float64 tensor cores (``GDNVIZ_DMMA``; None = ``dmma_on()``). ``warp_jacobi``: the Jacobi in
-    warps (``GDNVIZ_WARP_JACOBI``; None = ``warp_jacobi_on()``)."""
+    products G·X on the float64 tensor cores (``GDNVIZ_DMMA``; None = ``dmma_on()``)."""
     if K not in DIMS or V not in DIMS or ctype not in ("float", "double") or qb not in BLOCKS:
         raise ValueError(f"cuda_truncate takes K, V in {DIMS}, float/double and a block in {BLOCKS}; got {K}, {V}, "
                          f"{ctype}, {qb}")
@@ -169,8 +167,6 @@ def source(K: int, V: int, ctype: str = "float", qb: int = Q, dmma: bool | None 
     for key, val in (("@K@", K), ("@V@", V), ("@T@", ctype), ("@QB@", qb), ("@LQB@", qb.bit_length() - 1)):
         text = text.replace(key, str(val))
     head = "#define GDNVIZ_DMMA\n" if (dmma_on() if dmma is None else dmma) else ""
-    if warp_jacobi_on() if warp_jacobi is None else warp_jacobi:
-        head += "#define GDNVIZ_WARP_JACOBI\n"
     return head + text
 
 
@@ -191,23 +187,6 @@ def dmma_on() -> bool:
     """Whether the kernel runs its Gram matrix and its products G·X on the float64 tensor cores (``mma.sync``
     m8n8k4; ``GDNVIZ_CUDA_TRUNCATE_DMMA=0``: the same sums as fused multiply-adds, as before the ninth session)."""
     return env_switch("GDNVIZ_CUDA_TRUNCATE_DMMA", DMMA_DEFAULT_ON)
-
-
-WARP_JACOBI_DEFAULT_ON = False  # measured 1.8-2.0x slower on the H200 (thirteenth session), see warp_jacobi_on
-
-
-def warp_jacobi_on() -> bool:
-    """Whether the Jacobi of the Rayleigh quotient runs in warps, rows in registers, rounds exchanged by shuffles
-    (``GDNVIZ_CUDA_TRUNCATE_WARP_JACOBI=1``): 16-column blocks in one warp (A's rows in lanes 0–15, W's in 16–31),
-    32-column blocks in warp 0 with W's rows in warp 1, which applies each sweep's recorded rotations while warp 0
-    runs the next (one block barrier per sweep). Equal to the block form bit for bit on the H200
-    (``test_cuda_warp_jacobi_matches_the_block_jacobi``) but **slower, so off**: timed in the thirteenth session
-    (``bench_cholqr.py``, CUDA-graph replay) 16 states r = 1 / 4 / 12 / 32 0.185 / 0.188 / 0.587 / 1.344 ms against
-    the block form's 0.103 / 0.104 / 0.276 / 0.707 ms; 288 states r = 4 1.331 vs 0.648 ms. The attempt's Jacobi phase
-    went from 34,800 to 112,600 cycles at r = 4 (``bench_truncate_phases.py --attempts``): one warp does serially the
-    rotations 512 threads shared (16 columns per lane per round), which costs more than the two block barriers per
-    round it saves. The 32-column build also spills 108 bytes (NVRTC, sm_90)."""
-    return env_switch("GDNVIZ_CUDA_TRUNCATE_WARP_JACOBI", WARP_JACOBI_DEFAULT_ON)
 
 
 def attempts_on() -> bool:
@@ -271,10 +250,10 @@ def supports(X: torch.Tensor) -> bool:
 def _kernel(K: int, V: int, dtype: torch.dtype, device: torch.device, qb: int = Q, profile: bool = False,
             name: str = "gdnviz_truncate"):
     ctype = _CTYPES[dtype]
-    dmma, wj = dmma_on(), warp_jacobi_on()
-    src = ("#define GDNVIZ_PROFILE\n" if profile else "") + source(K, V, ctype, qb, dmma, wj)
+    dmma = dmma_on()
+    src = ("#define GDNVIZ_PROFILE\n" if profile else "") + source(K, V, ctype, qb, dmma)
     smem = {"gdnviz_truncate": smem_bytes(K, qb), "gdnviz_project": project_smem_bytes(K)}.get(name, 0)
-    return KERNELS.get((K, V, ctype, device.index, qb, profile, dmma, wj, source_path(), name), device, src, name,
+    return KERNELS.get((K, V, ctype, device.index, qb, profile, dmma, source_path(), name), device, src, name,
                        shared_mem=smem)
 
 
@@ -398,8 +377,7 @@ def _attempt_tables(device: torch.device) -> dict[int, torch.Tensor]:
 
 
 def emulate(X: torch.Tensor, ranks, iters: int | None = None, attempts: bool | None = None, info: bool = False,
-            concurrent: int = 4, dmma: bool = False, split: bool = False, counters: bool = False,
-            warp_jacobi: bool = False):
+            concurrent: int = 4, dmma: bool = False, split: bool = False, counters: bool = False):
     """The same launches of the same kernel source run on the CPU through ``gdnviz.gpu.cuda_emul`` (tests; needs
     ``g++``): ``X [N, K, V]`` float32/float64, ``ranks`` an int or N ints (run as device-side ranks: no attempts).
     ``concurrent`` blocks run at once, in lockstep by barrier phases, so a block writing into another block's part of
@@ -410,7 +388,7 @@ def emulate(X: torch.Tensor, ranks, iters: int | None = None, attempts: bool | N
     ``gdnviz_gram``, the algorithm with modes GRAM_IN | NO_PROJ, ``gdnviz_project``). ``counters``: the
     ``GDNVIZ_PROFILE`` build (not with ``split``), returning ``(output, counters float64 [N, 16])`` — its clock
     readings are 0 here, index 15 counts Jacobi sweeps (summed over passes and launches). Slow (~0.1–1 s per state
-    and launch). ``warp_jacobi``: the Jacobi in warps (``GDNVIZ_WARP_JACOBI``). For checking, not for use."""
+    and launch)."""
     from gdnviz.gpu.cuda_emul import Emulated
     from gdnviz.gpu.fused_truncate import _constants
 
@@ -431,7 +409,7 @@ def emulate(X: torch.Tensor, ranks, iters: int | None = None, attempts: bool | N
     sweeps, skip = _jacobi_args()
     G = np.full((N, K, K), np.nan) if split else np.zeros(1)
     if split:
-        emu = Emulated(source(K, V, ctype, Q, dmma, False), "gdnviz_gram", [s.format(T=ctype) for s in GRAM_SIGNATURE])
+        emu = Emulated(source(K, V, ctype, Q, dmma), "gdnviz_gram", [s.format(T=ctype) for s in GRAM_SIGNATURE])
         emu.launch(N * gram_blocks(K), NT, [x, G], 0, concurrent=concurrent)
     if counters and split:
         raise ValueError("counters come from the fused kernel's profile build: not with split")
@@ -440,7 +418,7 @@ def emulate(X: torch.Tensor, ranks, iters: int | None = None, attempts: bool | N
     for qb, mode in steps:
         if counters:
             scratch[:] = 0.0
-        emu = Emulated(prof + source(K, V, ctype, qb, dmma, warp_jacobi), "gdnviz_truncate",
+        emu = Emulated(prof + source(K, V, ctype, qb, dmma), "gdnviz_truncate",
                        [s.format(T=ctype) for s in SIGNATURE])
         tab = np.asarray(attempt_table(qb), dtype=np.int32) if mode & ATTEMPT else table.astype(np.int32)
         emu.launch(N, NT, [x, out, rk, rank_int, stride, np.ascontiguousarray(omega), np.ascontiguousarray(fill),
@@ -450,7 +428,7 @@ def emulate(X: torch.Tensor, ranks, iters: int | None = None, attempts: bool | N
         if counters:
             count += scratch[:, 0, :16]
     if split:
-        emu = Emulated(source(K, V, ctype, Q, dmma, False), "gdnviz_project", [s.format(T=ctype) for s in PROJECT_SIGNATURE])
+        emu = Emulated(source(K, V, ctype, Q, dmma), "gdnviz_project", [s.format(T=ctype) for s in PROJECT_SIGNATURE])
         emu.launch(N * (V // PCOLS), NT, [x, out, rk, rank_int, stride, scratch], project_smem_bytes(K),
                    concurrent=concurrent)
     res = torch.from_numpy(out)

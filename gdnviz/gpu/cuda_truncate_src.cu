@@ -132,36 +132,6 @@ __device__ __forceinline__ bool jacobi_rotation(double a_ip, double a_pi, double
     return rot;
 }
 
-#if defined(GDNVIZ_WARP_JACOBI) && QB == 32
-// The slot of pair {p, q} (p < q) of round k among the round's QB / 2 pairs: (k, QB - 1) is slot 0, {k - d, k + d}
-// mod (QB - 1) slot d.
-__device__ __forceinline__ int jacobi_pair_slot(int p, int q, int k) {
-    if (q == QB - 1) return 0;
-    const int d0 = (p - k + (QB - 1)) % (QB - 1);
-    return (d0 <= (QB - 2) / 2) ? d0 : QB - 1 - d0;
-}
-
-// A row w of W (registers) times the QB - 1 rounds of rotations recorded in rb ([round][slot][c, the pair's first
-// index's signed sine]), in order: W2[i][j] = c_j W[i][j] + s_j W[i][partner(j)], the block form's update.
-__device__ __forceinline__ void jacobi_apply_rounds(double (&w)[QB], const double* rb) {
-#pragma unroll 1
-    for (int k = 0; k < QB - 1; ++k) {
-#pragma unroll
-        for (int p = 0; p < QB; ++p) {
-            const int q = jacobi_partner(p, k);
-            if (p < q) {
-                const int d = jacobi_pair_slot(p, q, k);
-                const double cp = rb[(k * (QB / 2) + d) * 2], sp = rb[(k * (QB / 2) + d) * 2 + 1];
-                const double wpn = cp * w[p] + sp * w[q];
-                const double wqn = cp * w[q] + (-sp) * w[p];
-                w[p] = wpn;
-                w[q] = wqn;
-            }
-        }
-    }
-}
-#endif
-
 // The trace of G [K][K] once every thread has stored its part of it; every thread gets it (three barriers).
 __device__ __forceinline__ double gram_trace(const double* Gs, double* red) {
     __syncthreads();
@@ -666,159 +636,6 @@ gdnviz_truncate(const scalar_t* __restrict__ S, scalar_t* __restrict__ OUT, cons
         fro = block_sum(fro, misc + M_RED);
         off = block_sum(off, misc + M_RED);
         const double thresh = tol2 * fro;
-#if defined(GDNVIZ_WARP_JACOBI) && QB == 16
-        // ---- the same cyclic Jacobi in warp 0 alone (GDNVIZ_WARP_JACOBI, 16-column blocks): lane l < 16 holds row l
-        // of A in registers and lane 16 + l row l of W; a round's rotations, its partners' rows and its column
-        // parameters pass by shuffles, so a round needs no block barrier (the block form: two per round, ~1,200
-        // cycles a round on the H200). Each rotation and each updated entry is the block form's expression; the
-        // off-diagonal sum at a sweep's end is added in another order (a stop may differ at rounding level).
-        if (t < 32) {  // warp-uniform
-            const int lane = t, row = lane & 15;
-            const bool isA = lane < 16;
-            double a[16];
-#pragma unroll
-            for (int m = 0; m < 16; ++m) a[m] = isA ? A[row * QP + m] : W[row * QP + m];
-            double dg = isA ? dd[row] : 0.0;
-            bool more = true;
-            double offw = off;
-            for (int sweep = 0; sweep < max_sweeps && offw > thresh && more; ++sweep) {
-                bool rotated = false;
-#pragma unroll
-                for (int k = 0; k < QB - 1; ++k) {
-                    const int pr = jacobi_partner(row, k);
-                    double x = 0.0;  // A[row][pr]: a register picked by a lane-dependent index
-#pragma unroll
-                    for (int m = 0; m < 16; ++m) x = (pr == m) ? a[m] : x;
-                    const double a_ip = x;
-                    const double a_pi = __shfl_sync(0xffffffffu, x, pr);  // lane pr's A[pr][row]
-                    const double dpr = __shfl_sync(0xffffffffu, dg, pr);
-                    double c, sgn, dn;
-                    const bool rot = jacobi_rotation(a_ip, a_pi, dg, dpr, row < pr, skip, c, sgn, dn);
-                    rotated = rotated || (isA && rot);
-                    double prow[16];  // row pr of A (for W lanes: unused)
-#pragma unroll
-                    for (int m = 0; m < 16; ++m) prow[m] = __shfl_sync(0xffffffffu, a[m], pr);
-                    double na[16];
-#pragma unroll
-                    for (int j = 0; j < 16; ++j) {
-                        const int pj = jacobi_partner(j, k);  // a constant once unrolled
-                        const double cj = __shfl_sync(0xffffffffu, c, j), sj = __shfl_sync(0xffffffffu, sgn, j);
-                        double v;
-                        if (isA) {
-                            const double ci = c, si = sgn;
-                            v = ci * (cj * a[j] + sj * a[pj])
-                              + si * (cj * prow[j] + sj * prow[pj]);
-                            if (row == j) v = dn;
-                            else if (j == pr && rot) v = 0.0;
-                        } else {
-                            v = cj * a[j] + sj * a[pj];
-                        }
-                        na[j] = v;
-                    }
-#pragma unroll
-                    for (int m = 0; m < 16; ++m) a[m] = na[m];
-                    if (isA) dg = dn;
-                }
-                double o = 0.0;
-#pragma unroll
-                for (int m = 0; m < 16; ++m)
-                    if (isA && m != row) o = fma(a[m], a[m], o);
-                for (int q = 16; q > 0; q >>= 1) o += __shfl_xor_sync(0xffffffffu, o, q);
-                offw = o;
-                more = __any_sync(0xffffffffu, rotated) != 0;
-#ifdef GDNVIZ_PROFILE
-                pacc[15] += 1;
-#endif
-            }
-#pragma unroll
-            for (int m = 0; m < 16; ++m) (isA ? A : W)[row * QP + m] = a[m];
-            if (isA) dd[row] = dg;
-        }
-        __syncthreads();
-#elif defined(GDNVIZ_WARP_JACOBI) && QB == 32
-        // ---- the same cyclic Jacobi for 32-column blocks (GDNVIZ_WARP_JACOBI): warp 0 holds row l of A in lane l's
-        // registers and runs the rounds with shuffles; it leaves each round's rotations (c, and the pair's first
-        // index's signed sine) in shared memory, and warp 1, holding row l of W in lane l, applies a sweep's rounds
-        // while warp 0 runs the next sweep (two buffers after W in Bs: 2 x 31 rounds x 16 pairs x 2 doubles). One
-        // block barrier per sweep, where the stop is read. Round k's pairs: (k, 31) is pair 0, {k - d, k + d} mod 31
-        // pair d. The rotations and entry updates are the block form's expressions (the sweep-end sum of the
-        // off-diagonal squares is added in another order).
-        {
-            double* rbuf = Bs + QB * QP;  // [2][QB - 1][QB / 2][2]
-            double* flag = misc + M_R4;   // [2][2]: off, any, per sweep parity
-            const int lane = t & 31, wp = t >> 5;
-            double a[QB];
-#pragma unroll
-            for (int m = 0; m < QB; ++m) a[m] = (wp == 0) ? A[lane * QP + m] : ((wp == 1) ? W[lane * QP + m] : 0.0);
-            double dg = (wp == 0) ? dd[lane] : 0.0;
-            bool go = off > thresh;
-            int sweep = 0;
-            for (; sweep < max_sweeps && go; ++sweep) {
-                const int par = sweep & 1;
-                if (wp == 0) {  // warp-uniform: one sweep of A
-                    bool rotated = false;
-#pragma unroll
-                    for (int k = 0; k < QB - 1; ++k) {
-                        const int pr = jacobi_partner(lane, k);
-                        double x = 0.0;  // A[lane][pr]
-#pragma unroll
-                        for (int m = 0; m < QB; ++m) x = (pr == m) ? a[m] : x;
-                        const double a_pi = __shfl_sync(0xffffffffu, x, pr);
-                        const double dpr = __shfl_sync(0xffffffffu, dg, pr);
-                        double c, sgn, dn;
-                        const bool rot = jacobi_rotation(x, a_pi, dg, dpr, lane < pr, skip, c, sgn, dn);
-                        rotated = rotated || rot;
-                        if (lane < pr) {  // the pair's first index records the rotation for W
-                            const int d = jacobi_pair_slot(lane, pr, k);
-                            rbuf[((par * (QB - 1) + k) * (QB / 2) + d) * 2] = c;
-                            rbuf[((par * (QB - 1) + k) * (QB / 2) + d) * 2 + 1] = sgn;
-                        }
-#pragma unroll
-                        for (int p = 0; p < QB; ++p) {
-                            const int q = jacobi_partner(p, k);  // constants once unrolled
-                            if (p < q) {
-                                // row pr's entries p and q, read before any lane updates them (pairs are disjoint)
-                                const double rp = __shfl_sync(0xffffffffu, a[p], pr), rq = __shfl_sync(0xffffffffu, a[q], pr);
-                                const double cp = __shfl_sync(0xffffffffu, c, p), sp = __shfl_sync(0xffffffffu, sgn, p);
-                                const double sq = -sp;  // the second index's signed sine; the same cosine
-                                double vp = c * (cp * a[p] + sp * a[q]) + sgn * (cp * rp + sp * rq);
-                                double vq = c * (cp * a[q] + sq * a[p]) + sgn * (cp * rq + sq * rp);
-                                if (lane == p) vp = dn;
-                                else if (p == pr && rot) vp = 0.0;
-                                if (lane == q) vq = dn;
-                                else if (q == pr && rot) vq = 0.0;
-                                a[p] = vp;
-                                a[q] = vq;
-                            }
-                        }
-                        dg = dn;
-                    }
-                    double o = 0.0;
-#pragma unroll
-                    for (int m = 0; m < QB; ++m)
-                        if (m != lane) o = fma(a[m], a[m], o);
-                    for (int q = 16; q > 0; q >>= 1) o += __shfl_xor_sync(0xffffffffu, o, q);
-                    const bool anyr = __any_sync(0xffffffffu, rotated) != 0;
-                    if (lane == 0) { flag[2 * par] = o; flag[2 * par + 1] = anyr ? 1.0 : 0.0; }
-                } else if (wp == 1 && sweep > 0) {  // W <- W J for the previous sweep's rounds
-                    jacobi_apply_rounds(a, rbuf + (par ^ 1) * (QB - 1) * (QB / 2) * 2);
-                }
-                __syncthreads();
-                go = flag[2 * par] > thresh && flag[2 * par + 1] != 0.0;
-#ifdef GDNVIZ_PROFILE
-                pacc[15] += 1;
-#endif
-            }
-            if (wp == 1 && sweep > 0)  // the last sweep's rounds
-                jacobi_apply_rounds(a, rbuf + ((sweep - 1) & 1) * (QB - 1) * (QB / 2) * 2);
-            if (wp < 2) {
-#pragma unroll
-                for (int m = 0; m < QB; ++m) (wp == 0 ? A : W)[lane * QP + m] = a[m];
-                if (wp == 0) dd[lane] = dg;
-            }
-            __syncthreads();
-        }
-#else
         bool any = true;
         for (int sweep = 0; sweep < max_sweeps && off > thresh && any; ++sweep) {
             bool rotated = false;
@@ -863,7 +680,6 @@ gdnviz_truncate(const scalar_t* __restrict__ S, scalar_t* __restrict__ OUT, cons
             pacc[15] += 1;
 #endif
         }
-#endif
         PROF(6);
         // ---- the top `take` Ritz vectors (descending, ties by index) -> U columns HALF*p ...
         // NaN Ritz values (a state with NaN or inf) rank last: the ranks stay a permutation, so every selected

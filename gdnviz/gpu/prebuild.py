@@ -14,24 +14,22 @@ import os
 from gdnviz.gpu import nvrtc
 
 
-def default_sources(K: int = 128, V: int = 128, warp_jacobi: tuple | None = None, profile: bool = False,
-                    dtypes: tuple = ("float",), spectra: bool = True) -> list[tuple[str, str]]:
+def default_sources(K: int = 128, V: int = 128, profile: bool = False, dtypes: tuple = ("float",),
+                    spectra: bool = True) -> list[tuple[str, str]]:
     """``[(source, entry)]`` of the builds runs on ``[K, V]`` states select with this process's switches: the
     truncation kernel's two block widths (its Gram and projection entries share each source) for ``dtypes``
-    ("float", "double"), with ``warp_jacobi`` forms (None: the switch's), optionally their ``GDNVIZ_PROFILE``
-    builds; the spectra's tridiagonalisation and bisection for ``K`` (``spectra``). Shapes the kernels do not
+    ("float", "double"), optionally their ``GDNVIZ_PROFILE`` builds; the spectra's tridiagonalisation and bisection for ``K`` (``spectra``). Shapes the kernels do not
     support are left out."""
     from gdnviz.gpu import cuda_bisect, cuda_tridiag, cuda_truncate as ct
 
     out = []
     if K in ct.DIMS and V in ct.DIMS:
         for ctype in dtypes:
-            for wj in (ct.warp_jacobi_on(),) if warp_jacobi is None else warp_jacobi:
-                for qb in ct.BLOCKS:
-                    src = ct.source(K, V, ctype, qb, None, wj)
-                    out.append((src, "gdnviz_truncate"))
-                    if profile:
-                        out.append(("#define GDNVIZ_PROFILE\n" + src, "gdnviz_truncate"))
+            for qb in ct.BLOCKS:
+                src = ct.source(K, V, ctype, qb)
+                out.append((src, "gdnviz_truncate"))
+                if profile:
+                    out.append(("#define GDNVIZ_PROFILE\n" + src, "gdnviz_truncate"))
     if spectra:
         if K in cuda_tridiag.SIZES:
             tpr, regs = cuda_tridiag._form(None, None)

@@ -4,7 +4,7 @@ process would otherwise compile them one after another at its first truncation (
 process again, without the cache).
 
     python3 scripts/gpu/precompile.py                      # the builds the current environment's switches select
-    python3 scripts/gpu/precompile.py --warp-jacobi both --profile   # also the other Jacobi form, the profile builds
+    python3 scripts/gpu/precompile.py --profile            # also the profile builds (bench_truncate_phases.py)
 
 Prints one line per build: its name, where it came from ("nvrtc": compiled now, "disk": already cached) and the
 wall time of the whole run. Needs CUDA only to read the GPU's compute capability (``--capability 90`` skips that).
@@ -22,7 +22,6 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspa
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--capability", default=None, help='e.g. "90" (default: the current GPU\'s)')
-    ap.add_argument("--warp-jacobi", choices=["default", "both"], default="default")
     ap.add_argument("--profile", action="store_true", help="also the GDNVIZ_PROFILE builds (bench_truncate_phases)")
     ap.add_argument("--float64", action="store_true", help="also the float64 builds")
     ap.add_argument("--workers", type=int, default=None)
@@ -36,8 +35,7 @@ def main() -> None:
         import torch
 
         cap = "%d%d" % torch.cuda.get_device_capability()
-    sources = default_sources(warp_jacobi=None if a.warp_jacobi == "default" else (False, True), profile=a.profile,
-                              dtypes=("float", "double") if a.float64 else ("float",))
+    sources = default_sources(profile=a.profile, dtypes=("float", "double") if a.float64 else ("float",))
     t = time.perf_counter()
     res = nvrtc.precompile(sources, cap, a.workers)
     for name, origin in res:

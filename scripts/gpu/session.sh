@@ -13,7 +13,7 @@
 #
 # Steps and their limits (defaults add up to more than 600 s: pick what a call should measure):
 #   PRECOMPILE_SECONDS (90)     scripts/gpu/precompile.py: gdnviz's NVRTC builds into the on-disk kernel cache, in
-#                               parallel processes (PRECOMPILE_ARGS, e.g. "--warp-jacobi both --profile"), so that
+#                               parallel processes (PRECOMPILE_ARGS, e.g. "--profile"), so that
 #                               the steps below read them instead of compiling one after another (7-45 s each)
 #   GPU_TEST_SECONDS (150)      pytest -m gpu on TESTS (default: the GPU test files below); GPU_TEST_TIMEOUT (100) is
 #                               pytest's limit per test (tests/test_fla_adapter.py is not in the default list: it
