@@ -12,7 +12,8 @@ instead of 248,320, so the prompts are real RULER prompts; its answers are noise
     python bench/bench_sweep.py --device cpu --model demo --lengths 1024 --n 2 --batch 2   # CPU smoke run
 
 Every prompt of a (task, length) is run untouched and with every GDN head truncated to each ``--ranks`` value, so
-one (task, length) is ``n × (1 + len(ranks))`` prompts.
+one (task, length) is ``n × (1 + len(ranks))`` prompts. ``prefill_only`` rows time the same prompts and batches with
+one answer token (the prefills), and their share of the sweep's time; the rest is decoding.
 """
 from __future__ import annotations
 
@@ -35,6 +36,8 @@ def main():
     ap.add_argument("--n", type=int, default=16, help="samples per length")
     ap.add_argument("--batch", type=int, default=8)
     ap.add_argument("--max-new-tokens", type=int, default=None)
+    ap.add_argument("--no-prefill-split", action="store_true",
+                    help="skip the prefill-only timing (same prompts and batches, one answer token)")
     a = ap.parse_args()
 
     from gdnviz.models import from_model, load
@@ -78,6 +81,31 @@ def main():
         same = (rb[["pred", "score"]].reset_index(drop=True) == r1[["pred", "score"]].reset_index(drop=True))
         emit(what="batched_vs_one_at_a_time", length=length, batch=a.batch, speedup=round(s1 / sb, 2),
              rows_identical=int(same.all(axis=1).sum()), rows=len(rb), **base)
+        if not a.no_prefill_split:
+            for b in (a.batch, 1):
+                p = prefill_seconds(lm, a.task, length, a.n, b, ranks, dev)
+                emit(what="prefill_only", length=length, batch=b, prompts=a.n * (1 + len(ranks)), seconds=round(p, 3),
+                     share_of_sweep=round(p / out[b][1], 3), **base)
+
+
+def prefill_seconds(lm, task: str, length: int, n: int, batch: int, ranks, dev) -> float:
+    """Where a sweep's time goes: the same prompts in the same batches (``run_sweep``'s order: longest first) with
+    one answer token, i.e. the truncated prefills and one argmax, untouched and at every rank; the rest of the
+    sweep's time is decoding."""
+    from gdnviz.intervene import TruncationSpec
+    from gdnviz.probes import ruler
+    from gdnviz.probes.batch import batched_greedy
+
+    smp = ruler.generate_many(task, lm.tokenizer, length, n, 0, chat_template=None)
+    order = sorted(range(len(smp)), key=lambda i: -smp[i].n_tokens)
+    specs = [None] + [TruncationSpec.all_heads(lm.info, r) for r in ranks]
+    sync(dev)
+    t = time.perf_counter()
+    for spec in specs:
+        for b in range(0, len(order), batch):
+            batched_greedy(lm, [smp[i].input_ids for i in order[b:b + batch]], 1, spec=spec)
+    sync(dev)
+    return time.perf_counter() - t
 
 
 if __name__ == "__main__":
