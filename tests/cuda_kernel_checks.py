@@ -75,3 +75,9 @@ def truncation_checks(monkeypatch, env: str, value: str, seed: int = 1) -> None:
         graph.replay()
         torch.cuda.synchronize()
         assert torch.equal(out, y)
+
+
+def fake_nvrtc(source: str, name: str, cap: str):
+    """A stand-in for torch's ``_nvrtc_compile`` (a CPU build of torch has no NVRTC to call), importable by the
+    processes ``gdnviz.gpu.nvrtc.precompile`` spawns: ``(bytes naming source and capability, name)``."""
+    return f"cubin of {source} for sm_{cap}".encode(), name

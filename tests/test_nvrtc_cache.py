@@ -48,7 +48,8 @@ def test_unwritable_cache_folder_only_loses_the_cache(tmp_path):
 
 
 SOURCE = r'''
-extern "C" __global__ void gdnviz_test_axpy(const float* x, float* y, double a, int n) {  // torch passes floats as double
+// torch passes Python floats as double
+extern "C" __global__ void gdnviz_test_axpy(const float* x, float* y, double a, int n) {
     int i = blockIdx.x * blockDim.x + threadIdx.x;
     if (i < n) y[i] = a * x[i] + y[i];
 }
@@ -135,3 +136,20 @@ def test_prebuild_lists_the_builds_runs_select_and_skips_cached_ones(monkeypatch
     assert missing(src, "80") == src
     monkeypatch.setenv("GDNVIZ_KERNEL_CACHE", "0")
     assert prebuild(src, "90") == []  # no disk cache: nothing to fill, nothing compiled
+
+
+def test_prebuild_compiles_the_missing_builds_in_other_processes(monkeypatch, tmp_path):
+    """The spawned processes (the worker's warm-up path) write every missing build to disk, once per source; a
+    second prebuild finds nothing to do and this process then reads them from disk."""
+    from cuda_kernel_checks import fake_nvrtc
+    from gdnviz.gpu.prebuild import missing, prebuild
+
+    monkeypatch.setenv("GDNVIZ_KERNEL_CACHE", str(tmp_path))
+    monkeypatch.setattr(nvrtc, "_BINARIES", {})
+    src = [("source one", "gdnviz_truncate"), ("source two", "gdnviz_bisect"), ("source one", "gdnviz_truncate")]
+    assert prebuild(src, "90", workers=2, compile_fn=fake_nvrtc) == [("gdnviz_truncate", "nvrtc"),
+                                                                     ("gdnviz_bisect", "nvrtc")]
+    files = sorted(nvrtc.cache_key(s, "90") + ".cubin" for s in ("source one", "source two"))
+    assert sorted(os.listdir(tmp_path)) == files
+    assert missing(src, "90") == [] and prebuild(src, "90", compile_fn=fake_nvrtc) == []
+    assert nvrtc._binary("source two", "gdnviz_bisect", "90", fake_nvrtc) == (b"cubin of source two for sm_90", "disk")

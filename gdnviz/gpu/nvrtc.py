@@ -8,7 +8,8 @@ module's callers keep their fallback. ``usable()``: available and an NVIDIA buil
 
 Compiled binaries are also kept on disk (:func:`cache_dir`: ``$GDNVIZ_KERNEL_CACHE``, else
 ``$XDG_CACHE_HOME/gdnviz/cuda_kernels`` or ``~/.cache/gdnviz/cuda_kernels``; ``GDNVIZ_KERNEL_CACHE=0`` turns it off),
-keyed by a SHA-256 of the source, the entry name, the GPU's compute capability and the CUDA / NVRTC / torch versions.
+keyed by a SHA-256 of the source, the GPU's compute capability and the CUDA / NVRTC / torch versions (a
+source's entries — ``gdnviz_gram``, ``gdnviz_truncate``, ``gdnviz_project`` — share one compilation).
 NVRTC takes 7–45 s per build of the truncation kernel on this project's CPUs (``tests/test_cuda_truncate.py``
 compiles several), so without it every process paid that again at its first truncation; with it only the first
 process on a machine does, as with fla's and Triton's own on-disk caches. A cache file that cannot be read or
@@ -154,10 +155,11 @@ def compile_cached(source: str, name: str, device: torch.device):
         return _cuda_load_module(binary, [name])[name], origin
 
 
-def precompile(sources, capability: str, workers: int | None = None) -> list[tuple[str, str]]:
+def precompile(sources, capability: str, workers: int | None = None, compile_fn=None) -> list[tuple[str, str]]:
     """Compile ``sources`` (``[(source, name)]``) for ``capability`` into the disk cache in parallel processes, without
     a GPU (NVRTC needs none): ``[(name, origin)]``. For a machine's first process (``scripts/gpu/precompile.py``):
-    NVRTC is single-threaded and the truncation kernel's builds take 7–45 s each."""
+    NVRTC is single-threaded and the truncation kernel's builds take 7–45 s each. ``compile_fn(source, name, cap)
+    -> (cubin, lowered name)``: torch's ``_nvrtc_compile`` when None (another picklable function for tests)."""
     import multiprocessing
     from concurrent.futures import ProcessPoolExecutor
 
@@ -166,14 +168,15 @@ def precompile(sources, capability: str, workers: int | None = None) -> list[tup
     todo = list(dict.fromkeys(sources))
     n = workers or min(len(todo), os.cpu_count() or 1) or 1
     with ProcessPoolExecutor(max_workers=n, mp_context=multiprocessing.get_context("spawn")) as ex:  # no CUDA fork
-        return list(ex.map(_precompile_one, todo, [capability] * len(todo)))
+        return list(ex.map(_precompile_one, todo, [capability] * len(todo), [compile_fn] * len(todo)))
 
 
-def _precompile_one(item: tuple[str, str], capability: str) -> tuple[str, str]:
-    from torch.cuda._utils import _nvrtc_compile
+def _precompile_one(item: tuple[str, str], capability: str, compile_fn=None) -> tuple[str, str]:
+    if compile_fn is None:
+        from torch.cuda._utils import _nvrtc_compile as compile_fn
 
     source, name = item
-    return name, _binary(source, name, capability, _nvrtc_compile)[1]
+    return name, _binary(source, name, capability, compile_fn)[1]
 
 
 class Kernels:

@@ -18,8 +18,8 @@ def default_sources(K: int = 128, V: int = 128, profile: bool = False, dtypes: t
                     spectra: bool = True) -> list[tuple[str, str]]:
     """``[(source, entry)]`` of the builds runs on ``[K, V]`` states select with this process's switches: the
     truncation kernel's two block widths (its Gram and projection entries share each source) for ``dtypes``
-    ("float", "double"), optionally their ``GDNVIZ_PROFILE`` builds; the spectra's tridiagonalisation and bisection for ``K`` (``spectra``). Shapes the kernels do not
-    support are left out."""
+    ("float", "double"), optionally their ``GDNVIZ_PROFILE`` builds; the spectra's tridiagonalisation and bisection
+    for ``K`` (``spectra``). Shapes the kernels do not support are left out."""
     from gdnviz.gpu import cuda_bisect, cuda_tridiag, cuda_truncate as ct
 
     out = []
@@ -52,10 +52,10 @@ def missing(sources, capability: str) -> list[tuple[str, str]]:
     return out
 
 
-def prebuild(sources, capability: str, workers: int | None = None) -> list[tuple[str, str]]:
+def prebuild(sources, capability: str, workers: int | None = None, compile_fn=None) -> list[tuple[str, str]]:
     """Compile the :func:`missing` builds of ``sources`` in parallel processes: ``[(entry, origin)]`` of those
-    (empty when nothing is missing or the disk cache is off)."""
+    (empty when nothing is missing or the disk cache is off). ``compile_fn``: as in ``nvrtc.precompile``."""
     todo = missing(sources, capability)
     if not todo or nvrtc.cache_dir() is None:
         return []
-    return nvrtc.precompile(todo, capability, workers)
+    return nvrtc.precompile(todo, capability, workers, compile_fn)
