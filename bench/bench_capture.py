@@ -17,8 +17,8 @@ import time
 import torch
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-from bench.common import (device_name, emit, env, fla_conv_flip, qwen35_08b_config, random_model,  # noqa: E402
-                          run_parser, second_baselines, sync, timeit)
+from bench.common import (LAST_TIMES, device_name, emit, env, fla_conv_flip, qwen35_08b_config,  # noqa: E402
+                          random_model, run_parser, second_baselines, sync, timeit)
 
 
 def main():
@@ -72,6 +72,7 @@ def main():
             model.model(input_ids=ids, use_cache=False)
 
     t_plain = timeit(plain, dev, repeats=args.repeats)
+    plain_times = [round(x, 4) for x in LAST_TIMES]  # the spread: captures of identical settings differ by ~15 ms
     emit(what="plain_prefill", seconds=t_plain, **base)
     ratios = second_baselines(args.fla_conv_ab, plain, dev, args.repeats, t_plain, base)
 
@@ -87,8 +88,10 @@ def main():
         holder["c"] = capture_document(lm, ids[0].cpu(), L)
 
     t_cap = timeit(cap, dev, repeats=args.repeats)
+    cap_times = [round(x, 4) for x in LAST_TIMES]
     c = holder["c"]
     emit(what="capture", seconds=t_cap, baseline="plain_prefill", ratio=t_cap / t_plain, **ratios(t_cap),
+         seconds_each=cap_times, plain_prefill_seconds_each=plain_times,
          stored_mb=len(c.to_bytes()) / 2**20, boundaries=len(c.positions), backends=c.meta["backends"],
          readouts=c.meta.get("readouts"), pipelined=c.meta.get("pipelined"),
          statistics_seconds=c.meta.get("statistics_seconds"), **base)

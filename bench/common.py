@@ -48,8 +48,13 @@ def sync(device):
         torch.cuda.synchronize()
 
 
+#: The sorted wall times of the last :func:`timeit` call, seconds (for benches that report the spread).
+LAST_TIMES: list = []
+
+
 def timeit(fn, device, repeats=3, warmup=1):
-    """Median wall time in seconds over ``repeats`` after ``warmup`` calls (device synchronised)."""
+    """Median wall time in seconds over ``repeats`` after ``warmup`` calls (device synchronised); every time, sorted,
+    is left in :data:`LAST_TIMES`."""
     for _ in range(warmup):
         fn()
     sync(device)
@@ -61,6 +66,7 @@ def timeit(fn, device, repeats=3, warmup=1):
         sync(device)
         times.append(time.perf_counter() - t)
     times.sort()
+    LAST_TIMES[:] = times
     return times[len(times) // 2]
 
 
