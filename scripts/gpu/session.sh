@@ -41,6 +41,8 @@
 #   BENCH_SWEEP_SECONDS (90)    bench_sweep.py: prompts/s batched vs one at a time, 0.8B shape, 4K and 16K
 #                               (BENCH_SWEEP_ARGS replaces "--lengths 4096,16384 --n 8 --batch 8")
 #   DEMO_SECONDS (0)            the demo model's capture in two consecutive processes (autotune cache check)
+#   DECODE_SECONDS (0)          bench_decode.py: ms per greedy decode step, DynamicCache vs StaticCache vs one step
+#                               replayed from a CUDA graph (DECODE_ARGS replaces "--prompt 4096 --batch 1,4 --steps 64")
 set -x
 mkdir -p /tmp/site && for w in .whl/*.whl; do python3 -m zipfile -e "$w" /tmp/site; done
 export PYTHONPATH=/tmp/site:$PWD PYTHONUNBUFFERED=1
@@ -114,6 +116,11 @@ fi
 if on ${BENCH_SWEEP_SECONDS:-90}; then
   timeout ${BENCH_SWEEP_SECONDS:-90} python3 bench/bench_sweep.py --device cuda --model 0.8b \
       ${BENCH_SWEEP_ARGS:---lengths 4096,16384 --n 8 --batch 8} > $OUT/bench_sweep.log 2>&1; grep '^{' $OUT/bench_sweep.log | cut -c1-400
+fi
+# what a CUDA graph of the decode step would save (sweeps are decode-bound; issue #6 target 5)
+if on ${DECODE_SECONDS:-0}; then
+  timeout ${DECODE_SECONDS} python3 bench/bench_decode.py --device cuda ${DECODE_ARGS:---prompt 4096 --batch 1,4 --steps 64} \
+      > $OUT/bench_decode.log 2>&1; grep '^{' $OUT/bench_decode.log | cut -c1-400
 fi
 # the bundled demo model on the GPU: load, capture 4K tokens of a sample document (bf16, fla), time it -- in two
 # processes one after the other: the second shows whether fla's on-disk autotune cache (FLA_CACHE_RESULTS=1) and

@@ -1,0 +1,211 @@
+"""Decode steps per second: transformers' eager step (DynamicCache, as sweeps decode today) vs the same step through a
+StaticCache, eager and replayed from one CUDA graph — the measurement behind issue #6 target 5's next step.
+
+A retrieval sweep is decode-bound: at 4K tokens one prompt took 4.2 s on the H200 (thirteenth session), ~0.1 s of it
+the prefill and the rest 128 greedy tokens at ~31 ms each, which is transformers' host work per layer (the same
+~23-26 ms per step on this project's CPU with tiny widths). transformers 5.17's ``StaticCache`` gives hybrid configs
+``LinearAttentionAndStaticFullAttentionLayer`` layers: the attention KV is written by ``index_copy_`` at a device-side
+length and the GDN conv and recurrent states are updated in place, so one decode step can be captured in a CUDA
+graph and replayed with only the next token, its position and one mask column changed between replays.
+
+Rows (``--device cuda``: the 0.8B shape, random weights, bf16; ``--device cpu``: a 24-layer model of tiny widths,
+float32, without the graph):
+
+* ``decode_dynamic``: ms per step, eager, DynamicCache (the baseline);
+* ``decode_static``: ms per step, eager, StaticCache of ``prompt + steps`` positions, explicit position ids and
+  attention-mask columns; ``max_abs_logit_diff`` against the baseline's logits for the same tokens;
+* ``decode_graph``: ms per step replaying one captured step (CUDA); its logits against ``decode_static``'s
+  (same cache, same tokens), ``tokens_equal``; ``speedup`` against the baseline.
+
+    PYTHONPATH=$PWD python3 bench/bench_decode.py --device cuda --prompt 4096 --batch 1,4 --steps 64
+    PYTHONPATH=$PWD python3 bench/bench_decode.py --device cpu --prompt 256 --batch 1 --steps 8   # CPU smoke run
+
+Greedy tokens are fed back (teacher-forced across the three forms: every form decodes the baseline's tokens, so the
+logits are comparable step by step). The prompt is random tokens; nothing here goes through gdnviz's runner (no
+truncation): this measures what a graph could save before it is built into ``gdnviz.probes.batch``.
+"""
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+import time
+
+import torch
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+from bench.common import device_name, emit, qwen35_08b_config, random_model, sync  # noqa: E402
+
+
+def tiny_config():
+    from transformers import Qwen3_5TextConfig
+
+    return Qwen3_5TextConfig(
+        vocab_size=97, hidden_size=64, intermediate_size=128, num_hidden_layers=24,
+        layer_types=(["linear_attention"] * 3 + ["full_attention"]) * 6, num_attention_heads=4,
+        num_key_value_heads=2, head_dim=16, linear_num_key_heads=2, linear_num_value_heads=4, linear_key_head_dim=16,
+        linear_value_head_dim=16, linear_conv_kernel_dim=4, max_position_embeddings=8192, tie_word_embeddings=True)
+
+
+def cache_tensors(cache) -> list[torch.Tensor]:
+    """Every tensor a cache holds (attention keys/values and lengths, GDN conv and recurrent states)."""
+    out = []
+    for layer in cache.layers:
+        for v in vars(layer).values():
+            if isinstance(v, torch.Tensor):
+                out.append(v)
+            elif isinstance(v, dict):
+                out.extend(x for x in v.values() if isinstance(x, torch.Tensor))
+    return out
+
+
+class StaticDecoder:
+    """One greedy decode step through a StaticCache with static inputs: ``tok [B, 1]``, ``pos [B, 1]`` and a boolean
+    attention mask ``[B, 1, 1, M]`` over the cache's M positions (column j visible once position j is written)."""
+
+    def __init__(self, model, ids: torch.Tensor, steps: int):
+        from transformers import StaticCache
+
+        B, P = ids.shape
+        self.model, self.P = model, P
+        self.cache = StaticCache(config=model.config, max_cache_len=P + steps)
+        with torch.inference_mode():
+            self.prefill_logits = model(ids, past_key_values=self.cache, use_cache=True).logits[:, -1].float()
+        dev = ids.device
+        self.tok = torch.zeros(B, 1, dtype=torch.long, device=dev)
+        self.pos = torch.full((B, 1), P, dtype=torch.long, device=dev)
+        self.mask = torch.zeros(B, 1, 1, P + steps, dtype=torch.bool, device=dev)
+        self.mask[..., :P] = True
+        self.snapshot = [t.clone() for t in cache_tensors(self.cache)]
+        self.graph = None
+        self.out = None
+
+    def restore(self) -> None:
+        for t, s in zip(cache_tensors(self.cache), self.snapshot):
+            t.copy_(s)
+        self.pos.fill_(self.P)
+        self.mask.zero_()
+        self.mask[..., :self.P] = True
+
+    def _step(self) -> torch.Tensor:
+        with torch.inference_mode():
+            return self.model(input_ids=self.tok, position_ids=self.pos, past_key_values=self.cache, use_cache=True,
+                              attention_mask={"full_attention": self.mask, "linear_attention": None}).logits[:, -1]
+
+    def capture(self) -> None:
+        """Warm up on a side stream, restore the cache, capture one step (capturing runs no kernel)."""
+        s = torch.cuda.Stream()
+        s.wait_stream(torch.cuda.current_stream())
+        with torch.cuda.stream(s):
+            for _ in range(2):
+                self.set_step(0, self.tok)
+                self._step()
+        torch.cuda.current_stream().wait_stream(s)
+        self.restore()
+        self.graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(self.graph):
+            self.out = self._step()
+
+    def set_step(self, i: int, tok: torch.Tensor) -> None:
+        """Step i decodes ``tok`` at position P + i."""
+        self.tok.copy_(tok)
+        self.pos.fill_(self.P + i)
+        self.mask[..., self.P + i] = True
+
+    def run(self, tokens: list[torch.Tensor], graph: bool) -> list[torch.Tensor]:
+        self.restore()
+        logits = []
+        for i, t in enumerate(tokens):
+            self.set_step(i, t)
+            if graph:
+                self.graph.replay()
+                logits.append(self.out.float().clone())
+            else:
+                logits.append(self._step().float())
+        return logits
+
+
+def dynamic_decode(model, ids: torch.Tensor, steps: int):
+    """The baseline: greedy steps through a DynamicCache; returns (tokens fed [steps × [B, 1]], logits, seconds)."""
+    from transformers import DynamicCache
+
+    cache = DynamicCache(config=model.config)
+    with torch.inference_mode():
+        out = model(ids, past_key_values=cache, use_cache=True)
+        sync(ids.device)
+        tokens, logits = [], []
+        t = time.perf_counter()
+        nxt = out.logits[:, -1:].argmax(-1)
+        for _ in range(steps):
+            tokens.append(nxt)
+            out = model(nxt, past_key_values=cache, use_cache=True)
+            logits.append(out.logits[:, -1].float())
+            nxt = out.logits[:, -1:].argmax(-1)
+        sync(ids.device)
+    return tokens, logits, time.perf_counter() - t
+
+
+def max_diff(a: list, b: list) -> float:
+    return max((x - y).abs().max().item() for x, y in zip(a, b))
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
+    ap.add_argument("--prompt", type=int, default=4096, help="prompt tokens")
+    ap.add_argument("--batch", default="1,4")
+    ap.add_argument("--steps", type=int, default=64)
+    a = ap.parse_args()
+
+    from gdnviz.models import from_model
+
+    dev = torch.device(a.device)
+    if dev.type == "cuda":
+        model = random_model(qwen35_08b_config(), dev, torch.bfloat16)
+    else:
+        model = random_model(tiny_config(), dev, torch.float32)
+    from_model(model, "decode-bench")  # gdnviz's adapter: torch kernels on CPU, fla's on CUDA (no run is active)
+    base = dict(device=device_name(dev), prompt=a.prompt, steps=a.steps, dtype=str(next(model.parameters()).dtype),
+                layers=model.config.num_hidden_layers)
+    g = torch.Generator().manual_seed(0)
+    with torch.inference_mode():  # the caches' tensors are inference tensors: every in-place update happens inside
+        for B in (int(x) for x in a.batch.split(",") if x):
+            run_batch(model, dev, g, B, a, base)
+
+
+def run_batch(model, dev, g, B: int, a, base: dict) -> None:
+    """The three rows for batch size B (inside inference mode)."""
+    ids = torch.randint(10, model.config.vocab_size, (B, a.prompt), generator=g).to(dev)
+    dynamic_decode(model, ids, 2)  # warm-up (kernels compile and autotune at these shapes)
+    tokens, ref, t_dyn = dynamic_decode(model, ids, a.steps)
+    ms_dyn = t_dyn / a.steps * 1e3
+    emit(what="decode_dynamic", batch=B, ms_per_step=round(ms_dyn, 3), **base)
+    dec = StaticDecoder(model, ids, a.steps)
+    dec.run(tokens[:2], graph=False)  # warm-up
+    sync(dev)
+    t = time.perf_counter()
+    static = dec.run(tokens, graph=False)
+    sync(dev)
+    ms_static = (time.perf_counter() - t) / a.steps * 1e3
+    emit(what="decode_static", batch=B, ms_per_step=round(ms_static, 3), speedup=round(ms_dyn / ms_static, 2),
+         max_abs_logit_diff=max_diff(static, ref), logit_scale=max(x.abs().max().item() for x in ref), **base)
+    if dev.type != "cuda":
+        return
+    try:
+        dec.capture()
+    except Exception as e:  # noqa: BLE001 - a finding to report, not a crash of the bench
+        emit(what="decode_graph", batch=B, error=f"{type(e).__name__}: {str(e)[:400]}", **base)
+        return
+    dec.run(tokens[:2], graph=True)
+    sync(dev)
+    t = time.perf_counter()
+    graphed = dec.run(tokens, graph=True)
+    sync(dev)
+    ms_graph = (time.perf_counter() - t) / a.steps * 1e3
+    emit(what="decode_graph", batch=B, ms_per_step=round(ms_graph, 3), speedup=round(ms_dyn / ms_graph, 2),
+         max_abs_logit_diff_vs_static=max_diff(graphed, static),
+         tokens_equal=all(torch.equal(x.argmax(-1), y.argmax(-1)) for x, y in zip(graphed, static)), **base)
+
+
+if __name__ == "__main__":
+    main()
