@@ -173,6 +173,16 @@ def main() -> None:
             run_batch(model, dev, g, B, a, base)
 
 
+def timed_run(dec: StaticDecoder, tokens: list, graph: bool, dev) -> tuple[list, float]:
+    """(logits per step, ms per step) of ``dec.run`` after a two-step warm-up."""
+    dec.run(tokens[:2], graph=graph)
+    sync(dev)
+    t = time.perf_counter()
+    logits = dec.run(tokens, graph=graph)
+    sync(dev)
+    return logits, (time.perf_counter() - t) / len(tokens) * 1e3
+
+
 def run_batch(model, dev, g, B: int, a, base: dict) -> None:
     """The three rows for batch size B (inside inference mode)."""
     ids = torch.randint(10, model.config.vocab_size, (B, a.prompt), generator=g).to(dev)
@@ -181,12 +191,7 @@ def run_batch(model, dev, g, B: int, a, base: dict) -> None:
     ms_dyn = t_dyn / a.steps * 1e3
     emit(what="decode_dynamic", batch=B, ms_per_step=round(ms_dyn, 3), **base)
     dec = StaticDecoder(model, ids, a.steps)
-    dec.run(tokens[:2], graph=False)  # warm-up
-    sync(dev)
-    t = time.perf_counter()
-    static = dec.run(tokens, graph=False)
-    sync(dev)
-    ms_static = (time.perf_counter() - t) / a.steps * 1e3
+    static, ms_static = timed_run(dec, tokens, False, dev)
     emit(what="decode_static", batch=B, ms_per_step=round(ms_static, 3), speedup=round(ms_dyn / ms_static, 2),
          max_abs_logit_diff=max_diff(static, ref), logit_scale=max(x.abs().max().item() for x in ref), **base)
     if dev.type != "cuda":
@@ -196,12 +201,7 @@ def run_batch(model, dev, g, B: int, a, base: dict) -> None:
     except Exception as e:  # noqa: BLE001 - a finding to report, not a crash of the bench
         emit(what="decode_graph", batch=B, error=f"{type(e).__name__}: {str(e)[:400]}", **base)
         return
-    dec.run(tokens[:2], graph=True)
-    sync(dev)
-    t = time.perf_counter()
-    graphed = dec.run(tokens, graph=True)
-    sync(dev)
-    ms_graph = (time.perf_counter() - t) / a.steps * 1e3
+    graphed, ms_graph = timed_run(dec, tokens, True, dev)
     emit(what="decode_graph", batch=B, ms_per_step=round(ms_graph, 3), speedup=round(ms_dyn / ms_graph, 2),
          max_abs_logit_diff_vs_static=max_diff(graphed, static),
          tokens_equal=all(torch.equal(x.argmax(-1), y.argmax(-1)) for x, y in zip(graphed, static)), **base)
