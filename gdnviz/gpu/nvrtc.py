@@ -72,6 +72,12 @@ def cache_key(source: str, capability: str) -> str:
     return h.hexdigest()
 
 
+def cache_path(source: str, capability: str) -> str | None:
+    """The cache file of ``source``'s binary for ``capability``, or None when the disk cache is off."""
+    folder = cache_dir()
+    return os.path.join(folder, cache_key(source, capability) + ".cubin") if folder else None
+
+
 def read_cached(path: str) -> bytes | None:
     """The binary in a cache file, or None if it is missing, empty or not one of ours."""
     try:
@@ -110,8 +116,7 @@ def _binary(source: str, name: str, cap: str, compile_fn) -> tuple[bytes, str]:
     with _BIN_LOCK:
         if key in _BINARIES:
             return _BINARIES[key], "memory"
-        folder = cache_dir()
-        path = os.path.join(folder, key + ".cubin") if folder else None
+        path = cache_path(source, cap)
         binary = read_cached(path) if path else None
         origin = "disk"
         if binary is None:
@@ -145,10 +150,10 @@ def compile_cached(source: str, name: str, device: torch.device):
             raise
         with _BIN_LOCK:
             _BINARIES.pop(cache_key(source, cap), None)
-        folder = cache_dir()
-        if folder:
+        path = cache_path(source, cap)
+        if path:
             try:
-                os.unlink(os.path.join(folder, cache_key(source, cap) + ".cubin"))
+                os.unlink(path)
             except OSError:
                 pass
         binary, origin = _binary(source, name, cap, _nvrtc_compile)

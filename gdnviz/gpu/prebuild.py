@@ -9,8 +9,6 @@ Used by the worker's warm-up (``gdnviz.warmup``) and by ``scripts/gpu/precompile
 """
 from __future__ import annotations
 
-import os
-
 from gdnviz.gpu import nvrtc
 
 
@@ -41,13 +39,12 @@ def default_sources(K: int = 128, V: int = 128, profile: bool = False, dtypes: t
 
 def missing(sources, capability: str) -> list[tuple[str, str]]:
     """The builds of ``sources`` neither in this process's memory nor on disk."""
-    folder = nvrtc.cache_dir()
     out = []
     for src, name in dict.fromkeys(sources):
-        key = nvrtc.cache_key(src, capability)
-        if key in nvrtc._BINARIES:
+        if nvrtc.cache_key(src, capability) in nvrtc._BINARIES:
             continue
-        if folder is None or nvrtc.read_cached(os.path.join(folder, key + ".cubin")) is None:
+        path = nvrtc.cache_path(src, capability)
+        if path is None or nvrtc.read_cached(path) is None:
             out.append((src, name))
     return out
 
