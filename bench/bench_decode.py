@@ -70,17 +70,18 @@ class StaticDecoder:
         self.model, self.P = model, P
         self.cache = StaticCache(config=model.config, max_cache_len=P + steps)
         with torch.inference_mode():
-            self.prefill_logits = model(ids, past_key_values=self.cache, use_cache=True).logits[:, -1].float()
+            model(ids, past_key_values=self.cache, use_cache=True)  # the prefill fills the cache
         dev = ids.device
         self.tok = torch.zeros(B, 1, dtype=torch.long, device=dev)
-        self.pos = torch.full((B, 1), P, dtype=torch.long, device=dev)
-        self.mask = torch.zeros(B, 1, 1, P + steps, dtype=torch.bool, device=dev)
-        self.mask[..., :P] = True
+        self.pos = torch.empty(B, 1, dtype=torch.long, device=dev)
+        self.mask = torch.empty(B, 1, 1, P + steps, dtype=torch.bool, device=dev)
         self.snapshot = [t.clone() for t in cache_tensors(self.cache)]
         self.graph = None
         self.out = None
+        self.restore()
 
     def restore(self) -> None:
+        """The cache as the prefill left it; the next step at position P, with the prompt's P columns visible."""
         for t, s in zip(cache_tensors(self.cache), self.snapshot):
             t.copy_(s)
         self.pos.fill_(self.P)
