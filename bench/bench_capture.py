@@ -10,15 +10,17 @@ ratios. ``--profile N`` prints the top N ops of one capture.
 """
 from __future__ import annotations
 
+import contextlib
 import os
 import sys
 import time
 
+import numpy as np
 import torch
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 from bench.common import (LAST_TIMES, device_name, emit, env, fla_conv_flip, qwen35_08b_config,  # noqa: E402
-                          random_model, run_parser, second_baselines, sync, timeit)
+                          random_model, run_parser, second_baselines, sync, time_once, timeit)
 
 
 def main():
@@ -40,6 +42,11 @@ def main():
                     help="also the plain prefill with GDNVIZ_FLA_CONV=all (fla's causal_conv1d instead of "
                          "transformers' PyTorch fallback), a second baseline every capture row is also divided by, "
                          "and the capture with the other convolution than the default")
+    ap.add_argument("--env-ab", action="append", default=[],
+                    help="NAME=VALUE[,NAME=VALUE...]: the capture again with these environment variables set, timed "
+                         "in pairs with the default capture (default, switched; --repeats pairs), so the two share the "
+                         "process's drift; the row has both medians, the median of the pairs' ratios and how far the "
+                         "results moved; repeatable")
     args = ap.parse_args()
 
     from gdnviz import runner
@@ -106,12 +113,36 @@ def main():
             t_cap_b = timeit(cap, dev, repeats=args.repeats)
         emit(what="capture_keycone_blocked", seconds=t_cap_b, baseline="plain_prefill", ratio=t_cap_b / t_plain,
              **ratios(t_cap_b), **base)
+    for spec in args.env_ab:
+        pairs = [kv.split("=", 1) for kv in spec.split(",") if kv]
+
+        def cap_env():
+            with contextlib.ExitStack() as stack:
+                for k, v in pairs:
+                    stack.enter_context(env(k, v))
+                holder["e"] = capture_document(lm, ids[0].cpu(), L)
+
+        cap_env()  # first call: kernels of the switched path compile here
+        ta, tb = [], []
+        for _ in range(args.repeats):
+            ta.append(time_once(cap, dev))
+            tb.append(time_once(cap_env, dev))
+        med = lambda xs: sorted(xs)[len(xs) // 2]  # noqa: E731
+        a, b = holder["c"], holder["e"]
+        emit(what="capture_env_" + "_".join(f"{k.removeprefix('GDNVIZ_').lower()}{v}" for k, v in pairs),
+             seconds=med(tb), default_seconds=med(ta), paired_ratio=med([y / x for x, y in zip(ta, tb)]),
+             baseline="plain_prefill", ratio=med(tb) / t_plain, default_ratio=med(ta) / t_plain, **ratios(med(tb)),
+             seconds_each=[round(x, 4) for x in tb], default_seconds_each=[round(x, 4) for x in ta],
+             max_rel_sv_diff=float(np.max(np.abs(a.sv - b.sv) / np.maximum(b.sv[..., :1], 1e-30))),
+             max_rel_keycone_diff={n: float(np.nanmax(np.abs(a.keycone[n] - b.keycone[n]) /
+                                                      np.maximum(np.abs(b.keycone[n]), 1e-300)))
+                                   for n in b.keycone},
+             statistics_seconds=b.meta.get("statistics_seconds"), **base)
     if dev.type == "cuda" and not args.no_compare:  # the same capture with each layer's statistics inline
         def cap_inline():
             holder["i"] = capture_document(lm, ids[0].cpu(), L, pipeline=False)
 
         t_inl = timeit(cap_inline, dev, repeats=args.repeats)
-        import numpy as np
 
         emit(what="capture_inline_statistics", seconds=t_inl, baseline="plain_prefill", ratio=t_inl / t_plain,
              pipelined_speedup=t_inl / t_cap, sv_identical=bool(np.array_equal(holder["i"].sv, c.sv)),
@@ -123,7 +154,6 @@ def main():
     if dev.type == "cuda" and not args.no_compare:  # the one-pass read-out is CUDA-only (CPU: both are the loop)
         t_loop = timeit(cap_loop, dev, repeats=args.repeats)
         emit(what="capture_segment_loop", seconds=t_loop, baseline="plain_prefill", ratio=t_loop / t_plain, **base)
-        import numpy as np
 
         a, b = holder["c"], holder["s"]
         emit(what="capture_one_pass_vs_loop_max_rel_sv_diff",

@@ -5,7 +5,7 @@ median of --repeats), then every layer of a whole capture's statistics with the 
 
     python bench/bench_capture_stats.py --device cuda --tokens 16384
 
-One JSON line per component: ms per layer, and × the number of GDN layers (18) as ms per capture. Components:
+One JSON line per component (keys float32, as a capture hands them; `--key-dtype bfloat16` otherwise): ms per layer, and × the number of GDN layers (18) as ms per capture. Components:
 ``keycone_parts`` (the key cone's sums and eigenvalues), ``keycone_sums`` (the sums alone, as a capture runs them),
 ``layer_input`` (that + gates, key mean and samples, and their copies to the host), ``svdvals`` (the boundary states'
 spectra), ``layer_end`` (the spectra with the key cone's matrices' eigenvalues in the same solve, the final state,
@@ -23,7 +23,7 @@ from types import SimpleNamespace
 import torch
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-from bench.common import device_name, emit, run_parser, timeit  # noqa: E402
+from bench.common import device_name, emit, env, run_parser, timeit  # noqa: E402
 
 
 def main():
@@ -34,6 +34,12 @@ def main():
     ap.add_argument("--repeats", type=int, default=3)
     ap.add_argument("--variants", action="store_true", help="also time the eighth session's NaN check of the spectra")
     ap.add_argument("--profile", type=int, default=0, help="CUDA kernels of one keycone_parts call (top N)")
+    ap.add_argument("--key-dtype", default="float32",
+                    help="the keys' dtype: float32 as a capture hands them (on_layer_input; before the fourteenth "
+                         "session this bench used bfloat16), or bfloat16")
+    ap.add_argument("--kernel-configs", default="",
+                    help="BK,BT,WARPS[:BK,BT,WARPS...]: also time the key-cone kernel alone with each tile "
+                         "configuration (GDNVIZ_KEYCONE_KERNEL_CFG), float32 and bfloat16 keys")
     args = ap.parse_args()
     from gdnviz.analysis.keycone import keycone_parts, keycone_sums
     from gdnviz.capture import CaptureCallback, batched_svdvals
@@ -42,14 +48,14 @@ def main():
     T, L, H, K, NL = args.tokens, args.segment_len, args.heads, args.dk, args.layers
     gen = torch.Generator().manual_seed(0)
     keys = torch.randn(1, T, H, K, generator=gen)
-    keys = (keys / torch.linalg.vector_norm(keys, dim=-1, keepdim=True)).to(dev, torch.bfloat16)
+    keys = (keys / torch.linalg.vector_norm(keys, dim=-1, keepdim=True)).to(dev, getattr(torch, args.key_dtype))
     g = torch.log(torch.rand(1, T, H, generator=gen) * 0.1 + 0.9).to(dev)
     beta = torch.rand(1, T, H, generator=gen).to(dev, torch.bfloat16)
     nb = T // L
     states = (torch.randn(nb, 1, H, K, K, generator=gen) / K).to(dev)  # [NB, B=1, H, K, V] as the runner hands them
     final = states[-1].clone()
     info = SimpleNamespace(gdn_layers=list(range(NL)), num_heads=H, d_k=K, d_v=K)
-    base = dict(device=device_name(dev), tokens=T, segment_len=L, heads=H, d_k=K, layers=NL)
+    base = dict(device=device_name(dev), tokens=T, segment_len=L, heads=H, d_k=K, layers=NL, key_dtype=args.key_dtype)
 
     def row(what, seconds, **kw):
         emit(what=what, ms_per_layer=seconds * 1e3, ms_per_capture=seconds * 1e3 * NL, **kw, **base)
@@ -58,16 +64,40 @@ def main():
     row("keycone_sums", timeit(lambda: keycone_sums(keys[0], g[0]), dev, args.repeats))  # what a capture runs
     from gdnviz.analysis import keycone
 
+    def rel(x, y) -> float:
+        return max(float(((x[n] - y[n]).abs().max() / y[n].abs().max().clamp_min(1e-300))) for n in ("C", "P"))
+
+    # A/B: the Triton kernel (keycone.CUDA_KERNEL, the sums read once from the bf16 keys) vs the torch form
+    from gdnviz.gpu import keycone_kernel
+
+    if keycone_kernel.available(keys):  # CUDA (or the CPU under TRITON_INTERPRET=1: a smoke run of these rows)
+        row("keycone_sums_kernel", timeit(lambda: keycone_sums(keys[0], g[0], kernel=True), dev, args.repeats))
+        row("keycone_sums_torch", timeit(lambda: keycone_sums(keys[0], g[0], kernel=False), dev, args.repeats))
+        for name, kk in (("short", keys[0]), ("all_tokens", keys[0])):  # windows of ~10 tokens / all T (α = 1)
+            gg = g[0] if name == "short" else torch.zeros_like(g[0])
+            kn, kt_ = keycone_sums(kk, gg, kernel=True), keycone_sums(kk, gg, kernel=False)
+            emit(what=f"keycone_sums_kernel_vs_torch_{name}_windows", max_rel_diff=rel(kn, kt_),
+                 ms_kernel=timeit(lambda: keycone_sums(kk, gg, kernel=True), dev, args.repeats) * 1e3,
+                 ms_torch=timeit(lambda: keycone_sums(kk, gg, kernel=False), dev, args.repeats) * 1e3, **base)
+        for cfg in (c for c in args.kernel_configs.split(":") if c):
+            with env("GDNVIZ_KEYCONE_KERNEL_CFG", cfg):
+                for kd in (torch.float32, torch.bfloat16):
+                    kx = keys[0].to(kd)
+                    ref = keycone_sums(kx, g[0], kernel=False)
+                    emit(what="keycone_kernel_config", config=cfg, keys=str(kd).replace("torch.", ""),
+                         ms_per_layer=timeit(lambda: keycone_sums(kx, g[0], kernel=True), dev, args.repeats) * 1e3,
+                         max_rel_diff=rel(keycone_sums(kx, g[0], kernel=True), ref), **base)
     split, keycone.CUDA_SPLIT_TOKENS = keycone.CUDA_SPLIT_TOKENS, 0  # A/B: one GEMM per head over all tokens
-    row("keycone_sums_unsplit", timeit(lambda: keycone_sums(keys[0], g[0]), dev, args.repeats))
-    a = keycone_sums(keys[0], g[0])
+    row("keycone_sums_unsplit", timeit(lambda: keycone_sums(keys[0], g[0], kernel=False), dev, args.repeats))
+    a = keycone_sums(keys[0], g[0], kernel=False)
     keycone.CUDA_SPLIT_TOKENS = split
-    b = keycone_sums(keys[0], g[0])
+    b = keycone_sums(keys[0], g[0], kernel=False)
     emit(what="keycone_sums_split_vs_unsplit", max_rel_diff=max(
         float(((b[n] - a[n]).abs().max() / a[n].abs().max().clamp_min(1e-300))) for n in ("C", "P")), **base)
     # A/B: the blocked single-pass form (keycone.CUDA_BLOCKED; left off after the twelfth session's measurement)
-    row("keycone_sums_blocked", timeit(lambda: keycone_sums(keys[0], g[0], blocked=True), dev, args.repeats))
-    c = keycone_sums(keys[0], g[0], blocked=True)
+    row("keycone_sums_blocked", timeit(lambda: keycone_sums(keys[0], g[0], blocked=True, kernel=False), dev,
+                                       args.repeats))
+    c = keycone_sums(keys[0], g[0], blocked=True, kernel=False)
     emit(what="keycone_sums_blocked_vs_default", max_rel_diff=max(
         float(((c[n] - b[n]).abs().max() / b[n].abs().max().clamp_min(1e-300))) for n in ("C", "P")), **base)
     if args.variants:  # the eighth session's NaN check of the spectra: every entry, then the states copied

@@ -70,6 +70,15 @@ def timeit(fn, device, repeats=3, warmup=1):
     return times[len(times) // 2]
 
 
+def time_once(fn, device) -> float:
+    """Wall seconds of one call of ``fn`` (device synchronised before and after)."""
+    sync(device)
+    t = time.perf_counter()
+    fn()
+    sync(device)
+    return time.perf_counter() - t
+
+
 def device_name(device) -> str:
     dev = torch.device(device)
     if dev.type == "cuda":

@@ -73,6 +73,11 @@ CUDA_SPLIT_TOKENS = 1024
 #: --blocked-ab``: 4.5 and 17 ms less, ~10 ms between timings). ``GDNVIZ_KEYCONE_BLOCKED=1``
 #: (or ``=0``) overrides it, read at each call, so a benchmark can time a whole capture both ways in one process.
 CUDA_BLOCKED = False
+#: :func:`keycone_sums` on CUDA through one Triton kernel (``gdnviz.gpu.keycone_kernel``: the keys read once as they
+#: are, float64 products on the tensor cores, the window's products only for token blocks that reach into the
+#: window). ``GDNVIZ_KEYCONE_KERNEL=0`` (or ``=1``) overrides it, read at each call. Takes precedence over
+#: :data:`CUDA_BLOCKED`.
+CUDA_KERNEL = True
 #: Relative tolerance when rounding a horizon up to a window: 1/(1−0.9) = 10.000000000000002 is 10 tokens.
 _CEIL_RTOL = 1e-9
 
@@ -80,6 +85,11 @@ _CEIL_RTOL = 1e-9
 def _blocked_default() -> bool:
     """:data:`CUDA_BLOCKED`, or ``GDNVIZ_KEYCONE_BLOCKED`` when set (``0`` off, anything else on)."""
     return env_switch("GDNVIZ_KEYCONE_BLOCKED", CUDA_BLOCKED)
+
+
+def _kernel_default() -> bool:
+    """:data:`CUDA_KERNEL`, or ``GDNVIZ_KEYCONE_KERNEL`` when set (``0`` off, anything else on)."""
+    return env_switch("GDNVIZ_KEYCONE_KERNEL", CUDA_KERNEL)
 
 
 def _tensor(x: Any) -> torch.Tensor:
@@ -393,7 +403,8 @@ def _blocked_sums(kt: torch.Tensor, start: torch.Tensor, ampT: torch.Tensor, p: 
     return s, Gwa[:, K, :K], Gwa[:, :K, :K], _gram_head_major(y)
 
 
-def keycone_sums(k: Any, g: Any, chunk: int | None = None, blocked: bool | None = None) -> dict[str, torch.Tensor]:
+def keycone_sums(k: Any, g: Any, chunk: int | None = None, blocked: bool | None = None,
+                 kernel: bool | None = None) -> dict[str, torch.Tensor]:
     """The sums over tokens of :func:`keycone_parts`, before its eigenvalues: float64 tensors on the keys' device,
     **without a host synchronisation**. A capture (``gdnviz.capture``) solves the two ``[H, K, K]`` matrices'
     eigenvalues together with the layer's boundary states' spectra, in one launch of the same kernels.
@@ -408,6 +419,9 @@ def keycone_sums(k: Any, g: Any, chunk: int | None = None, blocked: bool | None 
     chunk: tokens per float64 chunk; None = :data:`CUDA_CHUNK` on CUDA, :data:`CHUNK` elsewhere.
     blocked: the single-pass form :func:`_blocked_sums` (blocks of :data:`CUDA_SPLIT_TOKENS` tokens, or 1,024 when
     that is 0; ``chunk`` unused); None = :data:`CUDA_BLOCKED` on CUDA, off elsewhere.
+    kernel: the sums in one Triton kernel (``gdnviz.gpu.keycone_kernel.keycone_sums_kernel``, the keys read as they
+    are; ``chunk`` and ``blocked`` unused); None = :data:`CUDA_KERNEL` on CUDA where Triton is installed, off
+    elsewhere; True where the kernel cannot run (CPU without ``TRITON_INTERPRET=1``) raises.
 
     Returns ``{"horizon": [H], "mean_key_norm": [H], "C": [H, K, K], "P": [H, K, K]}``: ``C`` the window covariance
     (:func:`window_key_covariance`), ``P`` the decayed key covariance (:func:`decayed_key_covariance`).
@@ -426,6 +440,15 @@ def keycone_sums(k: Any, g: Any, chunk: int | None = None, blocked: bool | None 
     w = torch.clamp(torch.ceil(hh), min=2.0).clamp(max=float(T))
     start = float(T) - w  # [H]: token t is in head h's window iff t >= start[h]
     ampT = torch.exp(_suffix_log_decay(g64)).T  # [H, T]: √w_t of the decayed covariance
+    if kernel is None:
+        from gdnviz.gpu import keycone_kernel as _kk
+
+        kernel = dev.type == "cuda" and _kernel_default() and _kk.available(kt)
+    if kernel:
+        from gdnviz.gpu.keycone_kernel import keycone_sums_kernel
+
+        s, sw, Gw, P = keycone_sums_kernel(kt.to(dev), ampT, start)
+        return _keycone_result(horizon, s, sw, Gw, P, w, T)
     if blocked if blocked is not None else (_blocked_default() and dev.type == "cuda"):
         s, sw, Gw, P = _blocked_sums(kt.to(dev), start, ampT, CUDA_SPLIT_TOKENS or 1024)
         return _keycone_result(horizon, s, sw, Gw, P, w, T)
