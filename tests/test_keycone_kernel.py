@@ -6,8 +6,8 @@ gdnviz.analysis.keycone (its CPU path, itself pinned to the reference functions 
   128, windows before, inside and past the keys, a block size that does not divide T, another tile configuration,
   NaN keys outside (exact zeros) and inside a window; ``keycone_sums(kernel=True)`` = ``kernel=False``.
 * CPU, offline compile for sm_90a (Triton needs no GPU to compile): both input forms lower, with float64 MMA, no TF32.
-* CUDA (``@pytest.mark.gpu``): ``keycone_sums`` on the GPU (the kernel by default) = the CPU's float64 sums, float32
-  and bfloat16 keys, and the switch.
+* CUDA (``@pytest.mark.gpu``): ``keycone_sums`` on the GPU through the kernel and through the torch form (the
+  default) = the CPU's float64 sums, float32 and bfloat16 keys.
 """
 from __future__ import annotations
 
@@ -214,8 +214,8 @@ def test_kernel_compiles_for_the_h200(keys):
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_kernel_on_gpu_equals_cpu(dtype):
-    """keycone_sums on CUDA through the kernel (the default there) equals the CPU's float64 sums of the same keys,
-    for windows of a few tokens, ~T/2 and all T; the kernel actually ran (the switch off gives the torch form)."""
+    """keycone_sums on CUDA through the kernel (``kernel=True``; the GPU's default is the torch form, also checked)
+    equals the CPU's float64 sums of the same keys, for windows of a few tokens, ~T/2 and all T."""
     from gdnviz.analysis import keycone
     from gdnviz.gpu import keycone_kernel as kk
 
@@ -227,9 +227,9 @@ def test_kernel_on_gpu_equals_cpu(dtype):
     g[:, 1], g[:, 2] = np.log(1 - 2.0 / T), 0.0
     kt = torch.from_numpy(k).to(dtype)
     gt = torch.from_numpy(g)
-    assert kk.available(kt.cuda()) and keycone._kernel_default()
+    assert kk.available(kt.cuda())
     cpu = keycone.keycone_sums(kt.double(), gt)  # the same (rounded) keys in float64 on the CPU
-    gpu = keycone.keycone_sums(kt.cuda(), gt.cuda())
+    gpu = keycone.keycone_sums(kt.cuda(), gt.cuda(), kernel=True)
     torch_form = keycone.keycone_sums(kt.cuda(), gt.cuda(), kernel=False)
     for name in ("C", "P", "mean_key_norm", "horizon"):
         np.testing.assert_allclose(gpu[name].cpu().numpy(), cpu[name].numpy(), rtol=1e-10, atol=1e-13)

@@ -75,9 +75,12 @@ CUDA_SPLIT_TOKENS = 1024
 CUDA_BLOCKED = False
 #: :func:`keycone_sums` on CUDA through one Triton kernel (``gdnviz.gpu.keycone_kernel``: the keys read once as they
 #: are, float64 products on the tensor cores, the window's products only for token blocks that reach into the
-#: window). ``GDNVIZ_KEYCONE_KERNEL=0`` (or ``=1``) overrides it, read at each call. Takes precedence over
-#: :data:`CUDA_BLOCKED`.
-CUDA_KERNEL = True
+#: window). Off: measured on the H200 (fourteenth session) it is faster alone (1.05 vs 1.40 ms per layer of 16K
+#: float32 keys, ``bench/bench_capture_stats.py``) but a 16K capture with it was 5% slower (paired timings,
+#: ``bench_capture.py --env-ab``: 0.180 vs 0.172 s): its programs hold an SM's whole register file for ~0.8 ms per
+#: layer, where the torch form's passes share the SMs with the forward running beside them. ``GDNVIZ_KEYCONE_KERNEL=1``
+#: (or ``=0``) overrides it, read at each call. Takes precedence over :data:`CUDA_BLOCKED`.
+CUDA_KERNEL = False
 #: Relative tolerance when rounding a horizon up to a window: 1/(1−0.9) = 10.000000000000002 is 10 tokens.
 _CEIL_RTOL = 1e-9
 
