@@ -46,7 +46,6 @@ with ~300 synchronous device→host copies and the key cone's eigenvalues on the
 """
 from __future__ import annotations
 
-import contextlib
 import io
 import json
 import time
@@ -60,7 +59,6 @@ import torch
 
 from gdnviz import runner
 from gdnviz.errors import EmptyDocument, JobCancelled
-from gdnviz.gpu.nvrtc import env_switch
 
 CAPTURE_VERSION = "capture-v1"
 KEY_SAMPLE = 256
@@ -425,31 +423,6 @@ class CaptureCallback:
         return res
 
 
-#: On CUDA with pipelined statistics, run the model's forward on a stream of the highest priority, so that the
-#: statistics on their side stream (default priority) take the SMs the forward leaves idle rather than delaying it.
-#: ``GDNVIZ_CAPTURE_PRIORITY=1`` (or ``=0``) overrides it, read at each capture.
-FORWARD_PRIORITY = False
-
-
-@contextlib.contextmanager
-def _forward_stream(lm, pipeline: bool | None):
-    """The forward's stream for one capture (:data:`FORWARD_PRIORITY`): a new highest-priority stream that first
-    waits for the current one and that the current one waits for at the end; else nothing changes."""
-    dev = next(lm.model.parameters()).device
-    on = env_switch("GDNVIZ_CAPTURE_PRIORITY", FORWARD_PRIORITY)
-    if dev.type != "cuda" or not on or (pipeline is not None and not pipeline):
-        yield
-        return
-    cur = torch.cuda.current_stream(dev)
-    hp = torch.cuda.Stream(dev, priority=-100)  # mapped to the device's highest priority
-    hp.wait_stream(cur)
-    try:
-        with torch.cuda.stream(hp):
-            yield
-    finally:
-        cur.wait_stream(hp)
-
-
 def capture_document(lm, input_ids, segment_len: int = runner.DEFAULT_SEGMENT_LEN, *, name: str = "",
                      progress: Callable | None = None, cancel: Callable | None = None,
                      fast_states: bool = True, pipeline: bool | None = None) -> CaptureResult:
@@ -470,9 +443,8 @@ def capture_document(lm, input_ids, segment_len: int = runner.DEFAULT_SEGMENT_LE
     cb = CaptureCallback(lm.info, T, segment_len, progress=progress, cancel=cancel, pipeline=pipeline)
     t0 = time.perf_counter()
     try:
-        with _forward_stream(lm, pipeline):
-            out = runner.forward(lm, ids, segment_len=segment_len, callbacks=[cb], keep_hidden=False,
-                                 fast_states=fast_states)
+        out = runner.forward(lm, ids, segment_len=segment_len, callbacks=[cb], keep_hidden=False,
+                             fast_states=fast_states)
     except BaseException:
         try:
             cb.close()  # let the statistics in flight on the GPU finish before the error leaves
