@@ -224,7 +224,8 @@ def test_mixed_ranks_run_in_graphs_with_the_fused_kernel(monkeypatch):
     eager, ctx_e, _ = _run(lm, x, spec, graphs="eager", L=256)
     ref, _, cb_ref = _run(lm, x, spec, graphs=False, L=256)
     assert "segment-graph" in ctx.readouts, (ctx.readouts, scan_graph._BROKEN)
-    assert any(k[-1][0] == "truncate-fused" for k in scan_graph._GRAPHS)
+    # the boundary function's key is one of the graph key's parts (its position moved when the key grew)
+    assert any(isinstance(part, tuple) and part[:1] == ("truncate-fused",) for k in scan_graph._GRAPHS for part in k)
     assert torch.equal(got, eager)
     assert cb.n_calls == cb_ref.n_calls
     assert (got.log_softmax(-1) - ref.log_softmax(-1)).abs().max() < 0.1
