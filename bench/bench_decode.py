@@ -1,9 +1,10 @@
-"""Decode steps per second: transformers' eager step (DynamicCache, as sweeps decode today) vs the same step through a
-StaticCache, eager and replayed from one CUDA graph — the measurement behind issue #6 target 5's next step.
+"""Decode steps per second: gdnviz's own decode step (``runner.forward`` one token at a time, as sweeps and
+``gdnviz.generate`` decode) vs the same step through a StaticCache, eager and replayed from one CUDA graph — the
+measurement behind issue #6 target 5's next step.
 
-A retrieval sweep is decode-bound: at 4K tokens one prompt took 4.2 s on the H200 (thirteenth session), ~0.1 s of it
-the prefill and the rest 128 greedy tokens at ~31 ms each, which is transformers' host work per layer (the same
-~23-26 ms per step on this project's CPU with tiny widths). transformers 5.17's ``StaticCache`` gives hybrid configs
+A retrieval sweep is decode-bound: at 4K tokens 82–93% of a sweep is the 128-token greedy decode (``bench_sweep.py``'s
+``prefill_only`` rows, fourteenth session), ~31 ms per token on the H200, which is host work per layer (the same
+~23-30 ms per step on this project's CPU with tiny widths). transformers 5.17's ``StaticCache`` gives hybrid configs
 ``LinearAttentionAndStaticFullAttentionLayer`` layers: the attention KV is written by ``index_copy_`` at a device-side
 length and the GDN conv and recurrent states are updated in place, so one decode step can be captured in a CUDA
 graph and replayed with only the next token, its position and one mask column changed between replays.
@@ -11,18 +12,21 @@ graph and replayed with only the next token, its position and one mask column ch
 Rows (``--device cuda``: the 0.8B shape, random weights, bf16; ``--device cpu``: a 24-layer model of tiny widths,
 float32, without the graph):
 
-* ``decode_dynamic``: ms per step, eager, DynamicCache (the baseline);
-* ``decode_static``: ms per step, eager, StaticCache of ``prompt + steps`` positions, explicit position ids and
-  attention-mask columns; ``max_abs_logit_diff`` against the baseline's logits for the same tokens;
-* ``decode_graph``: ms per step replaying one captured step (CUDA); its logits against ``decode_static``'s
-  (same cache, same tokens), ``tokens_equal``; ``speedup`` against the baseline.
+* ``decode_runner``: ms per step, gdnviz's runner through the run's DynamicCache (the baseline; its greedy tokens are
+  fed to every other form, so the logits compare step by step);
+* ``decode_static``: ms per step, eager, transformers' forward through a StaticCache of ``prompt + steps``
+  positions with explicit position ids and attention-mask columns; ``max_abs_logit_diff`` against the baseline;
+* ``decode_graph``: ms per step replaying one captured StaticCache step (CUDA); its logits against
+  ``decode_static``'s (same cache, same tokens), ``tokens_equal``; ``speedup`` against the baseline;
+* ``decode_dynamic`` (``--dynamic``, last): transformers' own decode through a DynamicCache. On the H200 (fourteenth
+  session, fla's kernels outside any gdnviz run) it hit an illegal memory access at 4K and gave NaN logits at 1K,
+  so it runs last and only when asked.
 
     PYTHONPATH=$PWD python3 bench/bench_decode.py --device cuda --prompt 4096 --batch 1,4 --steps 64
     PYTHONPATH=$PWD python3 bench/bench_decode.py --device cpu --prompt 256 --batch 1 --steps 8   # CPU smoke run
 
-Greedy tokens are fed back (teacher-forced across the three forms: every form decodes the baseline's tokens, so the
-logits are comparable step by step). The prompt is random tokens; nothing here goes through gdnviz's runner (no
-truncation): this measures what a graph could save before it is built into ``gdnviz.probes.batch``.
+The prompt is random tokens; no truncation: this measures what a graph could save before it is built into
+``gdnviz.probes.batch`` (the StaticCache forms run transformers' layers, not gdnviz's scan).
 """
 from __future__ import annotations
 
@@ -126,24 +130,43 @@ class StaticDecoder:
         return logits
 
 
-def dynamic_decode(model, ids: torch.Tensor, steps: int):
-    """The baseline: greedy steps through a DynamicCache; returns (tokens fed [steps × [B, 1]], logits, seconds)."""
+def runner_decode(lm, ids: torch.Tensor, steps: int):
+    """The baseline: greedy steps as gdnviz decodes (``gdnviz.generate`` / ``gdnviz.probes.batch``: ``runner.forward``
+    one token at a time through the run's DynamicCache, the GDN layers through gdnviz's scan); returns (tokens fed
+    [steps × [B, 1]], logits, seconds)."""
+    from gdnviz import runner
+
+    ctx = runner.RunContext(segment_len=runner.DEFAULT_SEGMENT_LEN)
+    out = runner.forward(lm, ids, use_cache=True, logits_positions="last", keep_hidden=False, ctx=ctx)
+    sync(ids.device)
+    tokens, logits = [], []
+    t = time.perf_counter()
+    nxt = out.logits[:, -1:].argmax(-1)
+    for _ in range(steps):
+        tokens.append(nxt)
+        out = runner.forward(lm, nxt, use_cache=True, cache=out.cache, logits_positions="last", keep_hidden=False,
+                             ctx=ctx)
+        logits.append(out.logits[:, -1].float())
+        nxt = out.logits[:, -1:].argmax(-1)
+    sync(ids.device)
+    return tokens, logits, time.perf_counter() - t
+
+
+def dynamic_decode(model, ids: torch.Tensor, tokens: list):
+    """transformers' own decode through a DynamicCache (fla's kernels on CUDA, outside any gdnviz run), fed
+    ``tokens``; returns (logits, seconds)."""
     from transformers import DynamicCache
 
     cache = DynamicCache(config=model.config)
-    with torch.inference_mode():
-        out = model(ids, past_key_values=cache, use_cache=True)
-        sync(ids.device)
-        tokens, logits = [], []
-        t = time.perf_counter()
-        nxt = out.logits[:, -1:].argmax(-1)
-        for _ in range(steps):
-            tokens.append(nxt)
-            out = model(nxt, past_key_values=cache, use_cache=True)
-            logits.append(out.logits[:, -1].float())
-            nxt = out.logits[:, -1:].argmax(-1)
-        sync(ids.device)
-    return tokens, logits, time.perf_counter() - t
+    model(ids, past_key_values=cache, use_cache=True)
+    sync(ids.device)
+    logits = []
+    t = time.perf_counter()
+    for nxt in tokens:
+        out = model(nxt, past_key_values=cache, use_cache=True)
+        logits.append(out.logits[:, -1].float())
+    sync(ids.device)
+    return logits, time.perf_counter() - t
 
 
 def max_diff(a: list, b: list) -> float:
@@ -156,6 +179,9 @@ def main() -> None:
     ap.add_argument("--prompt", type=int, default=4096, help="prompt tokens")
     ap.add_argument("--batch", default="1,4")
     ap.add_argument("--steps", type=int, default=64)
+    ap.add_argument("--dynamic", action="store_true",
+                    help="also transformers' own decode through a DynamicCache, last (on the H200 it hit an illegal "
+                         "memory access / NaN logits with fla's kernels in the fourteenth session)")
     a = ap.parse_args()
 
     from gdnviz.models import from_model
@@ -165,13 +191,13 @@ def main() -> None:
         model = random_model(qwen35_08b_config(), dev, torch.bfloat16)
     else:
         model = random_model(tiny_config(), dev, torch.float32)
-    from_model(model, "decode-bench")  # gdnviz's adapter: torch kernels on CPU, fla's on CUDA (no run is active)
+    lm = from_model(model, "decode-bench")  # gdnviz's adapter: torch kernels on CPU, fla's on CUDA
     base = dict(device=device_name(dev), prompt=a.prompt, steps=a.steps, dtype=str(next(model.parameters()).dtype),
                 layers=model.config.num_hidden_layers)
     g = torch.Generator().manual_seed(0)
     with torch.inference_mode():  # the caches' tensors are inference tensors: every in-place update happens inside
         for B in (int(x) for x in a.batch.split(",") if x):
-            run_batch(model, dev, g, B, a, base)
+            run_batch(lm, dev, g, B, a, base)
 
 
 def timed_run(dec: StaticDecoder, tokens: list, graph: bool, dev) -> tuple[list, float]:
@@ -184,26 +210,37 @@ def timed_run(dec: StaticDecoder, tokens: list, graph: bool, dev) -> tuple[list,
     return logits, (time.perf_counter() - t) / len(tokens) * 1e3
 
 
-def run_batch(model, dev, g, B: int, a, base: dict) -> None:
-    """The three rows for batch size B (inside inference mode)."""
+def run_batch(lm, dev, g, B: int, a, base: dict) -> None:
+    """The rows for batch size B (inside inference mode)."""
+    model = lm.model
     ids = torch.randint(10, model.config.vocab_size, (B, a.prompt), generator=g).to(dev)
-    dynamic_decode(model, ids, 2)  # warm-up (kernels compile and autotune at these shapes)
-    tokens, ref, t_dyn = dynamic_decode(model, ids, a.steps)
-    ms_dyn = t_dyn / a.steps * 1e3
-    emit(what="decode_dynamic", batch=B, ms_per_step=round(ms_dyn, 3), **base)
+    runner_decode(lm, ids, 2)  # warm-up (kernels compile and autotune at these shapes)
+    tokens, ref, t_run = runner_decode(lm, ids, a.steps)
+    ms_ref = t_run / a.steps * 1e3
+    emit(what="decode_runner", batch=B, ms_per_step=round(ms_ref, 3),
+         logit_scale=max(x.abs().max().item() for x in ref), **base)
     dec = StaticDecoder(model, ids, a.steps)
     static, ms_static = timed_run(dec, tokens, False, dev)
-    emit(what="decode_static", batch=B, ms_per_step=round(ms_static, 3), speedup=round(ms_dyn / ms_static, 2),
-         max_abs_logit_diff=max_diff(static, ref), logit_scale=max(x.abs().max().item() for x in ref), **base)
-    if dev.type != "cuda":
-        return
+    emit(what="decode_static", batch=B, ms_per_step=round(ms_static, 3), speedup=round(ms_ref / ms_static, 2),
+         max_abs_logit_diff=max_diff(static, ref), **base)
+    if dev.type == "cuda":
+        graph_rows(dec, tokens, static, ms_ref, dev, B, base)
+    if a.dynamic:
+        dynamic_decode(model, ids, tokens[:2])
+        dyn, t_dyn = dynamic_decode(model, ids, tokens)
+        emit(what="decode_dynamic", batch=B, ms_per_step=round(t_dyn / a.steps * 1e3, 3),
+             max_abs_logit_diff=max_diff(dyn, ref), **base)
+
+
+def graph_rows(dec: "StaticDecoder", tokens: list, static: list, ms_ref: float, dev, B: int, base: dict) -> None:
+    """The graphed step's row (CUDA): ms per step replayed, its logits against the eager StaticCache step's."""
     try:
         dec.capture()
     except Exception as e:  # noqa: BLE001 - a finding to report, not a crash of the bench
         emit(what="decode_graph", batch=B, error=f"{type(e).__name__}: {str(e)[:400]}", **base)
         return
     graphed, ms_graph = timed_run(dec, tokens, True, dev)
-    emit(what="decode_graph", batch=B, ms_per_step=round(ms_graph, 3), speedup=round(ms_dyn / ms_graph, 2),
+    emit(what="decode_graph", batch=B, ms_per_step=round(ms_graph, 3), speedup=round(ms_ref / ms_graph, 2),
          max_abs_logit_diff_vs_static=max_diff(graphed, static),
          tokens_equal=all(torch.equal(x.argmax(-1), y.argmax(-1)) for x, y in zip(graphed, static)), **base)
 

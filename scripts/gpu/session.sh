@@ -41,7 +41,7 @@
 #   BENCH_SWEEP_SECONDS (90)    bench_sweep.py: prompts/s batched vs one at a time, 0.8B shape, 4K and 16K
 #                               (BENCH_SWEEP_ARGS replaces "--lengths 4096,16384 --n 8 --batch 8")
 #   DEMO_SECONDS (0)            the demo model's capture in two consecutive processes (autotune cache check)
-#   DECODE_SECONDS (0)          bench_decode.py: ms per greedy decode step, DynamicCache vs StaticCache vs one step
+#   DECODE_SECONDS (0)          bench_decode.py: ms per greedy decode step, gdnviz's runner vs StaticCache vs one step
 #                               replayed from a CUDA graph (DECODE_ARGS replaces "--prompt 4096 --batch 1,4 --steps 64")
 set -x
 mkdir -p /tmp/site && for w in .whl/*.whl; do python3 -m zipfile -e "$w" /tmp/site; done
