@@ -37,6 +37,11 @@ Inputs: a capture hands float32 keys (``on_layer_input``), read as they are. Tri
 don't support largeK MMA"; nor through ``tl.interleave``), so bfloat16 keys are read as int32 words of two keys and
 widened by a shift or a mask (exact, :func:`_operand`); float16 keys are copied to float32 first.
 
+Measured on the H200 (fourteenth session, ``bench/RESULTS.md``): 1.05 ms per layer of 16K float32 keys against the
+torch form's 1.40 alone (the float64 MMA reaches only ~8 TFLOP/s here), but a pipelined 16K capture was 4–5%
+slower with it (paired timings on two machines), so ``keycone.CUDA_KERNEL`` leaves it off; ``GDNVIZ_KEYCONE_KERNEL=1``
+turns it on.
+
 CPU: runs under the Triton interpreter only (``TRITON_INTERPRET=1``, tests); the library's CPU path is the torch form.
 """
 from __future__ import annotations
@@ -205,7 +210,7 @@ def _operand(keys: torch.Tensor) -> tuple[torch.Tensor, bool]:
 
     Triton 3.6 cannot feed a float64 ``tl.dot`` from 16-bit loads: it gives the operand the 16-bit layout's wide K
     and fails to lower (``Currently fp64 don't support largeK MMA``). bfloat16 keys with a contiguous last axis of
-    even length and even strides are read as int32 words (a view, no copy) and widened by shifts (exact); other
+    even length and even strides are read as int32 words (a view, no copy) and widened by a shift or a mask (exact); other
     16-bit keys (float16, odd strides) are copied to float32 first (exact), one pass over the keys. float32 and
     float64 keys are read as they are."""
     if keys.dtype not in (torch.float16, torch.bfloat16):
