@@ -210,9 +210,9 @@ def _operand(keys: torch.Tensor) -> tuple[torch.Tensor, bool]:
 
     Triton 3.6 cannot feed a float64 ``tl.dot`` from 16-bit loads: it gives the operand the 16-bit layout's wide K
     and fails to lower (``Currently fp64 don't support largeK MMA``). bfloat16 keys with a contiguous last axis of
-    even length and even strides are read as int32 words (a view, no copy) and widened by a shift or a mask (exact); other
-    16-bit keys (float16, odd strides) are copied to float32 first (exact), one pass over the keys. float32 and
-    float64 keys are read as they are."""
+    even length and even strides are read as int32 words (a view, no copy) and widened by a shift or a mask
+    (exact); other 16-bit keys (float16, odd strides) are copied to float32 first (exact), one pass over the keys.
+    float32 and float64 keys are read as they are."""
     if keys.dtype not in (torch.float16, torch.bfloat16):
         return keys, False
     K = keys.shape[-1]
