@@ -5,7 +5,8 @@ median of --repeats), then every layer of a whole capture's statistics with the 
 
     python bench/bench_capture_stats.py --device cuda --tokens 16384
 
-One JSON line per component (keys float32, as a capture hands them; `--key-dtype bfloat16` otherwise): ms per layer, and × the number of GDN layers (18) as ms per capture. Components:
+One JSON line per component (keys float32, as a capture hands them; ``--key-dtype bfloat16`` otherwise): ms per
+layer, and × the number of GDN layers (18) as ms per capture. Components:
 ``keycone_parts`` (the key cone's sums and eigenvalues), ``keycone_sums`` (the sums alone, as a capture runs them),
 ``layer_input`` (that + gates, key mean and samples, and their copies to the host), ``svdvals`` (the boundary states'
 spectra), ``layer_end`` (the spectra with the key cone's matrices' eigenvalues in the same solve, the final state,

@@ -491,19 +491,21 @@ def test_blocked_keycone_sums_keep_nan_keys_outside_their_windows(monkeypatch):
     assert torch.isnan(sums["C"][2]).all() and torch.isnan(ref["C"][2]).all()
 
 
+@pytest.mark.parametrize("attr, var, read", [("CUDA_BLOCKED", "GDNVIZ_KEYCONE_BLOCKED", "_blocked_default"),
+                                             ("CUDA_KERNEL", "GDNVIZ_KEYCONE_KERNEL", "_kernel_default")])
 @pytest.mark.parametrize("env, module, want", [("", False, False), ("", True, True), ("1", False, True),
                                                 ("0", True, False)])
-def test_keycone_blocked_switch(env, module, want, monkeypatch):
-    """GDNVIZ_KEYCONE_BLOCKED, when set, overrides keycone.CUDA_BLOCKED (read at each call: a benchmark times a whole
-    capture both ways in one process)."""
+def test_keycone_switches(attr, var, read, env, module, want, monkeypatch):
+    """GDNVIZ_KEYCONE_BLOCKED / GDNVIZ_KEYCONE_KERNEL, when set, override keycone.CUDA_BLOCKED / CUDA_KERNEL (read at
+    each call: a benchmark times a whole capture both ways in one process)."""
     from gdnviz.analysis import keycone
 
-    monkeypatch.setattr(keycone, "CUDA_BLOCKED", module)
+    monkeypatch.setattr(keycone, attr, module)
     if env:
-        monkeypatch.setenv("GDNVIZ_KEYCONE_BLOCKED", env)
+        monkeypatch.setenv(var, env)
     else:
-        monkeypatch.delenv("GDNVIZ_KEYCONE_BLOCKED", raising=False)
-    assert keycone._blocked_default() is want
+        monkeypatch.delenv(var, raising=False)
+    assert getattr(keycone, read)() is want
 
 
 @pytest.mark.gpu

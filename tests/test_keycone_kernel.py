@@ -7,7 +7,7 @@ gdnviz.analysis.keycone (its CPU path, itself pinned to the reference functions 
   NaN keys outside (exact zeros) and inside a window; ``keycone_sums(kernel=True)`` = ``kernel=False``.
 * CPU, offline compile for sm_90a (Triton needs no GPU to compile): both input forms lower, with float64 MMA, no TF32.
 * CUDA (``@pytest.mark.gpu``): ``keycone_sums`` on the GPU through the kernel and through the torch form (the
-  default) = the CPU's float64 sums, float32 and bfloat16 keys.
+  default) = the CPU's float64 sums, float32 and bfloat16 keys. (The switch GDNVIZ_KEYCONE_KERNEL: tests/test_analysis.py.)
 """
 from __future__ import annotations
 
@@ -165,20 +165,6 @@ def test_validation_and_cpu_without_interpreter():
         keycone_sums(k, torch.full((20, 2), -0.1), kernel=True)
     out = keycone_sums(k, torch.full((20, 2), -0.1))  # the default on the CPU: the torch form
     assert out["P"].shape == (2, 16, 16)
-
-
-@pytest.mark.parametrize("env, module, want", [("", False, False), ("", True, True), ("1", False, True),
-                                                ("0", True, False)])
-def test_keycone_kernel_switch(env, module, want, monkeypatch):
-    """GDNVIZ_KEYCONE_KERNEL, when set, overrides keycone.CUDA_KERNEL (read at each call)."""
-    from gdnviz.analysis import keycone
-
-    monkeypatch.setattr(keycone, "CUDA_KERNEL", module)
-    if env:
-        monkeypatch.setenv("GDNVIZ_KEYCONE_KERNEL", env)
-    else:
-        monkeypatch.delenv("GDNVIZ_KEYCONE_KERNEL", raising=False)
-    assert keycone._kernel_default() is want
 
 
 @pytest.mark.slow
