@@ -7,7 +7,9 @@ gdnviz.analysis.keycone (its CPU path, itself pinned to the reference functions 
   NaN keys outside (exact zeros) and inside a window; ``keycone_sums(kernel=True)`` = ``kernel=False``.
 * CPU, offline compile for sm_90a (Triton needs no GPU to compile): both input forms lower, with float64 MMA, no TF32.
 * CUDA (``@pytest.mark.gpu``): ``keycone_sums`` on the GPU through the kernel and through the torch form (the
-  default) = the CPU's float64 sums, float32 and bfloat16 keys. (The switch GDNVIZ_KEYCONE_KERNEL: tests/test_analysis.py.)
+  default) = the CPU's float64 sums, float32 and bfloat16 keys.
+
+The switch ``GDNVIZ_KEYCONE_KERNEL`` is tested with the other key-cone switch in tests/test_analysis.py.
 """
 from __future__ import annotations
 
