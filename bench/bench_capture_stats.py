@@ -66,20 +66,20 @@ def main():
     from gdnviz.analysis import keycone
 
     def rel(x, y) -> float:
+        """Largest relative difference of the sums C and P of ``x`` from those of ``y``."""
         return max(float(((x[n] - y[n]).abs().max() / y[n].abs().max().clamp_min(1e-300))) for n in ("C", "P"))
 
-    # A/B: the Triton kernel (keycone.CUDA_KERNEL, the sums read once from the bf16 keys) vs the torch form
+    # A/B: the Triton kernel (keycone.CUDA_KERNEL, left off: the sums read once from the keys) vs the torch form
     from gdnviz.gpu import keycone_kernel
 
     if keycone_kernel.available(keys):  # CUDA (or the CPU under TRITON_INTERPRET=1: a smoke run of these rows)
         row("keycone_sums_kernel", timeit(lambda: keycone_sums(keys[0], g[0], kernel=True), dev, args.repeats))
         row("keycone_sums_torch", timeit(lambda: keycone_sums(keys[0], g[0], kernel=False), dev, args.repeats))
-        for name, kk in (("short", keys[0]), ("all_tokens", keys[0])):  # windows of ~10 tokens / all T (α = 1)
-            gg = g[0] if name == "short" else torch.zeros_like(g[0])
-            kn, kt_ = keycone_sums(kk, gg, kernel=True), keycone_sums(kk, gg, kernel=False)
-            emit(what=f"keycone_sums_kernel_vs_torch_{name}_windows", max_rel_diff=rel(kn, kt_),
-                 ms_kernel=timeit(lambda: keycone_sums(kk, gg, kernel=True), dev, args.repeats) * 1e3,
-                 ms_torch=timeit(lambda: keycone_sums(kk, gg, kernel=False), dev, args.repeats) * 1e3, **base)
+        for name, gg in (("short", g[0]), ("all_tokens", torch.zeros_like(g[0]))):  # windows of ~10 tokens / all T
+            emit(what=f"keycone_sums_kernel_vs_torch_{name}_windows",
+                 max_rel_diff=rel(keycone_sums(keys[0], gg, kernel=True), keycone_sums(keys[0], gg, kernel=False)),
+                 ms_kernel=timeit(lambda: keycone_sums(keys[0], gg, kernel=True), dev, args.repeats) * 1e3,
+                 ms_torch=timeit(lambda: keycone_sums(keys[0], gg, kernel=False), dev, args.repeats) * 1e3, **base)
         for cfg in (c for c in args.kernel_configs.split(":") if c):
             with env("GDNVIZ_KEYCONE_KERNEL_CFG", cfg):
                 for kd in (torch.float32, torch.bfloat16):
@@ -93,14 +93,12 @@ def main():
     a = keycone_sums(keys[0], g[0], kernel=False)
     keycone.CUDA_SPLIT_TOKENS = split
     b = keycone_sums(keys[0], g[0], kernel=False)
-    emit(what="keycone_sums_split_vs_unsplit", max_rel_diff=max(
-        float(((b[n] - a[n]).abs().max() / a[n].abs().max().clamp_min(1e-300))) for n in ("C", "P")), **base)
+    emit(what="keycone_sums_split_vs_unsplit", max_rel_diff=rel(b, a), **base)
     # A/B: the blocked single-pass form (keycone.CUDA_BLOCKED; left off after the twelfth session's measurement)
     row("keycone_sums_blocked", timeit(lambda: keycone_sums(keys[0], g[0], blocked=True, kernel=False), dev,
                                        args.repeats))
     c = keycone_sums(keys[0], g[0], blocked=True, kernel=False)
-    emit(what="keycone_sums_blocked_vs_default", max_rel_diff=max(
-        float(((c[n] - b[n]).abs().max() / b[n].abs().max().clamp_min(1e-300))) for n in ("C", "P")), **base)
+    emit(what="keycone_sums_blocked_vs_default", max_rel_diff=rel(c, b), **base)
     if args.variants:  # the eighth session's NaN check of the spectra: every entry, then the states copied
         flat = states[:, 0].reshape(-1, K, K)
 
