@@ -20,7 +20,7 @@ import torch
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 from bench.common import (LAST_TIMES, device_name, emit, env, fla_conv_flip, qwen35_08b_config,  # noqa: E402
-                          random_model, run_parser, second_baselines, sync, time_once, timeit)
+                          median, random_model, run_parser, second_baselines, sync, time_once, timeit)
 
 
 def main():
@@ -127,11 +127,11 @@ def main():
         for _ in range(args.repeats):
             ta.append(time_once(cap, dev))
             tb.append(time_once(cap_env, dev))
-        med = lambda xs: sorted(xs)[len(xs) // 2]  # noqa: E731
         a, b = holder["c"], holder["e"]
+        mb, ma = median(tb), median(ta)
         emit(what="capture_env_" + "_".join(f"{k.removeprefix('GDNVIZ_').lower()}{v}" for k, v in pairs),
-             seconds=med(tb), default_seconds=med(ta), paired_ratio=med([y / x for x, y in zip(ta, tb)]),
-             baseline="plain_prefill", ratio=med(tb) / t_plain, default_ratio=med(ta) / t_plain, **ratios(med(tb)),
+             seconds=mb, default_seconds=ma, paired_ratio=median([y / x for x, y in zip(ta, tb)]),
+             baseline="plain_prefill", ratio=mb / t_plain, default_ratio=ma / t_plain, **ratios(mb),
              seconds_each=[round(x, 4) for x in tb], default_seconds_each=[round(x, 4) for x in ta],
              max_rel_sv_diff=float(np.max(np.abs(a.sv - b.sv) / np.maximum(b.sv[..., :1], 1e-30))),
              max_rel_keycone_diff={n: float(np.nanmax(np.abs(a.keycone[n] - b.keycone[n]) /

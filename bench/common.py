@@ -52,24 +52,6 @@ def sync(device):
 LAST_TIMES: list = []
 
 
-def timeit(fn, device, repeats=3, warmup=1):
-    """Median wall time in seconds over ``repeats`` after ``warmup`` calls (device synchronised); every time, sorted,
-    is left in :data:`LAST_TIMES`."""
-    for _ in range(warmup):
-        fn()
-    sync(device)
-    times = []
-    for _ in range(repeats):
-        sync(device)
-        t = time.perf_counter()
-        fn()
-        sync(device)
-        times.append(time.perf_counter() - t)
-    times.sort()
-    LAST_TIMES[:] = times
-    return times[len(times) // 2]
-
-
 def time_once(fn, device) -> float:
     """Wall seconds of one call of ``fn`` (device synchronised before and after)."""
     sync(device)
@@ -77,6 +59,22 @@ def time_once(fn, device) -> float:
     fn()
     sync(device)
     return time.perf_counter() - t
+
+
+def median(xs) -> float:
+    """The middle value of ``xs`` (the upper one of the two middle values for an even count)."""
+    xs = sorted(xs)
+    return xs[len(xs) // 2]
+
+
+def timeit(fn, device, repeats=3, warmup=1):
+    """Median wall time in seconds over ``repeats`` after ``warmup`` calls (device synchronised); every time, sorted,
+    is left in :data:`LAST_TIMES`."""
+    for _ in range(warmup):
+        fn()
+    sync(device)
+    LAST_TIMES[:] = sorted(time_once(fn, device) for _ in range(repeats))
+    return median(LAST_TIMES)
 
 
 def device_name(device) -> str:

@@ -444,9 +444,11 @@ def keycone_sums(k: Any, g: Any, chunk: int | None = None, blocked: bool | None 
     start = float(T) - w  # [H]: token t is in head h's window iff t >= start[h]
     ampT = torch.exp(_suffix_log_decay(g64)).T  # [H, T]: √w_t of the decayed covariance
     if kernel is None:
-        from gdnviz.gpu import keycone_kernel as _kk
+        kernel = dev.type == "cuda" and _kernel_default()
+        if kernel:  # the kernel's module imports Triton: only where it may run
+            from gdnviz.gpu.keycone_kernel import available
 
-        kernel = dev.type == "cuda" and _kernel_default() and _kk.available(kt)
+            kernel = available(kt)
     if kernel:
         from gdnviz.gpu.keycone_kernel import keycone_sums_kernel
 
