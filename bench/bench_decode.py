@@ -98,7 +98,11 @@ class StaticDecoder:
                               attention_mask={"full_attention": self.mask, "linear_attention": None}).logits[:, -1]
 
     def capture(self) -> None:
-        """Warm up on a side stream, restore the cache, capture one step (capturing runs no kernel)."""
+        """Warm up on a side stream from the prefill's cache, restore it, capture one step (capturing runs no
+        kernel). The restore before the warm-up matters: after a timed run the attention layers' device-side
+        ``cumulative_length`` stands at the cache's end, and the warm-up's writes went past it (``index_copy_():
+        index out of bounds`` on the H200, fourteenth session)."""
+        self.restore()
         s = torch.cuda.Stream()
         s.wait_stream(torch.cuda.current_stream())
         with torch.cuda.stream(s):
