@@ -14,6 +14,9 @@ float32, without the graph):
 
 * ``decode_runner``: ms per step, gdnviz's runner through the run's DynamicCache (the baseline; its greedy tokens are
   fed to every other form, so the logits compare step by step);
+* ``decode_gdnviz_static`` / ``decode_gdnviz_graph`` (CUDA): gdnviz's ``StaticDecoder`` (``gdnviz.static_decode``,
+  what ``gdnviz.generate`` and sweeps run on CUDA since the fifteenth session), its steps eager / replayed from a CUDA
+  graph, building the StaticCache, warm-up and capture included; logits against the baseline's;
 * ``decode_static``: ms per step, eager, transformers' forward through a StaticCache of ``prompt + steps``
   positions with explicit position ids and attention-mask columns; ``max_abs_logit_diff`` against the baseline;
 * ``decode_graph``: ms per step replaying one captured StaticCache step (CUDA); its logits against
@@ -156,6 +159,24 @@ def runner_decode(lm, ids: torch.Tensor, steps: int):
     return tokens, logits, time.perf_counter() - t
 
 
+def gdnviz_static_decode(lm, ids: torch.Tensor, tokens: list, graph: bool):
+    """gdnviz's own decoder (``gdnviz.static_decode.StaticDecoder``, what ``gdnviz.generate`` and sweeps run on
+    CUDA) after a runner prefill, fed ``tokens``: (logits, ms per step, replays). The time includes building the
+    StaticCache, the eager warm-up step and the capture, as every generation pays them."""
+    from gdnviz import runner
+    from gdnviz.static_decode import StaticDecoder
+
+    ctx = runner.RunContext(segment_len=runner.DEFAULT_SEGMENT_LEN)
+    out = runner.forward(lm, ids, use_cache=True, logits_positions="last", keep_hidden=False, ctx=ctx)
+    sync(ids.device)
+    t = time.perf_counter()
+    dec = StaticDecoder(lm, ctx, out.cache, len(tokens), graph=graph) if ids.shape[0] == 1 else StaticDecoder(
+        lm, ctx, out.cache, len(tokens), attention_mask=torch.ones(ids.shape, dtype=torch.long), graph=graph)
+    logits = [dec.step(nxt.reshape(-1)) for nxt in tokens]
+    sync(ids.device)
+    return logits, (time.perf_counter() - t) / len(tokens) * 1e3, dec.replays
+
+
 def dynamic_decode(model, ids: torch.Tensor, tokens: list):
     """transformers' own decode through a DynamicCache (fla's kernels on CUDA, outside any gdnviz run), fed
     ``tokens``; returns (logits, seconds)."""
@@ -223,6 +244,11 @@ def run_batch(lm, dev, g, B: int, a, base: dict) -> None:
     ms_ref = t_run / a.steps * 1e3
     emit(what="decode_runner", batch=B, ms_per_step=round(ms_ref, 3),
          logit_scale=max(x.abs().max().item() for x in ref), **base)
+    for graph in ((False, True) if dev.type == "cuda" else (False,)):
+        gd, ms_gd, replays = gdnviz_static_decode(lm, ids, tokens, graph)
+        emit(what="decode_gdnviz_graph" if graph else "decode_gdnviz_static", batch=B, ms_per_step=round(ms_gd, 3),
+             speedup=round(ms_ref / ms_gd, 2), max_abs_logit_diff=max_diff(gd, ref), replays=replays,
+             tokens_equal=all(torch.equal(x.argmax(-1), y.argmax(-1)) for x, y in zip(gd, ref)), **base)
     dec = StaticDecoder(model, ids, a.steps)
     static, ms_static = timed_run(dec, tokens, False, dev)
     emit(what="decode_static", batch=B, ms_per_step=round(ms_static, 3), speedup=round(ms_ref / ms_static, 2),

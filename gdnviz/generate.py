@@ -5,6 +5,9 @@ the chosen heads are cut to rank r. Decoding continues the same run through the 
 forward, and **truncation continues during decoding**: whenever the absolute position (prompt + generated tokens)
 crosses a multiple of L, the chosen heads are cut again, exactly as if the generated text had been part of the
 document. The partial segment at the end of the prompt is not cut until its boundary is reached.
+
+On CUDA the decode steps run through a StaticCache and, between boundaries, are replayed from one CUDA graph
+(``gdnviz.static_decode``; ``GDNVIZ_DECODE_GRAPH=0`` keeps the DynamicCache steps).
 """
 from __future__ import annotations
 
@@ -14,6 +17,7 @@ import torch
 
 from gdnviz import runner
 from gdnviz.intervene import TruncateCallback, TruncationSpec
+from gdnviz.static_decode import StaticDecoder, graph_reason
 
 
 @dataclass
@@ -36,14 +40,22 @@ def greedy_generate(lm, prompt_ids, max_new_tokens: int = 32, *, segment_len: in
     if stop_ids is None:
         stop_ids = _stop_ids(lm)
     out = runner.forward(lm, ids, use_cache=True, logits_positions="last", keep_hidden=False, ctx=ctx)
-    cache, tokens = out.cache, []
-    for _ in range(max_new_tokens):
-        nxt = int(out.logits[0, -1].argmax())
+    cache, tokens, logits = out.cache, [], out.logits[0, -1]
+    dec = None  # on CUDA: steps through a StaticCache, replayed from a CUDA graph between boundaries
+    if max_new_tokens > 1 and graph_reason(lm, ctx, lm.device) is None:
+        dec = StaticDecoder(lm, ctx, cache, max_new_tokens - 1)
+    for k in range(max_new_tokens):
+        nxt = int(logits.argmax())
         if nxt in stop_ids:
             break
         tokens.append(nxt)
-        out = runner.forward(lm, torch.tensor([[nxt]]), use_cache=True, cache=cache, logits_positions="last",
-                             keep_hidden=False, ctx=ctx)
+        if k == max_new_tokens - 1:
+            break
+        if dec is not None:
+            logits = dec.step([nxt])[0]
+        else:
+            logits = runner.forward(lm, torch.tensor([[nxt]]), use_cache=True, cache=cache, logits_positions="last",
+                                    keep_hidden=False, ctx=ctx).logits[0, -1]
     text = lm.tokenizer.decode(tokens, skip_special_tokens=True) if lm.tokenizer is not None else ""
     return Generation(prompt_len=ids.shape[1], tokens=tokens, text=text, readouts=tuple(sorted(ctx.readouts)))
 

@@ -195,9 +195,11 @@ def gdn_scan(ctx: RunContext, layer: int, q_hat, k_hat, v, g, beta, initial_stat
                 if offset + c - start > 0}
     else:
         cuts = boundary_cuts(offset, T, ctx.segment_len)
-    if not _boundary_callbacks(ctx) and kernels.backend_for(v.device) == "fla":
-        # nothing happens at any boundary: one kernel call (pads are the exact no-op; fla's chunk kernel gives the
-        # loop's result, and no state read-out is computed for nobody)
+    if (not cuts or not _boundary_callbacks(ctx)) and kernels.backend_for(v.device) == "fla":
+        # nothing happens at any boundary (none in this call, e.g. a decode step between boundaries, or no callback
+        # acts at one): one kernel call, what the segment loop would run (pads are the exact no-op; fla's chunk
+        # kernel gives the loop's result, and no state read-out is computed for nobody). Host work only: a decode
+        # step replayed from a CUDA graph (gdnviz.static_decode) captures just this call
         ctx.readouts.add("one-call")
         out, state = kernels.core(q_in, k_in, v, g, beta, state)
         return _finish(ctx, layer, offset, T, out, state, v.dtype)

@@ -17,7 +17,8 @@ A batch is left-padded to a common length. Three things keep every row's run ide
    ``cumsum(mask) - 1`` (pads 0; Qwen3.5 expands a 2-D ``position_ids`` to its four mrope rows, all equal for text,
    which is plain RoPE) — what ``generate()`` does for left padding.
 
-Decoding continues the same run through the cache; truncation continues at each row's own boundaries. The fla
+Decoding continues the same run through the cache; truncation continues at each row's own boundaries. On CUDA the
+decode steps run through a StaticCache, replayed from one CUDA graph between boundaries (``gdnviz.static_decode``). The fla
 family runs one prompt at a time (its layers turn a padding mask into packed sequences, which gdnviz's scan
 refuses).
 """
@@ -32,6 +33,7 @@ from gdnviz import runner
 from gdnviz.errors import EmptyDocument, EmptyDocumentSet
 from gdnviz.generate import Generation, _stop_ids, greedy_generate
 from gdnviz.intervene import TruncateCallback, TruncationSpec
+from gdnviz.static_decode import StaticDecoder, graph_reason
 
 __all__ = ["pad_left", "batched_forward", "batched_token_nll", "batched_greedy"]
 
@@ -144,8 +146,12 @@ def batched_greedy(lm, prompts: Sequence, max_new_tokens: int = 32, *,
     n_real = mask.sum(-1)  # the position of each row's next token
     tokens: list[list[int]] = [[] for _ in range(B)]
     done = [False] * B
+    logits = out.logits[:, -1]
+    dec = None  # on CUDA: steps through a StaticCache, replayed from a CUDA graph between boundaries
+    if max_new_tokens > 1 and graph_reason(lm, ctx, lm.device) is None:
+        dec = StaticDecoder(lm, ctx, cache, max_new_tokens - 1, attention_mask=mask, positions=n_real)
     for step in range(max_new_tokens):
-        nxt = out.logits[:, -1].argmax(-1).tolist()
+        nxt = logits.argmax(-1).tolist()
         for b in range(B):
             if not done[b]:
                 if nxt[b] in stop_ids:
@@ -154,10 +160,14 @@ def batched_greedy(lm, prompts: Sequence, max_new_tokens: int = 32, *,
                     tokens[b].append(int(nxt[b]))
         if all(done) or step == max_new_tokens - 1:
             break
+        if dec is not None:
+            logits = dec.step(nxt)
+            continue
         feed = torch.tensor([[t] for t in nxt], dtype=torch.long)
         mask = torch.cat([mask, torch.ones(B, 1, dtype=torch.long)], dim=1)
         out = runner.forward(lm, feed, use_cache=True, cache=cache, logits_positions="last", keep_hidden=False,
                              ctx=ctx, attention_mask=mask, position_ids=n_real.reshape(B, 1))
+        logits = out.logits[:, -1]
         n_real = n_real + 1
     tok = lm.tokenizer
     return [Generation(prompt_len=len(p), tokens=t, text=tok.decode(t, skip_special_tokens=True) if tok else "")

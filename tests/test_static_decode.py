@@ -1,0 +1,180 @@
+"""gdnviz.static_decode: decode steps through a StaticCache equal the runner's DynamicCache steps (CPU, every
+family, batched, truncated, boundaries while decoding); on CUDA a step replayed from a CUDA graph equals the eager
+static step bit for bit, and greedy answers equal the DynamicCache path's."""
+import pytest
+import torch
+
+import tiny_models
+from gdnviz import runner, static_decode
+from gdnviz.generate import greedy_generate
+from gdnviz.intervene import TruncateCallback, TruncationSpec
+from gdnviz.models import from_model
+from gdnviz.probes.batch import batched_forward, batched_greedy
+
+L = 16
+LENS = [45, 30, 7]
+STEPS = 20  # 45 + 20 crosses 48 and 64: boundaries while decoding, for every row at its own positions
+
+
+class Recorder:
+    """Every boundary a row reached (its own position) and the last state per layer."""
+
+    def __init__(self):
+        self.bounds, self.final = set(), {}
+
+    def on_boundary(self, layer, position, state, rows=None):
+        for b in ([0] if rows is None else rows.tolist()):
+            self.bounds.add((layer, int(position), b))
+
+    def on_layer_end(self, layer, position, state):
+        self.final[layer] = state.clone()
+
+
+def _prompts(n_lens, vocab=97, seed=0):
+    g = torch.Generator().manual_seed(seed)
+    return [torch.randint(0, vocab, (n,), generator=g).tolist() for n in n_lens]
+
+
+def _models():
+    return {"qwen3_5": tiny_models.qwen3_5(), "qwen3_5_moe": tiny_models.qwen3_5_moe(),
+            "qwen3_next": tiny_models.qwen3_next()}
+
+
+def _decode_both(lm, prompts, spec):
+    """Greedy-feed the same tokens through the DynamicCache runner steps and a StaticDecoder (both after the same
+    batched prefill); returns (dynamic logits, static logits, recorders, decoder)."""
+    res = []
+    feed = None
+    dec = None
+    for form in ("dynamic", "static"):
+        rec = Recorder()
+        out, ctx, mask, starts = batched_forward(lm, prompts, segment_len=L, spec=spec, callbacks=[rec],
+                                                 use_cache=True, logits_positions="last", keep_hidden=False)
+        B = len(prompts)
+        n_real = mask.sum(-1)
+        logits = [out.logits[:, -1]]
+        if form == "static":
+            dec = static_decode.StaticDecoder(lm, ctx, out.cache, STEPS, attention_mask=mask, positions=n_real,
+                                              graph=False)
+        for i in range(STEPS):
+            nxt = logits[-1].argmax(-1) if feed is None else feed[i]
+            if form == "dynamic":
+                mask = torch.cat([mask, torch.ones(B, 1, dtype=torch.long)], dim=1)
+                out = runner.forward(lm, nxt.reshape(B, 1), use_cache=True, cache=out.cache,
+                                     logits_positions="last", keep_hidden=False, ctx=ctx, attention_mask=mask,
+                                     position_ids=(n_real + i).reshape(B, 1))
+                logits.append(out.logits[:, -1])
+            else:
+                logits.append(dec.step(nxt))
+        if feed is None:
+            feed = [x.argmax(-1) for x in logits[:STEPS]]
+        res.append((torch.stack(logits[1:]), rec, starts))
+    return res[0], res[1], dec
+
+
+@pytest.mark.parametrize("family", ["qwen3_5", "qwen3_5_moe", "qwen3_next"])
+@pytest.mark.parametrize("truncate", [False, True], ids=["untouched", "rank3"])
+def test_static_steps_equal_dynamic_steps(family, truncate):
+    lm = from_model(_models()[family], family)
+    spec = TruncationSpec.all_heads(lm.info, 3) if truncate else None
+    prompts = _prompts(LENS)
+    (dyn, rec_d, starts), (sta, rec_s, _), dec = _decode_both(lm, prompts, spec)
+    assert dec.reason == "graph=False" and dec.replays == 0
+    torch.testing.assert_close(sta, dyn, atol=1e-5, rtol=1e-5)
+    # the same boundaries, at each row's own positions, while decoding too; the same final states
+    assert rec_s.bounds == rec_d.bounds
+    decoded = {(l, p, b) for (l, p, b) in rec_s.bounds if p > LENS[b]}
+    assert {b for _, _, b in decoded} == {0, 1, 2}
+    for layer in lm.info.gdn_layers:
+        torch.testing.assert_close(rec_s.final[layer], rec_d.final[layer], atol=1e-5, rtol=1e-5)
+    if truncate:  # the cuts matter: without them the logits differ
+        (plain, _, _), _, _ = _decode_both(lm, prompts, None)
+        assert (plain - dyn).abs().max() > 1e-3
+
+
+def test_boundary_steps_are_the_eager_ones():
+    """The steps a decoder would not replay are exactly those after which a row reaches its own boundary."""
+    lm = from_model(tiny_models.qwen3_5(), "qwen3_5")
+    spec = TruncationSpec.all_heads(lm.info, 3)
+    prompts = _prompts(LENS)
+    out, ctx, mask, starts = batched_forward(lm, prompts, segment_len=L, spec=spec, use_cache=True,
+                                             logits_positions="last", keep_hidden=False)
+    dec = static_decode.StaticDecoder(lm, ctx, out.cache, STEPS, attention_mask=mask, positions=mask.sum(-1),
+                                      graph=False)
+    P = mask.shape[1]
+    flagged = [i for i in range(STEPS) if dec._at_boundary(P + i)]
+    expect = [i for i in range(STEPS) if any((i + 1 + n) % L == 0 for n in LENS)]
+    assert flagged == expect and flagged
+    # no boundary callback: no step is a boundary step
+    out, ctx, mask, _ = batched_forward(lm, prompts, segment_len=L, use_cache=True, logits_positions="last",
+                                        keep_hidden=False)
+    dec = static_decode.StaticDecoder(lm, ctx, out.cache, STEPS, attention_mask=mask, positions=mask.sum(-1),
+                                      graph=False)
+    assert not any(dec._at_boundary(P + i) for i in range(STEPS))
+
+
+def test_graph_reasons(monkeypatch):
+    lm = from_model(tiny_models.qwen3_5(), "qwen3_5")
+    ctx = runner.RunContext(segment_len=L)
+    assert static_decode.graph_reason(lm, ctx, "cpu") == "needs CUDA with fla"
+    monkeypatch.setenv("GDNVIZ_DECODE_GRAPH", "0")
+    assert "switched off" in static_decode.graph_reason(lm, ctx, "cpu")
+    monkeypatch.delenv("GDNVIZ_DECODE_GRAPH")
+    spec = TruncationSpec.all_heads(lm.info, 3)
+    ctx = runner.RunContext(segment_len=L, callbacks=[TruncateCallback(lm.info, spec), Recorder()])
+    assert static_decode.graph_reason(lm, ctx, "cpu") is not None
+
+
+def test_bad_use():
+    lm = from_model(tiny_models.qwen3_5(), "qwen3_5")
+    prompts = _prompts([20])
+    out, ctx, mask, _ = batched_forward(lm, prompts, segment_len=L, use_cache=True, logits_positions="last",
+                                        keep_hidden=False)
+    with pytest.raises(ValueError, match="steps"):
+        static_decode.StaticDecoder(lm, ctx, out.cache, 0, attention_mask=mask, graph=False)
+    with pytest.raises(ValueError, match="columns"):
+        static_decode.StaticDecoder(lm, ctx, out.cache, 4, attention_mask=mask[:, 1:], graph=False)
+    dec = static_decode.StaticDecoder(lm, ctx, out.cache, 1, graph=False)  # batch 1 without a mask
+    dec.step([5])
+    with pytest.raises(RuntimeError, match="1 steps"):
+        dec.step([5])
+
+
+# ---- CUDA: replays equal the eager static steps; greedy answers equal the DynamicCache path's ---------------------
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("family", ["qwen3_5", "qwen3_5_moe", "qwen3_next"])
+def test_graph_replay_equals_eager_static_on_gpu(family, monkeypatch):
+    if not torch.cuda.is_available():
+        pytest.skip("needs CUDA")
+    lm = from_model(_models()[family].cuda(), family)
+    spec = TruncationSpec.all_heads(lm.info, 3)
+    prompts = _prompts(LENS)
+    outs, feed = {}, None
+    for graph in (False, True):  # the same tokens fed to both
+        out, ctx, mask, _ = batched_forward(lm, prompts, segment_len=L, spec=spec, use_cache=True,
+                                            logits_positions="last", keep_hidden=False)
+        dec = static_decode.StaticDecoder(lm, ctx, out.cache, STEPS, attention_mask=mask, positions=mask.sum(-1),
+                                          graph=graph)
+        logits, nxt = [], out.logits[:, -1].argmax(-1)
+        for i in range(STEPS):
+            logits.append(dec.step(nxt if feed is None else feed[i]))
+            nxt = logits[-1].argmax(-1)
+        if feed is None:
+            feed = [out.logits[:, -1].argmax(-1)] + [x.argmax(-1) for x in logits]
+        outs[graph] = torch.stack(logits)
+    print(family, "replays", dec.replays, "reason", dec.reason)
+    if family == "qwen3_5":  # the dense model's step must capture; the MoE routers may sync with the host
+        assert dec.reason is None and dec.replays >= STEPS // 2, dec.reason
+    assert torch.equal(outs[True], outs[False])  # a replay is the eager static step bit for bit
+    # greedy answers through the graph equal the DynamicCache path's (float32)
+    gens = batched_greedy(lm, prompts, STEPS, segment_len=L, spec=spec, stop_ids=set())
+    monkeypatch.setenv("GDNVIZ_DECODE_GRAPH", "0")
+    ref = batched_greedy(lm, prompts, STEPS, segment_len=L, spec=spec, stop_ids=set())
+    assert [g.tokens for g in gens] == [g.tokens for g in ref]
+    one = greedy_generate(lm, prompts[0], STEPS, segment_len=L, spec=spec, stop_ids=set())
+    monkeypatch.delenv("GDNVIZ_DECODE_GRAPH")
+    two = greedy_generate(lm, prompts[0], STEPS, segment_len=L, spec=spec, stop_ids=set())
+    assert one.tokens == two.tokens == gens[0].tokens
+    if family == "qwen3_5":
+        assert "decode-graph" in two.readouts and "decode-graph" not in one.readouts
