@@ -44,6 +44,7 @@ def greedy_generate(lm, prompt_ids, max_new_tokens: int = 32, *, segment_len: in
     dec = None  # on CUDA: steps through a StaticCache, replayed from a CUDA graph between boundaries
     if max_new_tokens > 1 and graph_reason(lm, ctx, lm.device) is None:
         dec = StaticDecoder(lm, ctx, cache, max_new_tokens - 1)
+        out = cache = None  # the StaticCache holds a copy: free the DynamicCache's keys and values
     for k in range(max_new_tokens):
         nxt = int(logits.argmax())
         if nxt in stop_ids:

@@ -150,6 +150,7 @@ def batched_greedy(lm, prompts: Sequence, max_new_tokens: int = 32, *,
     dec = None  # on CUDA: steps through a StaticCache, replayed from a CUDA graph between boundaries
     if max_new_tokens > 1 and graph_reason(lm, ctx, lm.device) is None:
         dec = StaticDecoder(lm, ctx, cache, max_new_tokens - 1, attention_mask=mask, positions=n_real)
+        out = cache = None  # the StaticCache holds a copy: free the DynamicCache's keys and values
     for step in range(max_new_tokens):
         nxt = logits.argmax(-1).tolist()
         for b in range(B):
