@@ -6,7 +6,8 @@ step's by up to 0.047 (``bench_decode.py``). This study runs each candidate oper
 eagerly and from a graph and prints whether the bits agree, then the first decoder layer whose output differs in a
 whole step (the same step, eager vs captured, from the same cache contents).
 
-    PYTHONPATH=$PWD python3 bench/study_graph_bits.py
+    PYTHONPATH=$PWD python3 bench/study_graph_bits.py            # ops and the layers of one step
+    PYTHONPATH=$PWD python3 bench/study_graph_bits.py --steps    # 24 steps, eager twice and graph, batch 1 and 4
 """
 from __future__ import annotations
 
@@ -99,7 +100,39 @@ def layers(dev) -> None:
          per_layer_max_diff=[round((a.float() - b.float()).abs().max().item(), 5) for a, b in zip(se, sg)])
 
 
+def steps(dev, n: int = 24, batch: int = 1) -> None:
+    """``n`` decode steps of gdnviz's StaticDecoder, eager vs graph, fed the same tokens: per step whether the
+    logits agree (the first steps' agreement does not rule out a later difference)."""
+    from gdnviz import runner
+    from gdnviz.models import from_model
+    from gdnviz.static_decode import StaticDecoder
+
+    model = random_model(qwen35_08b_config(), dev, torch.bfloat16)
+    lm = from_model(model, "graph-bits")
+    ids = torch.randint(10, model.config.vocab_size, (batch, 4096),
+                        generator=torch.Generator().manual_seed(0)).to(dev)
+    feed = torch.randint(10, 1000, (n, batch), generator=torch.Generator().manual_seed(1)).to(dev)
+    res = {}
+    for graph in (False, True, False):
+        ctx = runner.RunContext(segment_len=runner.DEFAULT_SEGMENT_LEN)
+        out = runner.forward(lm, ids, use_cache=True, logits_positions="last", keep_hidden=False, ctx=ctx)
+        mask = torch.ones(ids.shape, dtype=torch.long)
+        dec = StaticDecoder(lm, ctx, out.cache, n, attention_mask=mask, graph=graph)
+        logits = torch.stack([dec.step(feed[i]) for i in range(n)])
+        torch.cuda.synchronize()
+        res.setdefault(graph, []).append(logits)
+    e1, e2, g = res[False][0], res[False][1], res[True][0]
+    emit(what="steps", batch=batch, n=n, eager_runs_equal=bool(torch.equal(e1, e2)),
+         graph_equal_per_step=[bool(torch.equal(a, b)) for a, b in zip(g, e1)],
+         max_abs_diff_per_step=[round((a - b).abs().max().item(), 4) for a, b in zip(g, e1)],
+         eager_rerun_max_abs_diff_per_step=[round((a - b).abs().max().item(), 4) for a, b in zip(e2, e1)])
+
+
 if __name__ == "__main__":
     dev = torch.device("cuda")
-    ops(dev)
-    layers(dev)
+    if "--steps" in sys.argv:
+        for b in (1, 4):
+            steps(dev, batch=b)
+    else:
+        ops(dev)
+        layers(dev)
