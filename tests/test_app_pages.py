@@ -553,7 +553,7 @@ def test_truncate_and_compare_runs(env, populated):
     assert not at.exception
     md = " ".join(texts(at, "markdown"))
     assert "Untouched model" in md and "Truncated model" in md and "12 heads truncated" in md
-    assert "truncated prefill: segment loop" in md  # CPU: the plain loop (CUDA: CUDA-graph windows)
+    assert "truncated run: segment loop" in md  # CPU: the plain loop (CUDA: CUDA-graph windows)
     assert len(at.code) >= 2
     labels = [m.label for m in at.metric]
     assert labels.count("RULER score (string match, %)") == 2 and "Truncated (nats / token)" in labels

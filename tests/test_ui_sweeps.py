@@ -82,6 +82,7 @@ def test_readout_note_names_how_the_truncated_run_ran():
     from gdnviz.ui.truncation import readout_note
 
     assert readout_note(None) == "" and readout_note([]) == ""
-    assert readout_note(["segment-loop"]) == " · truncated prefill: segment loop"
-    assert readout_note(["one-call", "segment-graph"]) == (
-        " · truncated prefill: one kernel call per untouched layer, CUDA-graph windows")
+    assert readout_note(["segment-loop"]) == " · truncated run: segment loop"
+    assert readout_note(["decode-graph", "one-call", "segment-graph"]) == (
+        " · truncated run: decode steps replayed from a CUDA graph, one kernel call where no boundary falls, "
+        "CUDA-graph windows")

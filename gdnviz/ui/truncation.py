@@ -71,10 +71,12 @@ def resolve(groups: list, info: dict, table=None, segment_len: int | None = None
 
 
 _READOUT_WORDS = {"segment-graph": "CUDA-graph windows", "segment-loop": "segment loop",
-                  "one-call": "one kernel call per untouched layer", "one-pass": "one pass"}
+                  "one-call": "one kernel call where no boundary falls", "one-pass": "one pass",
+                  "decode-graph": "decode steps replayed from a CUDA graph"}
 
 
 def readout_note(readouts) -> str:
-    """' · truncated prefill: …' naming how the truncated run's GDN layers ran (``Generation.readouts``), or ''."""
+    """' · truncated run: …' naming how the truncated run's GDN layers ran, prefill and decoding
+    (``Generation.readouts``), or ''."""
     words = [_READOUT_WORDS.get(r, r) for r in (readouts or [])]
-    return f" · truncated prefill: {', '.join(words)}" if words else ""
+    return f" · truncated run: {', '.join(words)}" if words else ""
