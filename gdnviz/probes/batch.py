@@ -18,8 +18,8 @@ A batch is left-padded to a common length. Three things keep every row's run ide
    which is plain RoPE) — what ``generate()`` does for left padding.
 
 Decoding continues the same run through the cache; truncation continues at each row's own boundaries. On CUDA the
-decode steps run through a StaticCache, replayed from one CUDA graph between boundaries (``gdnviz.static_decode``). The fla
-family runs one prompt at a time (its layers turn a padding mask into packed sequences, which gdnviz's scan
+decode steps run through a StaticCache, replayed from one CUDA graph between boundaries (``gdnviz.static_decode``).
+The fla family runs one prompt at a time (its layers turn a padding mask into packed sequences, which gdnviz's scan
 refuses).
 """
 from __future__ import annotations
