@@ -49,7 +49,7 @@ def main() -> None:
             med = cyc.median(0).values
             row = {name: int(med[i]) for i, name in enumerate(ct.PHASES) if name and name != "jacobi_sweeps"}
             emit(what="cuda_truncate_phases", n=n, r=r, attempts=a.attempts, us_per_launch=round(us, 1),
-                 total_cycles=int(cyc[:, :12].sum(1).median()), jacobi_sweeps=int(med[15]), cycles=row,
+                 total_cycles=int(cyc[:, :15].sum(1).median()), jacobi_sweeps=int(med[15]), cycles=row,
                  device=device_name(dev), **extra)
 
 

@@ -400,6 +400,21 @@ def test_kernel_compiles_for_the_h200(K, V, qb):
         assert max(spills) <= (320 if K == 128 and qb == 32 else 0), log
 
 
+@pytest.mark.parametrize("qb", cuda_truncate.BLOCKS)
+def test_profile_build_compiles_for_the_h200(qb):
+    """The GDNVIZ_PROFILE build (bench/bench_truncate_phases.py; clock64() counters, also inside the Jacobi rounds)
+    compiles for sm_90 within the register limit, so a device call spent on profiling is not lost to a compile error."""
+    res = compile_log("#define GDNVIZ_PROFILE\n" + cuda_truncate.source(128, 128, "float", qb))
+    if res is None:
+        pytest.skip("no NVRTC library here")
+    rc, log = res
+    assert rc == 0, log
+    regs = [int(x) for x in re.findall(r"Used (\d+) registers", log)]
+    assert regs and max(regs) <= 255, log
+    assert len(cuda_truncate.PHASES) == 16 and cuda_truncate.PHASES[12:15] == (
+        "jacobi_rotations", "jacobi_barriers", "jacobi_apply")
+
+
 # ------------------------------------------------------------------------------------------------------ CUDA
 @pytest.mark.gpu
 @pytest.mark.parametrize("r", [1, 4, 12, 17, 32])

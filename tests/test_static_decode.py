@@ -178,3 +178,25 @@ def test_graph_replay_equals_eager_static_on_gpu(family, monkeypatch):
     assert one.tokens == two.tokens == gens[0].tokens
     if family == "qwen3_5":
         assert "decode-graph" in two.readouts and "decode-graph" not in one.readouts
+
+
+@pytest.mark.gpu
+def test_decoders_leave_no_gpu_memory_behind():
+    """A sweep builds one StaticDecoder (a StaticCache and a captured graph) per batch: once a generation returns,
+    its cache and graph are freed, so hundreds of prompts do not accumulate device memory."""
+    import gc
+
+    if not torch.cuda.is_available():
+        pytest.skip("needs CUDA")
+    lm = from_model(tiny_models.qwen3_5().cuda(), "qwen3_5")
+    spec = TruncationSpec.all_heads(lm.info, 3)
+    prompts = _prompts(LENS)
+    used = []
+    for i in range(12):
+        gens = batched_greedy(lm, prompts, STEPS, segment_len=L, spec=spec, stop_ids=set())
+        assert all(len(g.tokens) == STEPS for g in gens)
+        gc.collect()
+        torch.cuda.synchronize()
+        used.append(torch.cuda.memory_allocated())
+    print("allocated after each generation:", used)
+    assert max(used[2:]) - used[1] < 1 << 20, used

@@ -652,7 +652,9 @@ gdnviz_truncate(const scalar_t* __restrict__ S, scalar_t* __restrict__ OUT, cons
                     rt[t] = rot ? 1.0 : 0.0;
                     dn[t] = dnew;
                 }
+                PROF(12);  // profile build: a round's parts (rotations, barriers, apply); PROF(6) keeps the rest
                 __syncthreads();
+                PROF(13);
                 for (int e = t; e < QB * QB; e += NT) {  // A2 = J^T A J, W2 = W J
                     const int i = e >> LQB, j = e & (QB - 1);
                     const int pi = (int)pp[i], pj = (int)pp[j];
@@ -665,7 +667,9 @@ gdnviz_truncate(const scalar_t* __restrict__ S, scalar_t* __restrict__ OUT, cons
                     W2[i * QP + j] = cj * W[i * QP + j] + sj * W[i * QP + pj];
                 }
                 if (t < QB) dd[t] = dn[t];
+                PROF(14);
                 __syncthreads();
+                PROF(13);
                 double* tmp = A; A = A2; A2 = tmp;
                 tmp = W; W = W2; W2 = tmp;
             }
