@@ -49,7 +49,7 @@ export PYTHONPATH=/tmp/site:$PWD PYTHONUNBUFFERED=1
 nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv
 python3 -c "import torch, transformers, triton, fla; print(torch.__version__, transformers.__version__, triton.__version__, fla.__version__)"
 on() { [ "${1:-0}" != 0 ]; }
-TESTS=${*:-tests/test_cuda_truncate.py tests/test_cuda_cholqr.py tests/test_cuda_tridiag.py tests/test_cuda_bisect.py tests/test_scan_graph.py tests/test_fused_truncate.py tests/test_gpu_runner.py tests/test_qk_norm.py tests/test_fla_conv.py tests/test_analysis.py tests/test_keycone_kernel.py tests/test_capture.py tests/test_jacobi.py tests/test_truncate.py tests/test_symeig.py tests/test_kernels_vs_reference.py}
+TESTS=${*:-tests/test_cuda_truncate.py tests/test_cuda_cholqr.py tests/test_cuda_tridiag.py tests/test_cuda_bisect.py tests/test_scan_graph.py tests/test_fused_truncate.py tests/test_gpu_runner.py tests/test_qk_norm.py tests/test_fla_conv.py tests/test_analysis.py tests/test_keycone_kernel.py tests/test_capture.py tests/test_static_decode.py tests/test_jacobi.py tests/test_truncate.py tests/test_symeig.py tests/test_kernels_vs_reference.py}
 TESTS=$(for t in $TESTS; do [ -e "${t%%::*}" ] && echo "$t"; done)  # in the order given (pytest keeps it)
 if on ${PRECOMPILE_SECONDS:-90}; then
   timeout ${PRECOMPILE_SECONDS:-90} python3 scripts/gpu/precompile.py ${PRECOMPILE_ARGS:-} 2>&1 | tail -3
