@@ -37,12 +37,12 @@ the two attention forms can round differently, so a near-tie can decode another 
 from __future__ import annotations
 
 import logging
-import os
 
 import torch
 
 from gdnviz import runner
 from gdnviz.gdn import kernels
+from gdnviz.gpu.nvrtc import env_switch
 
 __all__ = ["StaticDecoder", "graph_reason", "DEFAULT_ON"]
 
@@ -55,8 +55,7 @@ def graph_reason(lm, ctx: runner.RunContext, device) -> str | None:
     """Why decode steps of ``lm`` in ``ctx`` cannot be replayed from a CUDA graph, or None when they can."""
     from gdnviz.intervene import TruncateCallback
 
-    env = os.environ.get("GDNVIZ_DECODE_GRAPH", "").strip()
-    if env == "0" or (env == "" and not DEFAULT_ON):
+    if not env_switch("GDNVIZ_DECODE_GRAPH", DEFAULT_ON):
         return "switched off (GDNVIZ_DECODE_GRAPH)"
     if torch.device(device).type != "cuda" or kernels.backend_for(device) != "fla":
         return "needs CUDA with fla"
