@@ -170,8 +170,8 @@ def gdnviz_static_decode(lm, ids: torch.Tensor, tokens: list, graph: bool):
     out = runner.forward(lm, ids, use_cache=True, logits_positions="last", keep_hidden=False, ctx=ctx)
     sync(ids.device)
     t = time.perf_counter()
-    dec = StaticDecoder(lm, ctx, out.cache, len(tokens), graph=graph) if ids.shape[0] == 1 else StaticDecoder(
-        lm, ctx, out.cache, len(tokens), attention_mask=torch.ones(ids.shape, dtype=torch.long), graph=graph)
+    dec = StaticDecoder(lm, ctx, out.cache, len(tokens), attention_mask=torch.ones(ids.shape, dtype=torch.long),
+                        graph=graph)
     logits = [dec.step(nxt.reshape(-1)) for nxt in tokens]
     sync(ids.device)
     return logits, (time.perf_counter() - t) / len(tokens) * 1e3, dec.replays

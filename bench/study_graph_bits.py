@@ -68,15 +68,22 @@ def ops(dev) -> None:
             use_qk_l2norm_in_kernel=False)[0], qq, kk, vv, gg, bb, h0)
 
 
+def _model_and_prompt(dev, batch: int):
+    """The 0.8B shape with random bf16 weights behind gdnviz's adapter, and ``batch`` random 4K-token prompts."""
+    from gdnviz.models import from_model
+
+    model = random_model(qwen35_08b_config(), dev, torch.bfloat16)
+    ids = torch.randint(10, model.config.vocab_size, (batch, 4096), generator=torch.Generator().manual_seed(0))
+    return from_model(model, "graph-bits"), ids.to(dev)
+
+
 def layers(dev) -> None:
     """One decode step of gdnviz's StaticDecoder, eager vs captured, with every decoder layer's output kept."""
     from gdnviz import runner
-    from gdnviz.models import from_model
     from gdnviz.static_decode import StaticDecoder
 
-    model = random_model(qwen35_08b_config(), dev, torch.bfloat16)
-    lm = from_model(model, "graph-bits")
-    ids = torch.randint(10, model.config.vocab_size, (1, 4096), generator=torch.Generator().manual_seed(0)).to(dev)
+    lm, ids = _model_and_prompt(dev, 1)
+    model = lm.model
     seen: list = []
     hooks = [layer.register_forward_hook(lambda m, a, o: seen.append(o[0] if isinstance(o, tuple) else o))
              for layer in model.model.layers]
@@ -104,13 +111,9 @@ def steps(dev, n: int = 24, batch: int = 1) -> None:
     """``n`` decode steps of gdnviz's StaticDecoder, eager vs graph, fed the same tokens: per step whether the
     logits agree (the first steps' agreement does not rule out a later difference)."""
     from gdnviz import runner
-    from gdnviz.models import from_model
     from gdnviz.static_decode import StaticDecoder
 
-    model = random_model(qwen35_08b_config(), dev, torch.bfloat16)
-    lm = from_model(model, "graph-bits")
-    ids = torch.randint(10, model.config.vocab_size, (batch, 4096),
-                        generator=torch.Generator().manual_seed(0)).to(dev)
+    lm, ids = _model_and_prompt(dev, batch)
     feed = torch.randint(10, 1000, (n, batch), generator=torch.Generator().manual_seed(1)).to(dev)
     res = {}
     for graph in (False, True, False):

@@ -17,7 +17,7 @@ import torch
 
 from gdnviz import runner
 from gdnviz.intervene import TruncateCallback, TruncationSpec
-from gdnviz.static_decode import StaticDecoder, graph_reason
+from gdnviz.static_decode import decoder_for
 
 
 @dataclass
@@ -41,9 +41,8 @@ def greedy_generate(lm, prompt_ids, max_new_tokens: int = 32, *, segment_len: in
         stop_ids = _stop_ids(lm)
     out = runner.forward(lm, ids, use_cache=True, logits_positions="last", keep_hidden=False, ctx=ctx)
     cache, tokens, logits = out.cache, [], out.logits[0, -1]
-    dec = None  # on CUDA: steps through a StaticCache, replayed from a CUDA graph between boundaries
-    if max_new_tokens > 1 and graph_reason(lm, ctx, lm.device) is None:
-        dec = StaticDecoder(lm, ctx, cache, max_new_tokens - 1)
+    dec = decoder_for(lm, ctx, cache, max_new_tokens)  # on CUDA: a StaticCache, steps replayed from a CUDA graph
+    if dec is not None:
         out = cache = None  # the StaticCache holds a copy: free the DynamicCache's keys and values
     for k in range(max_new_tokens):
         nxt = int(logits.argmax())

@@ -44,7 +44,7 @@ from gdnviz import runner
 from gdnviz.gdn import kernels
 from gdnviz.gpu.nvrtc import env_switch
 
-__all__ = ["StaticDecoder", "graph_reason", "DEFAULT_ON"]
+__all__ = ["StaticDecoder", "decoder_for", "graph_reason", "DEFAULT_ON"]
 
 DEFAULT_ON = True
 _FAILED: dict = {}  # model class name -> why its capture failed (then never tried again in this process)
@@ -91,6 +91,16 @@ def static_copy(model, cache, max_cache_len: int):
         if rec is not None and getattr(d, "is_recurrent_states_initialized", {}).get(0, False):
             s.update_recurrent_state(rec[0], state_idx=0)
     return static
+
+
+def decoder_for(lm, ctx: runner.RunContext, cache, max_new_tokens: int, **kw) -> "StaticDecoder | None":
+    """The decoder ``gdnviz.generate`` and ``gdnviz.probes.batch`` use for the ``max_new_tokens - 1`` steps after a
+    prefill, or None where the graph cannot be used (:func:`graph_reason`): they then decode through ``cache``.
+    ``kw``: :class:`StaticDecoder`'s ``attention_mask`` and ``positions``. The caller should drop its references to
+    ``cache`` once it has a decoder (the StaticCache holds a copy)."""
+    if max_new_tokens < 2 or graph_reason(lm, ctx, lm.device) is not None:
+        return None
+    return StaticDecoder(lm, ctx, cache, max_new_tokens - 1, **kw)
 
 
 class StaticDecoder:
@@ -172,8 +182,7 @@ class StaticDecoder:
         acts at boundaries (the step then runs eagerly, so the callbacks run)."""
         if not runner._boundary_callbacks(self.ctx):
             return False
-        L = self.ctx.segment_len
-        return any((offset + 1 - s) > 0 and (offset + 1 - s) % L == 0 for s in self.starts)
+        return any(runner.boundary_cuts(offset - s, 1, self.ctx.segment_len) for s in self.starts)
 
     def _forward(self) -> torch.Tensor:
         lm = self.lm

@@ -33,7 +33,7 @@ from gdnviz import runner
 from gdnviz.errors import EmptyDocument, EmptyDocumentSet
 from gdnviz.generate import Generation, _stop_ids, greedy_generate
 from gdnviz.intervene import TruncateCallback, TruncationSpec
-from gdnviz.static_decode import StaticDecoder, graph_reason
+from gdnviz.static_decode import decoder_for
 
 __all__ = ["pad_left", "batched_forward", "batched_token_nll", "batched_greedy"]
 
@@ -147,9 +147,9 @@ def batched_greedy(lm, prompts: Sequence, max_new_tokens: int = 32, *,
     tokens: list[list[int]] = [[] for _ in range(B)]
     done = [False] * B
     logits = out.logits[:, -1]
-    dec = None  # on CUDA: steps through a StaticCache, replayed from a CUDA graph between boundaries
-    if max_new_tokens > 1 and graph_reason(lm, ctx, lm.device) is None:
-        dec = StaticDecoder(lm, ctx, cache, max_new_tokens - 1, attention_mask=mask, positions=n_real)
+    # on CUDA: a StaticCache, steps replayed from a CUDA graph
+    dec = decoder_for(lm, ctx, cache, max_new_tokens, attention_mask=mask, positions=n_real)
+    if dec is not None:
         out = cache = None  # the StaticCache holds a copy: free the DynamicCache's keys and values
     for step in range(max_new_tokens):
         nxt = logits.argmax(-1).tolist()
