@@ -1,6 +1,8 @@
 """gdnviz.static_decode: decode steps through a StaticCache equal the runner's DynamicCache steps (CPU, every
 family, batched, truncated, boundaries while decoding); on CUDA a step replayed from a CUDA graph equals the eager
 static step bit for bit, and greedy answers equal the DynamicCache path's."""
+import warnings
+
 import pytest
 import torch
 
@@ -163,9 +165,13 @@ def test_graph_replay_equals_eager_static_on_gpu(family, monkeypatch):
         if feed is None:
             feed = [out.logits[:, -1].argmax(-1)] + [x.argmax(-1) for x in logits]
         outs[graph] = torch.stack(logits)
-    print(family, "replays", dec.replays, "reason", dec.reason)
+    # which way it went shows in pytest's warnings summary (session.sh runs pytest without -s)
+    warnings.warn(f"{family}: {dec.replays} of {STEPS} steps replayed; reason {dec.reason!r}")
     if family == "qwen3_5":  # the dense model's step must capture; the MoE routers may sync with the host
         assert dec.reason is None and dec.replays >= STEPS // 2, dec.reason
+    else:  # either captured, or a clean fallback to eager static steps after a failed capture
+        assert (dec.reason is None and dec.replays >= STEPS // 2) or dec.reason.startswith(("capture failed", "an earlier capture failed")), (
+            dec.reason)
     assert torch.equal(outs[True], outs[False])  # a replay is the eager static step bit for bit
     # greedy answers through the graph equal the DynamicCache path's (float32)
     gens = batched_greedy(lm, prompts, STEPS, segment_len=L, spec=spec, stop_ids=set())
