@@ -37,8 +37,11 @@ from gdnviz.gpu import cuda_cholqr  # noqa: E402
 # (GDNVIZ_CUDA_TRUNCATE_SPLIT; "cuda_truncate" takes the default: split for at most SPLIT_MAX_STATES states)
 VARIANTS = {"torch": "0", "cuda_cholqr": "smem", "cuda_cholqr_shfl": "shfl", "cuda_truncate": "shfl",
             "cuda_truncate_fused": "shfl", "cuda_truncate_split": "shfl",
-            "cuda_truncate_full": "shfl", "triton_fused": "shfl"}  # cuda_truncate_full: without the certified attempts
+            "cuda_truncate_full": "shfl", "triton_fused": "shfl",  # cuda_truncate_full: without the certified attempts
+            "cuda_truncate_pair_jacobi": "shfl"}
 SPLIT_ENV = {"cuda_truncate_fused": "0", "cuda_truncate_split": "1"}
+# "cuda_truncate_pair_jacobi": the kernel with its pair-block Jacobi rounds (GDNVIZ_CUDA_TRUNCATE_PAIR_JACOBI=1,
+# fifteenth session, not yet timed); its outputs must equal "cuda_truncate"'s bit for bit (same_as_default)
 # (the thirteenth session's "cuda_truncate_warp_jacobi", the Jacobi in warps, measured 1.8-2x slower and removed:
 # bench/RESULTS.md)
 
@@ -69,7 +72,7 @@ def main() -> None:
     for n in sizes:
         S = S64[:n].float().to(dev).contiguous()
         for r in ranks:
-            ref_ms = None
+            ref_ms = default_out = None
             for name in VARIANTS:
                 if name not in wanted:
                     continue
@@ -80,6 +83,7 @@ def main() -> None:
                     os.environ["GDNVIZ_CUDA_TRUNCATE_SPLIT"] = SPLIT_ENV[name]
                 else:
                     os.environ.pop("GDNVIZ_CUDA_TRUNCATE_SPLIT", None)
+                os.environ["GDNVIZ_CUDA_TRUNCATE_PAIR_JACOBI"] = "1" if name == "cuda_truncate_pair_jacobi" else "0"
                 if name.startswith("cuda_truncate"):
                     from gdnviz.gpu.cuda_truncate import truncate_cuda
 
@@ -104,10 +108,16 @@ def main() -> None:
                     continue
                 if name == "torch":
                     ref_ms = ms
+                if name == "cuda_truncate":
+                    default_out = eager
+                extra = {}
+                if name == "cuda_truncate_pair_jacobi" and default_out is not None:
+                    extra["same_as_default"] = bool(torch.equal(eager, default_out))
                 emit(what="subspace_kernels", variant=name, n=n, r=r, replay_ms=round(ms, 4),
                      vs_torch=None if ref_ms is None else round(ref_ms / ms, 2), energy_err=float(f"{err:.3e}"),
-                     replay_equals_eager=bool(torch.equal(out, eager)), **base)
+                     replay_equals_eager=bool(torch.equal(out, eager)), **extra, **base)
     os.environ["GDNVIZ_CUDA_CHOLQR"] = "0"
+    os.environ.pop("GDNVIZ_CUDA_TRUNCATE_PAIR_JACOBI", None)
     emit(what="cuda_kernels_status", cholqr_available=cuda_cholqr.KERNELS.available,
          cholqr_reason=cuda_cholqr.KERNELS.reason, **base)
 

@@ -253,6 +253,34 @@ def test_emulated_tensor_core_build_matches_the_fma_build():
 
 
 @needs_gxx
+def test_emulated_pair_jacobi_equals_the_default_rounds(monkeypatch):
+    """``GDNVIZ_CUDA_TRUNCATE_PAIR_JACOBI=1`` (each warp computes the round's rotations itself, each thread one
+    2 × 2 block of A and W, one barrier per round) gives the default rounds' bits: the 16-column attempts' outputs,
+    flags and bounds, the full algorithm at per-state ranks over one and two passes (32-column blocks), and the same
+    Jacobi sweep counts. A wrong pair mapping, a swapped sine or a lost diagonal changes the bits."""
+    from bench.bench_truncate import gdn_like_states
+
+    H, _ = hard_states(20, seed=6)
+    S = gdn_like_states(2, 128, 128, seed=5)
+    X = torch.cat([H[:1], S.double()])
+    ranks = [20, 12, 32]
+    got = {}
+    for on in ("0", "1"):
+        monkeypatch.setenv("GDNVIZ_CUDA_TRUNCATE_PAIR_JACOBI", on)
+        assert cuda_truncate.pair_jacobi_on() is (on == "1")
+        assert ("#define GDNVIZ_PAIR_JACOBI" in cuda_truncate.source(128, 128)) is (on == "1")
+        got[on] = (cuda_truncate.emulate(S, 4, attempts=True, info=True),
+                   cuda_truncate.emulate(X, ranks, counters=True))
+    (att0, (full0, cnt0)), (att1, (full1, cnt1)) = got["0"], got["1"]
+    for a, b in zip(att0, att1):
+        assert torch.equal(a, b)
+    assert att1[1].tolist() == [1, 1]
+    assert torch.equal(full0, full1)
+    assert energy_error(X, full1, ranks).max().item() <= TOL
+    assert torch.equal(cnt0[:, 15], cnt1[:, 15]) and (cnt1[:, 15] > 0).all()
+
+
+@needs_gxx
 @pytest.mark.parametrize("dmma", [False, True])
 def test_emulated_split_launches_equal_the_fused_kernel(dmma):
     """The split launches (``gdnviz_gram`` → the algorithm reading G and leaving U → ``gdnviz_project``) give the
@@ -401,6 +429,21 @@ def test_kernel_compiles_for_the_h200(K, V, qb):
 
 
 @pytest.mark.parametrize("qb", cuda_truncate.BLOCKS)
+def test_pair_jacobi_build_compiles_for_the_h200(qb, monkeypatch):
+    """The pair-block Jacobi build (``GDNVIZ_CUDA_TRUNCATE_PAIR_JACOBI=1``) compiles for sm_90 within the limits of
+    the default build (offline NVRTC: 240 registers and no spills at 32 columns, fifteenth session)."""
+    monkeypatch.setenv("GDNVIZ_CUDA_TRUNCATE_PAIR_JACOBI", "1")
+    res = compile_log(cuda_truncate.source(128, 128, "float", qb))
+    if res is None:
+        pytest.skip("no NVRTC library here")
+    rc, log = res
+    assert rc == 0, log
+    regs = [int(x) for x in re.findall(r"Used (\d+) registers", log)]
+    spills = [int(x) for x in re.findall(r"(\d+) bytes spill stores", log)]
+    assert regs and max(regs) <= 255 and max(spills) <= 320, log
+
+
+@pytest.mark.parametrize("qb", cuda_truncate.BLOCKS)
 def test_profile_build_compiles_for_the_h200(qb):
     """The GDNVIZ_PROFILE build (bench/bench_truncate_phases.py; clock64() counters, also inside the Jacobi rounds)
     compiles for sm_90 within the register limit, so a device call spent on profiling is not lost to a compile error."""
@@ -520,3 +563,20 @@ def test_cuda_split_launches_equal_the_fused_kernel(monkeypatch):
     torch.cuda.synchronize()
     assert torch.equal(static_out, cuda_truncate.truncate_cuda(static_in, 4))
     assert energy_error(static_in.double().cpu(), static_out.double().cpu(), 4).max().item() <= TOL
+
+
+@pytest.mark.gpu
+def test_cuda_pair_jacobi_equals_the_default_rounds(monkeypatch):
+    """On the GPU (tensor-core build), the pair-block Jacobi rounds give the default rounds' bits: 288 GDN-like
+    states at r = 1, 4, 12, 32 (attempts and the full algorithm) and at per-state ranks."""
+    from bench.bench_truncate import gdn_like_states
+
+    S = gdn_like_states(288, 128, 128, seed=61).cuda()
+    ranks = torch.tensor([1, 4, 12, 32, 128, 2, 16, 17] * 36, device="cuda", dtype=torch.int32)
+    for r in (1, 4, 12, 32, ranks):
+        monkeypatch.setenv("GDNVIZ_CUDA_TRUNCATE_PAIR_JACOBI", "0")
+        ref = cuda_truncate._launch(S, r, None)
+        monkeypatch.setenv("GDNVIZ_CUDA_TRUNCATE_PAIR_JACOBI", "1")
+        got = cuda_truncate._launch(S, r, None)
+        assert torch.equal(ref.out, got.out), r
+        assert torch.equal(ref.done, got.done) and torch.equal(ref.bound, got.bound), r

@@ -151,6 +151,7 @@ FULL_JACOBI_TOL = 1e-10
 ATTEMPTS = ((16, ((4, 2),)), (32, ((16, 2),)))
 ATTEMPT_DEFAULT_ON = True
 DMMA_DEFAULT_ON = True
+PAIR_JACOBI_DEFAULT_ON = False  # not yet timed on a GPU (pair_jacobi_on)
 
 KERNELS = Kernels()  # KERNELS.available / KERNELS.reason: whether compilation worked, and why not
 
@@ -167,6 +168,8 @@ def source(K: int, V: int, ctype: str = "float", qb: int = Q, dmma: bool | None 
     for key, val in (("@K@", K), ("@V@", V), ("@T@", ctype), ("@QB@", qb), ("@LQB@", qb.bit_length() - 1)):
         text = text.replace(key, str(val))
     head = "#define GDNVIZ_DMMA\n" if (dmma_on() if dmma is None else dmma) else ""
+    if pair_jacobi_on():
+        head += "#define GDNVIZ_PAIR_JACOBI\n"
     return head + text
 
 
@@ -187,6 +190,15 @@ def dmma_on() -> bool:
     """Whether the kernel runs its Gram matrix and its products G·X on the float64 tensor cores (``mma.sync``
     m8n8k4; ``GDNVIZ_CUDA_TRUNCATE_DMMA=0``: the same sums as fused multiply-adds, as before the ninth session)."""
     return env_switch("GDNVIZ_CUDA_TRUNCATE_DMMA", DMMA_DEFAULT_ON)
+
+
+def pair_jacobi_on() -> bool:
+    """Whether the kernel's Jacobi runs its pair-block rounds (``GDNVIZ_CUDA_TRUNCATE_PAIR_JACOBI=1``; see the
+    source): every warp computes the round's rotations itself (parameters by warp shuffles, the diagonal in
+    registers), each thread updates one 2 × 2 block of A and W, one barrier per round. The same bits as the default
+    rounds (emulated tests); written in the fifteenth session after the device time ran out, so not yet timed:
+    ``PAIR_JACOBI_DEFAULT_ON`` stays False until the H200 says it pays."""
+    return env_switch("GDNVIZ_CUDA_TRUNCATE_PAIR_JACOBI", PAIR_JACOBI_DEFAULT_ON)
 
 
 def attempts_on() -> bool:
@@ -253,8 +265,8 @@ def _kernel(K: int, V: int, dtype: torch.dtype, device: torch.device, qb: int = 
     dmma = dmma_on()
     src = ("#define GDNVIZ_PROFILE\n" if profile else "") + source(K, V, ctype, qb, dmma)
     smem = {"gdnviz_truncate": smem_bytes(K, qb), "gdnviz_project": project_smem_bytes(K)}.get(name, 0)
-    return KERNELS.get((K, V, ctype, device.index, qb, profile, dmma, source_path(), name), device, src, name,
-                       shared_mem=smem)
+    return KERNELS.get((K, V, ctype, device.index, qb, profile, dmma, pair_jacobi_on(), source_path(), name), device,
+                       src, name, shared_mem=smem)
 
 
 def project_smem_bytes(K: int) -> int:

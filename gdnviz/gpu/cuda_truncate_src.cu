@@ -18,6 +18,7 @@
 #define RS (NT / QB)
 #define QT (QB * QB / NT)
 #define NB (QB / 8)
+#define NPAIR (QB / 2)  // pairs per Jacobi round
 typedef @T@ scalar_t;
 #define SHIFT 1e-13
 #define TINY 1e-300
@@ -637,8 +638,65 @@ gdnviz_truncate(const scalar_t* __restrict__ S, scalar_t* __restrict__ OUT, cons
         off = block_sum(off, misc + M_RED);
         const double thresh = tol2 * fro;
         bool any = true;
+#ifdef GDNVIZ_PAIR_JACOBI
+        double dreg = dd[t & (QB - 1)];  // index (t & (QB - 1))'s diagonal entry (block_sum's barriers passed)
+#endif
         for (int sweep = 0; sweep < max_sweeps && off > thresh && any; ++sweep) {
             bool rotated = false;
+#ifdef GDNVIZ_PAIR_JACOBI
+            // Pair-block rounds (GDNVIZ_PAIR_JACOBI): every warp computes all QB rotations of the round itself,
+            // lane l the one of index l & (QB - 1), so that their parameters are read by warp shuffles and the
+            // diagonal lives in registers (dreg: index l's); thread b updates one 2 x 2 block of A and of W — rows
+            // of pair b / NPAIR, columns of pair b % NPAIR — from 4 loads of each, with the same expression per
+            // entry as the per-entry form below, so the same bits; one barrier per round instead of two, and no
+            // rotation parameters through shared memory (their loads were most of a round's shared-memory traffic)
+            for (int k = 0; k < QB - 1; ++k) {
+                const int li = t & (QB - 1);
+                const int pr = jacobi_partner(li, k);
+                double c, sgn, dnew;
+                const bool rot = jacobi_rotation(A[li * QP + pr], A[pr * QP + li], dreg,
+                                                 __shfl_sync(0xffffffffu, dreg, pr), li < pr, skip, c, sgn, dnew);
+                rotated = rotated || rot;
+                PROF(12);
+                const int bl = t & (NPAIR * NPAIR - 1), pa = bl / NPAIR, pb = bl % NPAIR;
+                const int p0 = pa ? (k + pa) % (QB - 1) : k, q0 = pa ? (k - pa + QB - 1) % (QB - 1) : QB - 1;
+                const int p1 = pb ? (k + pb) % (QB - 1) : k, q1 = pb ? (k - pb + QB - 1) % (QB - 1) : QB - 1;
+                const double cp = __shfl_sync(0xffffffffu, c, p0), sp = __shfl_sync(0xffffffffu, sgn, p0);
+                const double cq = __shfl_sync(0xffffffffu, c, q0), sq = __shfl_sync(0xffffffffu, sgn, q0);
+                const double cp1 = __shfl_sync(0xffffffffu, c, p1), sp1 = __shfl_sync(0xffffffffu, sgn, p1);
+                const double cq1 = __shfl_sync(0xffffffffu, c, q1), sq1 = __shfl_sync(0xffffffffu, sgn, q1);
+                const double dp = __shfl_sync(0xffffffffu, dnew, p0), dq = __shfl_sync(0xffffffffu, dnew, q0);
+                const bool rp = __shfl_sync(0xffffffffu, rot ? 1 : 0, p0) != 0;
+                if (t < NPAIR * NPAIR) {
+                    const double x = A[p0 * QP + p1], y = A[p0 * QP + q1], z = A[q0 * QP + p1], u = A[q0 * QP + q1];
+                    double vpp = cp * (cp1 * x + sp1 * y) + sp * (cp1 * z + sp1 * u);
+                    double vpq = cp * (cq1 * y + sq1 * x) + sp * (cq1 * u + sq1 * z);
+                    double vqp = cq * (cp1 * z + sp1 * u) + sq * (cp1 * x + sp1 * y);
+                    double vqq = cq * (cq1 * u + sq1 * z) + sq * (cq1 * y + sq1 * x);
+                    if (pa == pb) {  // the diagonal block: Rutishauser's diagonal, the annihilated pair exact 0
+                        vpp = dp;
+                        vqq = dq;
+                        if (rp) vpq = vqp = 0.0;
+                    }
+                    A2[p0 * QP + p1] = vpp;
+                    A2[p0 * QP + q1] = vpq;
+                    A2[q0 * QP + p1] = vqp;
+                    A2[q0 * QP + q1] = vqq;
+                    const double wpp = W[p0 * QP + p1], wpq = W[p0 * QP + q1];
+                    const double wqp = W[q0 * QP + p1], wqq = W[q0 * QP + q1];
+                    W2[p0 * QP + p1] = cp1 * wpp + sp1 * wpq;
+                    W2[p0 * QP + q1] = cq1 * wpq + sq1 * wpp;
+                    W2[q0 * QP + p1] = cp1 * wqp + sp1 * wqq;
+                    W2[q0 * QP + q1] = cq1 * wqq + sq1 * wqp;
+                }
+                dreg = dnew;
+                PROF(14);
+                __syncthreads();
+                PROF(13);
+                double* tmp = A; A = A2; A2 = tmp;
+                tmp = W; W = W2; W2 = tmp;
+            }
+#else
             for (int k = 0; k < QB - 1; ++k) {
                 if (t < QB) {  // the rotation of index t's pair in round k (both members compute the same one)
                     const int pr = jacobi_partner(t, k);
@@ -673,6 +731,7 @@ gdnviz_truncate(const scalar_t* __restrict__ S, scalar_t* __restrict__ OUT, cons
                 double* tmp = A; A = A2; A2 = tmp;
                 tmp = W; W = W2; W2 = tmp;
             }
+#endif
             double o = 0.0;
             for (int e = t; e < QB * QB; e += NT) {
                 const int i = e >> LQB, j = e & (QB - 1);
@@ -684,6 +743,10 @@ gdnviz_truncate(const scalar_t* __restrict__ S, scalar_t* __restrict__ OUT, cons
             pacc[15] += 1;
 #endif
         }
+#ifdef GDNVIZ_PAIR_JACOBI
+        if (t < QB) dd[t] = dreg;
+        __syncthreads();
+#endif
         PROF(6);
         // ---- the top `take` Ritz vectors (descending, ties by index) -> U columns HALF*p ...
         // NaN Ritz values (a state with NaN or inf) rank last: the ranks stay a permutation, so every selected
