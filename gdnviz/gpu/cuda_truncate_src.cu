@@ -643,7 +643,6 @@ gdnviz_truncate(const scalar_t* __restrict__ S, scalar_t* __restrict__ OUT, cons
 #endif
         for (int sweep = 0; sweep < max_sweeps && off > thresh && any; ++sweep) {
             bool rotated = false;
-#ifdef GDNVIZ_PAIR_JACOBI
             // Pair-block rounds (GDNVIZ_PAIR_JACOBI): every warp computes all QB rotations of the round itself,
             // lane l the one of index l & (QB - 1), so that their parameters are read by warp shuffles and the
             // diagonal lives in registers (dreg: index l's); thread b updates one 2 x 2 block of A and of W — rows
@@ -651,6 +650,7 @@ gdnviz_truncate(const scalar_t* __restrict__ S, scalar_t* __restrict__ OUT, cons
             // entry as the per-entry form below, so the same bits; one barrier per round instead of two, and no
             // rotation parameters through shared memory (their loads were most of a round's shared-memory traffic)
             for (int k = 0; k < QB - 1; ++k) {
+#ifdef GDNVIZ_PAIR_JACOBI
                 const int li = t & (QB - 1);
                 const int pr = jacobi_partner(li, k);
                 double c, sgn, dnew;
@@ -690,14 +690,7 @@ gdnviz_truncate(const scalar_t* __restrict__ S, scalar_t* __restrict__ OUT, cons
                     W2[q0 * QP + q1] = cq1 * wqq + sq1 * wqp;
                 }
                 dreg = dnew;
-                PROF(14);
-                __syncthreads();
-                PROF(13);
-                double* tmp = A; A = A2; A2 = tmp;
-                tmp = W; W = W2; W2 = tmp;
-            }
 #else
-            for (int k = 0; k < QB - 1; ++k) {
                 if (t < QB) {  // the rotation of index t's pair in round k (both members compute the same one)
                     const int pr = jacobi_partner(t, k);
                     const double a_ip = A[t * QP + pr], a_pi = A[pr * QP + t];
@@ -725,13 +718,13 @@ gdnviz_truncate(const scalar_t* __restrict__ S, scalar_t* __restrict__ OUT, cons
                     W2[i * QP + j] = cj * W[i * QP + j] + sj * W[i * QP + pj];
                 }
                 if (t < QB) dd[t] = dn[t];
+#endif
                 PROF(14);
                 __syncthreads();
                 PROF(13);
                 double* tmp = A; A = A2; A2 = tmp;
                 tmp = W; W = W2; W2 = tmp;
             }
-#endif
             double o = 0.0;
             for (int e = t; e < QB * QB; e += NT) {
                 const int i = e >> LQB, j = e & (QB - 1);
