@@ -66,7 +66,7 @@ def cache_tensors(cache) -> list[torch.Tensor]:
     return out
 
 
-class StaticDecoder:
+class TransformersStaticStep:
     """One greedy decode step through a StaticCache with static inputs: ``tok [B, 1]``, ``pos [B, 1]`` and a boolean
     attention mask ``[B, 1, 1, M]`` over the cache's M positions (column j visible once position j is written)."""
 
@@ -137,15 +137,24 @@ class StaticDecoder:
         return logits
 
 
+def runner_prefill(lm, ids: torch.Tensor):
+    """gdnviz's prefill of ``ids`` into a DynamicCache, as ``gdnviz.generate`` runs it: (its RunContext, RunOutput with
+    the last position's logits), device synchronised."""
+    from gdnviz import runner
+
+    ctx = runner.RunContext(segment_len=runner.DEFAULT_SEGMENT_LEN)
+    out = runner.forward(lm, ids, use_cache=True, logits_positions="last", keep_hidden=False, ctx=ctx)
+    sync(ids.device)
+    return ctx, out
+
+
 def runner_decode(lm, ids: torch.Tensor, steps: int):
     """The baseline: greedy steps as gdnviz decodes (``gdnviz.generate`` / ``gdnviz.probes.batch``: ``runner.forward``
     one token at a time through the run's DynamicCache, the GDN layers through gdnviz's scan); returns (tokens fed
     [steps × [B, 1]], logits, seconds)."""
     from gdnviz import runner
 
-    ctx = runner.RunContext(segment_len=runner.DEFAULT_SEGMENT_LEN)
-    out = runner.forward(lm, ids, use_cache=True, logits_positions="last", keep_hidden=False, ctx=ctx)
-    sync(ids.device)
+    ctx, out = runner_prefill(lm, ids)
     tokens, logits = [], []
     t = time.perf_counter()
     nxt = out.logits[:, -1:].argmax(-1)
@@ -163,12 +172,9 @@ def gdnviz_static_decode(lm, ids: torch.Tensor, tokens: list, graph: bool):
     """gdnviz's own decoder (``gdnviz.static_decode.StaticDecoder``, what ``gdnviz.generate`` and sweeps run on
     CUDA) after a runner prefill, fed ``tokens``: (logits, ms per step, replays). The time includes building the
     StaticCache, the eager warm-up step and the capture, as every generation pays them."""
-    from gdnviz import runner
     from gdnviz.static_decode import StaticDecoder
 
-    ctx = runner.RunContext(segment_len=runner.DEFAULT_SEGMENT_LEN)
-    out = runner.forward(lm, ids, use_cache=True, logits_positions="last", keep_hidden=False, ctx=ctx)
-    sync(ids.device)
+    ctx, out = runner_prefill(lm, ids)
     t = time.perf_counter()
     dec = StaticDecoder(lm, ctx, out.cache, len(tokens), attention_mask=torch.ones(ids.shape, dtype=torch.long),
                         graph=graph)
@@ -225,7 +231,7 @@ def main() -> None:
             run_batch(lm, dev, g, B, a, base)
 
 
-def timed_run(dec: StaticDecoder, tokens: list, graph: bool, dev) -> tuple[list, float]:
+def timed_run(dec: TransformersStaticStep, tokens: list, graph: bool, dev) -> tuple[list, float]:
     """(logits per step, ms per step) of ``dec.run`` after a two-step warm-up."""
     dec.run(tokens[:2], graph=graph)
     sync(dev)
@@ -249,7 +255,7 @@ def run_batch(lm, dev, g, B: int, a, base: dict) -> None:
         emit(what="decode_gdnviz_graph" if graph else "decode_gdnviz_static", batch=B, ms_per_step=round(ms_gd, 3),
              speedup=round(ms_ref / ms_gd, 2), max_abs_logit_diff=max_diff(gd, ref), replays=replays,
              tokens_equal=all(torch.equal(x.argmax(-1), y.argmax(-1)) for x, y in zip(gd, ref)), **base)
-    dec = StaticDecoder(model, ids, a.steps)
+    dec = TransformersStaticStep(model, ids, a.steps)
     static, ms_static = timed_run(dec, tokens, False, dev)
     emit(what="decode_static", batch=B, ms_per_step=round(ms_static, 3), speedup=round(ms_ref / ms_static, 2),
          max_abs_logit_diff=max_diff(static, ref), **base)
@@ -262,7 +268,8 @@ def run_batch(lm, dev, g, B: int, a, base: dict) -> None:
              max_abs_logit_diff=max_diff(dyn, ref), **base)
 
 
-def graph_rows(dec: "StaticDecoder", tokens: list, static: list, ms_ref: float, dev, B: int, base: dict) -> None:
+def graph_rows(dec: TransformersStaticStep, tokens: list, static: list, ms_ref: float, dev, B: int,
+               base: dict) -> None:
     """The graphed step's row (CUDA): ms per step replayed, its logits against the eager StaticCache step's."""
     try:
         dec.capture()

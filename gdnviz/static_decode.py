@@ -1,9 +1,9 @@
 """Greedy decode steps through a StaticCache, replayed from one CUDA graph between boundaries.
 
 Why: a retrieval sweep is decode-bound (82–93% of a 4K sweep is its 128-token greedy decode, bench/RESULTS.md,
-fourteenth session), and one decode step of a 24-layer model is host work: gdnviz's runner step took 78–84 ms on the
-H200 at batch 1 and 4 while one step captured in a CUDA graph replayed in 4.2–5.3 ms (``bench/bench_decode.py``,
-fifteenth session). transformers' ``StaticCache`` keeps every tensor a decode step writes at a fixed address (the
+fourteenth session), and one decode step of a 24-layer model is host work: on the H200 gdnviz's runner step took
+72.3 / 80.2 ms at batch 1 / 4, this module's steps 5.09 / 6.64 ms replayed from the graph (StaticCache, warm-up and
+capture included; ``bench/bench_decode.py``, fifteenth session). transformers' ``StaticCache`` keeps every tensor a decode step writes at a fixed address (the
 attention keys and values are written by ``index_copy_`` at a device-side length, the GDN conv and recurrent states
 are updated in place), so one step can be captured and replayed with only the token, its position and one mask
 column changed between replays.

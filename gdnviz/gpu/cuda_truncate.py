@@ -276,7 +276,7 @@ def project_smem_bytes(K: int) -> int:
 
 # GDNVIZ_PROFILE build: clock64() cycles of thread 0 per phase (summed over passes and calls), index 15 = Jacobi sweeps.
 # The Jacobi's time is jacobi + jacobi_rotations (thread 0 computing its pair's rotation) + jacobi_barriers (waiting
-# at the round's two barriers) + jacobi_apply (its share of J^T A J and W J); jacobi alone keeps the per-sweep stop
+# at the round's barriers: two, one in the pair-block rounds) + jacobi_apply (its share of J^T A J and W J); jacobi alone keeps the per-sweep stop
 # test (fifteenth session: where a round's ~2,300 cycles at r = 32 go was not known)
 PHASES = ("gram_G", "sketch_Z", "cholqr", "gemm_GQ", "refill", "ritz_T", "jacobi", "select_U", "deflate_G", "load_U",
           "project", "certify", "jacobi_rotations", "jacobi_barriers", "jacobi_apply", "jacobi_sweeps")
