@@ -168,7 +168,7 @@ def source(K: int, V: int, ctype: str = "float", qb: int = Q, dmma: bool | None 
     for key, val in (("@K@", K), ("@V@", V), ("@T@", ctype), ("@QB@", qb), ("@LQB@", qb.bit_length() - 1)):
         text = text.replace(key, str(val))
     head = "#define GDNVIZ_DMMA\n" if (dmma_on() if dmma is None else dmma) else ""
-    if pair_jacobi_on():
+    if pair_jacobi_on() and qb == 32:  # the 16-column attempt keeps the per-entry rounds (source's comment)
         head += "#define GDNVIZ_PAIR_JACOBI\n"
     return head + text
 
@@ -265,7 +265,8 @@ def _kernel(K: int, V: int, dtype: torch.dtype, device: torch.device, qb: int = 
     dmma = dmma_on()
     src = ("#define GDNVIZ_PROFILE\n" if profile else "") + source(K, V, ctype, qb, dmma)
     smem = {"gdnviz_truncate": smem_bytes(K, qb), "gdnviz_project": project_smem_bytes(K)}.get(name, 0)
-    return KERNELS.get((K, V, ctype, device.index, qb, profile, dmma, pair_jacobi_on(), source_path(), name), device,
+    return KERNELS.get((K, V, ctype, device.index, qb, profile, dmma, pair_jacobi_on() and qb == 32, source_path(),
+                        name), device,
                        src, name, shared_mem=smem)
 
 

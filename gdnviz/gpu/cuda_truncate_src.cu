@@ -129,9 +129,15 @@ __device__ __forceinline__ bool jacobi_rotation(double a_ip, double a_pi, double
     c = rsqrt(fma(tt, tt, 1.0));
     const double s = tt * c;
     sgn = is_p ? -s : s;
-    dn = is_p ? app - tt * apq : aqq + tt * apq;
+    dn = is_p ? fma(-tt, apq, app) : fma(tt, apq, aqq);
     return rot;
 }
+
+// c·a + s·b with one rounding order fixed in the source (fma(c, a, s·b)): the two Jacobi round forms compute each
+// entry from the same operands, and NVRTC contracts `c * a + s * b` into a fused multiply-add either way depending on
+// the surrounding code, so without this the forms' bits differed on the H200 though equal in the emulation (g++
+// does not contract: sixteenth session)
+__device__ __forceinline__ double rot2(double c, double a, double s, double b) { return fma(c, a, __dmul_rn(s, b)); }
 
 // The trace of G [K][K] once every thread has stored its part of it; every thread gets it (three barriers).
 __device__ __forceinline__ double gram_trace(const double* Gs, double* red) {
@@ -646,9 +652,11 @@ gdnviz_truncate(const scalar_t* __restrict__ S, scalar_t* __restrict__ OUT, cons
             // Pair-block rounds (GDNVIZ_PAIR_JACOBI): every warp computes all QB rotations of the round itself,
             // lane l the one of index l & (QB - 1), so that their parameters are read by warp shuffles and the
             // diagonal lives in registers (dreg: index l's); thread b updates one 2 x 2 block of A and of W — rows
-            // of pair b / NPAIR, columns of pair b % NPAIR — from 4 loads of each, with the same expression per
-            // entry as the per-entry form below, so the same bits; one barrier per round instead of two, and no
-            // rotation parameters through shared memory (their loads were most of a round's shared-memory traffic)
+            // of pair b / NPAIR, columns of pair b % NPAIR — from 4 loads of each, with the same rot2 expressions
+            // per entry as the per-entry form below, so the same bits; one barrier per round instead of two, and no
+            // rotation parameters through shared memory (their loads were most of a round's shared-memory traffic).
+            // Built for 32-column blocks only (cuda_truncate.source): at 16 columns 64 of the 256 threads would
+            // update the 8 x 8 blocks, and the r = 1 attempt measured 7% slower (sixteenth session)
             for (int k = 0; k < QB - 1; ++k) {
 #ifdef GDNVIZ_PAIR_JACOBI
                 const int li = t & (QB - 1);
@@ -669,10 +677,10 @@ gdnviz_truncate(const scalar_t* __restrict__ S, scalar_t* __restrict__ OUT, cons
                 const bool rp = __shfl_sync(0xffffffffu, rot ? 1 : 0, p0) != 0;
                 if (t < NPAIR * NPAIR) {
                     const double x = A[p0 * QP + p1], y = A[p0 * QP + q1], z = A[q0 * QP + p1], u = A[q0 * QP + q1];
-                    double vpp = cp * (cp1 * x + sp1 * y) + sp * (cp1 * z + sp1 * u);
-                    double vpq = cp * (cq1 * y + sq1 * x) + sp * (cq1 * u + sq1 * z);
-                    double vqp = cq * (cp1 * z + sp1 * u) + sq * (cp1 * x + sp1 * y);
-                    double vqq = cq * (cq1 * u + sq1 * z) + sq * (cq1 * y + sq1 * x);
+                    const double xp = rot2(cp1, x, sp1, y), zp = rot2(cp1, z, sp1, u);  // columns p1 of rows p0, q0
+                    const double yq = rot2(cq1, y, sq1, x), uq = rot2(cq1, u, sq1, z);  // columns q1
+                    double vpp = rot2(cp, xp, sp, zp), vpq = rot2(cp, yq, sp, uq);
+                    double vqp = rot2(cq, zp, sq, xp), vqq = rot2(cq, uq, sq, yq);
                     if (pa == pb) {  // the diagonal block: Rutishauser's diagonal, the annihilated pair exact 0
                         vpp = dp;
                         vqq = dq;
@@ -684,10 +692,10 @@ gdnviz_truncate(const scalar_t* __restrict__ S, scalar_t* __restrict__ OUT, cons
                     A2[q0 * QP + q1] = vqq;
                     const double wpp = W[p0 * QP + p1], wpq = W[p0 * QP + q1];
                     const double wqp = W[q0 * QP + p1], wqq = W[q0 * QP + q1];
-                    W2[p0 * QP + p1] = cp1 * wpp + sp1 * wpq;
-                    W2[p0 * QP + q1] = cq1 * wpq + sq1 * wpp;
-                    W2[q0 * QP + p1] = cp1 * wqp + sp1 * wqq;
-                    W2[q0 * QP + q1] = cq1 * wqq + sq1 * wqp;
+                    W2[p0 * QP + p1] = rot2(cp1, wpp, sp1, wpq);
+                    W2[p0 * QP + q1] = rot2(cq1, wpq, sq1, wpp);
+                    W2[q0 * QP + p1] = rot2(cp1, wqp, sp1, wqq);
+                    W2[q0 * QP + q1] = rot2(cq1, wqq, sq1, wqp);
                 }
                 dreg = dnew;
 #else
@@ -710,12 +718,12 @@ gdnviz_truncate(const scalar_t* __restrict__ S, scalar_t* __restrict__ OUT, cons
                     const int i = e >> LQB, j = e & (QB - 1);
                     const int pi = (int)pp[i], pj = (int)pp[j];
                     const double ci = cc[i], si = sg[i], cj = cc[j], sj = sg[j];
-                    double v = ci * (cj * A[i * QP + j] + sj * A[i * QP + pj])
-                             + si * (cj * A[pi * QP + j] + sj * A[pi * QP + pj]);
+                    double v = rot2(ci, rot2(cj, A[i * QP + j], sj, A[i * QP + pj]),
+                                    si, rot2(cj, A[pi * QP + j], sj, A[pi * QP + pj]));
                     if (i == j) v = dn[i];
                     else if (j == pi && rt[i] != 0.0) v = 0.0;
                     A2[i * QP + j] = v;
-                    W2[i * QP + j] = cj * W[i * QP + j] + sj * W[i * QP + pj];
+                    W2[i * QP + j] = rot2(cj, W[i * QP + j], sj, W[i * QP + pj]);
                 }
                 if (t < QB) dd[t] = dn[t];
 #endif
