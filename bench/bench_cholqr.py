@@ -38,10 +38,11 @@ from gdnviz.gpu import cuda_cholqr  # noqa: E402
 VARIANTS = {"torch": "0", "cuda_cholqr": "smem", "cuda_cholqr_shfl": "shfl", "cuda_truncate": "shfl",
             "cuda_truncate_fused": "shfl", "cuda_truncate_split": "shfl",
             "cuda_truncate_full": "shfl", "triton_fused": "shfl",  # cuda_truncate_full: without the certified attempts
-            "cuda_truncate_pair_jacobi": "shfl"}
+            "cuda_truncate_entry_jacobi": "shfl"}
 SPLIT_ENV = {"cuda_truncate_fused": "0", "cuda_truncate_split": "1"}
-# "cuda_truncate_pair_jacobi": the kernel with its pair-block Jacobi rounds (GDNVIZ_CUDA_TRUNCATE_PAIR_JACOBI=1,
-# fifteenth session, not yet timed); its outputs must equal "cuda_truncate"'s bit for bit (same_as_default)
+# "cuda_truncate_entry_jacobi": the kernel with the per-entry Jacobi rounds of 32-column blocks
+# (GDNVIZ_CUDA_TRUNCATE_PAIR_JACOBI=0; the pair-block rounds, the default since the sixteenth session, measured 6-10%
+# faster at r = 4 / 12 / 32); its outputs must equal "cuda_truncate"'s bit for bit (same_as_default)
 # (the thirteenth session's "cuda_truncate_warp_jacobi", the Jacobi in warps, measured 1.8-2x slower and removed:
 # bench/RESULTS.md)
 
@@ -83,7 +84,10 @@ def main() -> None:
                     os.environ["GDNVIZ_CUDA_TRUNCATE_SPLIT"] = SPLIT_ENV[name]
                 else:
                     os.environ.pop("GDNVIZ_CUDA_TRUNCATE_SPLIT", None)
-                os.environ["GDNVIZ_CUDA_TRUNCATE_PAIR_JACOBI"] = "1" if name == "cuda_truncate_pair_jacobi" else "0"
+                if name == "cuda_truncate_entry_jacobi":
+                    os.environ["GDNVIZ_CUDA_TRUNCATE_PAIR_JACOBI"] = "0"
+                else:
+                    os.environ.pop("GDNVIZ_CUDA_TRUNCATE_PAIR_JACOBI", None)
                 if name.startswith("cuda_truncate"):
                     from gdnviz.gpu.cuda_truncate import truncate_cuda
 
@@ -111,7 +115,7 @@ def main() -> None:
                 if name == "cuda_truncate":
                     default_out = eager
                 extra = {}
-                if name == "cuda_truncate_pair_jacobi" and default_out is not None:
+                if name == "cuda_truncate_entry_jacobi" and default_out is not None:
                     extra["same_as_default"] = bool(torch.equal(eager, default_out))
                 emit(what="subspace_kernels", variant=name, n=n, r=r, replay_ms=round(ms, 4),
                      vs_torch=None if ref_ms is None else round(ref_ms / ms, 2), energy_err=float(f"{err:.3e}"),

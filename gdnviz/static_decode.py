@@ -26,8 +26,12 @@ What it does (:class:`StaticDecoder`), after a prefill through gdnviz's runner i
 When the graph is used (:func:`graph_reason` returns None): CUDA with fla, a transformers-family model (Qwen3.5,
 Qwen3.5-MoE, Qwen3-Next) with sdpa or eager attention, the switch on (``GDNVIZ_DECODE_GRAPH=0`` turns it off), and
 no callbacks but gdnviz's truncation (a recorder's ``on_layer_end`` would not run on replays). A capture that fails
-(an operation that syncs with the host, as a mixture-of-experts router may) is logged once per model class and that
+(an operation that syncs with the host) is logged once per model class, dtype and experts implementation, and that
 decoder runs its steps eagerly through the StaticCache; the capture executes nothing, so no state is lost.
+Mixture-of-experts models (H200, sixteenth session, ``bench/study_moe_capture.py``, tiny Qwen3.5-MoE and Qwen3-Next):
+in bfloat16 with transformers' default ``grouped_mm`` experts, and with ``batched_mm``, the step captures and a replay
+equals the eager step bit for bit; float32 ``grouped_mm`` (its fallback copies group offsets to the host) and
+``eager`` experts (a loop over the experts hit) do not capture and fall back.
 
 Exactness: the eager static step computes what the runner's DynamicCache step computes, except that attention runs
 over the static buffer with an explicit mask (float32 CPU tests: logits within 1e-5, greedy tokens equal, batched
@@ -47,7 +51,7 @@ from gdnviz.gpu.nvrtc import env_switch
 __all__ = ["StaticDecoder", "decoder_for", "graph_reason", "DEFAULT_ON"]
 
 DEFAULT_ON = True
-_FAILED: dict = {}  # model class name -> why its capture failed (then never tried again in this process)
+_FAILED: dict = {}  # _failure_key(model) -> why its capture failed (then never tried again in this process)
 _LOG = logging.getLogger(__name__)
 
 
@@ -66,10 +70,20 @@ def graph_reason(lm, ctx: runner.RunContext, device) -> str | None:
         return f"attention implementation {impl!r} (sdpa or eager only)"
     if any(type(cb) is not TruncateCallback for cb in ctx.callbacks):
         return "callbacks other than truncation"
-    name = type(lm.model).__name__
-    if name in _FAILED:
-        return f"an earlier capture failed for {name}: {_FAILED[name]}"
+    key = _failure_key(lm.model)
+    if key in _FAILED:
+        return f"an earlier capture failed for {key}: {_FAILED[key]}"
     return None
+
+
+def _failure_key(model) -> str:
+    """What a failed capture is remembered by: the model class, its dtype and its experts implementation — whether
+    a step captures depends on all three (transformers' default ``grouped_mm`` experts capture in bfloat16 but not
+    in float32, whose fallback copies the group offsets to the host; ``eager`` experts never: sixteenth session,
+    ``bench/study_moe_capture.py``)."""
+    experts = getattr(model.config, "_experts_implementation", None)
+    dtype = str(next(model.parameters()).dtype).replace("torch.", "")
+    return f"{type(model).__name__} ({dtype}" + (f", experts {experts})" if experts else ")")
 
 
 def static_copy(model, cache, max_cache_len: int):
@@ -203,7 +217,7 @@ class StaticDecoder:
             self.ctx.current_layer = None
             self.ctx.offsets.clear()
             self.ctx.offsets.update(before)
-            name = type(self.lm.model).__name__
+            name = _failure_key(self.lm.model)
             _FAILED[name] = f"{type(e).__name__}: {str(e)[:200]}"
             self.reason = f"capture failed: {_FAILED[name]}"
             _LOG.warning("decode step of %s could not be captured in a CUDA graph (%s); decoding eagerly", name,

@@ -206,3 +206,35 @@ def test_decoders_leave_no_gpu_memory_behind():
         used.append(torch.cuda.memory_allocated())
     print("allocated after each generation:", used)
     assert max(used[2:]) - used[1] < 1 << 20, used
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("family", ["qwen3_5_moe", "qwen3_next"])
+def test_moe_decode_step_captures_in_bfloat16(family):
+    """The mixture-of-experts families in bfloat16 with transformers' default experts implementation: the decode
+    step is captured (H200, sixteenth session: float32 falls back, bench/study_moe_capture.py) with every head
+    truncated at r = 3 (the boundary steps run eagerly), and the replays equal the eager static steps bit for bit. A float32 failure of the same class must
+    not stop a bfloat16 model from capturing (the failure memo is per class, dtype and experts implementation)."""
+    if not torch.cuda.is_available():
+        pytest.skip("needs CUDA")
+    static_decode._FAILED.clear()
+    model = _models()[family]
+    static_decode._FAILED[static_decode._failure_key(model)] = "float32 capture failed (simulated memo)"
+    lm = from_model(model.to("cuda", torch.bfloat16), family)
+    spec = TruncationSpec.all_heads(lm.info, 3)
+    prompts = _prompts(LENS)
+    outs = {}
+    for graph in (False, True):
+        out, ctx, mask, _ = batched_forward(lm, prompts, segment_len=L, spec=spec, use_cache=True,
+                                            logits_positions="last", keep_hidden=False)
+        assert graph is False or static_decode.graph_reason(lm, ctx, "cuda") is None
+        dec = static_decode.StaticDecoder(lm, ctx, out.cache, STEPS, attention_mask=mask, positions=mask.sum(-1),
+                                          graph=graph)
+        nxt, logits = out.logits[:, -1].argmax(-1), []
+        for _ in range(STEPS):
+            logits.append(dec.step(nxt))
+            nxt = logits[-1].argmax(-1)
+        outs[graph] = torch.stack(logits)
+    assert dec.reason is None and dec.replays >= STEPS // 2, (dec.reason, dec.replays)
+    assert torch.equal(outs[True], outs[False])
+    static_decode._FAILED.clear()

@@ -38,7 +38,8 @@ their bounds, and every attempt with no filter step whose answer misses the crit
 * Rayleigh–Ritz: the cyclic parallel Jacobi of ``gdnviz.gpu.jacobi`` (round-robin pairs, ``a_pq`` the mean of both
   triangles, the skip test, Rutishauser's diagonal, the stop test once per sweep, ``MAX_SWEEPS`` / ``TOL``) with the
   whole block: 32 threads compute a round's 16 rotations, all 256 apply ``Jᵀ A J`` and ``V J`` (two barriers per
-  round).
+  round); for 32-column blocks, since the sixteenth session, the pair-block rounds of ``pair_jacobi_on`` (one
+  barrier per round, the same bits, 6–10% faster at r = 4 / 12 / 32).
 
 Why: the subspace path of ``gdnviz.truncate`` launches ~40 small kernels per call and the Triton fused kernel runs
 ~500 dependent cross-warp reductions with spills; both take ~0.6–1 ms for the 16 states of one layer-boundary on an
@@ -151,7 +152,7 @@ FULL_JACOBI_TOL = 1e-10
 ATTEMPTS = ((16, ((4, 2),)), (32, ((16, 2),)))
 ATTEMPT_DEFAULT_ON = True
 DMMA_DEFAULT_ON = True
-PAIR_JACOBI_DEFAULT_ON = False  # not yet timed on a GPU (pair_jacobi_on)
+PAIR_JACOBI_DEFAULT_ON = True  # measured on the H200, sixteenth session (pair_jacobi_on)
 
 KERNELS = Kernels()  # KERNELS.available / KERNELS.reason: whether compilation worked, and why not
 
@@ -193,11 +194,16 @@ def dmma_on() -> bool:
 
 
 def pair_jacobi_on() -> bool:
-    """Whether the kernel's Jacobi runs its pair-block rounds (``GDNVIZ_CUDA_TRUNCATE_PAIR_JACOBI=1``; see the
-    source): every warp computes the round's rotations itself (parameters by warp shuffles, the diagonal in
-    registers), each thread updates one 2 × 2 block of A and W, one barrier per round. The same bits as the default
-    rounds (emulated tests); written in the fifteenth session after the device time ran out, so not yet timed:
-    ``PAIR_JACOBI_DEFAULT_ON`` stays False until the H200 says it pays."""
+    """Whether the Jacobi of 32-column blocks runs its pair-block rounds (``GDNVIZ_CUDA_TRUNCATE_PAIR_JACOBI``, default
+    on; ``=0``: the per-entry rounds; see the source): every warp computes the round's rotations itself (parameters
+    by warp shuffles, the diagonal in registers), each thread updates one 2 × 2 block of A and W, one barrier per
+    round. The 16-column attempt (r ≤ 4) always runs the per-entry rounds: there only 64 threads would have a block,
+    and the r = 1 attempt measured 7% slower. The same bits as the per-entry rounds (emulated, and on the H200).
+    Measured (H200, sixteenth session, ``bench_cholqr.py``, the pair form then its variant ``cuda_truncate_pair_jacobi``,
+    CUDA-graph replay, GDN-like float32 states; per-entry → pair-block): 288 states r = 4 / 12 / 32 0.668 → 0.628,
+    0.891 → 0.799, 1.979 → 1.793 ms (r = 1 0.281 / 0.282); 16 states r = 12 / 32 0.275 → 0.239, 0.693 → 0.621 ms.
+    Thread 0's Jacobi cycles at r = 32 (288 states): 500K → 370K, a round ~2,300 → ~1,700 cycles (rotations ~1,000
+    of them: every warp now waits for the division, square root and reciprocal square root of its own rotations)."""
     return env_switch("GDNVIZ_CUDA_TRUNCATE_PAIR_JACOBI", PAIR_JACOBI_DEFAULT_ON)
 
 
