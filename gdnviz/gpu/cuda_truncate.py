@@ -199,8 +199,8 @@ def pair_jacobi_on() -> bool:
     by warp shuffles, the diagonal in registers), each thread updates one 2 × 2 block of A and W, one barrier per
     round. The 16-column attempt (r ≤ 4) always runs the per-entry rounds: there only 64 threads would have a block,
     and the r = 1 attempt measured 7% slower. The same bits as the per-entry rounds (emulated, and on the H200).
-    Measured (H200, sixteenth session, ``bench_cholqr.py``, the pair form then its variant ``cuda_truncate_pair_jacobi``,
-    CUDA-graph replay, GDN-like float32 states; per-entry → pair-block): 288 states r = 4 / 12 / 32 0.668 → 0.628,
+    Measured (H200, sixteenth session, ``bench_cholqr.py``, where the pair form was then the variant
+    ``cuda_truncate_pair_jacobi``; CUDA-graph replay, GDN-like float32 states; per-entry → pair-block): 288 states r = 4 / 12 / 32 0.668 → 0.628,
     0.891 → 0.799, 1.979 → 1.793 ms (r = 1 0.281 / 0.282); 16 states r = 12 / 32 0.275 → 0.239, 0.693 → 0.621 ms.
     Thread 0's Jacobi cycles at r = 32 (288 states): 500K → 370K, a round ~2,300 → ~1,700 cycles (rotations ~1,000
     of them: every warp now waits for the division, square root and reciprocal square root of its own rotations)."""
