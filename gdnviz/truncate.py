@@ -531,7 +531,9 @@ def energy_error_bound(states: torch.Tensor, basis: torch.Tensor, rank: int) -> 
 
     ``states [N, K, V]``; ``basis [N, K, w]`` orthonormal (w ≤ K; e.g. ``truncate_states(..., return_basis=True)``'s),
     its first ``rank`` columns the kept directions. With the trace-1 Gram matrix ``G`` of each state, ``T = QᵀGQ``,
-    ``R = (I − QQᵀ) G Q`` and ``‖D‖_F² = ‖G‖_F² − ‖T‖_F² − 2‖R‖_F²`` (G's part outside span Q), split the blocks at
+    ``R = (I − QQᵀ) G Q`` and ``D = (I − QQᵀ) G (I − QQᵀ)`` (G's part outside span Q; formed explicitly: the identity
+    ``‖D‖_F² = ‖G‖_F² − ‖T‖_F² − 2‖R‖_F²`` cancels to a noise floor of ~1e-7 in ‖D‖_F, which can over- or
+    under-state a small ‖D‖_F — sixteenth session, ``bench/study_two_pass_certificate.py``), split the blocks at
     ``rank`` (r: kept, c: the rest of the basis):
 
         error ≤ (‖T_rc‖_F² + ‖R_r‖_F²) / (λ_min(T_rr) − c),   c = max(λ_max(T_cc), ‖D‖_F) + ‖R_c‖_F,
@@ -554,7 +556,8 @@ def energy_error_bound(states: torch.Tensor, basis: torch.Tensor, rank: int) -> 
     T = Q.mT @ GQ
     T = 0.5 * (T + T.mT)
     R = GQ - Q @ T
-    d2 = (G.square().sum((-1, -2)) - T.square().sum((-1, -2)) - 2 * R.square().sum((-1, -2))).clamp_min(0)
+    P = torch.eye(X.shape[1], dtype=X.dtype, device=X.device) - Q @ Q.mT
+    d2 = (P @ G @ P).square().sum((-1, -2))
     lam_c = torch.linalg.eigvalsh(T[:, r:, r:])[:, -1] if r < Q.shape[2] else torch.zeros_like(d2)
     c = torch.maximum(lam_c, d2.sqrt()) + R[:, :, r:].square().sum((-1, -2)).sqrt()
     gap = torch.linalg.eigvalsh(T[:, :r, :r])[:, 0] - c
