@@ -144,16 +144,12 @@ def test_bad_use():
 
 # ---- CUDA: replays equal the eager static steps; greedy answers equal the DynamicCache path's ---------------------
 
-@pytest.mark.gpu
-@pytest.mark.parametrize("family", ["qwen3_5", "qwen3_5_moe", "qwen3_next"])
-def test_graph_replay_equals_eager_static_on_gpu(family, monkeypatch):
-    if not torch.cuda.is_available():
-        pytest.skip("needs CUDA")
-    lm = from_model(_models()[family].cuda(), family)
-    spec = TruncationSpec.all_heads(lm.info, 3)
-    prompts = _prompts(LENS)
+def _eager_and_graphed(lm, prompts, spec):
+    """Each step's logits ``[STEPS, B, vocab]`` after the same batched prefill, eager static steps
+    (``outs[False]``) and with the graph (``outs[True]``), the eager run's greedy tokens fed to both; returns
+    (outs, the graphed run's decoder)."""
     outs, feed = {}, None
-    for graph in (False, True):  # the same tokens fed to both
+    for graph in (False, True):
         out, ctx, mask, _ = batched_forward(lm, prompts, segment_len=L, spec=spec, use_cache=True,
                                             logits_positions="last", keep_hidden=False)
         dec = static_decode.StaticDecoder(lm, ctx, out.cache, STEPS, attention_mask=mask, positions=mask.sum(-1),
@@ -165,6 +161,18 @@ def test_graph_replay_equals_eager_static_on_gpu(family, monkeypatch):
         if feed is None:
             feed = [out.logits[:, -1].argmax(-1)] + [x.argmax(-1) for x in logits]
         outs[graph] = torch.stack(logits)
+    return outs, dec
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("family", ["qwen3_5", "qwen3_5_moe", "qwen3_next"])
+def test_graph_replay_equals_eager_static_on_gpu(family, monkeypatch):
+    if not torch.cuda.is_available():
+        pytest.skip("needs CUDA")
+    lm = from_model(_models()[family].cuda(), family)
+    spec = TruncationSpec.all_heads(lm.info, 3)
+    prompts = _prompts(LENS)
+    outs, dec = _eager_and_graphed(lm, prompts, spec)
     # which way it went shows in pytest's warnings summary (session.sh runs pytest without -s)
     warnings.warn(f"{family}: {dec.replays} of {STEPS} steps replayed; reason {dec.reason!r}")
     if family == "qwen3_5":  # the dense model's step must capture; the MoE routers may sync with the host
@@ -223,19 +231,7 @@ def test_moe_decode_step_captures_in_bfloat16(family):
     static_decode._FAILED[static_decode._failure_key(model)] = "float32 capture failed (simulated memo)"
     lm = from_model(model.to("cuda", torch.bfloat16), family)
     spec = TruncationSpec.all_heads(lm.info, 3)
-    prompts = _prompts(LENS)
-    outs = {}
-    for graph in (False, True):
-        out, ctx, mask, _ = batched_forward(lm, prompts, segment_len=L, spec=spec, use_cache=True,
-                                            logits_positions="last", keep_hidden=False)
-        assert graph is False or static_decode.graph_reason(lm, ctx, "cuda") is None
-        dec = static_decode.StaticDecoder(lm, ctx, out.cache, STEPS, attention_mask=mask, positions=mask.sum(-1),
-                                          graph=graph)
-        nxt, logits = out.logits[:, -1].argmax(-1), []
-        for _ in range(STEPS):
-            logits.append(dec.step(nxt))
-            nxt = logits[-1].argmax(-1)
-        outs[graph] = torch.stack(logits)
+    outs, dec = _eager_and_graphed(lm, _prompts(LENS), spec)
     assert dec.reason is None and dec.replays >= STEPS // 2, (dec.reason, dec.replays)
     assert torch.equal(outs[True], outs[False])
     static_decode._FAILED.clear()
