@@ -169,7 +169,7 @@ def source(K: int, V: int, ctype: str = "float", qb: int = Q, dmma: bool | None 
     for key, val in (("@K@", K), ("@V@", V), ("@T@", ctype), ("@QB@", qb), ("@LQB@", qb.bit_length() - 1)):
         text = text.replace(key, str(val))
     head = "#define GDNVIZ_DMMA\n" if (dmma_on() if dmma is None else dmma) else ""
-    if pair_jacobi_on() and qb == 32:  # the 16-column attempt keeps the per-entry rounds (source's comment)
+    if pair_rounds(qb):
         head += "#define GDNVIZ_PAIR_JACOBI\n"
     return head + text
 
@@ -205,6 +205,12 @@ def pair_jacobi_on() -> bool:
     Thread 0's Jacobi cycles at r = 32 (288 states): 500K → 370K, a round ~2,300 → ~1,700 cycles (rotations ~1,000
     of them: every warp now waits for the division, square root and reciprocal square root of its own rotations)."""
     return env_switch("GDNVIZ_CUDA_TRUNCATE_PAIR_JACOBI", PAIR_JACOBI_DEFAULT_ON)
+
+
+def pair_rounds(qb: int) -> bool:
+    """Whether a ``qb``-column build runs the pair-block rounds: the switch on and a 32-column block (the 16-column
+    attempt keeps the per-entry rounds; the source's comment says why)."""
+    return pair_jacobi_on() and qb == 32
 
 
 def attempts_on() -> bool:
@@ -271,8 +277,7 @@ def _kernel(K: int, V: int, dtype: torch.dtype, device: torch.device, qb: int = 
     dmma = dmma_on()
     src = ("#define GDNVIZ_PROFILE\n" if profile else "") + source(K, V, ctype, qb, dmma)
     smem = {"gdnviz_truncate": smem_bytes(K, qb), "gdnviz_project": project_smem_bytes(K)}.get(name, 0)
-    return KERNELS.get((K, V, ctype, device.index, qb, profile, dmma, pair_jacobi_on() and qb == 32, source_path(),
-                        name), device,
+    return KERNELS.get((K, V, ctype, device.index, qb, profile, dmma, pair_rounds(qb), source_path(), name), device,
                        src, name, shared_mem=smem)
 
 
