@@ -28,6 +28,7 @@ from bench.bench_truncate import capture_replay_ms, gdn_like_states, time_ms  # 
 from bench.common import device_name, emit  # noqa: E402
 from gdnviz import truncate as tr  # noqa: E402
 from gdnviz.gpu import cuda_cholqr  # noqa: E402
+from gdnviz.gpu.cuda_truncate import FULL_JACOBI_TOL  # noqa: E402
 
 # variant: GDNVIZ_CUDA_CHOLQR — the torch Cholesky-QR path; the CUDA Cholesky-QR kernel with the shared-memory /
 # the shuffle factorisation (named explicitly: "1" means the default form, which changed from smem to shfl)
@@ -38,11 +39,13 @@ from gdnviz.gpu import cuda_cholqr  # noqa: E402
 VARIANTS = {"torch": "0", "cuda_cholqr": "smem", "cuda_cholqr_shfl": "shfl", "cuda_truncate": "shfl",
             "cuda_truncate_fused": "shfl", "cuda_truncate_split": "shfl",
             "cuda_truncate_full": "shfl", "triton_fused": "shfl",  # cuda_truncate_full: without the certified attempts
-            "cuda_truncate_entry_jacobi": "shfl"}
+            "cuda_truncate_entry_jacobi": "shfl", "cuda_truncate_prev": "shfl"}
 SPLIT_ENV = {"cuda_truncate_fused": "0", "cuda_truncate_split": "1"}
 # "cuda_truncate_entry_jacobi": the kernel with the per-entry Jacobi rounds of 32-column blocks
 # (GDNVIZ_CUDA_TRUNCATE_PAIR_JACOBI=0; the pair-block rounds, the default since the sixteenth session, measured 6-10%
 # faster at r = 4 / 12 / 32); its outputs must equal "cuda_truncate"'s bit for bit (same_as_default)
+# "cuda_truncate_prev": the kernel with the sixteenth session's defaults — 6 filter steps in the second pass (r > 16;
+# 4 since the seventeenth) and the full algorithm's Jacobi stop at 1e-10 (1e-8 since) — for the same-run ratio
 # (the thirteenth session's "cuda_truncate_warp_jacobi", the Jacobi in warps, measured 1.8-2x slower and removed:
 # bench/RESULTS.md)
 
@@ -88,10 +91,13 @@ def main() -> None:
                     os.environ["GDNVIZ_CUDA_TRUNCATE_PAIR_JACOBI"] = "0"
                 else:
                     os.environ.pop("GDNVIZ_CUDA_TRUNCATE_PAIR_JACOBI", None)
-                if name.startswith("cuda_truncate"):
-                    from gdnviz.gpu.cuda_truncate import truncate_cuda
+                from gdnviz.gpu import cuda_truncate as ct
 
-                    fn = lambda x, r=r: truncate_cuda(x, r)  # noqa: E731
+                ct.FULL_JACOBI_TOL = 1e-10 if name == "cuda_truncate_prev" else FULL_JACOBI_TOL
+                if name == "cuda_truncate_prev":
+                    fn = lambda x, r=r: ct.truncate_cuda(x, r, iters=6 if r > 16 else None)  # noqa: E731
+                elif name.startswith("cuda_truncate"):
+                    fn = lambda x, r=r: ct.truncate_cuda(x, r)  # noqa: E731
                 elif name == "triton_fused":
                     from gdnviz.gpu.fused_truncate import truncate_fused
 
@@ -122,6 +128,9 @@ def main() -> None:
                      replay_equals_eager=bool(torch.equal(out, eager)), **extra, **base)
     os.environ["GDNVIZ_CUDA_CHOLQR"] = "0"
     os.environ.pop("GDNVIZ_CUDA_TRUNCATE_PAIR_JACOBI", None)
+    from gdnviz.gpu import cuda_truncate as ct
+
+    ct.FULL_JACOBI_TOL = FULL_JACOBI_TOL
     emit(what="cuda_kernels_status", cholqr_available=cuda_cholqr.KERNELS.available,
          cholqr_reason=cuda_cholqr.KERNELS.reason, **base)
 

@@ -80,6 +80,7 @@ __all__ = [
     "energy_error",
     "energy_error_bound",
     "iterations_for",
+    "pass_iterations",
     "SUBSPACE_MAX_RANK",
 ]
 
@@ -94,26 +95,34 @@ _TINY = 1e-300  # absolute floor: zero columns / zero states stay finite
 _TRITON_INTERPRET = os.environ.get("GDNVIZ_TEST_TRITON_CHOLQR", "") if os.environ.get("TRITON_INTERPRET") == "1" else ""
 _FILTER = "power"  # "power": P = G² (one eigh per pass); "chebyshev": degree-2 Chebyshev (two eigh per pass)
 
-# Filter steps (each = 2 powers of G) per pass, by the largest rank of the pass (ranks > 16: two passes, each with the
-# count of r = 16). Calibrated so the worst energy error on the hard batteries and toy-GDN states is ≤ 1e-6.
+# Filter steps (each = 2 powers of G) per pass, by the largest rank of the pass (ranks > 16: two passes, the first
+# with the count of r = 16). Calibrated so the worst energy error on the hard batteries and toy-GDN states is ≤ 1e-6.
 _ITERS = {
     "power": ((2, 3), (8, 4), (12, 5), (16, 6)),
     "chebyshev": ((2, 3), (8, 4), (16, 5)),
 }
+# Filter steps of the second pass (ranks 17 … 32), calibrated the same way (bench/study_pass2_warm.py, seventeenth
+# session: with 6 then 4 steps the batteries' worst error is 7.6e-7 at r = 32 and ≤ 2.2e-7 at r = 17, 20, 24, 28;
+# with 6 then 3 it is 1.0e-5 at r = 32). The second pass's cut is the state's r-th direction, but everything above
+# the first 16 is gone from its Gram matrix, so its block of 32 spans directions 17 … 48 and needs fewer steps.
+_PASS2_ITERS = 4
 
 
-def iterations_for(rank: int) -> int:
-    """Filter steps per pass that ``truncate_states`` uses for a largest rank ``rank`` ≤ 32.
+def iterations_for(rank: int, pass_index: int = 0) -> int:
+    """Filter steps that ``truncate_states`` runs in pass ``pass_index`` (0 or 1) for a largest rank ``rank`` ≤ 32.
 
-    Ranks above 16 take two passes (16 directions, then ``rank − 16`` of the deflated state), each with the count
-    of a 16-direction pass.
+    Ranks above 16 take two passes (16 directions, then ``rank − 16`` of the deflated state): the first with the
+    count of a 16-direction pass, the second with ``_PASS2_ITERS`` (at most the first's).
     """
     r = min(int(rank), _STAGE_RANK)
     table = _ITERS[_FILTER]
-    for upper, k in table:
-        if r <= upper:
-            return k
-    return table[-1][1]
+    k = next((k for upper, k in table if r <= upper), table[-1][1])
+    return min(k, _PASS2_ITERS) if pass_index else k
+
+
+def pass_iterations(rank: int) -> tuple[int, int]:
+    """``(pass 1, pass 2)`` filter steps for a largest rank ``rank`` ≤ 32 (the second unused for ranks ≤ 16)."""
+    return iterations_for(rank, 0), iterations_for(rank, 1)
 
 
 # --------------------------------------------------------------------------------------------- helpers
@@ -261,11 +270,12 @@ def _subspace_pass(X: torch.Tensor, r: int, iters: int, warm: torch.Tensor | Non
     return Q
 
 
-def _subspace_basis(X: torch.Tensor, r_max: int, iters: int, warm: torch.Tensor | None) -> torch.Tensor:
-    """Orthonormal basis whose leading columns are the top Ritz vectors (descending), ``[N, K, 32 or 48]``."""
+def _subspace_basis(X: torch.Tensor, r_max: int, iters: tuple[int, int], warm: torch.Tensor | None) -> torch.Tensor:
+    """Orthonormal basis whose leading columns are the top Ritz vectors (descending), ``[N, K, 32 or 48]``;
+    ``iters``: the filter steps of the two passes."""
     r1 = min(r_max, _STAGE_RANK)
     w1 = None if warm is None else warm[..., :r1]
-    Q1 = _subspace_pass(X, r1, iters, w1)
+    Q1 = _subspace_pass(X, r1, iters[0], w1)
     if r_max <= _STAGE_RANK:
         return Q1
     # Second pass on the deflated state: its top directions are the 17th.. of the original.
@@ -273,7 +283,7 @@ def _subspace_basis(X: torch.Tensor, r_max: int, iters: int, warm: torch.Tensor 
     X2 = X - U1 @ (U1.mT @ X)
     r2 = r_max - _STAGE_RANK
     w2 = None if warm is None or warm.shape[-1] <= _STAGE_RANK else warm[..., _STAGE_RANK:r_max]
-    Q2 = _subspace_pass(X2, r2, iters, w2, seed=1)
+    Q2 = _subspace_pass(X2, r2, iters[1], w2, seed=1)
     # Ritz vectors of the deflated problem with non-zero Ritz value are ⊥ U1 already; refilled ones may not be.
     # Cholesky-QR² of the concatenation keeps U1 and orthogonalises the rest against it (well conditioned: the
     # refill directions are random, far from span(U1)).
@@ -370,7 +380,8 @@ def truncate_states(
         return_basis: also return the orthonormal float64 basis ``[N, K, w]`` whose leading columns are the retained
             directions in decreasing energy (w = 32 or 48 on the subspace path; states returned unchanged get the
             first unit vectors as a placeholder).
-        iters: override the number of filter steps per pass (expert/benchmark use; default ``iterations_for(r)``).
+        iters: override the number of filter steps of every pass (expert/benchmark use; default
+            ``pass_iterations(r)``).
 
     Returns:
         The truncated states, same shape, dtype and device as ``states`` (computed in float64), or
@@ -442,7 +453,7 @@ def _truncate_group(X, r_max, ranks_dev, path, warm_start, iters):
     elif path == "eigh":
         U = _exact_basis(X, max(r_max, min(_BLOCK, K)))
     else:
-        k = iterations_for(r_max) if iters is None else int(iters)
+        k = pass_iterations(r_max) if iters is None else (int(iters), int(iters))
         U = _subspace_basis(X, r_max, k, warm_start)
     return U, _project(X, U, r_max, ranks_dev)
 

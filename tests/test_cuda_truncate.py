@@ -213,6 +213,29 @@ def test_emulated_attempts_certify_a_boundary_of_gdn_like_states_at_r12():
 
 
 @needs_gxx
+@pytest.mark.parametrize("dmma", [False, True])
+def test_emulated_certificate_has_no_cancellation_floor(dmma):
+    """The certificate's ‖D‖_F (G outside the block) is capped by tr(D) = 1 − tr(T′), which does not cancel: on a
+    rank-24 state cut at λ₆ = 2e-7, λ₇ = 1e-7 (test_energy_bound's state; the 32-column basis holds the whole range,
+    so D = 0) the gap bound certifies it at ~3e-13. With ‖D‖_F from ‖G‖² − ‖T′‖² − 2‖R‖² alone, the ~7e-14 of
+    rounding in that difference made ‖D‖_F ~3e-7 > λ₆ and only the miss term certified it, at 3.3e-7 (the
+    seventeenth session's emulation). The actual error, 2e-13, is the shifted Cholesky-QR's column norms, which the
+    bound now includes (SCALE_SLACK): no tolerance here."""
+    g = torch.Generator().manual_seed(2)
+    lam = torch.zeros(128, dtype=F64)
+    lam[:24] = torch.tensor([0.5, 0.3, 0.15, 0.05, 1e-3, 2e-7, 1e-7] + torch.logspace(-7.3, -9, 17).tolist(),
+                            dtype=F64)
+    U = torch.linalg.qr(torch.randn(128, 128, generator=g, dtype=F64))[0]
+    V = torch.linalg.qr(torch.randn(128, 128, generator=g, dtype=F64))[0]
+    S = ((U * lam.sqrt()) @ V.mT)[None]
+    S = torch.cat([S, 3.0 * S])
+    out, done, bound = cuda_truncate.emulate(S, 6, attempts=True, info=True, dmma=dmma)
+    err = energy_error(S, out, 6)
+    assert done.tolist() == [1, 1] and bound.max().item() <= 1e-12, bound.tolist()
+    assert (err <= bound).all(), (err.tolist(), bound.tolist())
+
+
+@needs_gxx
 def test_emulated_tensor_core_build_matches_the_fma_build():
     """The GPU's default build (``GDNVIZ_DMMA``: the Gram matrix and G·X on mma.sync m8n8k4, each lane's fragment
     as the PTX manual lays it out, emulated by warp collectives) against the fused multiply-add build: certified
@@ -237,8 +260,13 @@ def test_emulated_tensor_core_build_matches_the_fma_build():
     X = torch.cat([H[:1], S[:1].double(), gdn_like_states(1, 128, 128, seed=8).double()])
     ranks = [20, 12, 20]
     got = cuda_truncate.emulate(X, ranks, dmma=True)
+    ref = cuda_truncate.emulate(X, ranks)
     assert energy_error(X, got, ranks).max().item() <= TOL
-    assert (got - cuda_truncate.emulate(X, ranks))[1:].abs().max().item() <= 1e-5 * X[1:].abs().max().item()
+    assert (got - ref)[1].abs().max().item() <= 1e-5 * X[1].abs().max().item()
+    # the third state's directions 18 … 22 hold 1e-10 … 3e-12 of its energy, so four steps of the second pass (since
+    # the seventeenth session; six before) fix its top-20 subspace only to ~2e-5 of its largest entry, which the
+    # builds' roundings move; its retained energy, 3e-10 from exact in both, they agree on
+    assert (retained_energy(X[2:], got[2:]) - retained_energy(X[2:], ref[2:])).abs().max().item() <= 1e-9
     for K, V in ((64, 128), (128, 64)):  # one 8-row tile per warp (K = 64); a Gram matrix of rank ≤ V
         Y = torch.cat([hard_states(4, K=K, V=V, seed=7)[0][:1], gdn_like_states(1, K, V, seed=9).double()])
         got = cuda_truncate.emulate(Y, [4, 4], dmma=True)
@@ -327,19 +355,19 @@ def test_split_switch(monkeypatch):
 
 @needs_gxx
 def test_emulated_full_algorithm_jacobi_stop(monkeypatch):
-    """The full algorithm's Jacobi stops at FULL_JACOBI_TOL (1e-10) instead of 1e-15: on 6 GDN-like states at r = 32
+    """The full algorithm's Jacobi stops at FULL_JACOBI_TOL (1e-8) instead of 1e-15: on 6 GDN-like states at r = 32
     (two passes) the kernel runs fewer sweeps (the profile build's counter) and keeps the same energies to 1e-13 —
-    the stop's energy cost is at most ~1e-10 of a state's energy; the criterion is 1e-5."""
+    the stop's energy cost is at most 4e-8 of a state's energy per pass; the criterion is 1e-5."""
     from bench.bench_truncate import gdn_like_states
 
-    assert cuda_truncate.FULL_JACOBI_TOL == 1e-10
+    assert cuda_truncate.FULL_JACOBI_TOL == 1e-8
     S = gdn_like_states(6, 128, 128, seed=0).double()
     out, count = cuda_truncate.emulate(S, 32, attempts=False, counters=True)
     monkeypatch.setattr(cuda_truncate, "FULL_JACOBI_TOL", 1e-15)
     tight, count_tight = cuda_truncate.emulate(S, 32, attempts=False, counters=True)
     sweeps, sweeps_tight = count[:, 15], count_tight[:, 15]
     assert (sweeps <= sweeps_tight).all() and sweeps.sum() <= sweeps_tight.sum() - 6, (sweeps, sweeps_tight)
-    assert energy_error(S, out, 32).max().item() <= 1e-12
+    assert energy_error(S, out, 32).max().item() <= 1e-10  # 5.9e-12: the second pass runs 4 steps, not 6
     assert (retained_energy(S, out) - retained_energy(S, tight)).abs().max().item() <= 1e-13
     assert _projection_defect(S, out) <= 1e-10
 
@@ -481,7 +509,9 @@ def test_cuda_kernel_on_batteries_and_a_boundary(r):
     emu, done, bound = cuda_truncate.emulate(H, r, info=True)  # the same source and launches on the CPU
     same = res.done.cpu() == done if res.done.numel() else torch.ones(len(names), dtype=torch.bool)
     assert same.float().mean().item() >= 0.9, (res.done.tolist(), done.tolist())  # a bound at the tolerance may flip
-    assert (retained_energy(H, outh) - retained_energy(H, emu)).abs()[same].max().item() <= 1e-9
+    # the GPU's build sums G·X on the tensor cores, the emulation's with fmas: on the batteries' flattest states the
+    # two keep energies up to 1.2e-9 apart at r = 32 since the second pass runs 4 steps (seventeenth session; 6 before)
+    assert (retained_energy(H, outh) - retained_energy(H, emu)).abs()[same].max().item() <= 5e-9
     if res.done.numel():  # certified states: actual error under the bound the GPU computed
         cert = res.done.cpu().bool()
         assert (errh[cert] <= res.bound.cpu()[cert] + 1e-12).all()

@@ -17,7 +17,7 @@ Algorithm (per program, all float64; the same method, start matrices and iterati
 
 1. ``G = S Sᵀ / ‖S‖²_F`` ``[K, K]`` (trace 1; 0 for a zero state), kept in registers.
 2. Pass p (one pass for r ≤ 16, two for 16 < r ≤ 32): sketch ``Z = S_p Ω_p / ‖S_p‖_F`` with the fixed Gaussian
-   ``Ω_p [V, 32]`` of ``gdnviz.truncate`` (seed 12345 + p), one shifted Cholesky-QR, then ``iterations_for(r)``
+   ``Ω_p [V, 32]`` of ``gdnviz.truncate`` (seed 12345 + p), one shifted Cholesky-QR, then ``iterations_for(r, p)``
    steps ``Q ← cholqr(G (G Q))`` (block q = 32: oversampling ≥ 16), a refill of damped columns by fixed unit
    directions (seed 0x5EED + p) and Cholesky-QR², and Rayleigh–Ritz: the eigenpairs of ``T = Qᵀ G Q`` (32 × 32)
    by the cyclic parallel Jacobi of ``gdnviz.gpu.jacobi`` (``jacobi_sweeps``, inlined into this program). The top
@@ -31,8 +31,8 @@ Algorithm (per program, all float64; the same method, start matrices and iterati
 Shifted Cholesky-QR (``_cholqr``): ``Z L⁻ᵀ`` with ``L Lᵀ = ZᵀZ + 1e-13·diag(ZᵀZ) + 1e-300·I`` — the relative shift of
 ``gdnviz.truncate._cholqr``: every pivot is positive for any finite block, so rank-deficient and zero states never
 fail and need no branch (zero in → zero out). One 32-step loop forms column j of ``L`` and row j of ``L⁻¹``.
-Iteration counts per state come from a cached table of ``gdnviz.truncate.iterations_for`` (``iters`` overrides
-them); the loops are ``while`` loops with per-program trip counts, so heads with different ranks share the launch.
+Iteration counts per state and pass come from a cached table of ``gdnviz.truncate.iterations_for`` (``iters``
+overrides them); the loops are ``while`` loops with per-program trip counts, so heads with different ranks share the launch.
 
 Precision: float64 throughout. Triton 3.6 accepts float64 ``tl.dot`` operands (``language/semantic.py``) and, for
 sm_90, lowers them to float64 tensor-core MMA (``mma.sync.aligned.m16n8k16.row.col.f64.f64.f64.f64``, checked on
@@ -180,7 +180,6 @@ if triton is not None:
             inv = tl.where(tr > 0, 1.0 / tl.sqrt(tl.where(tr > 0, tr, 1.0)), 0.0)  # 1/‖S‖_F, 0 for a zero state
             G = G * (inv * inv)  # trace 1
             rc = tl.minimum(tl.maximum(r, 0), 2 * HALF)
-            n_it = tl.where(iters >= 0, iters, tl.load(ITER_TAB + rc))
             npass = 1 + (r > HALF).to(tl.int32)
             U = tl.zeros((K, Q), tl.float64)  # kept directions: pass p fills columns HALF·p …
             zscale = inv  # 1/‖S_p‖_F of the (deflated) state of pass p
@@ -190,6 +189,7 @@ if triton is not None:
                 Z = tl.dot(tl.load(S + offs).to(tl.float64), om, input_precision="ieee")  # S Ω_p [K, Q]
                 Z = (Z - tl.dot(U, tl.dot(tl.trans(U), Z, input_precision="ieee"), input_precision="ieee")) * zscale
                 Qb = _cholqr(Z, Q, SHIFT, TINY)
+                n_it = tl.where(iters >= 0, iters, tl.load(ITER_TAB + p * (2 * HALF + 1) + rc))  # pass p's steps
                 i = 0
                 while i < n_it:  # two powers of G per orthonormalisation
                     GQ = tl.dot(G, Qb, input_precision="ieee")
@@ -228,7 +228,8 @@ _CONST: dict[tuple, tuple[torch.Tensor, torch.Tensor, torch.Tensor]] = {}
 
 
 def _constants(K: int, V: int, device: torch.device):
-    """(Ω [2, V, q], refill directions [2, K, q] (unit columns), iteration table int32 [33]) on ``device``: the
+    """(Ω [2, V, q], refill directions [2, K, q] (unit columns), iteration table int32 [2 × 33]: pass p's steps for
+    rank r at 33 p + r) on ``device``: the
     matrices of ``gdnviz.truncate``'s two passes (same seeds), created once per (K, V, device) and cached, so a
     call inside a CUDA-graph capture allocates nothing and copies nothing."""
     key = (K, V, str(device))
@@ -237,7 +238,8 @@ def _constants(K: int, V: int, device: torch.device):
         cpu = torch.device("cpu")
         omega = torch.stack([_tr._gaussian(V, _BLOCK, cpu, seed=12345 + p) for p in range(2)])
         fill = torch.stack([_tr._gaussian(K, _BLOCK, cpu, seed=0x5EED + p, unit_columns=True) for p in range(2)])
-        table = torch.tensor([_tr.iterations_for(max(r, 1)) for r in range(MAX_RANK + 1)], dtype=torch.int32)
+        table = torch.tensor([_tr.iterations_for(max(r, 1), p) for p in range(2) for r in range(MAX_RANK + 1)],
+                             dtype=torch.int32)
         c = _CONST[key] = tuple(t.contiguous().to(device) for t in (omega, fill, table))
     return c
 
@@ -306,7 +308,8 @@ def truncate_fused(states: torch.Tensor, ranks, *, iters: int | None = None) -> 
             integer CUDA tensor ``[N]`` (or 0-d, one rank for all) read by the kernel — never on the host, so not
             validated there: a device-side rank outside 1..32 that is below min(K, V) gives a NaN state. Ranks
             1..32 truncate; ranks ≥ min(K, V) return the state unchanged (bit-identical).
-        iters: filter steps per pass for every state (default: ``gdnviz.truncate.iterations_for(r)`` per state).
+        iters: filter steps of every pass for every state (default: ``gdnviz.truncate.iterations_for(r, p)`` per
+            state and pass p).
 
     Returns:
         The truncated states: same shape, dtype and device as ``states``.
@@ -397,7 +400,6 @@ def reference_fused(states: torch.Tensor, ranks: torch.Tensor, *, iters: int | N
     tr = G.diagonal(dim1=-2, dim2=-1).sum(-1)[:, None, None]
     inv = torch.where(tr > 0, tr.clamp_min(1e-300).rsqrt(), torch.zeros_like(tr))
     G = G * (inv * inv)
-    n_it = table.to(torch.long)[r.clamp(0, MAX_RANK)] if iters is None else torch.full_like(r, int(iters))
     npass = 1 + (r > h).long()
     U = torch.zeros(N, K, q, dtype=torch.float64, device=S.device)
     zscale = inv
@@ -407,6 +409,8 @@ def reference_fused(states: torch.Tensor, ranks: torch.Tensor, *, iters: int | N
         Z = S @ omega[p]
         Z = (Z - U @ (U.mT @ Z)) * zscale
         Qb = _tr._cholqr(Z)
+        n_it = (table.to(torch.long)[(MAX_RANK + 1) * p + r.clamp(0, MAX_RANK)] if iters is None
+                else torch.full_like(r, int(iters)))
         for i in range(int(n_it.max())):
             Qb = torch.where((n_it > i)[:, None, None], _tr._cholqr(G @ (G @ Qb)), Qb)
         w = (1.0 - Qb.square().sum(-2, keepdim=True)).clamp_min(0.0).sqrt()
