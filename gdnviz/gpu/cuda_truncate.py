@@ -24,7 +24,8 @@ their bounds, and every attempt with no filter step whose answer misses the crit
   32-column block ``Q`` and a work block (``[K, 33]`` each, padded against bank conflicts) and two 32×32 matrices:
   214.5 KiB of the H200's 227 KiB per block. Only ``U`` (the kept directions, ``[K, 32]``) goes to a global scratch
   buffer.
-* products ``G·Q`` and the Gram matrix ``S Sᵀ`` on the float64 tensor cores (``mma.sync`` m8n8k4, 8-row tiles per
+* products ``G·Q``, the Gram matrix ``S Sᵀ``, the sketch ``S Ω`` and the deflation's ``UYᵀ + YUᵀ`` (lower tiles,
+  mirrored; both since the seventeenth session) on the float64 tensor cores (``mma.sync`` m8n8k4, 8-row tiles per
   warp; ``GDNVIZ_CUDA_TRUNCATE_DMMA=0``: register-tiled float64 FMAs, 4×4 and 8×8 per thread, the build before the
   ninth session); ``U (Uᵀ S)`` as FMAs over the r kept columns only. G's rows are padded to an odd stride and the
   ``G·Q`` fragments read rows of k four apart, so that their shared-memory loads are free of bank conflicts (they

@@ -69,7 +69,8 @@ typedef @T@ scalar_t;
 #define PROF(i) do { } while (0)
 #endif
 
-// GDNVIZ_DMMA (the default on GPUs): the Gram matrix and the products G X on the float64 tensor cores,
+// GDNVIZ_DMMA (the default on GPUs): the Gram matrix, the products G X, the sketch S Omega and the deflation's
+// U Y^T + Y U^T on the float64 tensor cores,
 // mma.sync.aligned.m8n8k4.row.col.f64 — D (8x8) += A (8x4) B (4x8), each lane holding A[lane/4][lane%4],
 // B[lane%4][lane/4] and D[lane/4][2(lane%4) + {0, 1}]. gdnviz.gpu.cuda_emul defines dmma_m8n8k4 from warp shuffles.
 #define RT (K_ / 64)  // 8-row tiles of G per warp (8 warps cover K_ rows)
