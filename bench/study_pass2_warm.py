@@ -69,14 +69,7 @@ def two_pass_basis(S: torch.Tensor, r: int, k1: int, k2: int, warm: bool) -> tor
         U[..., h * p: h * p + take] = Ritz[..., :take]
         if p == 0:
             rest = Ritz[..., h:]
-            GU = G @ U
-            Y = GU - 0.5 * U @ (U.mT @ GU)
-            G2 = G - U @ Y.mT - Y @ U.mT
-            t2 = G2.diagonal(dim1=-2, dim2=-1).sum(-1)[:, None, None]
-            ok = t2 > 0
-            t2 = torch.where(ok, t2, torch.ones_like(t2))
-            G = G2 * torch.where(ok, 1.0 / t2, torch.zeros_like(t2))
-            zscale = zscale * torch.where(ok, t2.rsqrt(), torch.zeros_like(t2))
+            G, zscale = ft.deflate(G, U, zscale)
     return tr._cholqr(tr._cholqr(U))
 
 

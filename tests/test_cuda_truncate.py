@@ -221,13 +221,9 @@ def test_emulated_certificate_has_no_cancellation_floor(dmma):
     rounding in that difference made ‖D‖_F ~3e-7 > λ₆ and only the miss term certified it, at 3.3e-7 (the
     seventeenth session's emulation). The actual error, 2e-13, is the shifted Cholesky-QR's column norms, which the
     bound now includes (SCALE_SLACK): no tolerance here."""
-    g = torch.Generator().manual_seed(2)
-    lam = torch.zeros(128, dtype=F64)
-    lam[:24] = torch.tensor([0.5, 0.3, 0.15, 0.05, 1e-3, 2e-7, 1e-7] + torch.logspace(-7.3, -9, 17).tolist(),
-                            dtype=F64)
-    U = torch.linalg.qr(torch.randn(128, 128, generator=g, dtype=F64))[0]
-    V = torch.linalg.qr(torch.randn(128, 128, generator=g, dtype=F64))[0]
-    S = ((U * lam.sqrt()) @ V.mT)[None]
+    from test_energy_bound import rank24_small_gap_state
+
+    S = rank24_small_gap_state()
     S = torch.cat([S, 3.0 * S])
     out, done, bound = cuda_truncate.emulate(S, 6, attempts=True, info=True, dmma=dmma)
     err = energy_error(S, out, 6)

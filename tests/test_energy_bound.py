@@ -67,18 +67,23 @@ def test_exact_directions_and_zero_and_validation():
         tr.energy_error_bound(S, exact[:1], 4)
 
 
-def test_small_eigenvalues_are_certified_without_cancellation():
-    """G's part outside the basis is formed explicitly, not as ‖G‖² − ‖T‖² − 2‖R‖²: on a rank-24 state whose
-    eigenvalues (of the trace-1 Gram matrix) at the cut are λ_6 = 2e-7 and λ_7 = 1e-7, that difference cancels to a
-    ‖D‖_F of ~2.7e-7 (the true one is 0: the 32-column basis holds the whole range), above λ_6, so the cancelled form
-    refused a converged state (sixteenth session: the demo model's trajectories had such states)."""
+def rank24_small_gap_state() -> torch.Tensor:
+    """``[1, 128, 128]`` float64 of rank 24 whose trace-1 Gram matrix has λ₆ = 2e-7, λ₇ = 1e-7 (then 5e-8 … 1e-9)."""
     g = torch.Generator().manual_seed(2)
     lam = torch.zeros(128, dtype=F64)
     lam[:24] = torch.tensor([0.5, 0.3, 0.15, 0.05, 1e-3, 2e-7, 1e-7] + torch.logspace(-7.3, -9, 17).tolist(),
                             dtype=F64)
     U = torch.linalg.qr(torch.randn(128, 128, generator=g, dtype=F64))[0]
     V = torch.linalg.qr(torch.randn(128, 128, generator=g, dtype=F64))[0]
-    S = ((U * lam.sqrt()) @ V.mT)[None]
+    return ((U * lam.sqrt()) @ V.mT)[None]
+
+
+def test_small_eigenvalues_are_certified_without_cancellation():
+    """G's part outside the basis is formed explicitly, not as ‖G‖² − ‖T‖² − 2‖R‖²: on a rank-24 state whose
+    eigenvalues (of the trace-1 Gram matrix) at the cut are λ_6 = 2e-7 and λ_7 = 1e-7, that difference cancels to a
+    ‖D‖_F of ~2.7e-7 (the true one is 0: the 32-column basis holds the whole range), above λ_6, so the cancelled form
+    refused a converged state (sixteenth session: the demo model's trajectories had such states)."""
+    S = rank24_small_gap_state()
     Q = tr._subspace_pass(S, 6, 2, None)
     b = tr.energy_error_bound(S, Q, 6)
     actual = tr.energy_error(S, Q[..., :6] @ (Q[..., :6].mT @ S), 6)

@@ -175,6 +175,32 @@ __device__ __forceinline__ double store_tile_trace(const double (&acc)[KR][KR], 
 // in 16 distinct banks (consecutive rows were 4-way conflicted, tenth session)
 __device__ __forceinline__ int frag_row(int g, int lk) { return 16 * (g >> 2) + (g & 3) + 4 * lk; }
 
+// The 8x8 tiles of a K x K lower triangle that warp w computes (row tile srow[q], column tile scol[q]; for K = 128
+// row tiles w and 15 - w, 17 tiles: an even share with no branch between the products; for K = 64 row tile w whole,
+// its upper part discarded), their accumulators zeroed. The Gram matrix and the deflation's update use it.
+__device__ __forceinline__ void lower_tiles(int w, int (&srow)[GSL], int (&scol)[GSL], double (&acc)[GSL][2]) {
+#pragma unroll
+    for (int q = 0; q < GSL; ++q) {
+        srow[q] = (K_ == 128 && q > w) ? 15 - w : w;
+        scol[q] = (K_ == 128 && q > w) ? q - w - 1 : q;
+        acc[q][0] = 0.0;
+        acc[q][1] = 0.0;
+    }
+}
+
+// Warp w's RT x NB accumulator tiles (rows 8 RT w ..., all QB columns) into Y [K][QP].
+__device__ __forceinline__ void store_tiles(const double (&acc)[RT][NB][2], double* Y) {
+    const int lane = threadIdx.x & 31, w = threadIdx.x >> 5, lr = lane >> 2, lk = lane & 3;
+#pragma unroll
+    for (int a = 0; a < RT; ++a)
+#pragma unroll
+        for (int b = 0; b < NB; ++b) {
+            double* y = Y + (8 * (RT * w + a) + lr) * QP + 8 * b + 2 * lk;
+            y[0] = acc[a][b][0];
+            y[1] = acc[a][b][1];
+        }
+}
+
 // Warp w: rows 8 RT w ... (RT tiles of 8) x all QB columns (NB tiles of 8), 4 rows of k per instruction.
 __device__ __forceinline__ void gemm_gx(const double* G, const double* X, double* Y) {
     const int lane = threadIdx.x & 31, w = threadIdx.x >> 5, lr = lane >> 2, lk = lane & 3;
@@ -196,14 +222,7 @@ __device__ __forceinline__ void gemm_gx(const double* G, const double* X, double
             for (int a = 0; a < RT; ++a) dmma_m8n8k4(acc[a][b][0], acc[a][b][1], ga[a], xb);
         }
     }
-#pragma unroll
-    for (int a = 0; a < RT; ++a)
-#pragma unroll
-        for (int b = 0; b < NB; ++b) {
-            double* y = Y + (8 * (RT * w + a) + lr) * QP + 8 * b + 2 * lk;
-            y[0] = acc[a][b][0];
-            y[1] = acc[a][b][1];
-        }
+    store_tiles(acc, Y);
 }
 #else
 __device__ __forceinline__ void gemm_gx(const double* G, const double* X, double* Y) {
@@ -444,14 +463,8 @@ gdnviz_truncate(const scalar_t* __restrict__ S, scalar_t* __restrict__ OUT, cons
         const int lane = t & 31, w = t >> 5, lr = lane >> 2, lk = lane & 3;
         double* St = As;
         int srow[GSL], scol[GSL];
-#pragma unroll
-        for (int q = 0; q < GSL; ++q) {
-            srow[q] = (K_ == 128 && q > w) ? 15 - w : w;
-            scol[q] = (K_ == 128 && q > w) ? q - w - 1 : q;
-        }
         double acc[GSL][2];
-#pragma unroll
-        for (int q = 0; q < GSL; ++q) { acc[q][0] = 0.0; acc[q][1] = 0.0; }
+        lower_tiles(w, srow, scol, acc);
         scalar_t nx[K_ * 16 / NT];
 #pragma unroll
         for (int m = 0; m < K_ * 16 / NT; ++m) {
@@ -575,14 +588,7 @@ gdnviz_truncate(const scalar_t* __restrict__ S, scalar_t* __restrict__ OUT, cons
                 }
                 __syncthreads();
             }
-#pragma unroll
-            for (int a = 0; a < RT; ++a)
-#pragma unroll
-                for (int b = 0; b < NB; ++b) {
-                    double* y = As + (8 * (RT * w + a) + lr) * QP + 8 * b + 2 * lk;
-                    y[0] = acc[a][b][0];
-                    y[1] = acc[a][b][1];
-                }
+            store_tiles(acc, As);
 #else
             const int c = t & (QB - 1), r0 = t >> LQB;
             double acc[K_ / RS];
@@ -924,14 +930,8 @@ gdnviz_truncate(const scalar_t* __restrict__ S, scalar_t* __restrict__ OUT, cons
             {
                 const int lane = t & 31, w = t >> 5, lr = lane >> 2, lk = lane & 3;
                 int srow[GSL], scol[GSL];
-#pragma unroll
-                for (int q = 0; q < GSL; ++q) {
-                    srow[q] = (K_ == 128 && q > w) ? 15 - w : w;
-                    scol[q] = (K_ == 128 && q > w) ? q - w - 1 : q;
-                }
                 double acc[GSL][2];
-#pragma unroll
-                for (int q = 0; q < GSL; ++q) { acc[q][0] = 0.0; acc[q][1] = 0.0; }
+                lower_tiles(w, srow, scol, acc);
 #pragma unroll 1
                 for (int half = 0; half < 2; ++half) {
                     const double* L = half ? As : Bs;  // A[i][k]: U, then Y

@@ -382,6 +382,20 @@ def _launch_constexprs(K: int, V: int, rank_ptr: bool) -> dict:
 
 # ------------------------------------------------------------------------------------ float64 reference
 @torch.no_grad()
+def deflate(G: torch.Tensor, U: torch.Tensor, zscale: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Between the passes: ``G ← (I − UUᵀ) G (I − UUᵀ) = G − UYᵀ − YUᵀ``, ``Y = GU − ½ U (UᵀGU)``, renormalised to
+    trace 1 (0 where nothing is left), and the sketch scale ``zscale`` (``[N, 1, 1]``, 1/‖S_p‖_F) with it.
+    ``G [N, K, K]``, ``U [N, K, q]`` float64 (unused columns zero)."""
+    GU = G @ U
+    Y = GU - 0.5 * U @ (U.mT @ GU)
+    G2 = G - U @ Y.mT - Y @ U.mT
+    t2 = G2.diagonal(dim1=-2, dim2=-1).sum(-1)[:, None, None]
+    ok = t2 > 0
+    t2 = torch.where(ok, t2, torch.ones_like(t2))
+    return (G2 * torch.where(ok, 1.0 / t2, torch.zeros_like(t2)),
+            zscale * torch.where(ok, t2.rsqrt(), torch.zeros_like(t2)))
+
+
 def reference_fused(states: torch.Tensor, ranks: torch.Tensor, *, iters: int | None = None) -> torch.Tensor:
     """The kernel's algorithm in batched float64 torch (CPU fallback, and what the tests pin the kernel to).
 
@@ -424,14 +438,7 @@ def reference_fused(states: torch.Tensor, ranks: torch.Tensor, *, iters: int | N
         Pm = ((cols[None, None, :] == h * p + rk[:, :, None]) & (rk[:, :, None] < take[:, None, None])).double()
         U = torch.where(act, U + Qb @ (W @ Pm), U)
         if p == 0:
-            GU = G @ U
-            Y = GU - 0.5 * U @ (U.mT @ GU)
-            G2 = G - U @ Y.mT - Y @ U.mT
-            t2 = G2.diagonal(dim1=-2, dim2=-1).sum(-1)[:, None, None]
-            ok = t2 > 0
-            t2 = torch.where(ok, t2, torch.ones_like(t2))
-            G = G2 * torch.where(ok, 1.0 / t2, torch.zeros_like(t2))
-            zscale = zscale * torch.where(ok, t2.rsqrt(), torch.zeros_like(t2))
+            G, zscale = deflate(G, U, zscale)
     U = torch.where((npass > 1)[:, None, None], _tr._cholqr(_tr._cholqr(U)), U)
     out = U @ (U.mT @ S)
     bad = ((r < 1) | (r > 2 * h)) & (r < m)
