@@ -578,7 +578,7 @@ gdnviz_truncate(const scalar_t* __restrict__ S, scalar_t* __restrict__ OUT, cons
                     const int k = k0 + lk;
                     double ga[RT];
 #pragma unroll
-                    for (int a = 0; a < RT; ++a) ga[a] = Bs[(8 * (RT * w + a) + lr) * QP + k];  // A[i][k] = S[i][v0 + k]
+                    for (int a = 0; a < RT; ++a) ga[a] = Bs[(8 * (RT * w + a) + lr) * QP + k];  // S[i][v0 + k]
 #pragma unroll
                     for (int b = 0; b < NB; ++b) {
                         const double xb = Cs[k * QP + 8 * b + lr];  // B[k][j] = Omega[v0 + k][j]
@@ -837,8 +837,8 @@ gdnviz_truncate(const scalar_t* __restrict__ S, scalar_t* __restrict__ OUT, cons
         if (attempt) {
             // ---- certificate (gdnviz.truncate.energy_error_bound in the Ritz basis U = QW, T' = A = W^T T W):
             // error <= (||T'_rc||^2 + ||R_r||^2) / (lmin(T'_rr) - c), c = max(lmax(T'_cc), ||D||_F) + ||R_c||,
-            // R = R0 W, ||D||^2 = ||G||^2 - ||T'||^2 - 2||R||^2 (or tr(D), below); lmin / lmax from A's diagonal -/+ the Frobenius norm
-            // of the block's off-diagonal part (Weyl)
+            // R = R0 W, ||D||^2 = ||G||^2 - ||T'||^2 - 2||R||^2 (or tr(D), below); lmin / lmax from A's diagonal -/+
+            // the Frobenius norm of the block's off-diagonal part (Weyl)
             double* part = A2;  // free after the Jacobi
             {
                 const int c = t & (QB - 1), g = t >> LQB;

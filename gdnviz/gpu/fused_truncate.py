@@ -32,7 +32,8 @@ Shifted Cholesky-QR (``_cholqr``): ``Z L⁻ᵀ`` with ``L Lᵀ = ZᵀZ + 1e-13·
 ``gdnviz.truncate._cholqr``: every pivot is positive for any finite block, so rank-deficient and zero states never
 fail and need no branch (zero in → zero out). One 32-step loop forms column j of ``L`` and row j of ``L⁻¹``.
 Iteration counts per state and pass come from a cached table of ``gdnviz.truncate.iterations_for`` (``iters``
-overrides them); the loops are ``while`` loops with per-program trip counts, so heads with different ranks share the launch.
+overrides them); the loops are ``while`` loops with per-program trip counts, so heads with different ranks share the
+launch.
 
 Precision: float64 throughout. Triton 3.6 accepts float64 ``tl.dot`` operands (``language/semantic.py``) and, for
 sm_90, lowers them to float64 tensor-core MMA (``mma.sync.aligned.m16n8k16.row.col.f64.f64.f64.f64``, checked on
@@ -229,9 +230,8 @@ _CONST: dict[tuple, tuple[torch.Tensor, torch.Tensor, torch.Tensor]] = {}
 
 def _constants(K: int, V: int, device: torch.device):
     """(Ω [2, V, q], refill directions [2, K, q] (unit columns), iteration table int32 [2 × 33]: pass p's steps for
-    rank r at 33 p + r) on ``device``: the
-    matrices of ``gdnviz.truncate``'s two passes (same seeds), created once per (K, V, device) and cached, so a
-    call inside a CUDA-graph capture allocates nothing and copies nothing."""
+    rank r at 33 p + r) on ``device``: the matrices of ``gdnviz.truncate``'s two passes (same seeds), created once per
+    (K, V, device) and cached, so a call inside a CUDA-graph capture allocates nothing and copies nothing."""
     key = (K, V, str(device))
     c = _CONST.get(key)
     if c is None:
