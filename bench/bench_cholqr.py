@@ -28,7 +28,9 @@ from bench.bench_truncate import capture_replay_ms, gdn_like_states, time_ms  # 
 from bench.common import device_name, emit  # noqa: E402
 from gdnviz import truncate as tr  # noqa: E402
 from gdnviz.gpu import cuda_cholqr  # noqa: E402
-from gdnviz.gpu.cuda_truncate import FULL_JACOBI_TOL  # noqa: E402
+from gdnviz.gpu import cuda_truncate as ct  # noqa: E402
+
+FULL_JACOBI_TOL = ct.FULL_JACOBI_TOL  # the default, restored after the "cuda_truncate_prev" variant
 
 # variant: GDNVIZ_CUDA_CHOLQR — the torch Cholesky-QR path; the CUDA Cholesky-QR kernel with the shared-memory /
 # the shuffle factorisation (named explicitly: "1" means the default form, which changed from smem to shfl)
@@ -91,8 +93,6 @@ def main() -> None:
                     os.environ["GDNVIZ_CUDA_TRUNCATE_PAIR_JACOBI"] = "0"
                 else:
                     os.environ.pop("GDNVIZ_CUDA_TRUNCATE_PAIR_JACOBI", None)
-                from gdnviz.gpu import cuda_truncate as ct
-
                 ct.FULL_JACOBI_TOL = 1e-10 if name == "cuda_truncate_prev" else FULL_JACOBI_TOL
                 if name == "cuda_truncate_prev":
                     fn = lambda x, r=r: ct.truncate_cuda(x, r, iters=6 if r > 16 else None)  # noqa: E731
@@ -128,8 +128,6 @@ def main() -> None:
                      replay_equals_eager=bool(torch.equal(out, eager)), **extra, **base)
     os.environ["GDNVIZ_CUDA_CHOLQR"] = "0"
     os.environ.pop("GDNVIZ_CUDA_TRUNCATE_PAIR_JACOBI", None)
-    from gdnviz.gpu import cuda_truncate as ct
-
     ct.FULL_JACOBI_TOL = FULL_JACOBI_TOL
     emit(what="cuda_kernels_status", cholqr_available=cuda_cholqr.KERNELS.available,
          cholqr_reason=cuda_cholqr.KERNELS.reason, **base)
