@@ -554,7 +554,10 @@ def energy_error_bound(states: torch.Tensor, basis: torch.Tensor, rank: int) -> 
     tr(A) + ‖B‖_F²/ε once λ_min(A) ≥ λ_max(C) + ε; here A = T_rr (the energy kept), B = [T_rc; R_r] and λ_max(C) ≤ c
     (Weyl, and λ_max(D) ≤ ‖D‖_F). Units: relative to ‖S‖²_F, like ``energy_error``; float64 ``[N]``; 0 for a zero
     state. It cannot certify a cut inside a cluster of singular values (no gap): such states need more iterations or
-    an exact method (bench/study_stopping_bound.py, bench/RESULTS.md).
+    an exact method (bench/study_stopping_bound.py, bench/RESULTS.md). "Orthonormal" to rounding: the bases of
+    ``truncate_states`` come from a shifted Cholesky-QR whose columns have norm² ≈ 1 − 1e-13, which costs the
+    projection up to ~2e-13 of the energy that this bound does not include (the CUDA kernel's certificate adds it:
+    ``SCALE_SLACK``, seventeenth session).
     """
     X = _as_batch(states).to(torch.float64)
     Q = basis.to(device=X.device, dtype=torch.float64)
