@@ -337,6 +337,59 @@ def test_emulated_split_launches_equal_the_fused_kernel(dmma):
                            cuda_truncate.emulate(Y, [4, 12], dmma=dmma, split=True)), (K, V)
 
 
+@needs_gxx
+@pytest.mark.parametrize("concurrent", [1, 4])
+def test_emulated_phased_launch_equals_one_block_per_state(concurrent):
+    """The phased launch (2N blocks: phase A of each state up to the first pass's deflation, phase B the rest, handed
+    over through global memory and a flag) gives one block per state's bits: r = 32 and 20 (two passes), and per-state
+    ranks mixing two-pass (17, 32), one-pass (1, 12), kept (128), zero and invalid (0) states, which phase A writes
+    whole. ``concurrent=4`` runs phase B blocks beside the phase A blocks they wait for (the spin-wait yields), one at
+    a time runs them after."""
+    from bench.bench_truncate import gdn_like_states
+
+    S = gdn_like_states(3, 128, 128, seed=23)
+    for r in (32, 20):
+        ref = cuda_truncate.emulate(S, r, attempts=False, concurrent=concurrent)
+        got = cuda_truncate.emulate(S, r, attempts=False, concurrent=concurrent, phased=True)
+        assert torch.equal(ref, got), r
+        assert energy_error(S.double(), got.double(), r).max().item() <= TOL
+    H, _ = hard_states(32, seed=7)
+    X = torch.cat([H[:2], S[:2].double(), torch.zeros(1, 128, 128, dtype=F64), S[2:].double()])
+    ranks = [32, 17, 1, 128, 0, 12]
+    ref = cuda_truncate.emulate(X, ranks, concurrent=concurrent)
+    got = cuda_truncate.emulate(X, ranks, concurrent=concurrent, phased=True)
+    assert torch.equal(ref.nan_to_num(7.0), got.nan_to_num(7.0)) and torch.equal(ref.isnan(), got.isnan())
+    assert torch.equal(got[3], X[3]) and torch.isnan(got[4]).all()
+
+
+@needs_gxx
+def test_emulator_reports_an_endless_spin_wait():
+    """A block waiting (``__nanosleep``) for a flag that no block sets is reported, not hung on."""
+    import numpy as np
+
+    src = r'''
+    extern "C" __global__ void k(int* flag) {
+        if (threadIdx.x == 0) while (atomicAdd(flag, 0) == 0) __nanosleep(100);
+        __syncthreads();
+    }'''
+    emu = cuda_emul.Emulated(src, "k", ["int*"])
+    with pytest.raises(RuntimeError, match="spun forever"):
+        emu.launch(1, 32, [np.zeros(1, dtype=np.int32)])
+
+
+def test_phased_switch(monkeypatch):
+    """Phased only where it can pay: more states than multiprocessors, a rank that takes two passes (> 16) or
+    device-side ranks, and neither the split launches nor the profile build; GDNVIZ_CUDA_TRUNCATE_PHASED=0 turns it
+    off."""
+    monkeypatch.delenv("GDNVIZ_CUDA_TRUNCATE_PHASED", raising=False)
+    on = cuda_truncate.phased_on
+    assert on(288, 32, 132) and on(288, 17, 132) and on(288, None, 132)
+    assert not on(288, 16, 132) and not on(288, 4, 132) and not on(132, 32, 132) and not on(288, 32, 0)
+    assert not on(288, 32, 132, split=True) and not on(288, 32, 132, profile=True)
+    monkeypatch.setenv("GDNVIZ_CUDA_TRUNCATE_PHASED", "0")
+    assert not on(288, 32, 132)
+
+
 def test_split_switch(monkeypatch):
     """Split launches for calls of at most SPLIT_MAX_STATES states (a layer's heads at one boundary), the fused
     kernel above; GDNVIZ_CUDA_TRUNCATE_SPLIT=0 / 1 forces either. One G tile of 8 × 8 per warp: 17 blocks at K = 128."""
@@ -596,6 +649,32 @@ def test_cuda_split_launches_equal_the_fused_kernel(monkeypatch):
     torch.cuda.synchronize()
     assert torch.equal(static_out, cuda_truncate.truncate_cuda(static_in, 4))
     assert energy_error(static_in.double().cpu(), static_out.double().cpu(), 4).max().item() <= TOL
+
+
+@pytest.mark.gpu
+def test_cuda_phased_launch_equals_one_block_per_state(monkeypatch):
+    """On the GPU, 288 GDN-like states (more than the multiprocessors): the phased launch (the default there at ranks
+    > 16) gives one block per state's outputs bit for bit at r = 17 and 32 and at per-state ranks (phase B blocks
+    with nothing to do), in float32 and float64, and replays from a CUDA graph (the tickets and flags are zeroed by
+    the captured memset)."""
+    from bench.bench_truncate import gdn_like_states
+    from gdnviz.gpu.cuda_graph import capture
+
+    S = gdn_like_states(288, 128, 128, seed=71).cuda()
+    ranks = torch.tensor([1, 4, 12, 32, 128, 2, 16, 17] * 36, device="cuda", dtype=torch.int32)
+    monkeypatch.delenv("GDNVIZ_CUDA_TRUNCATE_PHASED", raising=False)
+    assert cuda_truncate.phased_on(288, 32, cuda_truncate._sm_count(S.device))
+    _switch_changes_no_bit(monkeypatch, "GDNVIZ_CUDA_TRUNCATE_PHASED", S, (17, 32, ranks))
+    _switch_changes_no_bit(monkeypatch, "GDNVIZ_CUDA_TRUNCATE_PHASED", S.double(), (32,))
+    monkeypatch.delenv("GDNVIZ_CUDA_TRUNCATE_PHASED")
+    static_in = S.clone()
+    graph, static_out = capture(cuda_truncate.truncate_cuda, static_in, 32)
+    for seed in (72, 73):
+        static_in.copy_(gdn_like_states(288, 128, 128, seed=seed).cuda())
+        graph.replay()
+        torch.cuda.synchronize()
+        assert torch.equal(static_out, cuda_truncate.truncate_cuda(static_in, 32))
+    assert energy_error(static_in.double().cpu(), static_out.double().cpu(), 32).max().item() <= TOL
 
 
 @pytest.mark.gpu

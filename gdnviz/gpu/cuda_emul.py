@@ -20,6 +20,10 @@ Model (enough for kernels written against it, not all of CUDA):
   write, a warp barrier, a read, a warp barrier), and ``dmma_m8n8k4``, the float64 tensor-core instruction
   ``mma.sync.aligned.m8n8k4.row.col.f64`` with its lane layout (kernels define it with inline PTX unless
   ``GDNVIZ_EMULATED`` is defined, as it is here);
+* global-memory hand-over between blocks: ``atomicAdd`` / ``atomicExch`` on ``int`` (plain: one thread runs at a
+  time), ``__threadfence`` (nothing to do), ``__ldcg`` (a load), and ``__nanosleep``, which hands the turn to the
+  other threads and blocks and leaves its thread runnable — so a spin-wait on a flag that a concurrently running
+  block sets completes, and one that nothing sets is reported after ``MAX_SPINS`` pauses instead of hanging;
 * shared memory: dynamic, declared as ``extern __shared__ T name[];`` (one array, NaN-filled before each block), and
   statically sized ``__shared__`` arrays, which become function-level ``static`` arrays (one instance, as for one
   block; not refilled between blocks);
@@ -98,9 +102,19 @@ static int* st = nullptr;
 static int cap = 0;
 static uint64_t (*slot)[32] = nullptr;  // the running block's warp-collective slots [32 warps][32 lanes]
 static void (*entry)() = nullptr;
+static long long spins = 0;  // __nanosleep calls in this launch: a wait that never ends is reported, not hung on
+static const long long MAX_SPINS = 20000000;
 static void yield_to_scheduler(int s) { st[cur] = s; swapcontext(&ctx[cur], &sched); }
 static void thread_main() { entry(); st[cur] = DONE; }
 }  // namespace emu
+
+// global-memory synchronisation between blocks: one thread runs at a time, so the atomics are plain; __nanosleep
+// (a spin-wait's pause) hands the turn to the other threads and blocks, staying runnable
+static inline int atomicAdd(int* p, int v) { const int old = *p; *p = old + v; return old; }
+static inline int atomicExch(int* p, int v) { const int old = *p; *p = v; return old; }
+static inline void __threadfence() {}
+static inline void __nanosleep(unsigned) { ++emu::spins; emu::yield_to_scheduler(emu::RUN); }
+template <class T> static inline T __ldcg(const T* p) { return *p; }
 
 static inline void __syncthreads() { emu::yield_to_scheduler(emu::WAIT_BLOCK); }
 static inline void __syncwarp(unsigned = 0xffffffffu) { emu::yield_to_scheduler(emu::WAIT_WARP); }
@@ -182,6 +196,7 @@ extern "C" int emu_launch(void** args, int nargs, int grid, int nthr, long smem_
     }
     emu::nthr = nthr;
     emu::entry = emu_entry;
+    emu::spins = 0;
     blockDim.x = nthr; gridDim.x = grid;
     int blk[64], next = 0;
     auto start = [&](int s) {
@@ -214,12 +229,15 @@ extern "C" int emu_launch(void** args, int nargs, int grid, int nthr, long smem_
             }
         }
         if (!live) break;
+        if (spins > MAX_SPINS) return -3;  // a spin-wait (__nanosleep) that no other block releases
         for (int s = 0; s < conc; ++s) {
             if (blk[s] < 0) continue;
             const int b0 = s * nthr, b1 = b0 + nthr;
             int done = 0;
-            for (int t = b0; t < b1; ++t) done += (st[t] == DONE);
+            bool spinning = false;  // a thread left runnable by __nanosleep: its block's barriers wait for it
+            for (int t = b0; t < b1; ++t) { done += (st[t] == DONE); spinning = spinning || st[t] == RUN; }
             if (done == nthr) { start(s); continue; }
+            if (spinning) continue;
             bool released = false;
             for (int w0 = b0; w0 < b1; w0 += 32) {
                 const int w1 = std::min(w0 + 32, b1);
@@ -316,5 +334,7 @@ class Emulated:
             rc = self._lib.emu_launch(ptrs, len(keep), int(grid), int(block), int(shared_mem), int(concurrent))
         if rc == -1:
             raise RuntimeError("emulated kernel deadlocked: a barrier that some live thread never reaches")
+        if rc == -3:
+            raise RuntimeError("emulated kernel spun forever: a __nanosleep wait that no block released")
         if rc == -2:
             raise RuntimeError("emulated launch exceeds 1024 threads or the emulated shared memory")

@@ -36,6 +36,9 @@ their bounds, and every attempt with no filter step whose answer misses the crit
   then warp 0 factorises it — lane i holds row i in registers, each column's entries pass through shared memory
   with one ``__syncwarp`` — and threads < K forward-substitute row t of ``Q`` (right-looking): three block barriers
   per call instead of one per column;
+* more states than multiprocessors at ranks > 16 (two passes): the phased launch (``phased_on``, eighteenth session)
+  runs each state as two thread blocks, the first pass and the rest, handed over through global memory, so that the
+  last of the three waves that 288 one-SM states need on 132 SMs does not leave most SMs idle; the same bits;
 * Rayleigh–Ritz: the cyclic parallel Jacobi of ``gdnviz.gpu.jacobi`` (round-robin pairs, ``a_pq`` the mean of both
   triangles, the skip test, Rutishauser's diagonal, the stop test once per sweep, ``MAX_SWEEPS`` / ``TOL``) with the
   whole block: 32 threads compute a round's 16 rotations, all 256 apply ``Jᵀ A J`` and ``V J`` (two barriers per
@@ -111,10 +114,11 @@ DEFAULT_ON = True  # measured on an H200 (module docstring)
 _SRC_PATH = os.path.join(os.path.dirname(os.path.abspath(__file__)), "cuda_truncate_src.cu")
 _CTYPES = {torch.float32: "float", torch.float64: "double"}
 SIGNATURE = ["const {T}*", "{T}*", "const int*", "int", "int", "const double*", "const double*", "const int*", "int",
-             "double*", "int", "double", "double", "int", "int*", "double*", "double", "const double*"]
+             "double*", "int", "double", "double", "int", "int*", "double*", "double", "const double*", "double*",
+             "int*"]
 GRAM_SIGNATURE = ["const {T}*", "double*"]
 PROJECT_SIGNATURE = ["const {T}*", "{T}*", "const int*", "int", "int", "const double*"]
-READ_DONE, ATTEMPT, GRAM_IN, NO_PROJ = 1, 2, 4, 8  # the kernel's mode bits (cuda_truncate_src.cu)
+READ_DONE, ATTEMPT, GRAM_IN, NO_PROJ, PHASED = 1, 2, 4, 8, 16  # the kernel's mode bits (cuda_truncate_src.cu)
 # Split launches for few states (``split_on``): S Sᵀ by ``gdnviz_gram`` (one 8 × 8 tile of G per warp, K = 128: 17
 # thread blocks per state), the algorithm by ``gdnviz_truncate`` reading G (mode GRAM_IN) and leaving U in the scratch
 # (NO_PROJ), then U (Uᵀ S) by ``gdnviz_project`` (8 thread blocks per state). The same bits as the fused kernel. Why:
@@ -125,6 +129,13 @@ READ_DONE, ATTEMPT, GRAM_IN, NO_PROJ = 1, 2, 4, 8  # the kernel's mode bits (cud
 # limit.
 SPLIT_MAX_STATES = 64  # split launches when a call has at most this many states (GDNVIZ_CUDA_TRUNCATE_SPLIT=0|1)
 SPLIT_DEFAULT_ON = True
+# Phased launches (``phased_on``): a full-algorithm launch whose states need two passes (a host-side rank > 16, or
+# device-side ranks) and outnumber the multiprocessors runs 2N thread blocks — phase A of each state (up to the first
+# pass's deflation) and phase B (the second pass and the projection), handed over through a float64 [N, K·K + 8]
+# buffer and a per-state flag (the source's PHASED comment). The same bits. Why: one block per state is one block per
+# SM (214.5 KiB of shared memory), so 288 states ran in three waves on the H200's 132 SMs, the third with 24 states
+# and 108 SMs idle; half-states fill them (list scheduling of 288 + 288 half-state items: ~2.44 state-times, not 3).
+PHASED_DEFAULT_ON = True
 PCOLS = 16  # columns of S per gdnviz_project thread block (the kernel's PCOLS)
 NO_BOUND = 1e300  # the kernel's bound where none holds (not attempted, or no spectral gap)
 CERT_TOL = 5e-6  # an attempt's result stands when its energy-error bound is at most this (criterion 1e-5)
@@ -256,6 +267,16 @@ def split_on(n: int) -> bool:
     return env_switch("GDNVIZ_CUDA_TRUNCATE_SPLIT", SPLIT_DEFAULT_ON and n <= SPLIT_MAX_STATES)
 
 
+def phased_on(n: int, rank: int | None, sms: int, split: bool = False, profile: bool = False) -> bool:
+    """Whether the full-algorithm launch of a call on ``n`` states runs phased (``PHASED``: two thread blocks per
+    state, comment above): ``GDNVIZ_CUDA_TRUNCATE_PHASED=0`` never; otherwise (``=1`` or unset, ``PHASED_DEFAULT_ON``)
+    when some state may take a second pass (``rank`` None, i.e. device-side ranks, or > 16), the states outnumber the
+    ``sms`` multiprocessors (one wave gains nothing), and neither the split launches nor the profile build run."""
+    if split or profile or not env_switch("GDNVIZ_CUDA_TRUNCATE_PHASED", PHASED_DEFAULT_ON):
+        return False
+    return (rank is None or rank > MAX_RANK // 2) and sms > 0 and n > sms
+
+
 def gram_blocks(K: int) -> int:
     """Thread blocks of ``gdnviz_gram`` per state: one 8 × 8 tile of G's lower triangle per warp."""
     tiles = (K // 8) * (K // 8 + 1) // 2
@@ -365,6 +386,7 @@ def _launch(X: torch.Tensor, ranks, iters: int | None, profile: bool = False, at
     n_att = N if len(steps) > 1 else 0
     done = torch.empty(n_att, dtype=torch.int32, device=X.device)
     bound = torch.empty(n_att, dtype=torch.float64, device=X.device)
+    phased = phased_on(N, None if device_ranks else int(ranks), _sm_count(X.device), split, profile)
     if N:
         sweeps, skip = _jacobi_args()
         tables = _attempt_tables(X.device)
@@ -374,11 +396,14 @@ def _launch(X: torch.Tensor, ranks, iters: int | None, profile: bool = False, at
                 gram(grid=(N * gram_blocks(K), 1, 1), block=(NT, 1, 1), args=[X, G])
             for qb, mode in steps:
                 tab = tables[qb] if mode & ATTEMPT else table
-                kernels[qb](grid=(N, 1, 1), block=(NT, 1, 1),
+                ph = phased and not mode & ATTEMPT
+                gsave = torch.empty(N, K * K + 8, dtype=torch.float64, device=X.device) if ph else scratch
+                sync = torch.zeros(N + 1, dtype=torch.int32, device=X.device) if ph else table
+                kernels[qb](grid=(2 * N if ph else N, 1, 1), block=(NT, 1, 1),
                             args=[X, out, rt, rank_int, stride, omega, fill, tab,
                                   -1 if iters is None else int(iters), scratch, sweeps, _tol2(mode, qb), skip,
-                                  mode | (GRAM_IN | NO_PROJ if split else 0), done if n_att else table,
-                                  bound if n_att else scratch, CERT_TOL, G],
+                                  mode | (GRAM_IN | NO_PROJ if split else 0) | (PHASED if ph else 0),
+                                  done if n_att else table, bound if n_att else scratch, CERT_TOL, G, gsave, sync],
                             shared_mem=smem_bytes(K, qb))
             if split:
                 project(grid=(N * (V // PCOLS), 1, 1), block=(NT, 1, 1), args=[X, out, rt, rank_int, stride, scratch],
@@ -408,7 +433,8 @@ def _attempt_tables(device: torch.device) -> dict[int, torch.Tensor]:
 
 
 def emulate(X: torch.Tensor, ranks, iters: int | None = None, attempts: bool | None = None, info: bool = False,
-            concurrent: int = 4, dmma: bool = False, split: bool = False, counters: bool = False):
+            concurrent: int = 4, dmma: bool = False, split: bool = False, counters: bool = False,
+            phased: bool = False):
     """The same launches of the same kernel source run on the CPU through ``gdnviz.gpu.cuda_emul`` (tests; needs
     ``g++``): ``X [N, K, V]`` float32/float64, ``ranks`` an int or N ints (run as device-side ranks: no attempts).
     ``concurrent`` blocks run at once, in lockstep by barrier phases, so a block writing into another block's part of
@@ -418,8 +444,9 @@ def emulate(X: torch.Tensor, ranks, iters: int | None = None, attempts: bool | N
     times slower, so the other tests run the fused multiply-add build. ``split``: the split launches (``split_on``:
     ``gdnviz_gram``, the algorithm with modes GRAM_IN | NO_PROJ, ``gdnviz_project``). ``counters``: the
     ``GDNVIZ_PROFILE`` build (not with ``split``), returning ``(output, counters float64 [N, 16])`` — its clock
-    readings are 0 here, index 15 counts Jacobi sweeps (summed over passes and launches). Slow (~0.1–1 s per state
-    and launch)."""
+    readings are 0 here, index 15 counts Jacobi sweeps (summed over passes and launches). ``phased``: the full
+    algorithm's launch as ``PHASED`` (2N blocks; tickets, the hand-over buffer and flags), whatever the rank and the
+    number of states (not with ``split`` or ``counters``). Slow (~0.1–1 s per state and launch)."""
     from gdnviz.gpu.cuda_emul import Emulated
     from gdnviz.gpu.fused_truncate import _constants
 
@@ -444,6 +471,8 @@ def emulate(X: torch.Tensor, ranks, iters: int | None = None, attempts: bool | N
         emu.launch(N * gram_blocks(K), NT, [x, G], 0, concurrent=concurrent)
     if counters and split:
         raise ValueError("counters come from the fused kernel's profile build: not with split")
+    if phased and (split or counters):
+        raise ValueError("phased launches run without split launches and without the profile build")
     prof = "#define GDNVIZ_PROFILE\n" if counters else ""
     count = np.zeros((N, 16))
     for qb, mode in steps:
@@ -452,10 +481,14 @@ def emulate(X: torch.Tensor, ranks, iters: int | None = None, attempts: bool | N
         emu = Emulated(prof + source(K, V, ctype, qb, dmma), "gdnviz_truncate",
                        [s.format(T=ctype) for s in SIGNATURE])
         tab = np.asarray(attempt_table(qb), dtype=np.int32) if mode & ATTEMPT else table.astype(np.int32)
-        emu.launch(N, NT, [x, out, rk, rank_int, stride, np.ascontiguousarray(omega), np.ascontiguousarray(fill),
-                           np.ascontiguousarray(tab), -1 if iters is None else int(iters), scratch, sweeps,
-                           _tol2(mode, qb), skip, mode | (GRAM_IN | NO_PROJ if split else 0), done, bound,
-                           CERT_TOL, G], smem_bytes(K, qb), concurrent=concurrent)
+        ph = phased and not mode & ATTEMPT
+        gsave = np.full((N, K * K + 8), np.nan) if ph else np.zeros(1)
+        sync = np.zeros(N + 1, dtype=np.int32)
+        emu.launch(2 * N if ph else N, NT,
+                   [x, out, rk, rank_int, stride, np.ascontiguousarray(omega), np.ascontiguousarray(fill),
+                    np.ascontiguousarray(tab), -1 if iters is None else int(iters), scratch, sweeps,
+                    _tol2(mode, qb), skip, mode | (GRAM_IN | NO_PROJ if split else 0) | (PHASED if ph else 0), done,
+                    bound, CERT_TOL, G, gsave, sync], smem_bytes(K, qb), concurrent=concurrent)
         if counters:
             count += scratch[:, 0, :16]
     if split:

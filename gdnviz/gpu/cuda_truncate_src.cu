@@ -61,6 +61,17 @@ typedef @T@ scalar_t;
 // order, only spread over more thread blocks
 #define GRAM_IN 4
 #define NO_PROJ 8
+// PHASED (more states than multiprocessors, the full algorithm at ranks > HALF: gdnviz.gpu.cuda_truncate.phased_on):
+// a grid of 2N blocks; each block takes a ticket (atomicAdd on SYNC[0]) and runs phase A of state tk (everything up
+// to and including the first pass's deflation; a state that needs no second pass runs whole) for tk < N, or phase B
+// of state tk - N (the second pass and the projection) otherwise. Phase A leaves the deflated G and zscale in GSAVE
+// and sets SYNC[1 + n]; phase B waits for it, then reads them back: the same numbers, so the same bits as one block
+// per state. Why: one block per state (214.5 KiB of shared memory, one per SM) runs 288 states in three waves on 132
+// SMs, the last with 24 states; half-states fill the idle SMs (list scheduling: ~2.44 state-times instead of 3).
+// No deadlock: tickets are taken in order by resident blocks, so phase A of a state waited on holds a smaller ticket
+// and is running or done; phase A never waits
+#define PHASED 16
+#define M_TK 352  // misc slot: the block's ticket
 
 // GDNVIZ_PROFILE (bench/bench_truncate_phases.py): thread 0 adds clock64() deltas per phase; written to U's scratch
 #ifdef GDNVIZ_PROFILE
@@ -405,7 +416,8 @@ gdnviz_truncate(const scalar_t* __restrict__ S, scalar_t* __restrict__ OUT, cons
                 int rank, int rank_stride, const double* __restrict__ OMEGA, const double* __restrict__ FILLD,
                 const int* __restrict__ ITER_TAB, int iters, double* __restrict__ USCR, int max_sweeps,
                 double tol2, double skip, int mode, int* __restrict__ DONE, double* __restrict__ BOUND,
-                double cert_tol, const double* __restrict__ GIN)
+                double cert_tol, const double* __restrict__ GIN, double* __restrict__ GSAVE,
+                int* __restrict__ SYNC)
 {
     extern __shared__ double smem[];
     double* Gs = smem;
@@ -415,13 +427,24 @@ gdnviz_truncate(const scalar_t* __restrict__ S, scalar_t* __restrict__ OUT, cons
     double* Ls = smem + OFF_L;
     double* misc = smem + OFF_M;
     const int t = threadIdx.x;
-    const long long n = blockIdx.x;
+    const bool phased = (mode & PHASED) != 0;
+    long long n = blockIdx.x;
+    bool phase_b = false;
+    if (phased) {
+        if (t == 0) misc[M_TK] = (double)atomicAdd(SYNC, 1);
+        __syncthreads();
+        const long long tk = (long long)misc[M_TK], half = gridDim.x / 2;
+        phase_b = tk >= half;
+        n = phase_b ? tk - half : tk;
+    }
     const scalar_t* Sn = S + n * (K_ * V_);
     scalar_t* On = OUT + n * (K_ * V_);
     double* Un = USCR + n * (K_ * UL);  // [K][UL] per state, whatever the block width
+    double* Gsave = GSAVE + n * (K_ * K_ + 8);  // PHASED: the deflated G [K][K], then zscale
     const int r = (rank_stride >= 0) ? RANKS[n * rank_stride] : rank;
     if ((mode & READ_DONE) && DONE[n] != 0) return;  // an earlier launch wrote this state
     const bool attempt = (mode & ATTEMPT) != 0;
+    if (phase_b && (r <= HALF || r >= M_ || r > 2 * HALF || attempt)) return;  // phase A wrote it whole
     if (r >= M_) {  // kept: the state unchanged, bit for bit
         for (int e = t; e < K_ * V_; e += NT) On[e] = Sn[e];
         if (attempt && t == 0) { DONE[n] = 1; BOUND[n] = 0.0; }
@@ -443,10 +466,21 @@ gdnviz_truncate(const scalar_t* __restrict__ S, scalar_t* __restrict__ OUT, cons
         return;
     }
     const int npass = (r > HALF) ? 2 : 1;
-    for (int e = t; e < K_ * UL; e += NT) Un[e] = 0.0;
+    if (!phase_b)
+        for (int e = t; e < K_ * UL; e += NT) Un[e] = 0.0;
     const int tx = t & 15, ty = t >> 4;
 
-    double tr;
+    double tr = 0.0, gf2 = 0.0, zscale = 0.0;  // gf2: ||G||_F^2 (the attempt's certificate)
+    if (phase_b) {  // PHASED: wait for phase A of this state, then its deflated G and zscale
+        if (t == 0) {
+            while (atomicAdd(SYNC + 1 + n, 0) == 0) __nanosleep(256);
+            __threadfence();
+        }
+        __syncthreads();
+        for (int e = t; e < K_ * K_; e += NT) Gs[(e / K_) * GST + (e % K_)] = __ldcg(Gsave + e);
+        zscale = __ldcg(Gsave + K_ * K_);
+        __syncthreads();
+    } else {
     if (mode & GRAM_IN) {  // G = S S^T from gdnviz_gram (both triangles written there)
         const double* Gn = GIN + n * (K_ * K_);
         for (int e = t; e < K_ * K_; e += NT) Gs[(e / K_) * GST + (e % K_)] = Gn[e];
@@ -536,19 +570,19 @@ gdnviz_truncate(const scalar_t* __restrict__ S, scalar_t* __restrict__ OUT, cons
 #endif
     }
     const double inv = (tr > 0.0) ? 1.0 / sqrt(tr) : 0.0;
-    double gf2 = 0.0;  // ||G||_F^2 (the attempt's certificate)
     for (int e = t; e < K_ * K_; e += NT) {
         const int ge = (e / K_) * GST + (e % K_);
         const double g = Gs[ge] * (inv * inv);
         Gs[ge] = g;
         gf2 = fma(g, g, gf2);
     }
-    double zscale = inv;
+    zscale = inv;
     if (attempt) gf2 = block_sum(gf2, misc + M_RED);
     __syncthreads();
+    }
     PROF(0);
 
-    for (int p = 0; p < npass; ++p) {
+    for (int p = phase_b ? 1 : 0; p < npass; ++p) {
         const int take = min(r - HALF * p, HALF);
         // ---- Z = S Omega_p (S staged through Bs), deflated by U for the second pass, scaled to the state's norm.
         // An attempt (one pass) starts from Z = G Omega' instead, Omega' the first K rows of OMEGA: G is in shared
@@ -991,6 +1025,14 @@ gdnviz_truncate(const scalar_t* __restrict__ S, scalar_t* __restrict__ OUT, cons
             zscale *= ok ? 1.0 / sqrt(t2) : 0.0;
             __syncthreads();
             PROF(8);
+            if (phased) {  // phase A ends: the deflated G and zscale to GSAVE, visible before the flag
+                for (int e = t; e < K_ * K_; e += NT) Gsave[e] = Gs[(e / K_) * GST + (e % K_)];
+                if (t == 0) Gsave[K_ * K_] = zscale;
+                __threadfence();
+                __syncthreads();
+                if (t == 0) atomicExch(SYNC + 1 + n, 1);
+                return;
+            }
         }
     }
     // ---- U into As; Cholesky-QR twice after two passes (the second pass's refilled columns need not be ⊥ the first's)
