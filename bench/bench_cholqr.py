@@ -41,14 +41,16 @@ FULL_JACOBI_TOL = ct.FULL_JACOBI_TOL  # the default, restored after the "cuda_tr
 VARIANTS = {"torch": "0", "cuda_cholqr": "smem", "cuda_cholqr_shfl": "shfl", "cuda_truncate": "shfl",
             "cuda_truncate_fused": "shfl", "cuda_truncate_split": "shfl",
             "cuda_truncate_full": "shfl", "triton_fused": "shfl",  # cuda_truncate_full: without the certified attempts
-            "cuda_truncate_entry_jacobi": "shfl", "cuda_truncate_prev": "shfl", "cuda_truncate_unphased": "shfl"}
+            "cuda_truncate_entry_jacobi": "shfl", "cuda_truncate_prev": "shfl", "cuda_truncate_unphased": "shfl",
+            "cuda_truncate_phased2": "shfl"}
 SPLIT_ENV = {"cuda_truncate_fused": "0", "cuda_truncate_split": "1"}
 # "cuda_truncate_entry_jacobi": the kernel with the per-entry Jacobi rounds of 32-column blocks
 # (GDNVIZ_CUDA_TRUNCATE_PAIR_JACOBI=0; the pair-block rounds, the default since the sixteenth session, measured 6-10%
 # faster at r = 4 / 12 / 32); its outputs must equal "cuda_truncate"'s bit for bit (same_as_default)
 # "cuda_truncate_unphased": one thread block per state for the whole algorithm (GDNVIZ_CUDA_TRUNCATE_PHASED=0; the
 # phased launch, the default since the eighteenth session for more states than SMs at ranks > 16, splits each state
-# into two blocks); its outputs must equal "cuda_truncate"'s bit for bit (same_as_default)
+# into three blocks); "cuda_truncate_phased2": two blocks per state (GDNVIZ_CUDA_TRUNCATE_PHASED=2); both must equal
+# "cuda_truncate"'s outputs bit for bit (same_as_default)
 # "cuda_truncate_prev": the kernel with the sixteenth session's defaults — 6 filter steps in the second pass (r > 16;
 # 4 since the seventeenth) and the full algorithm's Jacobi stop at 1e-10 (1e-8 since) — for the same-run ratio
 # (the thirteenth session's "cuda_truncate_warp_jacobi", the Jacobi in warps, measured 1.8-2x slower and removed:
@@ -96,8 +98,8 @@ def main() -> None:
                     os.environ["GDNVIZ_CUDA_TRUNCATE_PAIR_JACOBI"] = "0"
                 else:
                     os.environ.pop("GDNVIZ_CUDA_TRUNCATE_PAIR_JACOBI", None)
-                if name in ("cuda_truncate_unphased", "cuda_truncate_prev"):
-                    os.environ["GDNVIZ_CUDA_TRUNCATE_PHASED"] = "0"
+                if name in ("cuda_truncate_unphased", "cuda_truncate_prev", "cuda_truncate_phased2"):
+                    os.environ["GDNVIZ_CUDA_TRUNCATE_PHASED"] = "2" if name == "cuda_truncate_phased2" else "0"
                 else:
                     os.environ.pop("GDNVIZ_CUDA_TRUNCATE_PHASED", None)
                 ct.FULL_JACOBI_TOL = 1e-10 if name == "cuda_truncate_prev" else FULL_JACOBI_TOL
@@ -128,7 +130,8 @@ def main() -> None:
                 if name == "cuda_truncate":
                     default_out = eager
                 extra = {}
-                if name in ("cuda_truncate_entry_jacobi", "cuda_truncate_unphased") and default_out is not None:
+                if (name in ("cuda_truncate_entry_jacobi", "cuda_truncate_unphased", "cuda_truncate_phased2")
+                        and default_out is not None):
                     extra["same_as_default"] = bool(torch.equal(eager, default_out))
                 emit(what="subspace_kernels", variant=name, n=n, r=r, replay_ms=round(ms, 4),
                      vs_torch=None if ref_ms is None else round(ref_ms / ms, 2), energy_err=float(f"{err:.3e}"),

@@ -338,26 +338,26 @@ def test_emulated_split_launches_equal_the_fused_kernel(dmma):
 
 
 @needs_gxx
-@pytest.mark.parametrize("concurrent", [1, 4])
-def test_emulated_phased_launch_equals_one_block_per_state(concurrent):
-    """The phased launch (2N blocks: phase A of each state up to the first pass's deflation, phase B the rest, handed
-    over through global memory and a flag) gives one block per state's bits: r = 32 and 20 (two passes), and per-state
-    ranks mixing two-pass (17, 32), one-pass (1, 12), kept (128), zero and invalid (0) states, which phase A writes
-    whole. ``concurrent=4`` runs phase B blocks beside the phase A blocks they wait for (the spin-wait yields), one at
-    a time runs them after."""
+@pytest.mark.parametrize("items,concurrent", [(2, 1), (3, 1), (3, 5), (2, 4)])
+def test_emulated_phased_launch_equals_one_block_per_state(items, concurrent):
+    """The phased launch (each state as 2 or 3 thread blocks — up to the first pass's deflation, the second pass's
+    filter steps, the rest — handed over through global memory and a counter) gives one block per state's bits: r = 32
+    and 20 (two passes), and per-state ranks mixing two-pass (17, 32), one-pass (1, 12), kept (128), zero and invalid
+    (0) states, which item 0 writes whole. With ``concurrent`` > 1 later items run beside the items they wait for (the
+    spin-wait yields); one at a time, after them."""
     from bench.bench_truncate import gdn_like_states
 
     S = gdn_like_states(3, 128, 128, seed=23)
     for r in (32, 20):
         ref = cuda_truncate.emulate(S, r, attempts=False, concurrent=concurrent)
-        got = cuda_truncate.emulate(S, r, attempts=False, concurrent=concurrent, phased=True)
+        got = cuda_truncate.emulate(S, r, attempts=False, concurrent=concurrent, phased=items)
         assert torch.equal(ref, got), r
         assert energy_error(S.double(), got.double(), r).max().item() <= TOL
     H, _ = hard_states(32, seed=7)
     X = torch.cat([H[:2], S[:2].double(), torch.zeros(1, 128, 128, dtype=F64), S[2:].double()])
     ranks = [32, 17, 1, 128, 0, 12]
     ref = cuda_truncate.emulate(X, ranks, concurrent=concurrent)
-    got = cuda_truncate.emulate(X, ranks, concurrent=concurrent, phased=True)
+    got = cuda_truncate.emulate(X, ranks, concurrent=concurrent, phased=items)
     assert torch.equal(ref.nan_to_num(7.0), got.nan_to_num(7.0)) and torch.equal(ref.isnan(), got.isnan())
     assert torch.equal(got[3], X[3]) and torch.isnan(got[4]).all()
 
@@ -379,13 +379,18 @@ def test_emulator_reports_an_endless_spin_wait():
 
 def test_phased_switch(monkeypatch):
     """Phased only where it can pay: more states than multiprocessors, a rank that takes two passes (> 16) or
-    device-side ranks, and neither the split launches nor the profile build; GDNVIZ_CUDA_TRUNCATE_PHASED=0 turns it
-    off."""
+    device-side ranks, and neither the split launches nor the profile build; three thread blocks per state by default,
+    GDNVIZ_CUDA_TRUNCATE_PHASED=2 / 3 picks, =0 turns it off."""
     monkeypatch.delenv("GDNVIZ_CUDA_TRUNCATE_PHASED", raising=False)
+    assert cuda_truncate.phase_items() == 3
+    assert cuda_truncate.phase_mode(3) == cuda_truncate.PHASED | cuda_truncate.PHASED3
+    assert cuda_truncate.phase_mode(2) == cuda_truncate.PHASED
     on = cuda_truncate.phased_on
     assert on(288, 32, 132) and on(288, 17, 132) and on(288, None, 132)
     assert not on(288, 16, 132) and not on(288, 4, 132) and not on(132, 32, 132) and not on(288, 32, 0)
     assert not on(288, 32, 132, split=True) and not on(288, 32, 132, profile=True)
+    monkeypatch.setenv("GDNVIZ_CUDA_TRUNCATE_PHASED", "2")
+    assert on(288, 32, 132) and cuda_truncate.phase_items() == 2
     monkeypatch.setenv("GDNVIZ_CUDA_TRUNCATE_PHASED", "0")
     assert not on(288, 32, 132)
 
@@ -617,13 +622,13 @@ def test_cuda_kernel_device_ranks_no_sync_and_graph_replay():
         assert torch.equal(static_out, cuda_truncate.truncate_cuda(S, ranks))
 
 
-def _switch_changes_no_bit(monkeypatch, env: str, S: torch.Tensor, ranks) -> None:
-    """The kernel's launches on ``S`` give the same outputs, flags and bounds with ``env`` at 0 and at 1, for each
-    rank of ``ranks`` (ints or a device rank tensor)."""
+def _switch_changes_no_bit(monkeypatch, env: str, S: torch.Tensor, ranks, on: str = "1") -> None:
+    """The kernel's launches on ``S`` give the same outputs, flags and bounds with ``env`` at 0 and at ``on``, for
+    each rank of ``ranks`` (ints or a device rank tensor)."""
     for r in ranks:
         monkeypatch.setenv(env, "0")
         ref = cuda_truncate._launch(S, r, None)
-        monkeypatch.setenv(env, "1")
+        monkeypatch.setenv(env, on)
         got = cuda_truncate._launch(S, r, None)
         assert torch.equal(ref.out, got.out), (env, r)
         assert torch.equal(ref.done, got.done) and torch.equal(ref.bound, got.bound), (env, r)
@@ -654,9 +659,9 @@ def test_cuda_split_launches_equal_the_fused_kernel(monkeypatch):
 @pytest.mark.gpu
 def test_cuda_phased_launch_equals_one_block_per_state(monkeypatch):
     """On the GPU, 288 GDN-like states (more than the multiprocessors): the phased launch (the default there at ranks
-    > 16) gives one block per state's outputs bit for bit at r = 17 and 32 and at per-state ranks (phase B blocks
-    with nothing to do), in float32 and float64, and replays from a CUDA graph (the tickets and flags are zeroed by
-    the captured memset)."""
+    > 16), with three and with two thread blocks per state, gives one block per state's outputs bit for bit at r = 17
+    and 32 and at per-state ranks (later items with nothing to do), in float32 and float64, and replays from a CUDA
+    graph (the tickets and counters are zeroed by the captured memset)."""
     from bench.bench_truncate import gdn_like_states
     from gdnviz.gpu.cuda_graph import capture
 
@@ -664,7 +669,8 @@ def test_cuda_phased_launch_equals_one_block_per_state(monkeypatch):
     ranks = torch.tensor([1, 4, 12, 32, 128, 2, 16, 17] * 36, device="cuda", dtype=torch.int32)
     monkeypatch.delenv("GDNVIZ_CUDA_TRUNCATE_PHASED", raising=False)
     assert cuda_truncate.phased_on(288, 32, cuda_truncate._sm_count(S.device))
-    _switch_changes_no_bit(monkeypatch, "GDNVIZ_CUDA_TRUNCATE_PHASED", S, (17, 32, ranks))
+    for on in ("1", "2"):  # three items (the default for any value but 0 and 2), two items
+        _switch_changes_no_bit(monkeypatch, "GDNVIZ_CUDA_TRUNCATE_PHASED", S, (17, 32, ranks), on)
     _switch_changes_no_bit(monkeypatch, "GDNVIZ_CUDA_TRUNCATE_PHASED", S.double(), (32,))
     monkeypatch.delenv("GDNVIZ_CUDA_TRUNCATE_PHASED")
     static_in = S.clone()

@@ -37,7 +37,8 @@ their bounds, and every attempt with no filter step whose answer misses the crit
   with one ``__syncwarp`` — and threads < K forward-substitute row t of ``Q`` (right-looking): three block barriers
   per call instead of one per column;
 * more states than multiprocessors at ranks > 16 (two passes): the phased launch (``phased_on``, eighteenth session)
-  runs each state as two thread blocks, the first pass and the rest, handed over through global memory, so that the
+  runs each state as three thread blocks (the first pass; the second's filter steps; the rest), handed over through
+  global memory, so that the
   last of the three waves that 288 one-SM states need on 132 SMs does not leave most SMs idle; the same bits;
 * Rayleigh–Ritz: the cyclic parallel Jacobi of ``gdnviz.gpu.jacobi`` (round-robin pairs, ``a_pq`` the mean of both
   triangles, the skip test, Rutishauser's diagonal, the stop test once per sweep, ``MAX_SWEEPS`` / ``TOL``) with the
@@ -118,7 +119,7 @@ SIGNATURE = ["const {T}*", "{T}*", "const int*", "int", "int", "const double*", 
              "int*"]
 GRAM_SIGNATURE = ["const {T}*", "double*"]
 PROJECT_SIGNATURE = ["const {T}*", "{T}*", "const int*", "int", "int", "const double*"]
-READ_DONE, ATTEMPT, GRAM_IN, NO_PROJ, PHASED = 1, 2, 4, 8, 16  # the kernel's mode bits (cuda_truncate_src.cu)
+READ_DONE, ATTEMPT, GRAM_IN, NO_PROJ, PHASED, PHASED3 = 1, 2, 4, 8, 16, 32  # the kernel's mode bits (the source)
 # Split launches for few states (``split_on``): S Sᵀ by ``gdnviz_gram`` (one 8 × 8 tile of G per warp, K = 128: 17
 # thread blocks per state), the algorithm by ``gdnviz_truncate`` reading G (mode GRAM_IN) and leaving U in the scratch
 # (NO_PROJ), then U (Uᵀ S) by ``gdnviz_project`` (8 thread blocks per state). The same bits as the fused kernel. Why:
@@ -130,12 +131,14 @@ READ_DONE, ATTEMPT, GRAM_IN, NO_PROJ, PHASED = 1, 2, 4, 8, 16  # the kernel's mo
 SPLIT_MAX_STATES = 64  # split launches when a call has at most this many states (GDNVIZ_CUDA_TRUNCATE_SPLIT=0|1)
 SPLIT_DEFAULT_ON = True
 # Phased launches (``phased_on``): a full-algorithm launch whose states need two passes (a host-side rank > 16, or
-# device-side ranks) and outnumber the multiprocessors runs 2N thread blocks — phase A of each state (up to the first
-# pass's deflation) and phase B (the second pass and the projection), handed over through a float64 [N, K·K + 8]
-# buffer and a per-state flag (the source's PHASED comment). The same bits. Why: one block per state is one block per
-# SM (214.5 KiB of shared memory), so 288 states ran in three waves on the H200's 132 SMs, the third with 24 states
-# and 108 SMs idle; half-states fill them (list scheduling of 288 + 288 half-state items: ~2.44 state-times, not 3).
+# device-side ranks) and outnumber the multiprocessors runs each state as ``phase_items()`` thread blocks — item 0 up
+# to the first pass's deflation, item 1 the second pass's sketch and filter steps, item 2 the rest (with two items,
+# item 1 runs both) — handed over through a float64 [N, K·K + K·32 + 8] buffer and a per-state counter (the source's
+# PHASED comment). The same bits. Why: one block per state is one block per SM (214.5 KiB of shared memory), so 288
+# states ran in three waves on the H200's 132 SMs, the third with 24 states and 108 SMs idle; smaller items fill
+# them. Measured (H200, eighteenth session, r = 32, 288 states): two items 1.593 → 1.414 ms.
 PHASED_DEFAULT_ON = True
+PHASED_ITEMS = 3  # items per state by default (GDNVIZ_CUDA_TRUNCATE_PHASED=2 or 3 picks)
 PCOLS = 16  # columns of S per gdnviz_project thread block (the kernel's PCOLS)
 NO_BOUND = 1e300  # the kernel's bound where none holds (not attempted, or no spectral gap)
 CERT_TOL = 5e-6  # an attempt's result stands when its energy-error bound is at most this (criterion 1e-5)
@@ -268,13 +271,25 @@ def split_on(n: int) -> bool:
 
 
 def phased_on(n: int, rank: int | None, sms: int, split: bool = False, profile: bool = False) -> bool:
-    """Whether the full-algorithm launch of a call on ``n`` states runs phased (``PHASED``: two thread blocks per
-    state, comment above): ``GDNVIZ_CUDA_TRUNCATE_PHASED=0`` never; otherwise (``=1`` or unset, ``PHASED_DEFAULT_ON``)
+    """Whether the full-algorithm launch of a call on ``n`` states runs phased (``PHASED``: ``phase_items()`` thread
+    blocks per state, comment above): ``GDNVIZ_CUDA_TRUNCATE_PHASED=0`` never; otherwise (other values or unset,
+    ``PHASED_DEFAULT_ON``)
     when some state may take a second pass (``rank`` None, i.e. device-side ranks, or > 16), the states outnumber the
     ``sms`` multiprocessors (one wave gains nothing), and neither the split launches nor the profile build run."""
     if split or profile or not env_switch("GDNVIZ_CUDA_TRUNCATE_PHASED", PHASED_DEFAULT_ON):
         return False
     return (rank is None or rank > MAX_RANK // 2) and sms > 0 and n > sms
+
+
+def phase_items() -> int:
+    """Thread blocks per state in a phased launch: ``GDNVIZ_CUDA_TRUNCATE_PHASED=2`` or ``3``, else ``PHASED_ITEMS``."""
+    env = os.environ.get("GDNVIZ_CUDA_TRUNCATE_PHASED", "").strip()
+    return int(env) if env in ("2", "3") else PHASED_ITEMS
+
+
+def phase_mode(items: int) -> int:
+    """The mode bits of a phased launch with ``items`` thread blocks per state."""
+    return PHASED | (PHASED3 if items == 3 else 0)
 
 
 def gram_blocks(K: int) -> int:
@@ -396,13 +411,14 @@ def _launch(X: torch.Tensor, ranks, iters: int | None, profile: bool = False, at
                 gram(grid=(N * gram_blocks(K), 1, 1), block=(NT, 1, 1), args=[X, G])
             for qb, mode in steps:
                 tab = tables[qb] if mode & ATTEMPT else table
-                ph = phased and not mode & ATTEMPT
-                gsave = torch.empty(N, K * K + 8, dtype=torch.float64, device=X.device) if ph else scratch
-                sync = torch.zeros(N + 1, dtype=torch.int32, device=X.device) if ph else table
-                kernels[qb](grid=(2 * N if ph else N, 1, 1), block=(NT, 1, 1),
+                items = phase_items() if phased and not mode & ATTEMPT else 1
+                gsave = (torch.empty(N, K * K + K * Q + 8, dtype=torch.float64, device=X.device) if items > 1
+                         else scratch)
+                sync = torch.zeros(N + 1, dtype=torch.int32, device=X.device) if items > 1 else table
+                kernels[qb](grid=(items * N, 1, 1), block=(NT, 1, 1),
                             args=[X, out, rt, rank_int, stride, omega, fill, tab,
                                   -1 if iters is None else int(iters), scratch, sweeps, _tol2(mode, qb), skip,
-                                  mode | (GRAM_IN | NO_PROJ if split else 0) | (PHASED if ph else 0),
+                                  mode | (GRAM_IN | NO_PROJ if split else 0) | (phase_mode(items) if items > 1 else 0),
                                   done if n_att else table, bound if n_att else scratch, CERT_TOL, G, gsave, sync],
                             shared_mem=smem_bytes(K, qb))
             if split:
@@ -434,7 +450,7 @@ def _attempt_tables(device: torch.device) -> dict[int, torch.Tensor]:
 
 def emulate(X: torch.Tensor, ranks, iters: int | None = None, attempts: bool | None = None, info: bool = False,
             concurrent: int = 4, dmma: bool = False, split: bool = False, counters: bool = False,
-            phased: bool = False):
+            phased: int = 0):
     """The same launches of the same kernel source run on the CPU through ``gdnviz.gpu.cuda_emul`` (tests; needs
     ``g++``): ``X [N, K, V]`` float32/float64, ``ranks`` an int or N ints (run as device-side ranks: no attempts).
     ``concurrent`` blocks run at once, in lockstep by barrier phases, so a block writing into another block's part of
@@ -444,9 +460,9 @@ def emulate(X: torch.Tensor, ranks, iters: int | None = None, attempts: bool | N
     times slower, so the other tests run the fused multiply-add build. ``split``: the split launches (``split_on``:
     ``gdnviz_gram``, the algorithm with modes GRAM_IN | NO_PROJ, ``gdnviz_project``). ``counters``: the
     ``GDNVIZ_PROFILE`` build (not with ``split``), returning ``(output, counters float64 [N, 16])`` — its clock
-    readings are 0 here, index 15 counts Jacobi sweeps (summed over passes and launches). ``phased``: the full
-    algorithm's launch as ``PHASED`` (2N blocks; tickets, the hand-over buffer and flags), whatever the rank and the
-    number of states (not with ``split`` or ``counters``). Slow (~0.1–1 s per state and launch)."""
+    readings are 0 here, index 15 counts Jacobi sweeps (summed over passes and launches). ``phased`` (2 or 3): the full
+    algorithm's launch as ``PHASED`` with that many thread blocks per state (tickets, the hand-over buffer and
+    counters), whatever the rank and the number of states (not with ``split`` or ``counters``). Slow (~0.1–1 s per state and launch)."""
     from gdnviz.gpu.cuda_emul import Emulated
     from gdnviz.gpu.fused_truncate import _constants
 
@@ -471,6 +487,8 @@ def emulate(X: torch.Tensor, ranks, iters: int | None = None, attempts: bool | N
         emu.launch(N * gram_blocks(K), NT, [x, G], 0, concurrent=concurrent)
     if counters and split:
         raise ValueError("counters come from the fused kernel's profile build: not with split")
+    if phased not in (0, 2, 3):
+        raise ValueError("phased takes 0 (one block per state), 2 or 3 thread blocks per state")
     if phased and (split or counters):
         raise ValueError("phased launches run without split launches and without the profile build")
     prof = "#define GDNVIZ_PROFILE\n" if counters else ""
@@ -481,13 +499,13 @@ def emulate(X: torch.Tensor, ranks, iters: int | None = None, attempts: bool | N
         emu = Emulated(prof + source(K, V, ctype, qb, dmma), "gdnviz_truncate",
                        [s.format(T=ctype) for s in SIGNATURE])
         tab = np.asarray(attempt_table(qb), dtype=np.int32) if mode & ATTEMPT else table.astype(np.int32)
-        ph = phased and not mode & ATTEMPT
-        gsave = np.full((N, K * K + 8), np.nan) if ph else np.zeros(1)
+        items = int(phased) if phased and not mode & ATTEMPT else 1
+        gsave = np.full((N, K * K + K * Q + 8), np.nan) if items > 1 else np.zeros(1)
         sync = np.zeros(N + 1, dtype=np.int32)
-        emu.launch(2 * N if ph else N, NT,
+        emu.launch(items * N, NT,
                    [x, out, rk, rank_int, stride, np.ascontiguousarray(omega), np.ascontiguousarray(fill),
-                    np.ascontiguousarray(tab), -1 if iters is None else int(iters), scratch, sweeps,
-                    _tol2(mode, qb), skip, mode | (GRAM_IN | NO_PROJ if split else 0) | (PHASED if ph else 0), done,
+                    np.ascontiguousarray(tab), -1 if iters is None else int(iters), scratch, sweeps, _tol2(mode, qb),
+                    skip, mode | (GRAM_IN | NO_PROJ if split else 0) | (phase_mode(items) if items > 1 else 0), done,
                     bound, CERT_TOL, G, gsave, sync], smem_bytes(K, qb), concurrent=concurrent)
         if counters:
             count += scratch[:, 0, :16]

@@ -62,15 +62,18 @@ typedef @T@ scalar_t;
 #define GRAM_IN 4
 #define NO_PROJ 8
 // PHASED (more states than multiprocessors, the full algorithm at ranks > HALF: gdnviz.gpu.cuda_truncate.phased_on):
-// a grid of 2N blocks; each block takes a ticket (atomicAdd on SYNC[0]) and runs phase A of state tk (everything up
-// to and including the first pass's deflation; a state that needs no second pass runs whole) for tk < N, or phase B
-// of state tk - N (the second pass and the projection) otherwise. Phase A leaves the deflated G and zscale in GSAVE
-// and sets SYNC[1 + n]; phase B waits for it, then reads them back: the same numbers, so the same bits as one block
-// per state. Why: one block per state (214.5 KiB of shared memory, one per SM) runs 288 states in three waves on 132
-// SMs, the last with 24 states; half-states fill the idle SMs (list scheduling: ~2.44 state-times instead of 3).
-// No deadlock: tickets are taken in order by resident blocks, so phase A of a state waited on holds a smaller ticket
-// and is running or done; phase A never waits
+// each state as consecutive items, one thread block each, over a grid of (items) x N blocks: item 0 runs everything
+// up to and including the first pass's deflation (a state that needs no second pass runs whole); item 1 the second
+// pass's sketch and filter steps (with PHASED3; without it, everything after item 0); item 2 the rest (Rayleigh-Ritz,
+// selection, projection). A block takes a ticket (atomicAdd on SYNC[0]): item tk / N of state tk % N. An item leaves
+// what the next needs in GSAVE (the deflated G and zscale after item 0, the Q block after item 1; G does not change in
+// the second pass) and sets SYNC[1 + n] to the items done; the next waits for it and reads them back: the same
+// numbers, so the same bits as one block per state. Why: one block per state (214.5 KiB of shared memory, one per SM)
+// ran 288 states in three waves on 132 SMs, the last with 24 states; smaller items fill the idle SMs (list
+// scheduling: ~2.25 state-times instead of 3 with three items). No deadlock: tickets are taken in order by resident
+// blocks, so the item a block waits for holds a smaller ticket and is running or done; item 0 never waits
 #define PHASED 16
+#define PHASED3 32
 #define M_TK 352  // misc slot: the block's ticket
 
 // GDNVIZ_PROFILE (bench/bench_truncate_phases.py): thread 0 adds clock64() deltas per phase; written to U's scratch
@@ -427,24 +430,28 @@ gdnviz_truncate(const scalar_t* __restrict__ S, scalar_t* __restrict__ OUT, cons
     double* Ls = smem + OFF_L;
     double* misc = smem + OFF_M;
     const int t = threadIdx.x;
+    // mode and gridDim are re-read where used (kernel parameters, special registers): the phased bookkeeping holds
+    // two 32-bit registers, n and item (a 64-bit n and the item count in registers took the per-entry Jacobi build
+    // from 0 to 80 bytes of spills)
     const bool phased = (mode & PHASED) != 0;
-    long long n = blockIdx.x;
-    bool phase_b = false;
+    int n = blockIdx.x;
+    int item = 0;  // PHASED: which part of state n this block runs
     if (phased) {
         if (t == 0) misc[M_TK] = (double)atomicAdd(SYNC, 1);
         __syncthreads();
-        const long long tk = (long long)misc[M_TK], half = gridDim.x / 2;
-        phase_b = tk >= half;
-        n = phase_b ? tk - half : tk;
+        const int tk = (int)misc[M_TK], nst = gridDim.x / ((mode & PHASED3) ? 3 : 2);
+        item = tk / nst;
+        n = tk - item * nst;
     }
-    const scalar_t* Sn = S + n * (K_ * V_);
-    scalar_t* On = OUT + n * (K_ * V_);
-    double* Un = USCR + n * (K_ * UL);  // [K][UL] per state, whatever the block width
-    double* Gsave = GSAVE + n * (K_ * K_ + 8);  // PHASED: the deflated G [K][K], then zscale
+    const long long nl = n;  // 64-bit offsets below
+    const scalar_t* Sn = S + nl * (K_ * V_);
+    scalar_t* On = OUT + nl * (K_ * V_);
+    double* Un = USCR + nl * (K_ * UL);  // [K][UL] per state, whatever the block width
+    double* Gsave = GSAVE + nl * (K_ * K_ + K_ * QB + 8);  // PHASED: the deflated G [K][K], Q [K][QB], zscale
     const int r = (rank_stride >= 0) ? RANKS[n * rank_stride] : rank;
     if ((mode & READ_DONE) && DONE[n] != 0) return;  // an earlier launch wrote this state
     const bool attempt = (mode & ATTEMPT) != 0;
-    if (phase_b && (r <= HALF || r >= M_ || r > 2 * HALF || attempt)) return;  // phase A wrote it whole
+    if (item > 0 && (r <= HALF || r >= M_ || r > 2 * HALF || attempt)) return;  // item 0 wrote it whole
     if (r >= M_) {  // kept: the state unchanged, bit for bit
         for (int e = t; e < K_ * V_; e += NT) On[e] = Sn[e];
         if (attempt && t == 0) { DONE[n] = 1; BOUND[n] = 0.0; }
@@ -466,23 +473,25 @@ gdnviz_truncate(const scalar_t* __restrict__ S, scalar_t* __restrict__ OUT, cons
         return;
     }
     const int npass = (r > HALF) ? 2 : 1;
-    if (!phase_b)
+    if (item == 0)
         for (int e = t; e < K_ * UL; e += NT) Un[e] = 0.0;
     const int tx = t & 15, ty = t >> 4;
 
     double tr = 0.0, gf2 = 0.0, zscale = 0.0;  // gf2: ||G||_F^2 (the attempt's certificate)
-    if (phase_b) {  // PHASED: wait for phase A of this state, then its deflated G and zscale
+    if (item > 0) {  // PHASED: wait for this state's previous item, then the deflated G, zscale (and Q for item 2)
         if (t == 0) {
-            while (atomicAdd(SYNC + 1 + n, 0) == 0) __nanosleep(256);
+            while (atomicAdd(SYNC + 1 + n, 0) < item) __nanosleep(256);
             __threadfence();
         }
         __syncthreads();
         for (int e = t; e < K_ * K_; e += NT) Gs[(e / K_) * GST + (e % K_)] = __ldcg(Gsave + e);
-        zscale = __ldcg(Gsave + K_ * K_);
+        if (item == 2)
+            for (int e = t; e < K_ * QB; e += NT) As[(e >> LQB) * QP + (e & (QB - 1))] = __ldcg(Gsave + K_ * K_ + e);
+        zscale = __ldcg(Gsave + K_ * K_ + K_ * QB);
         __syncthreads();
     } else {
     if (mode & GRAM_IN) {  // G = S S^T from gdnviz_gram (both triangles written there)
-        const double* Gn = GIN + n * (K_ * K_);
+        const double* Gn = GIN + nl * (K_ * K_);
         for (int e = t; e < K_ * K_; e += NT) Gs[(e / K_) * GST + (e % K_)] = Gn[e];
         tr = gram_trace(Gs, misc + M_RED);
     } else {
@@ -582,8 +591,9 @@ gdnviz_truncate(const scalar_t* __restrict__ S, scalar_t* __restrict__ OUT, cons
     }
     PROF(0);
 
-    for (int p = phase_b ? 1 : 0; p < npass; ++p) {
+    for (int p = (item > 0) ? 1 : 0; p < npass; ++p) {
         const int take = min(r - HALF * p, HALF);
+        if (item < 2) {  // item 2 starts after the second pass's filter steps
         // ---- Z = S Omega_p (S staged through Bs), deflated by U for the second pass, scaled to the state's norm.
         // An attempt (one pass) starts from Z = G Omega' instead, Omega' the first K rows of OMEGA: G is in shared
         // memory already, so S is not read again, and G Omega' spans (S S^T) Omega', one power more than S Omega
@@ -672,6 +682,14 @@ gdnviz_truncate(const scalar_t* __restrict__ S, scalar_t* __restrict__ OUT, cons
             PROF(3);
             cholqr(As, Cs, Ls);
             PROF(2);
+        }
+        }  // item < 2
+        if (p == 1 && item == 1 && (mode & PHASED3)) {  // PHASED3: item 1 ends; Q to GSAVE (G is unchanged since item 0)
+            for (int e = t; e < K_ * QB; e += NT) Gsave[K_ * K_ + e] = As[(e >> LQB) * QP + (e & (QB - 1))];
+            __threadfence();
+            __syncthreads();
+            if (t == 0) atomicExch(SYNC + 1 + n, 2);
+            return;
         }
         // ---- refill damped columns with fixed unit directions, then Cholesky-QR twice
         {
@@ -1025,9 +1043,9 @@ gdnviz_truncate(const scalar_t* __restrict__ S, scalar_t* __restrict__ OUT, cons
             zscale *= ok ? 1.0 / sqrt(t2) : 0.0;
             __syncthreads();
             PROF(8);
-            if (phased) {  // phase A ends: the deflated G and zscale to GSAVE, visible before the flag
+            if (phased) {  // item 0 ends: the deflated G and zscale to GSAVE, visible before the flag
                 for (int e = t; e < K_ * K_; e += NT) Gsave[e] = Gs[(e / K_) * GST + (e % K_)];
-                if (t == 0) Gsave[K_ * K_] = zscale;
+                if (t == 0) Gsave[K_ * K_ + K_ * QB] = zscale;
                 __threadfence();
                 __syncthreads();
                 if (t == 0) atomicExch(SYNC + 1 + n, 1);
