@@ -133,7 +133,7 @@ SPLIT_DEFAULT_ON = True
 # Phased launches (``phased_on``): a full-algorithm launch whose states need two passes (a host-side rank > 16, or
 # device-side ranks) and outnumber the multiprocessors runs each state as ``phase_items()`` thread blocks — item 0 up
 # to the first pass's deflation, item 1 the second pass's sketch and filter steps, item 2 the rest (with two items,
-# item 1 runs both) — handed over through a float64 [N, K·K + K·32 + 8] buffer and a per-state counter (the source's
+# item 1 runs both) — handed over through a float64 [N, K·K + K·32 + 16] buffer and a per-state counter (the source's
 # PHASED comment). The same bits. Why: one block per state is one block per SM (214.5 KiB of shared memory), so 288
 # states ran in three waves on the H200's 132 SMs, the third with 24 states and 108 SMs idle; smaller items fill
 # them. Measured (H200, eighteenth session, r = 32, 288 states): two items 1.593 → 1.414 ms.
@@ -287,6 +287,11 @@ def phase_items() -> int:
     return int(env) if env in ("2", "3") else PHASED_ITEMS
 
 
+def gsave_cols(K: int) -> int:
+    """Doubles per state of a phased launch's hand-over buffer: G [K, K], Q [K, 32], zscale, the trace (3 × 4)."""
+    return K * K + K * Q + 16
+
+
 def phase_mode(items: int) -> int:
     """The mode bits of a phased launch with ``items`` thread blocks per state."""
     return PHASED | (PHASED3 if items == 3 else 0)
@@ -312,13 +317,45 @@ def supports(X: torch.Tensor) -> bool:
 
 
 def _kernel(K: int, V: int, dtype: torch.dtype, device: torch.device, qb: int = Q, profile: bool = False,
-            name: str = "gdnviz_truncate"):
+            name: str = "gdnviz_truncate", trace: bool = False):
     ctype = _CTYPES[dtype]
     dmma = dmma_on()
-    src = ("#define GDNVIZ_PROFILE\n" if profile else "") + source(K, V, ctype, qb, dmma)
+    src = (("#define GDNVIZ_PROFILE\n" if profile else "") + ("#define GDNVIZ_PHASE_TRACE\n" if trace else "")
+           + source(K, V, ctype, qb, dmma))
     smem = {"gdnviz_truncate": smem_bytes(K, qb), "gdnviz_project": project_smem_bytes(K)}.get(name, 0)
-    return KERNELS.get((K, V, ctype, device.index, qb, profile, dmma, pair_rounds(qb), source_path(), name), device,
-                       src, name, shared_mem=smem)
+    return KERNELS.get((K, V, ctype, device.index, qb, profile, dmma, pair_rounds(qb), source_path(), name, trace),
+                       device, src, name, shared_mem=smem)
+
+
+def phase_trace(X: torch.Tensor, rank: int, items: int = 3) -> torch.Tensor:
+    """The schedule of one phased launch of the full algorithm on ``X [N, K, V]`` (CUDA) at a host-side ``rank``
+    (17 … 32), from the ``GDNVIZ_PHASE_TRACE`` build (``bench/study_phase_schedule.py``): float64 ``[N, items, 4]``
+    on the CPU — per state and item, the time its block took its ticket, the time its wait for the previous item
+    ended, its end time (µs from the first ticket) and the SM it ran on. The outputs are ``truncate_cuda``'s."""
+    from gdnviz.gpu.fused_truncate import _constants
+
+    if not supports(X) or not MAX_RANK // 2 < int(rank) <= MAX_RANK or items not in (2, 3):
+        raise ValueError("phase_trace takes CUDA [N, K, V] states, a rank 17 … 32 and 2 or 3 items")
+    N, K, V = X.shape
+    kern = _kernel(K, V, X.dtype, X.device, Q, trace=True)
+    if kern is None:
+        raise RuntimeError(f"the CUDA truncation kernel is unavailable: {KERNELS.reason}")
+    X = X.contiguous()
+    omega, fill, table = _constants(K, V, X.device)
+    out = torch.empty_like(X)
+    scratch = torch.empty(N, K, Q, dtype=torch.float64, device=X.device)
+    gsave = torch.zeros(N, gsave_cols(K), dtype=torch.float64, device=X.device)
+    sync = torch.zeros(N + 1, dtype=torch.int32, device=X.device)
+    sweeps, skip = _jacobi_args()
+    with torch.cuda.device(X.device):
+        kern(grid=(items * N, 1, 1), block=(NT, 1, 1),
+             args=[X, out, table, int(rank), -1, omega, fill, table, -1, scratch, sweeps, _tol2(0, Q), skip,
+                   phase_mode(items), table, scratch, CERT_TOL, scratch, gsave, sync],
+             shared_mem=smem_bytes(K, Q))
+    tr = gsave[:, K * K + K * Q + 1: K * K + K * Q + 1 + 4 * items].reshape(N, items, 4).cpu().clone()
+    t0 = tr[..., :3].min()
+    tr[..., :3] = (tr[..., :3] - t0) / 1e3
+    return tr
 
 
 def project_smem_bytes(K: int) -> int:
@@ -412,7 +449,7 @@ def _launch(X: torch.Tensor, ranks, iters: int | None, profile: bool = False, at
             for qb, mode in steps:
                 tab = tables[qb] if mode & ATTEMPT else table
                 items = phase_items() if phased and not mode & ATTEMPT else 1
-                gsave = (torch.empty(N, K * K + K * Q + 8, dtype=torch.float64, device=X.device) if items > 1
+                gsave = (torch.empty(N, gsave_cols(K), dtype=torch.float64, device=X.device) if items > 1
                          else scratch)
                 sync = torch.zeros(N + 1, dtype=torch.int32, device=X.device) if items > 1 else table
                 kernels[qb](grid=(items * N, 1, 1), block=(NT, 1, 1),
@@ -500,7 +537,7 @@ def emulate(X: torch.Tensor, ranks, iters: int | None = None, attempts: bool | N
                        [s.format(T=ctype) for s in SIGNATURE])
         tab = np.asarray(attempt_table(qb), dtype=np.int32) if mode & ATTEMPT else table.astype(np.int32)
         items = int(phased) if phased and not mode & ATTEMPT else 1
-        gsave = np.full((N, K * K + K * Q + 8), np.nan) if items > 1 else np.zeros(1)
+        gsave = np.full((N, gsave_cols(K)), np.nan) if items > 1 else np.zeros(1)
         sync = np.zeros(N + 1, dtype=np.int32)
         emu.launch(items * N, NT,
                    [x, out, rk, rank_int, stride, np.ascontiguousarray(omega), np.ascontiguousarray(fill),

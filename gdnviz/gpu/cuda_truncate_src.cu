@@ -74,6 +74,25 @@ typedef @T@ scalar_t;
 // blocks, so the item a block waits for holds a smaller ticket and is running or done; item 0 never waits
 #define PHASED 16
 #define PHASED3 32
+// GDNVIZ_PHASE_TRACE (bench/study_phase_schedule.py): thread 0 of each item of a two-pass state writes its ticket
+// time, the time its wait ended, its end time (globaltimer, ns, low 40 bits) and its SM into GSAVE after zscale
+#if defined(GDNVIZ_PHASE_TRACE) && !defined(GDNVIZ_EMULATED)
+__device__ __forceinline__ double trace_now() {
+    unsigned long long x;
+    asm volatile("mov.u64 %0, %%globaltimer;" : "=l"(x));
+    return (double)(x & 0xFFFFFFFFFFull);
+}
+__device__ __forceinline__ double trace_sm() {
+    unsigned x;
+    asm volatile("mov.u32 %0, %%smid;" : "=r"(x));
+    return (double)x;
+}
+#define TRACE(slot) do { if (t == 0) Gsave[K_ * K_ + K_ * QB + 1 + 4 * item + (slot)] = trace_now(); } while (0)
+#define TRACE_END() do { if (t == 0) { TRACE(2); Gsave[K_ * K_ + K_ * QB + 4 + 4 * item] = trace_sm(); } } while (0)
+#else
+#define TRACE(slot) do { } while (0)
+#define TRACE_END() do { } while (0)
+#endif
 #define M_TK 352  // misc slot: the block's ticket
 
 // GDNVIZ_PROFILE (bench/bench_truncate_phases.py): thread 0 adds clock64() deltas per phase; written to U's scratch
@@ -164,6 +183,35 @@ __device__ __forceinline__ bool jacobi_rotation(double a_ip, double a_pi, double
 // the surrounding code, so without this the forms' bits differed on the H200 though equal in the emulation (g++
 // does not contract: sixteenth session)
 __device__ __forceinline__ double rot2(double c, double a, double s, double b) { return fma(c, a, __dmul_rn(s, b)); }
+
+// G [K][K] from global memory (row-major) into Gs (row stride GST), and with K_ * QB > 0 rows of a [K][QB] block into
+// X (row stride QP): each thread's loads in batches of 16, all in flight before their stores (a plain loop waits for
+// one L2 round trip per element: 64 per thread for G at K = 128)
+#define LD_BATCH 16
+__device__ __forceinline__ void load_square(const double* __restrict__ src, double* Gs) {
+    const int t = threadIdx.x;
+    for (int e0 = 0; e0 < K_ * K_; e0 += LD_BATCH * NT) {
+        double v[LD_BATCH];
+#pragma unroll
+        for (int m = 0; m < LD_BATCH; ++m) v[m] = __ldcg(src + e0 + m * NT + t);
+#pragma unroll
+        for (int m = 0; m < LD_BATCH; ++m) {
+            const int e = e0 + m * NT + t;
+            Gs[(e / K_) * GST + (e % K_)] = v[m];
+        }
+    }
+}
+__device__ __forceinline__ void load_block(const double* __restrict__ src, double* X) {
+    const int t = threadIdx.x;
+    double v[K_ * QB / NT];
+#pragma unroll
+    for (int m = 0; m < K_ * QB / NT; ++m) v[m] = __ldcg(src + m * NT + t);
+#pragma unroll
+    for (int m = 0; m < K_ * QB / NT; ++m) {
+        const int e = m * NT + t;
+        X[(e >> LQB) * QP + (e & (QB - 1))] = v[m];
+    }
+}
 
 // The trace of G [K][K] once every thread has stored its part of it; every thread gets it (three barriers).
 __device__ __forceinline__ double gram_trace(const double* Gs, double* red) {
@@ -447,11 +495,16 @@ gdnviz_truncate(const scalar_t* __restrict__ S, scalar_t* __restrict__ OUT, cons
     const scalar_t* Sn = S + nl * (K_ * V_);
     scalar_t* On = OUT + nl * (K_ * V_);
     double* Un = USCR + nl * (K_ * UL);  // [K][UL] per state, whatever the block width
-    double* Gsave = GSAVE + nl * (K_ * K_ + K_ * QB + 8);  // PHASED: the deflated G [K][K], Q [K][QB], zscale
+    double* Gsave = GSAVE + nl * (K_ * K_ + K_ * QB + 16);  // PHASED: the deflated G [K][K], Q [K][QB], zscale, trace
     const int r = (rank_stride >= 0) ? RANKS[n * rank_stride] : rank;
     if ((mode & READ_DONE) && DONE[n] != 0) return;  // an earlier launch wrote this state
     const bool attempt = (mode & ATTEMPT) != 0;
     if (item > 0 && (r <= HALF || r >= M_ || r > 2 * HALF || attempt)) return;  // item 0 wrote it whole
+    const bool traced = phased && r > HALF && r <= 2 * HALF && r < M_;
+    if (traced) {
+        TRACE(0);
+        if (item == 0) TRACE(1);  // item 0 waits for nothing
+    }
     if (r >= M_) {  // kept: the state unchanged, bit for bit
         for (int e = t; e < K_ * V_; e += NT) On[e] = Sn[e];
         if (attempt && t == 0) { DONE[n] = 1; BOUND[n] = 0.0; }
@@ -483,16 +536,15 @@ gdnviz_truncate(const scalar_t* __restrict__ S, scalar_t* __restrict__ OUT, cons
             while (atomicAdd(SYNC + 1 + n, 0) < item) __nanosleep(256);
             __threadfence();
         }
+        TRACE(1);
         __syncthreads();
-        for (int e = t; e < K_ * K_; e += NT) Gs[(e / K_) * GST + (e % K_)] = __ldcg(Gsave + e);
-        if (item == 2)
-            for (int e = t; e < K_ * QB; e += NT) As[(e >> LQB) * QP + (e & (QB - 1))] = __ldcg(Gsave + K_ * K_ + e);
+        load_square(Gsave, Gs);
+        if (item == 2) load_block(Gsave + K_ * K_, As);
         zscale = __ldcg(Gsave + K_ * K_ + K_ * QB);
         __syncthreads();
     } else {
     if (mode & GRAM_IN) {  // G = S S^T from gdnviz_gram (both triangles written there)
-        const double* Gn = GIN + nl * (K_ * K_);
-        for (int e = t; e < K_ * K_; e += NT) Gs[(e / K_) * GST + (e % K_)] = Gn[e];
+        load_square(GIN + nl * (K_ * K_), Gs);
         tr = gram_trace(Gs, misc + M_RED);
     } else {
 #ifdef GDNVIZ_DMMA
@@ -689,6 +741,7 @@ gdnviz_truncate(const scalar_t* __restrict__ S, scalar_t* __restrict__ OUT, cons
             __threadfence();
             __syncthreads();
             if (t == 0) atomicExch(SYNC + 1 + n, 2);
+            TRACE_END();
             return;
         }
         // ---- refill damped columns with fixed unit directions, then Cholesky-QR twice
@@ -1049,6 +1102,7 @@ gdnviz_truncate(const scalar_t* __restrict__ S, scalar_t* __restrict__ OUT, cons
                 __threadfence();
                 __syncthreads();
                 if (t == 0) atomicExch(SYNC + 1 + n, 1);
+                if (traced) TRACE_END();
                 return;
             }
         }
@@ -1137,6 +1191,7 @@ gdnviz_truncate(const scalar_t* __restrict__ S, scalar_t* __restrict__ OUT, cons
     if (t == 0)
         for (int q = 0; q < 16; ++q) Un[q] = (double)pacc[q];
 #endif
+    if (traced) TRACE_END();
 }
 
 // ---- split launches (mode GRAM_IN | NO_PROJ): the fused kernel's first and last phases over more thread blocks ----
