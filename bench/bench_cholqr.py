@@ -42,7 +42,7 @@ VARIANTS = {"torch": "0", "cuda_cholqr": "smem", "cuda_cholqr_shfl": "shfl", "cu
             "cuda_truncate_fused": "shfl", "cuda_truncate_split": "shfl",
             "cuda_truncate_full": "shfl", "triton_fused": "shfl",  # cuda_truncate_full: without the certified attempts
             "cuda_truncate_entry_jacobi": "shfl", "cuda_truncate_prev": "shfl", "cuda_truncate_unphased": "shfl",
-            "cuda_truncate_phased2": "shfl"}
+            "cuda_truncate_phased2": "shfl", "cuda_truncate_separate_sketch": "shfl"}
 SPLIT_ENV = {"cuda_truncate_fused": "0", "cuda_truncate_split": "1"}
 # "cuda_truncate_entry_jacobi": the kernel with the per-entry Jacobi rounds of 32-column blocks
 # (GDNVIZ_CUDA_TRUNCATE_PAIR_JACOBI=0; the pair-block rounds, the default since the sixteenth session, measured 6-10%
@@ -51,6 +51,8 @@ SPLIT_ENV = {"cuda_truncate_fused": "0", "cuda_truncate_split": "1"}
 # phased launch, the default since the eighteenth session for more states than SMs at ranks > 16, splits each state
 # into three blocks); "cuda_truncate_phased2": two blocks per state (GDNVIZ_CUDA_TRUNCATE_PHASED=2); both must equal
 # "cuda_truncate"'s outputs bit for bit (same_as_default)
+# "cuda_truncate_separate_sketch": the first pass's sketch S Ω₀ as its own pass over S (GDNVIZ_CUDA_TRUNCATE_FUSED_SKETCH=0;
+# fused into the Gram matrix's loop since the eighteenth session); same_as_default too
 # "cuda_truncate_prev": the kernel with the sixteenth session's defaults — 6 filter steps in the second pass (r > 16;
 # 4 since the seventeenth) and the full algorithm's Jacobi stop at 1e-10 (1e-8 since) — for the same-run ratio
 # (the thirteenth session's "cuda_truncate_warp_jacobi", the Jacobi in warps, measured 1.8-2x slower and removed:
@@ -102,6 +104,10 @@ def main() -> None:
                     os.environ["GDNVIZ_CUDA_TRUNCATE_PHASED"] = "2" if name == "cuda_truncate_phased2" else "0"
                 else:
                     os.environ.pop("GDNVIZ_CUDA_TRUNCATE_PHASED", None)
+                if name == "cuda_truncate_separate_sketch":
+                    os.environ["GDNVIZ_CUDA_TRUNCATE_FUSED_SKETCH"] = "0"
+                else:
+                    os.environ.pop("GDNVIZ_CUDA_TRUNCATE_FUSED_SKETCH", None)
                 ct.FULL_JACOBI_TOL = 1e-10 if name == "cuda_truncate_prev" else FULL_JACOBI_TOL
                 if name == "cuda_truncate_prev":
                     fn = lambda x, r=r: ct.truncate_cuda(x, r, iters=6 if r > 16 else None)  # noqa: E731
@@ -130,8 +136,8 @@ def main() -> None:
                 if name == "cuda_truncate":
                     default_out = eager
                 extra = {}
-                if (name in ("cuda_truncate_entry_jacobi", "cuda_truncate_unphased", "cuda_truncate_phased2")
-                        and default_out is not None):
+                if (name in ("cuda_truncate_entry_jacobi", "cuda_truncate_unphased", "cuda_truncate_phased2",
+                             "cuda_truncate_separate_sketch") and default_out is not None):
                     extra["same_as_default"] = bool(torch.equal(eager, default_out))
                 emit(what="subspace_kernels", variant=name, n=n, r=r, replay_ms=round(ms, 4),
                      vs_torch=None if ref_ms is None else round(ref_ms / ms, 2), energy_err=float(f"{err:.3e}"),
@@ -139,6 +145,7 @@ def main() -> None:
     os.environ["GDNVIZ_CUDA_CHOLQR"] = "0"
     os.environ.pop("GDNVIZ_CUDA_TRUNCATE_PAIR_JACOBI", None)
     os.environ.pop("GDNVIZ_CUDA_TRUNCATE_PHASED", None)
+    os.environ.pop("GDNVIZ_CUDA_TRUNCATE_FUSED_SKETCH", None)
     ct.FULL_JACOBI_TOL = FULL_JACOBI_TOL
     emit(what="cuda_kernels_status", cholqr_available=cuda_cholqr.KERNELS.available,
          cholqr_reason=cuda_cholqr.KERNELS.reason, **base)

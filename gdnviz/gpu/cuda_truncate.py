@@ -188,7 +188,16 @@ def source(K: int, V: int, ctype: str = "float", qb: int = Q, dmma: bool | None 
     head = "#define GDNVIZ_DMMA\n" if (dmma_on() if dmma is None else dmma) else ""
     if pair_rounds(qb):
         head += "#define GDNVIZ_PAIR_JACOBI\n"
+    if not fused_sketch_on():
+        head += "#define GDNVIZ_SEPARATE_SKETCH\n"
     return head + text
+
+
+def fused_sketch_on() -> bool:
+    """Whether the tensor-core build accumulates the first pass's sketch S Ω₀ in the Gram matrix's loop
+    (``GDNVIZ_CUDA_TRUNCATE_FUSED_SKETCH``, default on; ``=0``: a separate pass over S, as before the eighteenth
+    session). The same bits either way (emulated, and on the H200)."""
+    return env_switch("GDNVIZ_CUDA_TRUNCATE_FUSED_SKETCH", True)
 
 
 def source_path() -> str:
@@ -323,8 +332,8 @@ def _kernel(K: int, V: int, dtype: torch.dtype, device: torch.device, qb: int = 
     src = (("#define GDNVIZ_PROFILE\n" if profile else "") + ("#define GDNVIZ_PHASE_TRACE\n" if trace else "")
            + source(K, V, ctype, qb, dmma))
     smem = {"gdnviz_truncate": smem_bytes(K, qb), "gdnviz_project": project_smem_bytes(K)}.get(name, 0)
-    return KERNELS.get((K, V, ctype, device.index, qb, profile, dmma, pair_rounds(qb), source_path(), name, trace),
-                       device, src, name, shared_mem=smem)
+    return KERNELS.get((K, V, ctype, device.index, qb, profile, dmma, pair_rounds(qb), source_path(), name, trace,
+                        fused_sketch_on()), device, src, name, shared_mem=smem)
 
 
 def phase_trace(X: torch.Tensor, rank: int, items: int = 3) -> torch.Tensor:

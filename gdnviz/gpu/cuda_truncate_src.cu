@@ -423,7 +423,11 @@ __device__ __forceinline__ void gemm_xty(const double* X, const double* Y, doubl
 // 1 / L[j][j] on it. Then threads < K own row t of X in registers (right-looking forward substitution). Three
 // barriers in all instead of one per column, and the same fma / rsqrt sequence per entry as the ninth session's
 // block-wide column loop, so the same bits from the same C.
-__device__ void cholqr(double* X, double* C, double* B) {
+// Not inlined: one copy of its ~3,000 instructions (fully unrolled factorisation and substitution) serves its 18 calls
+// per state at r = 32, instead of a copy per call site (the kernel's code was 478 KB, far more than an SM's
+// instruction cache; with one copy 199 KB). Measured (H200, eighteenth session, same run): its cycles per state at
+// r = 32 347K -> 243K, 288 states at r = 32 1.362 -> 1.244 ms, at r = 4 0.607 -> 0.546 ms; the same bits.
+__device__ __noinline__ void cholqr(double* X, double* C, double* B) {
     const int t = threadIdx.x;
     gemm_xty(X, X, C, false, true);
     __syncthreads();
@@ -531,6 +535,11 @@ gdnviz_truncate(const scalar_t* __restrict__ S, scalar_t* __restrict__ OUT, cons
     const int tx = t & 15, ty = t >> 4;
 
     double tr = 0.0, gf2 = 0.0, zscale = 0.0;  // gf2: ||G||_F^2 (the attempt's certificate)
+#if defined(GDNVIZ_DMMA) && !defined(GDNVIZ_SEPARATE_SKETCH)
+    const bool sketch_fused = !attempt && !(mode & GRAM_IN);  // Z = S Omega_0 computed with the Gram matrix
+#else
+    const bool sketch_fused = false;
+#endif
     if (item > 0) {  // PHASED: wait for this state's previous item, then the deflated G, zscale (and Q for item 2)
         if (t == 0) {
             while (atomicAdd(SYNC + 1 + n, 0) < item) __nanosleep(256);
@@ -554,17 +563,35 @@ gdnviz_truncate(const scalar_t* __restrict__ S, scalar_t* __restrict__ OUT, cons
     // K = 128 warp w owns row tiles w and 15 - w, 17 tiles in all (GSL slots, no branch between the products: a
     // branch per tile, tenth session's call 2, made the Gram 10% slower than the full square); for K = 64
     // warp w computes row tile w whole and keeps its lower part
+    // The first pass's sketch Z = S Omega_0 (the full algorithm) is accumulated in the same loop, while each 16
+    // columns of S are in shared memory (Omega_0's 16 rows staged in Cs): the separate sketch read S again, 32 columns
+    // per stage with no prefetch (35K cycles per pass at r = 32, eighteenth session). Its accumulators see the same
+    // mma.sync sequence as the separate sketch's (v = 0, 4, 8, ... per 8x8 tile), so the same bits; Z goes to As
+    // (free again after the loop) unscaled, as the pass loop's sketch leaves it
     {
         const int lane = t & 31, w = t >> 5, lr = lane >> 2, lk = lane & 3;
         double* St = As;
         int srow[GSL], scol[GSL];
         double acc[GSL][2];
         lower_tiles(w, srow, scol, acc);
+        double accz[RT][NB][2];
+#pragma unroll
+        for (int a = 0; a < RT; ++a)
+#pragma unroll
+            for (int b = 0; b < NB; ++b) { accz[a][b][0] = 0.0; accz[a][b][1] = 0.0; }
         scalar_t nx[K_ * 16 / NT];
+        double nz[16 * QB / NT];  // Omega_0's next 16 rows (fused sketch only)
 #pragma unroll
         for (int m = 0; m < K_ * 16 / NT; ++m) {
             const int e = t + m * NT;
             nx[m] = Sn[(e >> 4) * V_ + (e & 15)];
+        }
+        if (sketch_fused) {
+#pragma unroll
+            for (int m = 0; m < 16 * QB / NT; ++m) {
+                const int e = t + m * NT;
+                nz[m] = OMEGA[(e >> LQB) * UL + (e & (QB - 1))];
+            }
         }
         for (int v0 = 0; v0 < V_; v0 += 16) {
 #pragma unroll
@@ -572,12 +599,26 @@ gdnviz_truncate(const scalar_t* __restrict__ S, scalar_t* __restrict__ OUT, cons
                 const int e = t + m * NT;
                 St[(e >> 4) * SG + (e & 15)] = (double)nx[m];
             }
+            if (sketch_fused) {
+#pragma unroll
+                for (int m = 0; m < 16 * QB / NT; ++m) {
+                    const int e = t + m * NT;
+                    Cs[(e >> LQB) * QP + (e & (QB - 1))] = nz[m];
+                }
+            }
             __syncthreads();
             if (v0 + 16 < V_) {
 #pragma unroll
                 for (int m = 0; m < K_ * 16 / NT; ++m) {
                     const int e = t + m * NT;
                     nx[m] = Sn[(e >> 4) * V_ + v0 + 16 + (e & 15)];
+                }
+                if (sketch_fused) {
+#pragma unroll
+                    for (int m = 0; m < 16 * QB / NT; ++m) {
+                        const int e = t + m * NT;
+                        nz[m] = OMEGA[(v0 + 16 + (e >> LQB)) * UL + (e & (QB - 1))];
+                    }
                 }
             }
 #pragma unroll 1
@@ -589,6 +630,17 @@ gdnviz_truncate(const scalar_t* __restrict__ S, scalar_t* __restrict__ OUT, cons
                     const double sb = St[(8 * scol[q] + lr) * SG + k0 + lk];  // B[k][j] = S[j][k]
                     dmma_m8n8k4(acc[q][0], acc[q][1], (srow[q] == w) ? s0 : s1, sb);
                 }
+                if (sketch_fused) {  // block-uniform
+                    double ga[RT];
+#pragma unroll
+                    for (int a = 0; a < RT; ++a) ga[a] = St[(8 * (RT * w + a) + lr) * SG + k0 + lk];  // S[i][v0+k]
+#pragma unroll
+                    for (int b = 0; b < NB; ++b) {
+                        const double xb = Cs[(k0 + lk) * QP + 8 * b + lr];  // B[k][j] = Omega[v0 + k][j]
+#pragma unroll
+                        for (int a = 0; a < RT; ++a) dmma_m8n8k4(accz[a][b][0], accz[a][b][1], ga[a], xb);
+                    }
+                }
             }
             __syncthreads();
         }
@@ -599,6 +651,7 @@ gdnviz_truncate(const scalar_t* __restrict__ S, scalar_t* __restrict__ OUT, cons
                 const int i = 8 * srow[q] + lr, j = 8 * scol[q] + 2 * lk + h;
                 if (i >= j) { Gs[i * GST + j] = acc[q][h]; Gs[j * GST + i] = acc[q][h]; }
             }
+        if (sketch_fused) store_tiles(accz, As);
         tr = gram_trace(Gs, misc + M_RED);
     }
 #else
@@ -654,6 +707,8 @@ gdnviz_truncate(const scalar_t* __restrict__ S, scalar_t* __restrict__ OUT, cons
                 Bs[(e >> LQB) * QP + (e & (QB - 1))] = OMEGA[(e >> LQB) * UL + (e & (QB - 1))];
             __syncthreads();
             gemm_gx(Gs, Bs, As);
+        } else if (p == 0 && sketch_fused) {
+            // Z = S Omega_0 is in As already (the Gram matrix's loop)
         } else {
 #ifdef GDNVIZ_DMMA
             // on the tensor cores: per chunk of QB columns of S (Bs) and rows of Omega_p (Cs), warp w accumulates
@@ -685,6 +740,11 @@ gdnviz_truncate(const scalar_t* __restrict__ S, scalar_t* __restrict__ OUT, cons
                 __syncthreads();
             }
             store_tiles(acc, As);
+            // warp w stored rows 16w ... of As, and the first pass's scaling below runs over As by other rows: without
+            // this barrier it read rows not yet stored (found in the eighteenth session: the emulated tensor-core
+            // build's Z differed from S Omega in 70 of 128 rows — a start block with some rows unscaled, which the
+            // filter steps still converged from, so no accuracy test saw it)
+            __syncthreads();
 #else
             const int c = t & (QB - 1), r0 = t >> LQB;
             double acc[K_ / RS];
