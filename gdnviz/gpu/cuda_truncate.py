@@ -35,7 +35,10 @@ their bounds, and every attempt with no filter step whose answer misses the crit
 * Cholesky-QR: ``QᵀQ`` (on the tensor cores too; the FMA build sums it in four interleaved parts at 16 columns),
   then warp 0 factorises it — lane i holds row i in registers, each column's entries pass through shared memory
   with one ``__syncwarp`` — and threads < K forward-substitute row t of ``Q`` (right-looking): three block barriers
-  per call instead of one per column;
+  per call instead of one per column; one copy of its code (``__noinline__``, eighteenth session: the six inlined
+  copies made the kernel 478 KB of instructions, and its 18 calls per state at r = 32 missed the instruction cache);
+* the first pass's sketch ``S Ω₀`` is accumulated in the Gram matrix's loop (tensor-core build, eighteenth session;
+  ``GDNVIZ_CUDA_TRUNCATE_FUSED_SKETCH=0`` keeps the separate pass, the same bits);
 * more states than multiprocessors at ranks > 16 (two passes): the phased launch (``phased_on``, eighteenth session)
   runs each state as three thread blocks (the first pass; the second's filter steps; the rest), handed over through
   global memory, so that the
@@ -136,7 +139,8 @@ SPLIT_DEFAULT_ON = True
 # item 1 runs both) — handed over through a float64 [N, K·K + K·32 + 16] buffer and a per-state counter (the source's
 # PHASED comment). The same bits. Why: one block per state is one block per SM (214.5 KiB of shared memory), so 288
 # states ran in three waves on the H200's 132 SMs, the third with 24 states and 108 SMs idle; smaller items fill
-# them. Measured (H200, eighteenth session, r = 32, 288 states): two items 1.593 → 1.414 ms.
+# them. Measured (H200, eighteenth session, r = 32, 288 states, same runs): two items 1.593 → 1.414 ms; three
+# 1.579 → 1.374 ms (two 1.397); bench/study_phase_schedule.py: the GPU ~92% busy with three.
 PHASED_DEFAULT_ON = True
 PHASED_ITEMS = 3  # items per state by default (GDNVIZ_CUDA_TRUNCATE_PHASED=2 or 3 picks)
 PCOLS = 16  # columns of S per gdnviz_project thread block (the kernel's PCOLS)
