@@ -43,7 +43,18 @@ VARIANTS = {"torch": "0", "cuda_cholqr": "smem", "cuda_cholqr_shfl": "shfl", "cu
             "cuda_truncate_full": "shfl", "triton_fused": "shfl",  # cuda_truncate_full: without the certified attempts
             "cuda_truncate_entry_jacobi": "shfl", "cuda_truncate_prev": "shfl", "cuda_truncate_unphased": "shfl",
             "cuda_truncate_phased2": "shfl", "cuda_truncate_separate_sketch": "shfl"}
-SPLIT_ENV = {"cuda_truncate_fused": "0", "cuda_truncate_split": "1"}
+# the kernel switches a variant sets (the others stay at the library's defaults)
+VARIANT_ENV = {
+    "cuda_truncate_fused": {"GDNVIZ_CUDA_TRUNCATE_SPLIT": "0"},
+    "cuda_truncate_split": {"GDNVIZ_CUDA_TRUNCATE_SPLIT": "1"},
+    "cuda_truncate_entry_jacobi": {"GDNVIZ_CUDA_TRUNCATE_PAIR_JACOBI": "0"},
+    "cuda_truncate_unphased": {"GDNVIZ_CUDA_TRUNCATE_PHASED": "0"},
+    "cuda_truncate_prev": {"GDNVIZ_CUDA_TRUNCATE_PHASED": "0"},
+    "cuda_truncate_phased2": {"GDNVIZ_CUDA_TRUNCATE_PHASED": "2"},
+    "cuda_truncate_separate_sketch": {"GDNVIZ_CUDA_TRUNCATE_FUSED_SKETCH": "0"},
+}
+SWITCHES = ("GDNVIZ_CUDA_TRUNCATE_SPLIT", "GDNVIZ_CUDA_TRUNCATE_PAIR_JACOBI", "GDNVIZ_CUDA_TRUNCATE_PHASED",
+            "GDNVIZ_CUDA_TRUNCATE_FUSED_SKETCH")
 # "cuda_truncate_entry_jacobi": the kernel with the per-entry Jacobi rounds of 32-column blocks
 # (GDNVIZ_CUDA_TRUNCATE_PAIR_JACOBI=0; the pair-block rounds, the default since the sixteenth session, measured 6-10%
 # faster at r = 4 / 12 / 32); its outputs must equal "cuda_truncate"'s bit for bit (same_as_default)
@@ -92,22 +103,11 @@ def main() -> None:
                 os.environ["GDNVIZ_CUDA_CHOLQR"] = VARIANTS[name]
                 os.environ["GDNVIZ_CUDA_TRUNCATE"] = "0" if name == "triton_fused" else "1"
                 os.environ["GDNVIZ_CUDA_TRUNCATE_ATTEMPT"] = "0" if name == "cuda_truncate_full" else "1"
-                if name in SPLIT_ENV:
-                    os.environ["GDNVIZ_CUDA_TRUNCATE_SPLIT"] = SPLIT_ENV[name]
-                else:
-                    os.environ.pop("GDNVIZ_CUDA_TRUNCATE_SPLIT", None)
-                if name == "cuda_truncate_entry_jacobi":
-                    os.environ["GDNVIZ_CUDA_TRUNCATE_PAIR_JACOBI"] = "0"
-                else:
-                    os.environ.pop("GDNVIZ_CUDA_TRUNCATE_PAIR_JACOBI", None)
-                if name in ("cuda_truncate_unphased", "cuda_truncate_prev", "cuda_truncate_phased2"):
-                    os.environ["GDNVIZ_CUDA_TRUNCATE_PHASED"] = "2" if name == "cuda_truncate_phased2" else "0"
-                else:
-                    os.environ.pop("GDNVIZ_CUDA_TRUNCATE_PHASED", None)
-                if name == "cuda_truncate_separate_sketch":
-                    os.environ["GDNVIZ_CUDA_TRUNCATE_FUSED_SKETCH"] = "0"
-                else:
-                    os.environ.pop("GDNVIZ_CUDA_TRUNCATE_FUSED_SKETCH", None)
+                for env in SWITCHES:  # this variant's settings; the library defaults for the others
+                    if env in VARIANT_ENV.get(name, {}):
+                        os.environ[env] = VARIANT_ENV[name][env]
+                    else:
+                        os.environ.pop(env, None)
                 ct.FULL_JACOBI_TOL = 1e-10 if name == "cuda_truncate_prev" else FULL_JACOBI_TOL
                 if name == "cuda_truncate_prev":
                     fn = lambda x, r=r: ct.truncate_cuda(x, r, iters=6 if r > 16 else None)  # noqa: E731
@@ -143,9 +143,8 @@ def main() -> None:
                      vs_torch=None if ref_ms is None else round(ref_ms / ms, 2), energy_err=float(f"{err:.3e}"),
                      replay_equals_eager=bool(torch.equal(out, eager)), **extra, **base)
     os.environ["GDNVIZ_CUDA_CHOLQR"] = "0"
-    os.environ.pop("GDNVIZ_CUDA_TRUNCATE_PAIR_JACOBI", None)
-    os.environ.pop("GDNVIZ_CUDA_TRUNCATE_PHASED", None)
-    os.environ.pop("GDNVIZ_CUDA_TRUNCATE_FUSED_SKETCH", None)
+    for env in SWITCHES:
+        os.environ.pop(env, None)
     ct.FULL_JACOBI_TOL = FULL_JACOBI_TOL
     emit(what="cuda_kernels_status", cholqr_available=cuda_cholqr.KERNELS.available,
          cholqr_reason=cuda_cholqr.KERNELS.reason, **base)
