@@ -381,12 +381,14 @@ def test_emulated_phased_launch_equals_one_block_per_state(items, concurrent):
         assert torch.equal(ref, got), r
         assert energy_error(S.double(), got.double(), r).max().item() <= TOL
     H, _ = hard_states(32, seed=7)
-    X = torch.cat([H[:2], S[:2].double(), torch.zeros(1, 128, 128, dtype=F64), S[2:].double()])
-    ranks = [32, 17, 1, 128, 0, 12]
+    Z = torch.zeros(1, 128, 128, dtype=F64)
+    X = torch.cat([H[:2], S[:2].double(), Z, S[2:].double(), Z, H[2:3]])
+    X[7, 3, 5] = float("nan")  # a NaN state and a zero state at r = 32 still hand over (no item waits forever)
+    ranks = [32, 17, 1, 128, 0, 12, 32, 32]
     ref = cuda_truncate.emulate(X, ranks, concurrent=concurrent)
     got = cuda_truncate.emulate(X, ranks, concurrent=concurrent, phased=items)
     assert torch.equal(ref.nan_to_num(7.0), got.nan_to_num(7.0)) and torch.equal(ref.isnan(), got.isnan())
-    assert torch.equal(got[3], X[3]) and torch.isnan(got[4]).all()
+    assert torch.equal(got[3], X[3]) and torch.isnan(got[4]).all() and torch.isnan(got[7]).any()
 
 
 @needs_gxx
