@@ -213,8 +213,8 @@ def source_path() -> str:
 
 def smem_bytes(K: int, qb: int = Q) -> int:
     """Dynamic shared memory per block: G [K, K + 1] (rows padded to an odd stride), two [K, qb + 1] blocks, two
-    [qb, qb + 1] matrices, 384 doubles of scalars."""
-    return 8 * (K * (K + 1) + 2 * K * (qb + 1) + 2 * qb * (qb + 1) + 384)
+    [qb, qb + 2] matrices (the Jacobi's, rows padded to an even stride: the source's JQP), 384 doubles of scalars."""
+    return 8 * (K * (K + 1) + 2 * K * (qb + 1) + 2 * qb * (qb + 2) + 384)
 
 
 def dmma_on() -> bool:

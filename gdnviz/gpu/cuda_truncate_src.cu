@@ -9,6 +9,11 @@
 #define QB @QB@
 #define LQB @LQB@
 #define QP (QB + 1)
+// row stride of the Jacobi's matrices A, A2 (T = Q^T G Q): even, so that a round's rotation loads A[i][p(i)] and
+// A[p(i)][i] — an anti-diagonal, i + p(i) constant — fall in distinct banks (with QP = 33 all 32 lanes of every warp
+// hit one bank: ~26 wavefronts per load instead of 2, half the kernel's excess shared-memory wavefronts; Nsight
+// Compute, eighteenth session); the 2 x 2 block updates stay conflict-free
+#define JQP (QB + 2)
 #define UL 32
 #define HALF 16
 #define NT 256
@@ -34,8 +39,8 @@ typedef @T@ scalar_t;
 #define OFF_A (K_ * GST)
 #define OFF_B (OFF_A + K_ * QP)
 #define OFF_C (OFF_B + K_ * QP)
-#define OFF_L (OFF_C + QB * QP)
-#define OFF_M (OFF_L + QB * QP)
+#define OFF_L (OFF_C + QB * JQP)
+#define OFF_M (OFF_L + QB * JQP)
 #define SMEM_DOUBLES (OFF_M + 384)
 // misc area (OFF_M): block-sum partials, Jacobi round arrays, refill norms, selection
 #define M_RED 0
@@ -323,6 +328,7 @@ __device__ __forceinline__ void gemm_gx(const double* G, const double* X, double
 // memory.)
 #define XT_KS (QB == 16 ? 2 : 1)
 #define XT_R (QB == 16 ? 1 : 2)
+template <int TS = QP>  // T's row stride
 __device__ __forceinline__ void gemm_xty(const double* X, const double* Y, double* T, bool mirror, bool shift) {
     const int lane = threadIdx.x & 31, w = threadIdx.x >> 5, lr = lane >> 2, lk = lane & 3;
     const bool lower = mirror || shift;
@@ -360,13 +366,13 @@ __device__ __forceinline__ void gemm_xty(const double* X, const double* Y, doubl
         for (int q = 0; q < XT_R; ++q)
             if (act[q] && ch[q] == 1)
 #pragma unroll
-                for (int h = 0; h < 2; ++h) T[(8 * ti[q] + lr) * QP + 8 * tj[q] + 2 * lk + h] = acc[q][h];
+                for (int h = 0; h < 2; ++h) T[(8 * ti[q] + lr) * TS + 8 * tj[q] + 2 * lk + h] = acc[q][h];
         __syncthreads();
 #pragma unroll
         for (int q = 0; q < XT_R; ++q)
             if (act[q] && ch[q] == 0)
 #pragma unroll
-                for (int h = 0; h < 2; ++h) acc[q][h] += T[(8 * ti[q] + lr) * QP + 8 * tj[q] + 2 * lk + h];
+                for (int h = 0; h < 2; ++h) acc[q][h] += T[(8 * ti[q] + lr) * TS + 8 * tj[q] + 2 * lk + h];
         __syncwarp();  // every lane has read its partial before any lane writes a mirrored entry
     }
 #pragma unroll
@@ -377,8 +383,8 @@ __device__ __forceinline__ void gemm_xty(const double* X, const double* Y, doubl
                 const int i = 8 * ti[q] + lr, j = 8 * tj[q] + 2 * lk + h;
                 double v = acc[q][h];
                 if (shift && i == j) v = v * (1.0 + SHIFT) + TINY;
-                if (!lower) T[i * QP + j] = v;
-                else if (i >= j) { T[i * QP + j] = v; T[j * QP + i] = v; }
+                if (!lower) T[i * TS + j] = v;
+                else if (i >= j) { T[i * TS + j] = v; T[j * TS + i] = v; }
             }
         }
     }
@@ -387,6 +393,7 @@ __device__ __forceinline__ void gemm_xty(const double* X, const double* Y, doubl
 // Fused multiply-adds, each thread one entry (QB = 16) or four; with one entry the sum over k runs as XS interleaved
 // partial sums, so that the chain of dependent fmas is K / XS long, not K. No barrier inside.
 #define XS (QT == 1 ? 4 : 1)
+template <int TS = QP>  // T's row stride
 __device__ __forceinline__ void gemm_xty(const double* X, const double* Y, double* T, bool mirror, bool shift) {
     const int j = threadIdx.x & (QB - 1), i0 = threadIdx.x >> LQB;
     double acc[QT][XS];
@@ -412,7 +419,7 @@ __device__ __forceinline__ void gemm_xty(const double* X, const double* Y, doubl
         const int i = i0 + RS * a;
         double v = (XS == 4) ? (acc[a][0] + acc[a][1]) + (acc[a][2 % XS] + acc[a][3 % XS]) : acc[a][0];
         if (shift && i == j) v = v * (1.0 + SHIFT) + TINY;
-        T[i * QP + j] = v;
+        T[i * TS + j] = v;
     }
 }
 #endif
@@ -831,14 +838,14 @@ gdnviz_truncate(const scalar_t* __restrict__ S, scalar_t* __restrict__ OUT, cons
         gemm_gx(Gs, As, Bs);
         __syncthreads();
         PROF(3);
-        gemm_xty(As, Bs, Cs, true, false);
+        gemm_xty<JQP>(As, Bs, Cs, true, false);
         __syncthreads();
         if (attempt) {  // R0 = GQ - Q T into Gs (an attempt needs G no more): the residual of the block
             for (int e = t; e < K_ * QB; e += NT) {
                 const int i = e >> LQB, c = e & (QB - 1);
                 double s = 0.0;
 #pragma unroll 8
-                for (int m = 0; m < QB; ++m) s = fma(As[i * QP + m], Cs[m * QP + c], s);
+                for (int m = 0; m < QB; ++m) s = fma(As[i * QP + m], Cs[m * JQP + c], s);
                 Gs[i * QP + c] = Bs[i * QP + c] - s;
             }
             __syncthreads();
@@ -858,11 +865,11 @@ gdnviz_truncate(const scalar_t* __restrict__ S, scalar_t* __restrict__ OUT, cons
         for (int e = t; e < QB * QB; e += NT) {
             const int i = e >> LQB, j = e & (QB - 1);
             W[i * QP + j] = (i == j) ? 1.0 : 0.0;
-            const double a = A[i * QP + j];
+            const double a = A[i * JQP + j];
             fro = fma(a, a, fro);
             if (i != j) off = fma(a, a, off);
         }
-        if (t < QB) dd[t] = A[t * QP + t];
+        if (t < QB) dd[t] = A[t * JQP + t];
         fro = block_sum(fro, misc + M_RED);
         off = block_sum(off, misc + M_RED);
         const double thresh = tol2 * fro;
@@ -885,7 +892,7 @@ gdnviz_truncate(const scalar_t* __restrict__ S, scalar_t* __restrict__ OUT, cons
                 const int li = t & (QB - 1);
                 const int pr = jacobi_partner(li, k);
                 double c, sgn, dnew;
-                const bool rot = jacobi_rotation(A[li * QP + pr], A[pr * QP + li], dreg,
+                const bool rot = jacobi_rotation(A[li * JQP + pr], A[pr * JQP + li], dreg,
                                                  __shfl_sync(0xffffffffu, dreg, pr), li < pr, skip, c, sgn, dnew);
                 rotated = rotated || rot;
                 PROF(12);
@@ -899,7 +906,7 @@ gdnviz_truncate(const scalar_t* __restrict__ S, scalar_t* __restrict__ OUT, cons
                 const double dp = __shfl_sync(0xffffffffu, dnew, p0), dq = __shfl_sync(0xffffffffu, dnew, q0);
                 const bool rp = __shfl_sync(0xffffffffu, rot ? 1 : 0, p0) != 0;
                 if (t < NPAIR * NPAIR) {
-                    const double x = A[p0 * QP + p1], y = A[p0 * QP + q1], z = A[q0 * QP + p1], u = A[q0 * QP + q1];
+                    const double x = A[p0 * JQP + p1], y = A[p0 * JQP + q1], z = A[q0 * JQP + p1], u = A[q0 * JQP + q1];
                     const double xp = rot2(cp1, x, sp1, y), zp = rot2(cp1, z, sp1, u);  // columns p1 of rows p0, q0
                     const double yq = rot2(cq1, y, sq1, x), uq = rot2(cq1, u, sq1, z);  // columns q1
                     double vpp = rot2(cp, xp, sp, zp), vpq = rot2(cp, yq, sp, uq);
@@ -909,10 +916,10 @@ gdnviz_truncate(const scalar_t* __restrict__ S, scalar_t* __restrict__ OUT, cons
                         vqq = dq;
                         if (rp) vpq = vqp = 0.0;
                     }
-                    A2[p0 * QP + p1] = vpp;
-                    A2[p0 * QP + q1] = vpq;
-                    A2[q0 * QP + p1] = vqp;
-                    A2[q0 * QP + q1] = vqq;
+                    A2[p0 * JQP + p1] = vpp;
+                    A2[p0 * JQP + q1] = vpq;
+                    A2[q0 * JQP + p1] = vqp;
+                    A2[q0 * JQP + q1] = vqq;
                     const double wpp = W[p0 * QP + p1], wpq = W[p0 * QP + q1];
                     const double wqp = W[q0 * QP + p1], wqq = W[q0 * QP + q1];
                     W2[p0 * QP + p1] = rot2(cp1, wpp, sp1, wpq);
@@ -924,7 +931,7 @@ gdnviz_truncate(const scalar_t* __restrict__ S, scalar_t* __restrict__ OUT, cons
 #else
                 if (t < QB) {  // the rotation of index t's pair in round k (both members compute the same one)
                     const int pr = jacobi_partner(t, k);
-                    const double a_ip = A[t * QP + pr], a_pi = A[pr * QP + t];
+                    const double a_ip = A[t * JQP + pr], a_pi = A[pr * JQP + t];
                     double c, sgn, dnew;
                     const bool rot = jacobi_rotation(a_ip, a_pi, dd[t], dd[pr], t < pr, skip, c, sgn, dnew);
                     rotated = rotated || rot;
@@ -941,11 +948,11 @@ gdnviz_truncate(const scalar_t* __restrict__ S, scalar_t* __restrict__ OUT, cons
                     const int i = e >> LQB, j = e & (QB - 1);
                     const int pi = (int)pp[i], pj = (int)pp[j];
                     const double ci = cc[i], si = sg[i], cj = cc[j], sj = sg[j];
-                    double v = rot2(ci, rot2(cj, A[i * QP + j], sj, A[i * QP + pj]),
-                                    si, rot2(cj, A[pi * QP + j], sj, A[pi * QP + pj]));
+                    double v = rot2(ci, rot2(cj, A[i * JQP + j], sj, A[i * JQP + pj]),
+                                    si, rot2(cj, A[pi * JQP + j], sj, A[pi * JQP + pj]));
                     if (i == j) v = dn[i];
                     else if (j == pi && rt[i] != 0.0) v = 0.0;
-                    A2[i * QP + j] = v;
+                    A2[i * JQP + j] = v;
                     W2[i * QP + j] = rot2(cj, W[i * QP + j], sj, W[i * QP + pj]);
                 }
                 if (t < QB) dd[t] = dn[t];
@@ -959,7 +966,7 @@ gdnviz_truncate(const scalar_t* __restrict__ S, scalar_t* __restrict__ OUT, cons
             double o = 0.0;
             for (int e = t; e < QB * QB; e += NT) {
                 const int i = e >> LQB, j = e & (QB - 1);
-                if (i != j) o = fma(A[i * QP + j], A[i * QP + j], o);
+                if (i != j) o = fma(A[i * JQP + j], A[i * JQP + j], o);
             }
             off = block_sum(o, misc + M_RED);
             any = block_sum(rotated ? 1.0 : 0.0, misc + M_RED) > 0.0;
@@ -1025,7 +1032,7 @@ gdnviz_truncate(const scalar_t* __restrict__ S, scalar_t* __restrict__ OUT, cons
             double v4[4] = {0.0, 0.0, 0.0, 0.0};  // off-diagonal A^2: r x c (both triangles), r x r, c x c; all A^2
             for (int e = t; e < QB * QB; e += NT) {
                 const int i = e >> LQB, j = e & (QB - 1);
-                const double a2 = A[i * QP + j] * A[i * QP + j];
+                const double a2 = A[i * JQP + j] * A[i * JQP + j];
                 v4[3] += a2;
                 if (i != j) {
                     const bool ki = misc[M_RK + i] < (double)take, kj = misc[M_RK + j] < (double)take;
@@ -1035,7 +1042,7 @@ gdnviz_truncate(const scalar_t* __restrict__ S, scalar_t* __restrict__ OUT, cons
             block_sum4(v4, misc + M_R4);  // its first barrier also publishes M_RN
             double rr = 0.0, rc = 0.0, dmin = NO_BOUND, cmax = 0.0, kept = 0.0, trt = 0.0;
             for (int j = 0; j < QB; ++j) {
-                const double d = A[j * QP + j], rn = misc[M_RN + j];
+                const double d = A[j * JQP + j], rn = misc[M_RN + j];
                 trt += d;
                 if (misc[M_RK + j] < (double)take) { rr += rn; dmin = fmin(dmin, d); kept += d; }
                 else { rc += rn; cmax = fmax(cmax, d); }
