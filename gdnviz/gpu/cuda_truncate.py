@@ -21,9 +21,9 @@ widths (``@QB@``). Emulated tests: every battery meets the criterion, certified 
 their bounds, and every attempt with no filter step whose answer misses the criterion is refused and redone.
 
 * ``G = S Sᵀ / ‖S‖²_F`` stays in shared memory (129 KiB for K = 128: rows padded to 129 doubles), with the
-  32-column block ``Q`` and a work block (``[K, 33]`` each, padded against bank conflicts) and two 32×32 matrices:
-  214.5 KiB of the H200's 227 KiB per block. Only ``U`` (the kept directions, ``[K, 32]``) goes to a global scratch
-  buffer.
+  32-column block ``Q`` and a work block (``[K, 33]`` each, padded against bank conflicts) and two 32×32 matrices
+  (rows padded to 34, an even stride: eighteenth session): 215 KiB of the H200's 227 KiB per block. Only ``U`` (the
+  kept directions, ``[K, 32]``) goes to a global scratch buffer.
 * products ``G·Q``, the Gram matrix ``S Sᵀ``, the sketch ``S Ω`` and the deflation's ``UYᵀ + YUᵀ`` (lower tiles,
   mirrored; both since the seventeenth session) on the float64 tensor cores (``mma.sync`` m8n8k4, 8-row tiles per
   warp; ``GDNVIZ_CUDA_TRUNCATE_DMMA=0``: register-tiled float64 FMAs, 4×4 and 8×8 per thread, the build before the
@@ -137,7 +137,7 @@ SPLIT_DEFAULT_ON = True
 # device-side ranks) and outnumber the multiprocessors runs each state as ``phase_items()`` thread blocks — item 0 up
 # to the first pass's deflation, item 1 the second pass's sketch and filter steps, item 2 the rest (with two items,
 # item 1 runs both) — handed over through a float64 [N, K·K + K·32 + 16] buffer and a per-state counter (the source's
-# PHASED comment). The same bits. Why: one block per state is one block per SM (214.5 KiB of shared memory), so 288
+# PHASED comment). The same bits. Why: one block per state is one block per SM (215 KiB of shared memory), so 288
 # states ran in three waves on the H200's 132 SMs, the third with 24 states and 108 SMs idle; smaller items fill
 # them. Measured (H200, eighteenth session, r = 32, 288 states, same runs): two items 1.593 → 1.414 ms; three
 # 1.579 → 1.374 ms (two 1.397); bench/study_phase_schedule.py: the GPU ~92% busy with three.

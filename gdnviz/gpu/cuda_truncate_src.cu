@@ -73,7 +73,7 @@ typedef @T@ scalar_t;
 // selection, projection). A block takes a ticket (atomicAdd on SYNC[0]): item tk / N of state tk % N. An item leaves
 // what the next needs in GSAVE (the deflated G and zscale after item 0, the Q block after item 1; G does not change in
 // the second pass) and sets SYNC[1 + n] to the items done; the next waits for it and reads them back: the same
-// numbers, so the same bits as one block per state. Why: one block per state (214.5 KiB of shared memory, one per SM)
+// numbers, so the same bits as one block per state. Why: one block per state (215 KiB of shared memory, one per SM)
 // ran 288 states in three waves on 132 SMs, the last with 24 states; smaller items fill the idle SMs (list
 // scheduling: ~2.25 state-times instead of 3 with three items). No deadlock: tickets are taken in order by resident
 // blocks, so the item a block waits for holds a smaller ticket and is running or done; item 0 never waits
