@@ -62,8 +62,9 @@ SWITCHES = ("GDNVIZ_CUDA_TRUNCATE_SPLIT", "GDNVIZ_CUDA_TRUNCATE_PAIR_JACOBI", "G
 # phased launch, the default since the eighteenth session for more states than SMs at ranks > 16, splits each state
 # into three blocks); "cuda_truncate_phased2": two blocks per state (GDNVIZ_CUDA_TRUNCATE_PHASED=2); both must equal
 # "cuda_truncate"'s outputs bit for bit (same_as_default)
-# "cuda_truncate_separate_sketch": the first pass's sketch S Ω₀ as its own pass over S (GDNVIZ_CUDA_TRUNCATE_FUSED_SKETCH=0;
-# fused into the Gram matrix's loop since the eighteenth session); same_as_default too
+# "cuda_truncate_separate_sketch": the first pass's sketch S Ω₀ as its own pass over S
+# (GDNVIZ_CUDA_TRUNCATE_FUSED_SKETCH=0; fused into the Gram matrix's loop since the eighteenth session); same_as_default
+# too
 # "cuda_truncate_prev": the kernel with the sixteenth session's defaults — 6 filter steps in the second pass (r > 16;
 # 4 since the seventeenth) and the full algorithm's Jacobi stop at 1e-10 (1e-8 since) — for the same-run ratio
 # (the thirteenth session's "cuda_truncate_warp_jacobi", the Jacobi in warps, measured 1.8-2x slower and removed:

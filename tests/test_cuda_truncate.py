@@ -289,7 +289,8 @@ def test_emulated_fused_sketch_equals_the_separate_sketch(monkeypatch):
     got = {}
     for on in ("1", "0"):
         monkeypatch.setenv("GDNVIZ_CUDA_TRUNCATE_FUSED_SKETCH", on)
-        assert ("#define GDNVIZ_SEPARATE_SKETCH" in cuda_truncate.source(128, 128, "float", 32, dmma=True)) is (on == "0")
+        src = cuda_truncate.source(128, 128, "float", 32, dmma=True)
+        assert ("#define GDNVIZ_SEPARATE_SKETCH" in src) is (on == "0")
         got[on] = [cuda_truncate.emulate(S, r, attempts=r == 4, dmma=True) for r in (12, 20, 4)]
     for r, a, b in zip((12, 20, 4), got["1"], got["0"]):
         assert torch.equal(a, b), r
@@ -703,7 +704,8 @@ def test_cuda_phased_launch_equals_one_block_per_state(monkeypatch):
         _switch_changes_no_bit(monkeypatch, "GDNVIZ_CUDA_TRUNCATE_PHASED", S, (17, 32, ranks), on)
     _switch_changes_no_bit(monkeypatch, "GDNVIZ_CUDA_TRUNCATE_PHASED", S.double(), (32,))
     monkeypatch.delenv("GDNVIZ_CUDA_TRUNCATE_PHASED")
-    _switch_changes_no_bit(monkeypatch, "GDNVIZ_CUDA_TRUNCATE_FUSED_SKETCH", S, (4, 12, 32, ranks))  # sketch in the Gram
+    # the first pass's sketch in the Gram matrix's loop (the default) or separate: the same bits
+    _switch_changes_no_bit(monkeypatch, "GDNVIZ_CUDA_TRUNCATE_FUSED_SKETCH", S, (4, 12, 32, ranks))
     monkeypatch.delenv("GDNVIZ_CUDA_TRUNCATE_FUSED_SKETCH")
     static_in = S.clone()
     graph, static_out = capture(cuda_truncate.truncate_cuda, static_in, 32)

@@ -512,7 +512,8 @@ def emulate(X: torch.Tensor, ranks, iters: int | None = None, attempts: bool | N
     ``GDNVIZ_PROFILE`` build (not with ``split``), returning ``(output, counters float64 [N, 16])`` — its clock
     readings are 0 here, index 15 counts Jacobi sweeps (summed over passes and launches). ``phased`` (2 or 3): the full
     algorithm's launch as ``PHASED`` with that many thread blocks per state (tickets, the hand-over buffer and
-    counters), whatever the rank and the number of states (not with ``split`` or ``counters``). Slow (~0.1–1 s per state and launch)."""
+    counters), whatever the rank and the number of states (not with ``split`` or ``counters``). Slow (~0.1–1 s per
+    state and launch)."""
     from gdnviz.gpu.cuda_emul import Emulated
     from gdnviz.gpu.fused_truncate import _constants
 

@@ -803,7 +803,7 @@ gdnviz_truncate(const scalar_t* __restrict__ S, scalar_t* __restrict__ OUT, cons
             PROF(2);
         }
         }  // item < 2
-        if (p == 1 && item == 1 && (mode & PHASED3)) {  // PHASED3: item 1 ends; Q to GSAVE (G is unchanged since item 0)
+        if (p == 1 && item == 1 && (mode & PHASED3)) {  // PHASED3: item 1 ends; Q to GSAVE (G unchanged since item 0)
             for (int e = t; e < K_ * QB; e += NT) Gsave[K_ * K_ + e] = As[(e >> LQB) * QP + (e & (QB - 1))];
             __threadfence();
             __syncthreads();
