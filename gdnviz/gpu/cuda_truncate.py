@@ -41,8 +41,8 @@ their bounds, and every attempt with no filter step whose answer misses the crit
   ``GDNVIZ_CUDA_TRUNCATE_FUSED_SKETCH=0`` keeps the separate pass, the same bits);
 * more states than multiprocessors at ranks > 16 (two passes): the phased launch (``phased_on``, eighteenth session)
   runs each state as three thread blocks (the first pass; the second's filter steps; the rest), handed over through
-  global memory, so that the
-  last of the three waves that 288 one-SM states need on 132 SMs does not leave most SMs idle; the same bits;
+  global memory, so that the last of the three waves that 288 one-SM states need on 132 SMs does not leave most SMs
+  idle; the same bits;
 * Rayleigh–Ritz: the cyclic parallel Jacobi of ``gdnviz.gpu.jacobi`` (round-robin pairs, ``a_pq`` the mean of both
   triangles, the skip test, Rutishauser's diagonal, the stop test once per sweep, ``MAX_SWEEPS`` / ``TOL``) with the
   whole block: 32 threads compute a round's 16 rotations, all 256 apply ``Jᵀ A J`` and ``V J`` (two barriers per
@@ -286,9 +286,9 @@ def split_on(n: int) -> bool:
 def phased_on(n: int, rank: int | None, sms: int, split: bool = False, profile: bool = False) -> bool:
     """Whether the full-algorithm launch of a call on ``n`` states runs phased (``PHASED``: ``phase_items()`` thread
     blocks per state, comment above): ``GDNVIZ_CUDA_TRUNCATE_PHASED=0`` never; otherwise (other values or unset,
-    ``PHASED_DEFAULT_ON``)
-    when some state may take a second pass (``rank`` None, i.e. device-side ranks, or > 16), the states outnumber the
-    ``sms`` multiprocessors (one wave gains nothing), and neither the split launches nor the profile build run."""
+    ``PHASED_DEFAULT_ON``) when some state may take a second pass (``rank`` None, i.e. device-side ranks, or > 16),
+    the states outnumber the ``sms`` multiprocessors (one wave gains nothing), and neither the split launches nor the
+    profile build run."""
     if split or profile or not env_switch("GDNVIZ_CUDA_TRUNCATE_PHASED", PHASED_DEFAULT_ON):
         return False
     return (rank is None or rank > MAX_RANK // 2) and sms > 0 and n > sms
