@@ -255,6 +255,14 @@ __device__ __forceinline__ void lower_tiles(int w, int (&srow)[GSL], int (&scol)
     }
 }
 
+// Warp w's RT x NB accumulator tiles (gemm_gx, the sketch), zeroed.
+__device__ __forceinline__ void zero_tiles(double (&acc)[RT][NB][2]) {
+#pragma unroll
+    for (int a = 0; a < RT; ++a)
+#pragma unroll
+        for (int b = 0; b < NB; ++b) { acc[a][b][0] = 0.0; acc[a][b][1] = 0.0; }
+}
+
 // Warp w's RT x NB accumulator tiles (rows 8 RT w ..., all QB columns) into Y [K][QP].
 __device__ __forceinline__ void store_tiles(const double (&acc)[RT][NB][2], double* Y) {
     const int lane = threadIdx.x & 31, w = threadIdx.x >> 5, lr = lane >> 2, lk = lane & 3;
@@ -272,10 +280,7 @@ __device__ __forceinline__ void store_tiles(const double (&acc)[RT][NB][2], doub
 __device__ __forceinline__ void gemm_gx(const double* G, const double* X, double* Y) {
     const int lane = threadIdx.x & 31, w = threadIdx.x >> 5, lr = lane >> 2, lk = lane & 3;
     double acc[RT][NB][2];
-#pragma unroll
-    for (int a = 0; a < RT; ++a)
-#pragma unroll
-        for (int b = 0; b < NB; ++b) { acc[a][b][0] = 0.0; acc[a][b][1] = 0.0; }
+    zero_tiles(acc);
 #pragma unroll 4
     for (int g = 0; g < K_ / 4; ++g) {
         const int k = frag_row(g, lk);
@@ -510,8 +515,9 @@ gdnviz_truncate(const scalar_t* __restrict__ S, scalar_t* __restrict__ OUT, cons
     const int r = (rank_stride >= 0) ? RANKS[n * rank_stride] : rank;
     if ((mode & READ_DONE) && DONE[n] != 0) return;  // an earlier launch wrote this state
     const bool attempt = (mode & ATTEMPT) != 0;
-    if (item > 0 && (r <= HALF || r >= M_ || r > 2 * HALF || attempt)) return;  // item 0 wrote it whole
-    const bool traced = phased && r > HALF && r <= 2 * HALF && r < M_;
+    const bool two_pass = r > HALF && r <= 2 * HALF && r < M_;  // a valid rank that needs the second pass
+    if (item > 0 && (!two_pass || attempt)) return;  // item 0 wrote it whole
+    const bool traced = phased && two_pass;
     if (traced) {
         TRACE(0);
         if (item == 0) TRACE(1);  // item 0 waits for nothing
@@ -582,10 +588,7 @@ gdnviz_truncate(const scalar_t* __restrict__ S, scalar_t* __restrict__ OUT, cons
         double acc[GSL][2];
         lower_tiles(w, srow, scol, acc);
         double accz[RT][NB][2];
-#pragma unroll
-        for (int a = 0; a < RT; ++a)
-#pragma unroll
-            for (int b = 0; b < NB; ++b) { accz[a][b][0] = 0.0; accz[a][b][1] = 0.0; }
+        zero_tiles(accz);
         scalar_t nx[K_ * 16 / NT];
         double nz[16 * QB / NT];  // Omega_0's next 16 rows (fused sketch only)
 #pragma unroll
@@ -722,10 +725,7 @@ gdnviz_truncate(const scalar_t* __restrict__ S, scalar_t* __restrict__ OUT, cons
             // rows 8 RT w ... x all QB columns as gemm_gx does; the sum over v runs in v order
             const int lane = t & 31, w = t >> 5, lr = lane >> 2, lk = lane & 3;
             double acc[RT][NB][2];
-#pragma unroll
-            for (int a = 0; a < RT; ++a)
-#pragma unroll
-                for (int b = 0; b < NB; ++b) { acc[a][b][0] = 0.0; acc[a][b][1] = 0.0; }
+            zero_tiles(acc);
             for (int v0 = 0; v0 < V_; v0 += QB) {
                 for (int e = t; e < K_ * QB; e += NT) Bs[(e >> LQB) * QP + (e & (QB - 1))] = (double)Sn[(e >> LQB) * V_ + v0 + (e & (QB - 1))];
                 for (int e = t; e < QB * QB; e += NT)
