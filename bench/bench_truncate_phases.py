@@ -4,8 +4,9 @@ the normal build) for the same batch.
 
     python bench/bench_truncate_phases.py --device cuda [--attempts]
 
-One JSON line per (states, rank): median cycles per phase over the states, Jacobi sweeps, total cycles, and the
-normal build's time per launch in µs. ``--attempts``: the certified attempts on (the default of ``truncate_cuda``);
+One JSON line per (states, rank): median cycles per phase over the states, Jacobi sweeps, the mean number of checked
+Cholesky-QRs skipped per state, the Cholesky-QR's cycles by part, total cycles, and the normal build's time per launch
+in µs. ``--attempts``: the certified attempts on (the default of ``truncate_cuda``);
 the medians are then over the states an attempt certified (``certified`` of ``n``), the time is the whole call's.
 """
 from __future__ import annotations
@@ -47,9 +48,11 @@ def main() -> None:
             else:
                 cyc = ct.phase_cycles(X, r)
             med = cyc.median(0).values
-            row = {name: int(med[i]) for i, name in enumerate(ct.PHASES) if name and name != "jacobi_sweeps"}
+            row = {name: int(med[i]) for i, name in enumerate(ct.PHASES) if i < 15}
             emit(what="cuda_truncate_phases", n=n, r=r, attempts=a.attempts, us_per_launch=round(us, 1),
-                 total_cycles=int(cyc[:, :15].sum(1).median()), jacobi_sweeps=int(med[15]), cycles=row,
+                 total_cycles=int(cyc[:, :15].sum(1).median()), jacobi_sweeps=int(med[15]),
+                 cholqr_skipped_mean=round(cyc[:, 16].mean().item(), 2), cycles=row,
+                 cholqr_parts={name: int(med[i]) for i, name in enumerate(ct.PHASES) if i >= 17},
                  device=device_name(dev), **extra)
 
 

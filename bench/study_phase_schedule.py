@@ -78,7 +78,7 @@ def main() -> None:
     cyc = ct.phase_cycles(S, a.rank)
     total = cyc[:, :15].sum(1)
     spread = {name: [int(cyc[:, i].min()), int(cyc[:, i].median()), int(cyc[:, i].max())]
-              for i, name in enumerate(ct.PHASES) if name != "jacobi_sweeps"}
+              for i, name in enumerate(ct.PHASES) if i < 15}
     sweeps = cyc[:, 15].long()
     emit(what="phase_cycles_spread", note="[min, median, max] over the states, thread 0's cycles",
          total=[int(total.min()), int(total.median()), int(total.max())], phases=spread,

@@ -427,14 +427,15 @@ def test_phased_switch(monkeypatch):
 
 def test_split_switch(monkeypatch):
     """Split launches for calls of at most SPLIT_MAX_STATES states (a layer's heads at one boundary), the fused
-    kernel above; GDNVIZ_CUDA_TRUNCATE_SPLIT=0 / 1 forces either. One G tile of 8 × 8 per warp: 17 blocks at K = 128."""
+    kernel above; GDNVIZ_CUDA_TRUNCATE_SPLIT=0 / 1 forces either. One G item per warp (the fused kernel's
+    lower_items): 72 of 16 × 8 in 9 blocks at K = 128, 36 tiles of 8 × 8 in 5 blocks at K = 64."""
     monkeypatch.delenv("GDNVIZ_CUDA_TRUNCATE_SPLIT", raising=False)
     assert cuda_truncate.split_on(16) and not cuda_truncate.split_on(288)
     monkeypatch.setenv("GDNVIZ_CUDA_TRUNCATE_SPLIT", "0")
     assert not cuda_truncate.split_on(16)
     monkeypatch.setenv("GDNVIZ_CUDA_TRUNCATE_SPLIT", "1")
     assert cuda_truncate.split_on(288)
-    assert cuda_truncate.gram_blocks(128) == 17 and cuda_truncate.gram_blocks(64) == 5
+    assert cuda_truncate.gram_blocks(128) == 9 and cuda_truncate.gram_blocks(64) == 5
 
 
 @needs_gxx
@@ -454,6 +455,26 @@ def test_emulated_full_algorithm_jacobi_stop(monkeypatch):
     assert energy_error(S, out, 32).max().item() <= 1e-10  # 5.9e-12: the second pass runs 4 steps, not 6
     assert (retained_energy(S, out) - retained_energy(S, tight)).abs().max().item() <= 1e-13
     assert _projection_defect(S, out) <= 1e-10
+
+
+@needs_gxx
+def test_emulated_checked_cholqr_skips_where_the_reference_does():
+    """The kernel's checked Cholesky-QRs (the refill's pair in each pass, the final U's pair; the profile build counts
+    the ones that found their block orthonormal already): on GDN-like states at r = 32 most of them skip (the final
+    U's second one always), and the outputs still equal reference_fused's, whose ``checked_cholqr`` applies the same
+    rule; a rank-deficient state's refilled block is not orthonormal, so its refill pair runs."""
+    from bench.bench_truncate import gdn_like_states
+
+    S = gdn_like_states(2, 128, 128, seed=11).double()
+    H, names = hard_states(32, seed=32)
+    X = torch.cat([S, H[names.index("rankdef"):][:1]])
+    out, count = cuda_truncate.emulate(X, 32, attempts=False, counters=True)
+    skipped = count[:, 16]
+    assert (skipped[:2] >= 3).all() and (skipped <= 6).all(), skipped.tolist()
+    assert skipped[2] < skipped[:2].min(), skipped.tolist()
+    ref = reference_fused(X, torch.full((3,), 32))
+    assert (retained_energy(X, out) - retained_energy(X, ref)).abs().max().item() <= 1e-12
+    assert energy_error(X, out, 32).max().item() <= TOL
 
 
 @needs_gxx
@@ -567,8 +588,8 @@ def test_profile_build_compiles_for_the_h200(qb):
     compiles for sm_90 within the register limit, so a device call spent on profiling is not lost to a compile error."""
     regs, _ = _ptxas("#define GDNVIZ_PROFILE\n" + cuda_truncate.source(128, 128, "float", qb))
     assert regs <= 255, regs
-    assert len(cuda_truncate.PHASES) == 16 and cuda_truncate.PHASES[12:15] == (
-        "jacobi_rotations", "jacobi_barriers", "jacobi_apply")
+    assert len(cuda_truncate.PHASES) == 20 and cuda_truncate.PHASES[12:17] == (
+        "jacobi_rotations", "jacobi_barriers", "jacobi_apply", "jacobi_sweeps", "cholqr_skipped")
 
 
 # ------------------------------------------------------------------------------------------------------ CUDA

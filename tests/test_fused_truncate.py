@@ -191,6 +191,51 @@ def test_reference_meets_the_tolerance_on_every_battery_state(r):
     assert (err - ref_err).abs().max() <= 1e-7
 
 
+def test_checked_cholqr_leaves_only_orthonormal_blocks_as_they_are():
+    """The pairs' checked Cholesky-QR (``checked_cholqr``; the CUDA kernel's ``cholqr(..., check)``, the Triton
+    kernel's ``_checked_cholqr``): a block whose shifted Gram matrix is within ORTH_TOL of the identity comes back
+    bit for bit, any other is factorised (``gdnviz.truncate._cholqr``) bit for bit; only the leading ``check``
+    columns are tested, per state; ``check = 0`` always factorises. Teeth: the factorisation moves an orthonormal
+    block (so a skip is visible), by less than ORTH_TOL."""
+    from gdnviz import truncate as tr
+    from gdnviz.gpu import fused_truncate as ft
+
+    g = torch.Generator().manual_seed(3)
+    Z = torch.randn(3, 128, 32, generator=g, dtype=F64)
+    Q = tr._cholqr(tr._cholqr(Z))  # orthonormal to ~1e-13 (the shift)
+    assert not torch.equal(tr._cholqr(Q), Q) and (tr._cholqr(Q) - Q).abs().max().item() < ft.ORTH_TOL
+    assert torch.equal(ft.checked_cholqr(Q, 32), Q)
+    assert torch.equal(ft.checked_cholqr(Q, 0), tr._cholqr(Q))
+    assert torch.equal(ft.checked_cholqr(Z, 32), tr._cholqr(Z))
+    X = torch.cat([Q[:1], Z[:1], Q[2:]])  # per state: kept, factorised, kept
+    got = ft.checked_cholqr(X, 32)
+    assert torch.equal(got[0], Q[0]) and torch.equal(got[1], tr._cholqr(Z[:1])[0]) and torch.equal(got[2], Q[2])
+    # only the leading columns count: U of a rank-20 state (columns 20 … 31 zero) is orthonormal where it matters
+    U = Q.clone()
+    U[..., 20:] = 0.0
+    assert torch.equal(ft.checked_cholqr(U, 20), U)
+    assert torch.equal(ft.checked_cholqr(U, torch.tensor([20, 32, 20])), torch.stack([U[0], tr._cholqr(U)[1], U[2]]))
+    # just outside the tolerance: factorised
+    W = Q.clone()
+    W[:, :, 0] *= 1.0 + 2 * ft.ORTH_TOL
+    assert torch.equal(ft.checked_cholqr(W, 32), tr._cholqr(W))
+    Wn = Q.clone()
+    Wn[0, 5, 3] = float("nan")
+    assert torch.isnan(ft.checked_cholqr(Wn, 32)[0]).all()  # a NaN is never orthonormal: factorised (all NaN)
+
+
+def test_checked_cholqr_tolerance_is_the_kernels():
+    """The CUDA source's ORTH_TOL is the one reference_fused and the Triton kernel use."""
+    import re
+
+    from gdnviz.gpu import cuda_truncate
+    from gdnviz.gpu import fused_truncate as ft
+
+    src = cuda_truncate.source(128, 128)
+    assert float(re.search(r"#define ORTH_TOL (\S+)", src).group(1)) == ft.ORTH_TOL
+    assert ft._launch_constexprs(128, 128, False)["ORTH"] == ft.ORTH_TOL
+
+
 def test_reference_unconverged_fails():
     """With 0 filter steps the same algorithm misses the tolerance: the iteration counts are load-bearing."""
     from gdnviz.gpu.fused_truncate import reference_fused

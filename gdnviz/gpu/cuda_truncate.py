@@ -25,18 +25,25 @@ their bounds, and every attempt with no filter step whose answer misses the crit
   (rows padded to 34, an even stride: eighteenth session): 215 KiB of the H200's 227 KiB per block. Only ``U`` (the
   kept directions, ``[K, 32]``) goes to a global scratch buffer.
 * products ``G·Q``, the Gram matrix ``S Sᵀ``, the sketch ``S Ω`` and the deflation's ``UYᵀ + YUᵀ`` (lower tiles,
-  mirrored; both since the seventeenth session) on the float64 tensor cores (``mma.sync`` m8n8k4, 8-row tiles per
-  warp; ``GDNVIZ_CUDA_TRUNCATE_DMMA=0``: register-tiled float64 FMAs, 4×4 and 8×8 per thread, the build before the
-  ninth session); ``U (Uᵀ S)`` as FMAs over the r kept columns only. G's rows are padded to an odd stride and the
-  ``G·Q`` fragments read rows of k four apart, so that their shared-memory loads are free of bank conflicts (they
-  were 4-way conflicted: ``G·Q`` took 45% fewer cycles without, tenth session); the Gram matrix computes the lower
-  triangle's 17 tiles per warp, not 32; an attempt starts from ``G Ω`` (G in shared memory already) instead of
-  reading S again for ``S Ω``;
+  mirrored; both since the seventeenth session) on the float64 tensor cores (``mma.sync``, 8-row tiles per warp;
+  ``GDNVIZ_CUDA_TRUNCATE_DMMA=0``: register-tiled float64 FMAs, 4×4 and 8×8 per thread, the build before the
+  ninth session); ``U (Uᵀ S)`` as FMAs over the r kept columns only. For K = 128 each warp's two 8-row tiles go
+  through one ``m16n8k4`` (sm_90) instead of two ``m8n8k4`` (nineteenth session): on the H200 m8n8k4 reaches 23.6
+  TFLOP/s and m16n8k4 52.5 (``bench/bench_mma_shapes.py``, 8 warps per SM), so the products ran on half the float64
+  tensor cores; ``G·Q`` 199.4K → 117.4K cycles per state at r = 32, the Gram matrix 60.8K → 41.1K. G's rows are
+  padded to an odd stride and the ``G·Q`` fragments read rows of k four apart, so that their shared-memory loads are
+  free of bank conflicts (they were 4-way conflicted: ``G·Q`` took 45% fewer cycles without, tenth session); the
+  Gram matrix and the deflation compute only the lower triangle (9 items of 16 × 8 per warp at K = 128); an attempt
+  starts from ``G Ω`` (G in shared memory already) instead of reading S again for ``S Ω``;
 * Cholesky-QR: ``QᵀQ`` (on the tensor cores too; the FMA build sums it in four interleaved parts at 16 columns),
   then warp 0 factorises it — lane i holds row i in registers, each column's entries pass through shared memory
-  with one ``__syncwarp`` — and threads < K forward-substitute row t of ``Q`` (right-looking): three block barriers
-  per call instead of one per column; one copy of its code (``__noinline__``, eighteenth session: the six inlined
-  copies made the kernel 478 KB of instructions, and its 18 calls per state at r = 32 missed the instruction cache);
+  with one ``__syncwarp``, the pivot by a shuffle, one multiply-add per entry and column — and threads < K
+  forward-substitute row t of ``Q`` (right-looking) from ``L`` stored transposed (16-byte loads): three block
+  barriers per call instead of one per column; one copy of its code (``__noinline__``, eighteenth session: the six
+  inlined copies made the kernel 478 KB of instructions, and its 18 calls per state at r = 32 missed the
+  instruction cache). The pairs after the refill and of the final ``U`` are *checked* (nineteenth session,
+  ``fused_truncate.checked_cholqr``): a block whose shifted Gram matrix is within ``ORTH_TOL`` (1e-12) of the
+  identity is left as it is; on GDN-like states at r = 32 most of the six checked calls skip;
 * the first pass's sketch ``S Ω₀`` is accumulated in the Gram matrix's loop (tensor-core build, eighteenth session;
   ``GDNVIZ_CUDA_TRUNCATE_FUSED_SKETCH=0`` keeps the separate pass, the same bits);
 * more states than multiprocessors at ranks > 16 (two passes): the phased launch (``phased_on``, eighteenth session)
@@ -311,9 +318,10 @@ def phase_mode(items: int) -> int:
 
 
 def gram_blocks(K: int) -> int:
-    """Thread blocks of ``gdnviz_gram`` per state: one 8 × 8 tile of G's lower triangle per warp."""
-    tiles = (K // 8) * (K // 8 + 1) // 2
-    return -(-tiles // (NT // 32))
+    """Thread blocks of ``gdnviz_gram`` per state: one item of G's lower triangle per warp (the source's GITEMS: for
+    K = 128, 72 items of 16 rows × 8 columns; for K = 64, the 36 lower 8 × 8 tiles)."""
+    items = 72 if K == 128 else (K // 8) * (K // 8 + 1) // 2
+    return -(-items // (NT // 32))
 
 
 def enabled() -> bool:
@@ -376,22 +384,28 @@ def project_smem_bytes(K: int) -> int:
     return 8 * (K * MAX_RANK + K * PCOLS + MAX_RANK * PCOLS)
 
 
-# GDNVIZ_PROFILE build: clock64() cycles of thread 0 per phase (summed over passes and calls), index 15 = Jacobi sweeps.
+# GDNVIZ_PROFILE build: clock64() cycles of thread 0 per phase (summed over passes and calls), index 15 = Jacobi sweeps,
+# index 16 = the checked Cholesky-QRs that found their block orthonormal already, 17 ... 19 = the Cholesky-QRs' cycles
+# by part (Q^T Q and its check; warp 0's factorisation; the substitution), already counted in "cholqr" (nineteenth
+# session).
 # The Jacobi's time is jacobi + jacobi_rotations (thread 0 computing its pair's rotation) + jacobi_barriers (waiting
 # at the round's barriers: two, one in the pair-block rounds) + jacobi_apply (its share of J^T A J and W J); jacobi alone keeps the per-sweep stop
 # test (fifteenth session: where a round's ~2,300 cycles at r = 32 go was not known)
 PHASES = ("gram_G", "sketch_Z", "cholqr", "gemm_GQ", "refill", "ritz_T", "jacobi", "select_U", "deflate_G", "load_U",
-          "project", "certify", "jacobi_rotations", "jacobi_barriers", "jacobi_apply", "jacobi_sweeps")
+          "project", "certify", "jacobi_rotations", "jacobi_barriers", "jacobi_apply", "jacobi_sweeps",
+          "cholqr_skipped",  # index 16: checked Cholesky-QRs that left their block as it was (a count)
+          "cholqr_gram_check", "cholqr_factor", "cholqr_subst")  # 17 ... 19: cholqr's cycles by part (in "cholqr")
 
 
 def phase_cycles(X: torch.Tensor, ranks, attempts: bool = False):
-    """Per state, the cycles thread 0 spent in each phase of ``PHASES`` (float64 ``[N, 16]``, CPU), from the kernels
+    """Per state, the cycles thread 0 spent in each phase of ``PHASES`` (float64 ``[N, 20]``, CPU; entries 15 and 16
+    are counts, 17 … 19 split "cholqr"), from the kernels
     built with ``GDNVIZ_PROFILE`` (``bench/bench_truncate_phases.py``); the outputs are those of ``truncate_cuda``.
     ``attempts=False``: the full algorithm only. ``attempts=True``: the launches ``truncate_cuda`` makes for this
     (host-side) rank; returns (cycles, done) — a state with done = 1 holds its attempt's counters, the others the
     full algorithm's (an uncertified attempt returns before writing its counters)."""
     res = _launch(X, int(ranks), None, profile=True, attempts=attempts)
-    cyc = res.scratch[:, 0, :16].cpu()
+    cyc = res.scratch[:, 0, :len(PHASES)].cpu()
     return (cyc, res.done.cpu()) if attempts else cyc
 
 
@@ -509,9 +523,9 @@ def emulate(X: torch.Tensor, ranks, iters: int | None = None, attempts: bool | N
     tensor-core build (``GDNVIZ_DMMA``, the GPU's default), its instructions emulated by warp collectives — several
     times slower, so the other tests run the fused multiply-add build. ``split``: the split launches (``split_on``:
     ``gdnviz_gram``, the algorithm with modes GRAM_IN | NO_PROJ, ``gdnviz_project``). ``counters``: the
-    ``GDNVIZ_PROFILE`` build (not with ``split``), returning ``(output, counters float64 [N, 16])`` — its clock
-    readings are 0 here, index 15 counts Jacobi sweeps (summed over passes and launches). ``phased`` (2 or 3): the full
-    algorithm's launch as ``PHASED`` with that many thread blocks per state (tickets, the hand-over buffer and
+    ``GDNVIZ_PROFILE`` build (not with ``split``), returning ``(output, counters float64 [N, 20])`` — its clock
+    readings are 0 here, index 15 counts Jacobi sweeps, 16 skipped Cholesky-QRs (summed over passes and launches).
+    ``phased`` (2 or 3): the full algorithm's launch as ``PHASED`` with that many thread blocks per state (tickets, the hand-over buffer and
     counters), whatever the rank and the number of states (not with ``split`` or ``counters``). Slow (~0.1–1 s per
     state and launch)."""
     from gdnviz.gpu.cuda_emul import Emulated
@@ -543,7 +557,7 @@ def emulate(X: torch.Tensor, ranks, iters: int | None = None, attempts: bool | N
     if phased and (split or counters):
         raise ValueError("phased launches run without split launches and without the profile build")
     prof = "#define GDNVIZ_PROFILE\n" if counters else ""
-    count = np.zeros((N, 16))
+    count = np.zeros((N, len(PHASES)))
     for qb, mode in steps:
         if counters:
             scratch[:] = 0.0
@@ -559,7 +573,7 @@ def emulate(X: torch.Tensor, ranks, iters: int | None = None, attempts: bool | N
                     skip, mode | (GRAM_IN | NO_PROJ if split else 0) | (phase_mode(items) if items > 1 else 0), done,
                     bound, CERT_TOL, G, gsave, sync], smem_bytes(K, qb), concurrent=concurrent)
         if counters:
-            count += scratch[:, 0, :16]
+            count += scratch[:, 0, :len(PHASES)]
     if split:
         emu = Emulated(source(K, V, ctype, Q, dmma), "gdnviz_project", [s.format(T=ctype) for s in PROJECT_SIGNATURE])
         emu.launch(N * (V // PCOLS), NT, [x, out, rk, rank_int, stride, scratch], project_smem_bytes(K),

@@ -33,6 +33,7 @@ typedef @T@ scalar_t;
 // Both bounds are for an orthonormal basis; the shifted Cholesky-QR leaves the basis columns with norm^2 ~1 - SHIFT,
 // so S_r = U (U^T S) keeps ~(1 - 2 SHIFT) of their energy: 2e-13, measured on a state whose bound is 4e-19
 #define SCALE_SLACK (3.0 * SHIFT)
+#define ORTH_TOL 1e-12  // cholqr's check: a block this close to orthonormal is left as it is
 
 // shared memory map, in doubles
 #define GST (K_ + 1)  // row stride of G: odd, so that gemm_gx's fragment loads hit 16 distinct banks
@@ -99,12 +100,15 @@ __device__ __forceinline__ double trace_sm() {
 #define TRACE_END() do { } while (0)
 #endif
 #define M_TK 352  // misc slot: the block's ticket
+#define M_CQ 356  // GDNVIZ_PROFILE: cholqr's cycles in its three parts (thread 0)
 
 // GDNVIZ_PROFILE (bench/bench_truncate_phases.py): thread 0 adds clock64() deltas per phase; written to U's scratch
 #ifdef GDNVIZ_PROFILE
 #define PROF(i) do { if (t == 0) { const long long nw_ = clock64(); pacc[i] += nw_ - pt_; pt_ = nw_; } } while (0)
+#define SKIPS(call) do { const int s_ = (call); if (t == 0) pacc[16] += s_; } while (0)  // index 16: checked Cholesky-QRs skipped
 #else
 #define PROF(i) do { } while (0)
+#define SKIPS(call) (void)(call)
 #endif
 
 // GDNVIZ_DMMA (the default on GPUs): the Gram matrix, the products G X, the sketch S Omega and the deflation's
@@ -112,13 +116,35 @@ __device__ __forceinline__ double trace_sm() {
 // mma.sync.aligned.m8n8k4.row.col.f64 — D (8x8) += A (8x4) B (4x8), each lane holding A[lane/4][lane%4],
 // B[lane%4][lane/4] and D[lane/4][2(lane%4) + {0, 1}]. gdnviz.gpu.cuda_emul defines dmma_m8n8k4 from warp shuffles.
 #define RT (K_ / 64)  // 8-row tiles of G per warp (8 warps cover K_ rows)
-#define GSL (K_ == 128 ? 17 : K_ / 8)  // Gram tiles per warp
+#define GSL (K_ == 128 ? 9 : K_ / 8)  // lower-triangle items per warp (lower_items)
 #define SG 20         // stride of the Gram's 16-column staging rows: a fragment's 8 rows x 4 columns, 2 wavefronts
 #if defined(GDNVIZ_DMMA) && !defined(GDNVIZ_EMULATED)
 __device__ __forceinline__ void dmma_m8n8k4(double& d0, double& d1, double a, double b) {
     asm volatile("mma.sync.aligned.m8n8k4.row.col.f64.f64.f64.f64 {%0,%1}, {%2}, {%3}, {%0,%1};\n"
                  : "+d"(d0), "+d"(d1) : "d"(a), "d"(b));
 }
+#endif
+// D (RT 8-row tiles, [RT][2] per lane) += A (RT x (8 x 4)) B (4 x 8): warp w's row tiles of one column tile. For K = 128
+// (RT = 2: rows lr and lr + 8) one mma.sync.aligned.m16n8k4 (sm_90), whose fragments are those of two m8n8k4 stacked
+// (PTX ISA, f64 m16n8k4: a0 / a1 rows groupID / groupID + 8, c0, c1 / c2, c3 likewise). Measured on the H200
+// (nineteenth session, bench/bench_mma_shapes.py: 8 warps per SM, 8 independent accumulators each) m8n8k4 ran at 23.6
+// TFLOP/s, m16n8k4 at 52.5: the m8n8k4 form left half of the float64 tensor cores idle, and G·Q, the sketches and
+// the Gram matrix were bound by it (Nsight Compute: stall "math" on the mma.sync lines)
+#ifdef GDNVIZ_DMMA
+#if !defined(GDNVIZ_EMULATED)
+__device__ __forceinline__ void dmma_rt(double (&d)[RT][2], const double (&a)[RT], double b) {
+#if RT == 2
+    asm volatile("mma.sync.aligned.m16n8k4.row.col.f64.f64.f64.f64 {%0,%1,%2,%3}, {%4,%5}, {%6}, {%0,%1,%2,%3};\n"
+                 : "+d"(d[0][0]), "+d"(d[0][1]), "+d"(d[1][0]), "+d"(d[1][1]) : "d"(a[0]), "d"(a[1]), "d"(b));
+#else
+    for (int i = 0; i < RT; ++i) dmma_m8n8k4(d[i][0], d[i][1], a[i], b);
+#endif
+}
+#else
+__device__ __forceinline__ void dmma_rt(double (&d)[RT][2], const double (&a)[RT], double b) {
+    for (int i = 0; i < RT; ++i) dmma_m8n8k4(d[i][0], d[i][1], a[i], b);
+}
+#endif
 #endif
 
 __device__ __forceinline__ double block_sum(double v, double* red) {
@@ -242,44 +268,73 @@ __device__ __forceinline__ double store_tile_trace(const double (&acc)[KR][KR], 
 // in 16 distinct banks (consecutive rows were 4-way conflicted, tenth session)
 __device__ __forceinline__ int frag_row(int g, int lk) { return 16 * (g >> 2) + (g & 3) + 4 * lk; }
 
-// The 8x8 tiles of a K x K lower triangle that warp w computes (row tile srow[q], column tile scol[q]; for K = 128
-// row tiles w and 15 - w, 17 tiles: an even share with no branch between the products; for K = 64 row tile w whole,
-// its upper part discarded), their accumulators zeroed. The Gram matrix and the deflation's update use it.
-__device__ __forceinline__ void lower_tiles(int w, int (&srow)[GSL], int (&scol)[GSL], double (&acc)[GSL][2]) {
+// The items of a K x K lower triangle that warp w computes, for the Gram matrix and the deflation's update on the
+// tensor cores: item q is row block irow[q] (RT 8-row tiles: rows 8 RT irow ...) x column tile icol[q] (8 columns),
+// accumulators zeroed. K = 128: row blocks of 16 rows (one m16n8k4 per step of k), block P with column tiles
+// 0 ... 2P + 1 (its upper 8 x 8 tile unused), 72 items; blocks P and 7 - P (18 items) go to warps 2P and 2P + 1, 9
+// each, so a warp reads the A fragments of at most two blocks (rb0 = P, rb1 = 7 - P). K = 64: row tile w whole
+// (8 items, its upper part unused; rb0 = rb1 = w). Row / column pairs with i < j are left out when stored.
+__device__ __forceinline__ void lower_items(int w, int (&irow)[GSL], int (&icol)[GSL], double (&acc)[GSL][RT][2],
+                                            int& rb0, int& rb1) {
+    const int g = w >> 1, n0 = 2 * g + 2;
+    rb0 = (K_ == 128) ? g : w;
+    rb1 = (K_ == 128) ? 7 - g : w;
 #pragma unroll
     for (int q = 0; q < GSL; ++q) {
-        srow[q] = (K_ == 128 && q > w) ? 15 - w : w;
-        scol[q] = (K_ == 128 && q > w) ? q - w - 1 : q;
-        acc[q][0] = 0.0;
-        acc[q][1] = 0.0;
+        const int j = 9 * (w & 1) + q;
+        irow[q] = (K_ == 128) ? ((j < n0) ? g : 7 - g) : w;
+        icol[q] = (K_ == 128) ? ((j < n0) ? j : j - n0) : q;
+#pragma unroll
+        for (int a = 0; a < RT; ++a) { acc[q][a][0] = 0.0; acc[q][a][1] = 0.0; }
+    }
+}
+
+// One step of k (4 rows, lane (lr, lk): row k of the operands) over warp w's lower items: A rows from X (row stride
+// xs), B rows from Y (row stride ys), both at column k: D[item] += X[rows of its block][k..] Y[rows of its tile][k..]^T.
+__device__ __forceinline__ void lower_step(const double* X, int xs, const double* Y, int ys, int k, int rb0, int rb1,
+                                           const int (&irow)[GSL], const int (&icol)[GSL],
+                                           double (&acc)[GSL][RT][2]) {
+    const int lr = (threadIdx.x & 31) >> 2;
+    double a0[RT], a1[RT];
+#pragma unroll
+    for (int a = 0; a < RT; ++a) {
+        a0[a] = X[(8 * (RT * rb0 + a) + lr) * xs + k];
+        a1[a] = (K_ == 128) ? X[(8 * (RT * rb1 + a) + lr) * xs + k] : a0[a];
+    }
+#pragma unroll
+    for (int q = 0; q < GSL; ++q) {
+        double aa[RT];
+#pragma unroll
+        for (int a = 0; a < RT; ++a) aa[a] = (irow[q] == rb0) ? a0[a] : a1[a];
+        dmma_rt(acc[q], aa, Y[(8 * icol[q] + lr) * ys + k]);
     }
 }
 
 // Warp w's RT x NB accumulator tiles (gemm_gx, the sketch), zeroed.
-__device__ __forceinline__ void zero_tiles(double (&acc)[RT][NB][2]) {
+__device__ __forceinline__ void zero_tiles(double (&acc)[NB][RT][2]) {
 #pragma unroll
     for (int a = 0; a < RT; ++a)
 #pragma unroll
-        for (int b = 0; b < NB; ++b) { acc[a][b][0] = 0.0; acc[a][b][1] = 0.0; }
+        for (int b = 0; b < NB; ++b) { acc[b][a][0] = 0.0; acc[b][a][1] = 0.0; }
 }
 
 // Warp w's RT x NB accumulator tiles (rows 8 RT w ..., all QB columns) into Y [K][QP].
-__device__ __forceinline__ void store_tiles(const double (&acc)[RT][NB][2], double* Y) {
+__device__ __forceinline__ void store_tiles(const double (&acc)[NB][RT][2], double* Y) {
     const int lane = threadIdx.x & 31, w = threadIdx.x >> 5, lr = lane >> 2, lk = lane & 3;
 #pragma unroll
     for (int a = 0; a < RT; ++a)
 #pragma unroll
         for (int b = 0; b < NB; ++b) {
             double* y = Y + (8 * (RT * w + a) + lr) * QP + 8 * b + 2 * lk;
-            y[0] = acc[a][b][0];
-            y[1] = acc[a][b][1];
+            y[0] = acc[b][a][0];
+            y[1] = acc[b][a][1];
         }
 }
 
 // Warp w: rows 8 RT w ... (RT tiles of 8) x all QB columns (NB tiles of 8), 4 rows of k per instruction.
 __device__ __forceinline__ void gemm_gx(const double* G, const double* X, double* Y) {
     const int lane = threadIdx.x & 31, w = threadIdx.x >> 5, lr = lane >> 2, lk = lane & 3;
-    double acc[RT][NB][2];
+    double acc[NB][RT][2];
     zero_tiles(acc);
 #pragma unroll 4
     for (int g = 0; g < K_ / 4; ++g) {
@@ -290,8 +345,7 @@ __device__ __forceinline__ void gemm_gx(const double* G, const double* X, double
 #pragma unroll
         for (int b = 0; b < NB; ++b) {
             const double xb = X[k * QP + 8 * b + lr];  // B[k][j] = X[k][8b + j]
-#pragma unroll
-            for (int a = 0; a < RT; ++a) dmma_m8n8k4(acc[a][b][0], acc[a][b][1], ga[a], xb);
+            dmma_rt(acc[b], ga, xb);
         }
     }
     store_tiles(acc, Y);
@@ -429,53 +483,95 @@ __device__ __forceinline__ void gemm_xty(const double* X, const double* Y, doubl
 }
 #endif
 
-// X [K][QP] <- X L^{-T}, L L^T = X^T X + SHIFT diag + TINY I (shifted Cholesky-QR), C [QB][QP] scratch, B 2 QB
-// doubles of scratch. Warp 0 factorises: lane i holds row i of C in registers, column j's updated entries C'[.][j]
-// go through B (double-buffered: one __syncwarp per column), and C's lower triangle receives L below the diagonal and
-// 1 / L[j][j] on it. Then threads < K own row t of X in registers (right-looking forward substitution). Three
-// barriers in all instead of one per column, and the same fma / rsqrt sequence per entry as the ninth session's
-// block-wide column loop, so the same bits from the same C.
-// Not inlined: one copy of its ~3,000 instructions (fully unrolled factorisation and substitution) serves its 18 calls
-// per state at r = 32, instead of a copy per call site (the kernel's code was 478 KB, far more than an SM's
-// instruction cache; with one copy 199 KB). Measured (H200, eighteenth session, same run): its cycles per state at
-// r = 32 347K -> 243K, 288 states at r = 32 1.362 -> 1.244 ms, at r = 4 0.607 -> 0.546 ms; the same bits.
-__device__ __noinline__ void cholqr(double* X, double* C, double* B) {
+// X [K][QP] <- X L^{-T}, L L^T = C = X^T X + SHIFT diag + TINY I (shifted Cholesky-QR). C: the Cs area ([QB][JQP]),
+// B: 2 QB + 8 doubles of scratch. Warp 0 factorises: lane i holds row i of C in registers; column j's updated entries
+// C'[.][j] go through B (double-buffered: one __syncwarp per column), the pivot C'[j][j] by a warp shuffle, and lane
+// i's entries update as C'[i][k] -= m_i C'[k][j] with m_i = C'[i][j] / L_jj^2 (one multiply-add per entry: the
+// product L[i][j] L[k][j] formed as (C'[i][j] r_j)(C'[k][j] r_j) cost a second multiply per entry, and the warp's
+// float64 issue was half of each column's time). L goes to C transposed — row j of C holds column j of L, 1 / L_jj
+// on the diagonal — so that threads < K forward-substitute row t of X (right-looking) with 16-byte loads of
+// consecutive entries (JQP even: a row starts 16-byte aligned). Three block barriers in all (four when checked).
+// check > 0 (the Cholesky-QR pairs after the refill and of the final U): when max |C_ij - delta_ij| over the leading
+// check x check block is <= ORTH_TOL, X is left as it is and 1 returned (block-uniform; a NaN never passes) — the
+// factorisation would move it by ~ORTH_TOL / 2 (gdnviz.gpu.fused_truncate.ORTH_TOL, checked_cholqr: the same rule).
+// Measured (H200, nineteenth session, 288 states at r = 32, same run): the folded update and the transposed L took
+// 1.164 -> 1.141 ms, the checked pairs -> 1.096 ms (cholqr 243.5K -> 208.7K cycles of thread 0)
+// Not inlined: one copy of its code serves its 18 calls per state at r = 32 instead of a copy per call site (the
+// kernel's code was 478 KB, far more than an SM's instruction cache; with one copy 199 KB; eighteenth session).
+__device__ __forceinline__ double nan_max(double a, double b) { return (a != a || a > b) ? a : b; }
+__device__ __noinline__ int cholqr(double* X, double* C, double* B, int check) {
     const int t = threadIdx.x;
-    gemm_xty(X, X, C, false, true);
+#ifdef GDNVIZ_PROFILE  // thread 0's cycles: C and its check, the factorisation, the substitution (PHASES 17 ... 19)
+    extern __shared__ double smem[];
+    double* cq = smem + OFF_M + M_CQ;
+    long long c0 = clock64();
+#define CQ(i) do { if (t == 0) { const long long c1 = clock64(); cq[i] += (double)(c1 - c0); c0 = c1; } } while (0)
+#else
+#define CQ(i) do { } while (0)
+#endif
+    gemm_xty<JQP>(X, X, C, false, true);
     __syncthreads();
+    if (check > 0) {  // block-uniform
+        double m = 0.0;
+        for (int e = t; e < QB * QB; e += NT) {
+            const int i = e >> LQB, j = e & (QB - 1);
+            if (i < check && j < check) m = nan_max(m, fabs(C[i * JQP + j] - ((i == j) ? 1.0 : 0.0)));
+        }
+        for (int o = 16; o > 0; o >>= 1) m = nan_max(m, __shfl_xor_sync(0xffffffffu, m, o));
+        double* red = B + 2 * QB;
+        if ((t & 31) == 0) red[t >> 5] = m;
+        __syncthreads();
+        double mm = red[0];
+        for (int w = 1; w < NT / 32; ++w) mm = nan_max(mm, red[w]);
+        if (mm <= ORTH_TOL) { CQ(0); return 1; }  // every thread read red before any returns; X, C untouched
+    }
+    CQ(0);
     if (t < 32) {  // warp-uniform
         const bool own = t < QB;
         double c[QB];
 #pragma unroll
-        for (int k = 0; k < QB; ++k) c[k] = own ? C[t * QP + k] : 0.0;
+        for (int k = 0; k < QB; ++k) c[k] = own ? C[t * JQP + k] : 0.0;
 #pragma unroll
         for (int j = 0; j < QB; ++j) {
             double* b = B + (j & 1) * QB;  // column j's entries (lane i: C'[i][j]); the other buffer is column j - 1's
             if (own) b[t] = c[j];
+            const double piv = __shfl_sync(0xffffffffu, c[j], j);
             __syncwarp();
-            const double rj = rsqrt(b[j]);
-            const double l = c[j] * rj;
-            if (own && t >= j) C[t * QP + j] = (t == j) ? rj : l;
+            double bk[QB];
 #pragma unroll
-            for (int k = j + 1; k < QB; ++k) c[k] = fma(-l, b[k] * rj, c[k]);  // lanes' entries k > i: unused
+            for (int k = j + 1; k < QB; ++k) bk[k] = b[k];
+            const double rj = rsqrt(piv);
+            const double mi = c[j] * (rj * rj);
+            if (own && t >= j) C[j * JQP + t] = (t == j) ? rj : c[j] * rj;  // L[t][j], transposed
+#pragma unroll
+            for (int k = j + 1; k < QB; ++k) c[k] = fma(-mi, bk[k], c[k]);  // lanes' entries k > i: unused
         }
     }
     __syncthreads();
+    CQ(1);
     if (t < K_) {
         double x[QB];
 #pragma unroll
         for (int c = 0; c < QB; ++c) x[c] = X[t * QP + c];
 #pragma unroll
         for (int j = 0; j < QB; ++j) {
-            const double y = x[j] * C[j * QP + j];
-            x[j] = y;
+            const double* row = C + j * JQP;  // column j of L: row[j] = 1 / L_jj, row[k] = L[k][j] for k > j
+            double y = 0.0;
 #pragma unroll
-            for (int k = j + 1; k < QB; ++k) x[k] = fma(-C[k * QP + j], y, x[k]);
+            for (int k0 = j & ~1; k0 < QB; k0 += 2) {
+                const double2 v = *reinterpret_cast<const double2*>(row + k0);
+                if (k0 == j) { y = x[j] * v.x; x[j] = y; x[k0 + 1] = fma(-v.y, y, x[k0 + 1]); }
+                else if (k0 + 1 == j) { y = x[j] * v.y; x[j] = y; }
+                else { x[k0] = fma(-v.x, y, x[k0]); x[k0 + 1] = fma(-v.y, y, x[k0 + 1]); }
+            }
         }
 #pragma unroll
         for (int c = 0; c < QB; ++c) X[t * QP + c] = x[c];
     }
     __syncthreads();
+    CQ(2);
+    return 0;
+#undef CQ
 }
 
 extern "C" __global__ void __launch_bounds__(NT, 1)
@@ -533,8 +629,10 @@ gdnviz_truncate(const scalar_t* __restrict__ S, scalar_t* __restrict__ OUT, cons
         return;
     }
 #ifdef GDNVIZ_PROFILE
-    long long pacc[16];
-    for (int q = 0; q < 16; ++q) pacc[q] = 0;
+    long long pacc[17];
+    for (int q = 0; q < 17; ++q) pacc[q] = 0;
+    if (t == 0)
+        for (int q = 0; q < 3; ++q) misc[M_CQ + q] = 0.0;  // cholqr's own counters (a barrier follows before its first call)
     long long pt_ = clock64();
 #endif
     const int n_it0 = (iters >= 0) ? iters : ITER_TAB[r];  // pass p's steps: ITER_TAB[(2 HALF + 1) p + r]
@@ -572,10 +670,11 @@ gdnviz_truncate(const scalar_t* __restrict__ S, scalar_t* __restrict__ OUT, cons
 #ifdef GDNVIZ_DMMA
     // ---- G = S S^T / ||S||_F^2 on the tensor cores: S staged 16 columns at a time through As..Bs (free until the
     // sketch; K_ x SG doubles; the next 16 columns are loaded into registers while a stage's products run). Only the
-    // lower triangle's 8x8 tiles are needed (mirrored: G exactly symmetric; gemm_gx reads G[k][i] for G[i][k]). For
-    // K = 128 warp w owns row tiles w and 15 - w, 17 tiles in all (GSL slots, no branch between the products: a
-    // branch per tile, tenth session's call 2, made the Gram 10% slower than the full square); for K = 64
-    // warp w computes row tile w whole and keeps its lower part
+    // lower triangle is needed (mirrored: G exactly symmetric; gemm_gx reads G[k][i] for G[i][k]): warp w computes the
+    // 9 items of lower_items (K = 128: 16 x 8 blocks on m16n8k4, nineteenth session; before, 17 8 x 8 tiles per warp
+    // on m8n8k4, 60K -> 41K cycles at r = 32; no branch between the products: a branch per tile, tenth session's
+    // call 2, made the Gram 10% slower than the full square); for K = 64 warp w computes row tile w whole and keeps
+    // its lower part
     // The first pass's sketch Z = S Omega_0 (the full algorithm) is accumulated in the same loop, while each 16
     // columns of S are in shared memory (Omega_0's 16 rows staged in Cs): the separate sketch read S again, 32 columns
     // per stage with no prefetch (35K cycles per pass at r = 32, eighteenth session). Its accumulators see the same
@@ -584,10 +683,10 @@ gdnviz_truncate(const scalar_t* __restrict__ S, scalar_t* __restrict__ OUT, cons
     {
         const int lane = t & 31, w = t >> 5, lr = lane >> 2, lk = lane & 3;
         double* St = As;
-        int srow[GSL], scol[GSL];
-        double acc[GSL][2];
-        lower_tiles(w, srow, scol, acc);
-        double accz[RT][NB][2];
+        int irow[GSL], icol[GSL], rb0, rb1;
+        double acc[GSL][RT][2];
+        lower_items(w, irow, icol, acc, rb0, rb1);
+        double accz[NB][RT][2];
         zero_tiles(accz);
         scalar_t nx[K_ * 16 / NT];
         double nz[16 * QB / NT];  // Omega_0's next 16 rows (fused sketch only)
@@ -633,13 +732,7 @@ gdnviz_truncate(const scalar_t* __restrict__ S, scalar_t* __restrict__ OUT, cons
             }
 #pragma unroll 1
             for (int k0 = 0; k0 < 16; k0 += 4) {
-                const double s0 = St[(8 * w + lr) * SG + k0 + lk];  // A[i][k] = S[i][k], row tile w
-                const double s1 = (K_ == 128) ? St[(8 * (15 - w) + lr) * SG + k0 + lk] : s0;  // row tile 15 - w
-#pragma unroll
-                for (int q = 0; q < GSL; ++q) {
-                    const double sb = St[(8 * scol[q] + lr) * SG + k0 + lk];  // B[k][j] = S[j][k]
-                    dmma_m8n8k4(acc[q][0], acc[q][1], (srow[q] == w) ? s0 : s1, sb);
-                }
+                lower_step(St, SG, St, SG, k0 + lk, rb0, rb1, irow, icol, acc);  // A[i][k] = S[i][k], B[k][j] = S[j][k]
                 if (sketch_fused) {  // block-uniform
                     double ga[RT];
 #pragma unroll
@@ -647,8 +740,7 @@ gdnviz_truncate(const scalar_t* __restrict__ S, scalar_t* __restrict__ OUT, cons
 #pragma unroll
                     for (int b = 0; b < NB; ++b) {
                         const double xb = Cs[(k0 + lk) * QP + 8 * b + lr];  // B[k][j] = Omega[v0 + k][j]
-#pragma unroll
-                        for (int a = 0; a < RT; ++a) dmma_m8n8k4(accz[a][b][0], accz[a][b][1], ga[a], xb);
+                        dmma_rt(accz[b], ga, xb);
                     }
                 }
             }
@@ -657,10 +749,12 @@ gdnviz_truncate(const scalar_t* __restrict__ S, scalar_t* __restrict__ OUT, cons
 #pragma unroll
         for (int q = 0; q < GSL; ++q)
 #pragma unroll
-            for (int h = 0; h < 2; ++h) {
-                const int i = 8 * srow[q] + lr, j = 8 * scol[q] + 2 * lk + h;
-                if (i >= j) { Gs[i * GST + j] = acc[q][h]; Gs[j * GST + i] = acc[q][h]; }
-            }
+            for (int a = 0; a < RT; ++a)
+#pragma unroll
+                for (int h = 0; h < 2; ++h) {
+                    const int i = 8 * (RT * irow[q] + a) + lr, j = 8 * icol[q] + 2 * lk + h;
+                    if (i >= j) { Gs[i * GST + j] = acc[q][a][h]; Gs[j * GST + i] = acc[q][a][h]; }
+                }
         if (sketch_fused) store_tiles(accz, As);
         tr = gram_trace(Gs, misc + M_RED);
     }
@@ -724,7 +818,7 @@ gdnviz_truncate(const scalar_t* __restrict__ S, scalar_t* __restrict__ OUT, cons
             // on the tensor cores: per chunk of QB columns of S (Bs) and rows of Omega_p (Cs), warp w accumulates
             // rows 8 RT w ... x all QB columns as gemm_gx does; the sum over v runs in v order
             const int lane = t & 31, w = t >> 5, lr = lane >> 2, lk = lane & 3;
-            double acc[RT][NB][2];
+            double acc[NB][RT][2];
             zero_tiles(acc);
             for (int v0 = 0; v0 < V_; v0 += QB) {
                 for (int e = t; e < K_ * QB; e += NT) Bs[(e >> LQB) * QP + (e & (QB - 1))] = (double)Sn[(e >> LQB) * V_ + v0 + (e & (QB - 1))];
@@ -740,8 +834,7 @@ gdnviz_truncate(const scalar_t* __restrict__ S, scalar_t* __restrict__ OUT, cons
 #pragma unroll
                     for (int b = 0; b < NB; ++b) {
                         const double xb = Cs[k * QP + 8 * b + lr];  // B[k][j] = Omega[v0 + k][j]
-#pragma unroll
-                        for (int a = 0; a < RT; ++a) dmma_m8n8k4(acc[a][b][0], acc[a][b][1], ga[a], xb);
+                        dmma_rt(acc[b], ga, xb);
                     }
                 }
                 __syncthreads();
@@ -789,7 +882,7 @@ gdnviz_truncate(const scalar_t* __restrict__ S, scalar_t* __restrict__ OUT, cons
         }
         __syncthreads();
         PROF(1);
-        cholqr(As, Cs, Ls);
+        cholqr(As, Cs, Ls, 0);
         PROF(2);
         // ---- filter steps: Q <- cholqr(G (G Q))
         const int n_it = (p == 0 || iters >= 0) ? n_it0 : ITER_TAB[(2 * HALF + 1) + r];
@@ -799,7 +892,7 @@ gdnviz_truncate(const scalar_t* __restrict__ S, scalar_t* __restrict__ OUT, cons
             gemm_gx(Gs, Bs, As);
             __syncthreads();
             PROF(3);
-            cholqr(As, Cs, Ls);
+            cholqr(As, Cs, Ls, 0);
             PROF(2);
         }
         }  // item < 2
@@ -831,8 +924,10 @@ gdnviz_truncate(const scalar_t* __restrict__ S, scalar_t* __restrict__ OUT, cons
             __syncthreads();
         }
         PROF(4);
-        cholqr(As, Cs, Ls);
-        cholqr(As, Cs, Ls);
+        // checked (the full algorithm): left as it is when orthonormal already (ORTH_TOL); an attempt's certificate
+        // is for an orthonormal basis to the shift's rounding (SCALE_SLACK), so its pair always runs
+        SKIPS(cholqr(As, Cs, Ls, attempt ? 0 : QB));
+        SKIPS(cholqr(As, Cs, Ls, attempt ? 0 : QB));
         PROF(2);
         // ---- Rayleigh-Ritz: T = Q^T G Q (lower triangle), cyclic parallel Jacobi (A: Cs/Ls, V: Bs halves)
         gemm_gx(Gs, As, Bs);
@@ -899,10 +994,12 @@ gdnviz_truncate(const scalar_t* __restrict__ S, scalar_t* __restrict__ OUT, cons
                 const int bl = t & (NPAIR * NPAIR - 1), pa = bl / NPAIR, pb = bl % NPAIR;
                 const int p0 = pa ? (k + pa) % (QB - 1) : k, q0 = pa ? (k - pa + QB - 1) % (QB - 1) : QB - 1;
                 const int p1 = pb ? (k + pb) % (QB - 1) : k, q1 = pb ? (k - pb + QB - 1) % (QB - 1) : QB - 1;
+                // a pair's two members hold the same cosine and opposite signed sines (jacobi_rotation), so one
+                // member's pair of shuffles serves both
                 const double cp = __shfl_sync(0xffffffffu, c, p0), sp = __shfl_sync(0xffffffffu, sgn, p0);
-                const double cq = __shfl_sync(0xffffffffu, c, q0), sq = __shfl_sync(0xffffffffu, sgn, q0);
+                const double cq = cp, sq = -sp;
                 const double cp1 = __shfl_sync(0xffffffffu, c, p1), sp1 = __shfl_sync(0xffffffffu, sgn, p1);
-                const double cq1 = __shfl_sync(0xffffffffu, c, q1), sq1 = __shfl_sync(0xffffffffu, sgn, q1);
+                const double cq1 = cp1, sq1 = -sp1;
                 const double dp = __shfl_sync(0xffffffffu, dnew, p0), dq = __shfl_sync(0xffffffffu, dnew, q0);
                 const bool rp = __shfl_sync(0xffffffffu, rot ? 1 : 0, p0) != 0;
                 if (t < NPAIR * NPAIR) {
@@ -1097,38 +1194,33 @@ gdnviz_truncate(const scalar_t* __restrict__ S, scalar_t* __restrict__ OUT, cons
             double t2;
 #ifdef GDNVIZ_DMMA
             // on the tensor cores: P = U Y^T + Y U^T = [U Y] [Y U]^T (a sum over 2 QB), only the lower triangle's
-            // 8x8 tiles (the Gram's assignment: 17 per warp at K = 128), G_ij - P_ij written to both (i, j) and
+            // items (the Gram's assignment, lower_items: 9 per warp at K = 128), G_ij - P_ij written to both (i, j) and
             // (j, i), so G stays symmetric bit for bit; each (i, j), i >= j, is read and written by one lane only
             {
                 const int lane = t & 31, w = t >> 5, lr = lane >> 2, lk = lane & 3;
-                int srow[GSL], scol[GSL];
-                double acc[GSL][2];
-                lower_tiles(w, srow, scol, acc);
+                int irow[GSL], icol[GSL], rb0, rb1;
+                double acc[GSL][RT][2];
+                lower_items(w, irow, icol, acc, rb0, rb1);
 #pragma unroll 1
                 for (int half = 0; half < 2; ++half) {
                     const double* L = half ? As : Bs;  // A[i][k]: U, then Y
                     const double* R = half ? Bs : As;  // B[k][j] = Y[j][k], then U[j][k]
 #pragma unroll 2
-                    for (int k0 = 0; k0 < QB; k0 += 4) {
-                        const double a0 = L[(8 * w + lr) * QP + k0 + lk];
-                        const double a1 = (K_ == 128) ? L[(8 * (15 - w) + lr) * QP + k0 + lk] : a0;
-#pragma unroll
-                        for (int q = 0; q < GSL; ++q)
-                            dmma_m8n8k4(acc[q][0], acc[q][1], (srow[q] == w) ? a0 : a1,
-                                        R[(8 * scol[q] + lr) * QP + k0 + lk]);
-                    }
+                    for (int k0 = 0; k0 < QB; k0 += 4) lower_step(L, QP, R, QP, k0 + lk, rb0, rb1, irow, icol, acc);
                 }
 #pragma unroll
                 for (int q = 0; q < GSL; ++q)
 #pragma unroll
-                    for (int h = 0; h < 2; ++h) {
-                        const int i = 8 * srow[q] + lr, j = 8 * scol[q] + 2 * lk + h;
-                        if (i >= j) {
-                            const double g = Gs[i * GST + j] - acc[q][h];
-                            Gs[i * GST + j] = g;
-                            Gs[j * GST + i] = g;
+                    for (int a = 0; a < RT; ++a)
+#pragma unroll
+                        for (int h = 0; h < 2; ++h) {
+                            const int i = 8 * (RT * irow[q] + a) + lr, j = 8 * icol[q] + 2 * lk + h;
+                            if (i >= j) {
+                                const double g = Gs[i * GST + j] - acc[q][a][h];
+                                Gs[i * GST + j] = g;
+                                Gs[j * GST + i] = g;
+                            }
                         }
-                    }
                 t2 = gram_trace(Gs, misc + M_RED);
             }
 #else
@@ -1179,8 +1271,8 @@ gdnviz_truncate(const scalar_t* __restrict__ S, scalar_t* __restrict__ OUT, cons
     __syncthreads();
     PROF(9);
     if (npass > 1) {
-        cholqr(As, Cs, Ls);
-        cholqr(As, Cs, Ls);
+        SKIPS(cholqr(As, Cs, Ls, r));  // checked over the r kept columns (the rest are zero)
+        SKIPS(cholqr(As, Cs, Ls, r));
         PROF(2);
     }
     if (mode & NO_PROJ) {  // U for gdnviz_project (its first r columns are the kept directions)
@@ -1256,54 +1348,64 @@ gdnviz_truncate(const scalar_t* __restrict__ S, scalar_t* __restrict__ OUT, cons
     PROF(10);
 #ifdef GDNVIZ_PROFILE
     if (t == 0)
-        for (int q = 0; q < 16; ++q) Un[q] = (double)pacc[q];
+        for (int q = 0; q < 20; ++q) Un[q] = (q < 17) ? (double)pacc[q] : misc[M_CQ + q - 17];
 #endif
     if (traced) TRACE_END();
 }
 
 // ---- split launches (mode GRAM_IN | NO_PROJ): the fused kernel's first and last phases over more thread blocks ----
 
-// Tiles of 8 x 8 in G's lower triangle (row tile >= column tile), and thread blocks of gdnviz_gram per state (one
-// tile per warp, NT / 32 warps per block).
-#define GT_ (K_ / 8)
-#define GTILES (GT_ * (GT_ + 1) / 2)
-#define GRAM_BLOCKS ((GTILES + NT / 32 - 1) / (NT / 32))
+// The fused kernel's lower-triangle items (lower_items: a block of RT 8-row tiles x an 8-column tile; K = 128: 16
+// rows, block P with column tiles 0 ... 2P + 1, 72 items; K = 64: 8 x 8 tiles, row tile >= column tile, 36), and
+// thread blocks of gdnviz_gram per state (one item per warp, NT / 32 warps per block)
+#define GITEMS (K_ == 128 ? 72 : (K_ / 8) * (K_ / 8 + 1) / 2)
+#define GRAM_BLOCKS ((GITEMS + NT / 32 - 1) / (NT / 32))
 
 // G [N][K][K] = S S^T, both triangles, unscaled: what the fused kernel holds in Gs before its trace. Grid N *
-// GRAM_BLOCKS; warp w of block b computes lower tile b * NT / 32 + w. The DMMA build sums each tile with the same
-// mma.sync sequence as the fused kernel (k = 0, 4, ..., V - 4, one accumulator pair), the FMA build each entry as one
-// chain over v = 0 ... V - 1: the same bits either way.
+// GRAM_BLOCKS; warp w of block b computes item b * NT / 32 + w. The DMMA build sums each item with the same
+// mma.sync sequence as the fused kernel (dmma_rt, k = 0, 4, ..., V - 4, one accumulator set), the FMA build each
+// entry as one chain over v = 0 ... V - 1: the same bits either way.
 extern "C" __global__ void __launch_bounds__(NT)
 gdnviz_gram(const scalar_t* __restrict__ S, double* __restrict__ G)
 {
     const long long n = blockIdx.x / GRAM_BLOCKS;
-    const int tile = (blockIdx.x % GRAM_BLOCKS) * (NT / 32) + (threadIdx.x >> 5);
-    if (tile >= GTILES) return;  // warp-uniform; no barrier in this kernel
-    int I = 0;
-    while ((I + 1) * (I + 2) / 2 <= tile) ++I;
-    const int J = tile - I * (I + 1) / 2;
+    const int item = (blockIdx.x % GRAM_BLOCKS) * (NT / 32) + (threadIdx.x >> 5);
+    if (item >= GITEMS) return;  // warp-uniform; no barrier in this kernel
+    int I = 0;  // row block: items of block I are I (I + 1) ... for K = 128 (2I + 2 each), I (I + 1) / 2 ... for K = 64
+    if (K_ == 128) { while ((I + 1) * (I + 2) <= item) ++I; }
+    else { while ((I + 1) * (I + 2) / 2 <= item) ++I; }
+    const int J = item - ((K_ == 128) ? I * (I + 1) : I * (I + 1) / 2);
     const scalar_t* Sn = S + n * (K_ * V_);
     double* Gn = G + n * (K_ * K_);
     const int lane = threadIdx.x & 31;
 #ifdef GDNVIZ_DMMA
     const int lr = lane >> 2, lk = lane & 3;
-    double acc0 = 0.0, acc1 = 0.0;
-    const scalar_t* a = Sn + (8 * I + lr) * V_ + lk;
+    double acc[RT][2] = {};
     const scalar_t* b = Sn + (8 * J + lr) * V_ + lk;
-    double av[V_ / 4], bv[V_ / 4];  // every load in flight before the chain of mma.sync
+    double av[RT][V_ / 4], bv[V_ / 4];  // every load in flight before the chain of mma.sync
 #pragma unroll
-    for (int q = 0; q < V_ / 4; ++q) { av[q] = (double)a[4 * q]; bv[q] = (double)b[4 * q]; }
+    for (int q = 0; q < V_ / 4; ++q) {
 #pragma unroll
-    for (int q = 0; q < V_ / 4; ++q) dmma_m8n8k4(acc0, acc1, av[q], bv[q]);
-    const double acc[2] = {acc0, acc1};
-#pragma unroll
-    for (int h = 0; h < 2; ++h) {
-        const int i = 8 * I + lr, j = 8 * J + 2 * lk + h;
-        if (i >= j) { Gn[i * K_ + j] = acc[h]; Gn[j * K_ + i] = acc[h]; }
+        for (int a = 0; a < RT; ++a) av[a][q] = (double)Sn[(8 * (RT * I + a) + lr) * V_ + lk + 4 * q];
+        bv[q] = (double)b[4 * q];
     }
+#pragma unroll
+    for (int q = 0; q < V_ / 4; ++q) {
+        double aa[RT];
+#pragma unroll
+        for (int a = 0; a < RT; ++a) aa[a] = av[a][q];
+        dmma_rt(acc, aa, bv[q]);
+    }
+#pragma unroll
+    for (int a = 0; a < RT; ++a)
+#pragma unroll
+        for (int h = 0; h < 2; ++h) {
+            const int i = 8 * (RT * I + a) + lr, j = 8 * J + 2 * lk + h;
+            if (i >= j) { Gn[i * K_ + j] = acc[a][h]; Gn[j * K_ + i] = acc[a][h]; }
+        }
 #else
-    for (int q = lane; q < 64; q += 32) {
-        const int i = 8 * I + (q >> 3), j = 8 * J + (q & 7);
+    for (int q = lane; q < 64 * RT; q += 32) {
+        const int i = 8 * RT * I + (q >> 3), j = 8 * J + (q & 7);
         if (i >= j) {
             double s = 0.0;
             for (int v = 0; v < V_; ++v) s = fma((double)Sn[i * V_ + v], (double)Sn[j * V_ + v], s);
