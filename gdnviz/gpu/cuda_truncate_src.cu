@@ -331,6 +331,28 @@ __device__ __forceinline__ void store_tiles(const double (&acc)[NB][RT][2], doub
         }
 }
 
+// acc (warp w's rows 8 RT w ... x NC column tiles of 8) = X [K][QP] B, B [QB][NC * 8] read as B[k][j] = bcol(k, j)
+// through the functor: the small products U (U^T Z), U (U^T G U) and Q W_sel on the tensor cores (nineteenth session;
+// they were sums of QB fused multiply-adds with two shared-memory loads each, per entry: 288 states at r = 32
+// 0.9516 / 0.9649 -> 0.9247 / 0.9139 ms in two same-run pairs; sketch 43.0K -> 34.5K cycles, deflation 45.4K ->
+// 36.3K, selection 17.9K -> 9.1K)
+template <int NC, class F>
+__device__ __forceinline__ void gemm_xb(const double* X, F bcol, double (&acc)[NC][RT][2]) {
+    const int lane = threadIdx.x & 31, w = threadIdx.x >> 5, lr = lane >> 2, lk = lane & 3;
+#pragma unroll
+    for (int b = 0; b < NC; ++b)
+#pragma unroll
+        for (int a = 0; a < RT; ++a) { acc[b][a][0] = 0.0; acc[b][a][1] = 0.0; }
+#pragma unroll
+    for (int k0 = 0; k0 < QB; k0 += 4) {
+        double ga[RT];
+#pragma unroll
+        for (int a = 0; a < RT; ++a) ga[a] = X[(8 * (RT * w + a) + lr) * QP + k0 + lk];  // A[i][k] = X[i][k]
+#pragma unroll
+        for (int b = 0; b < NC; ++b) dmma_rt(acc[b], ga, bcol(k0 + lk, 8 * b + lr));
+    }
+}
+
 // Warp w: rows 8 RT w ... (RT tiles of 8) x all QB columns (NB tiles of 8), 4 rows of k per instruction.
 __device__ __forceinline__ void gemm_gx(const double* G, const double* X, double* Y) {
     const int lane = threadIdx.x & 31, w = threadIdx.x >> 5, lr = lane >> 2, lk = lane & 3;
@@ -870,6 +892,22 @@ gdnviz_truncate(const scalar_t* __restrict__ S, scalar_t* __restrict__ OUT, cons
             __syncthreads();
             gemm_xty(Bs, As, Cs, false, false);  // U^T Z
             __syncthreads();
+#ifdef GDNVIZ_DMMA
+            {  // Z <- (Z - U (U^T Z)) zscale, each entry by the lane that holds its product
+                const int lane = t & 31, w = t >> 5, lr = lane >> 2, lk = lane & 3;
+                double acc[NB][RT][2];
+                gemm_xb<NB>(Bs, [&](int k, int j) { return Cs[k * QP + j]; }, acc);
+#pragma unroll
+                for (int b = 0; b < NB; ++b)
+#pragma unroll
+                    for (int a = 0; a < RT; ++a)
+#pragma unroll
+                        for (int h = 0; h < 2; ++h) {
+                            double* z = As + (8 * (RT * w + a) + lr) * QP + 8 * b + 2 * lk + h;
+                            *z = (*z - acc[b][a][h]) * zscale;
+                        }
+            }
+#else
             for (int e = t; e < K_ * QB; e += NT) {
                 const int i = e >> LQB, c = e & (QB - 1);
                 double s = 0.0;
@@ -877,6 +915,7 @@ gdnviz_truncate(const scalar_t* __restrict__ S, scalar_t* __restrict__ OUT, cons
                 for (int m = 0; m < QB; ++m) s = fma(Bs[i * QP + m], Cs[m * QP + c], s);
                 As[i * QP + c] = (As[i * QP + c] - s) * zscale;
             }
+#endif
         } else if (!attempt) {
             for (int e = t; e < K_ * QB; e += NT) As[(e >> LQB) * QP + (e & (QB - 1))] *= zscale;
         }
@@ -1091,6 +1130,24 @@ gdnviz_truncate(const scalar_t* __restrict__ S, scalar_t* __restrict__ OUT, cons
             misc[M_RK + t] = (double)rk;
         }
         __syncthreads();
+#ifdef GDNVIZ_DMMA
+        {  // U columns HALF p + m = Q W[:, sel[m]] (m < take), B[k][m] = W[k][sel[m]] gathered per lane
+            const int lane = t & 31, w = t >> 5, lr = lane >> 2, lk = lane & 3;
+            const double* Wc = W;
+            double acc[HALF / 8][RT][2];
+            gemm_xb<HALF / 8>(As, [&](int k, int m) { return (m < take) ? Wc[k * QP + (int)misc[M_SEL + m]] : 0.0; },
+                              acc);
+#pragma unroll
+            for (int b = 0; b < HALF / 8; ++b)
+#pragma unroll
+                for (int a = 0; a < RT; ++a)
+#pragma unroll
+                    for (int h = 0; h < 2; ++h) {
+                        const int m = 8 * b + 2 * lk + h;
+                        if (m < take) Un[(8 * (RT * w + a) + lr) * UL + HALF * p + m] = acc[b][a][h];
+                    }
+        }
+#else
         for (int e = t; e < K_ * HALF; e += NT) {
             const int i = e >> 4, m = e & (HALF - 1);
             if (m < take) {
@@ -1101,6 +1158,7 @@ gdnviz_truncate(const scalar_t* __restrict__ S, scalar_t* __restrict__ OUT, cons
                 Un[i * UL + HALF * p + m] = s;
             }
         }
+#endif
         __syncthreads();
         PROF(7);
         if (attempt) {
@@ -1175,6 +1233,22 @@ gdnviz_truncate(const scalar_t* __restrict__ S, scalar_t* __restrict__ OUT, cons
             __syncthreads();
             gemm_xty(Bs, As, Cs, false, false);  // U^T G U
             __syncthreads();
+#ifdef GDNVIZ_DMMA
+            {  // Y = GU - U (U^T G U) / 2 into As, each entry by the lane that holds its product
+                const int lane = t & 31, w = t >> 5, lr = lane >> 2, lk = lane & 3;
+                double acc[NB][RT][2];
+                gemm_xb<NB>(Bs, [&](int k, int j) { return Cs[k * QP + j]; }, acc);
+#pragma unroll
+                for (int b = 0; b < NB; ++b)
+#pragma unroll
+                    for (int a = 0; a < RT; ++a)
+#pragma unroll
+                        for (int h = 0; h < 2; ++h) {
+                            double* y = As + (8 * (RT * w + a) + lr) * QP + 8 * b + 2 * lk + h;
+                            *y = *y - 0.5 * acc[b][a][h];
+                        }
+            }
+#else
             double y[K_ * QB / NT];
 #pragma unroll
             for (int m = 0; m < K_ * QB / NT; ++m) {
@@ -1190,6 +1264,7 @@ gdnviz_truncate(const scalar_t* __restrict__ S, scalar_t* __restrict__ OUT, cons
                 const int e = t + m * NT;
                 As[(e >> LQB) * QP + (e & (QB - 1))] = y[m];
             }
+#endif
             __syncthreads();
             double t2;
 #ifdef GDNVIZ_DMMA
