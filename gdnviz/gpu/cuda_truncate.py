@@ -30,7 +30,9 @@ their bounds, and every attempt with no filter step whose answer misses the crit
   ninth session); ``U (Uᵀ S)`` as FMAs over the r kept columns only. For K = 128 each warp's two 8-row tiles go
   through one ``m16n8k4`` (sm_90) instead of two ``m8n8k4`` (nineteenth session): on the H200 m8n8k4 reaches 23.6
   TFLOP/s and m16n8k4 52.5 (``bench/bench_mma_shapes.py``, 8 warps per SM), so the products ran on half the float64
-  tensor cores; ``G·Q`` 199.4K → 117.4K cycles per state at r = 32, the Gram matrix 60.8K → 41.1K. G's rows are
+  tensor cores; ``G·Q`` 199.4K → 117.4K cycles per state at r = 32, the Gram matrix 60.8K → 41.1K. The small block
+  products ``U (Uᵀ Z)``, ``U (Uᵀ G U)`` and ``Q W_sel`` too (``gemm_xb``, nineteenth session; they were per-entry sums
+  of fused multiply-adds from shared memory): 749.6K → 722.3K cycles per state at r = 32. G's rows are
   padded to an odd stride and the ``G·Q`` fragments read rows of k four apart, so that their shared-memory loads are
   free of bank conflicts (they were 4-way conflicted: ``G·Q`` took 45% fewer cycles without, tenth session); the
   Gram matrix and the deflation compute only the lower triangle (9 items of 16 × 8 per warp at K = 128); an attempt
