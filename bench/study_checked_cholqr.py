@@ -39,12 +39,8 @@ def pair_inputs(S: torch.Tensor, r: int, k1: int = 6, k2: int = 4) -> dict[str, 
     N, K, V = S.shape
     q, h = ft._BLOCK, ft._HALF
     omega, fill, _ = ft._constants(K, V, S.device)
-    G = S @ S.mT
-    trc = G.diagonal(dim1=-2, dim2=-1).sum(-1)[:, None, None]
-    inv = torch.where(trc > 0, trc.clamp_min(1e-300).rsqrt(), torch.zeros_like(trc))
-    G = G * inv * inv
+    G, zscale = tr._normalised_gram(S)  # trace 1, and 1/‖S‖_F for the sketches
     U = torch.zeros(N, K, q, dtype=torch.float64)
-    zscale = inv
     out = {}
     for p, k in ((0, k1), (1, k2)):
         Z = S @ omega[p]

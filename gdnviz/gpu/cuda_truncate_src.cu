@@ -353,6 +353,23 @@ __device__ __forceinline__ void gemm_xb(const double* X, F bcol, double (&acc)[N
     }
 }
 
+// Y [K][QP] <- (Y - coef X C) scale for X [K][QP], C [QB][QP] (gemm_xb), each entry by the lane holding its product
+// (the second pass's sketch: Z <- (Z - U (U^T Z)) zscale; the deflation: Y = GU - U (U^T G U) / 2)
+__device__ __forceinline__ void sub_xc(const double* X, const double* C, double* Y, double coef, double scale) {
+    const int lane = threadIdx.x & 31, w = threadIdx.x >> 5, lr = lane >> 2, lk = lane & 3;
+    double acc[NB][RT][2];
+    gemm_xb<NB>(X, [&](int k, int j) { return C[k * QP + j]; }, acc);
+#pragma unroll
+    for (int b = 0; b < NB; ++b)
+#pragma unroll
+        for (int a = 0; a < RT; ++a)
+#pragma unroll
+            for (int h = 0; h < 2; ++h) {
+                double* y = Y + (8 * (RT * w + a) + lr) * QP + 8 * b + 2 * lk + h;
+                *y = (*y - coef * acc[b][a][h]) * scale;
+            }
+}
+
 // Warp w: rows 8 RT w ... (RT tiles of 8) x all QB columns (NB tiles of 8), 4 rows of k per instruction.
 __device__ __forceinline__ void gemm_gx(const double* G, const double* X, double* Y) {
     const int lane = threadIdx.x & 31, w = threadIdx.x >> 5, lr = lane >> 2, lk = lane & 3;
@@ -893,20 +910,7 @@ gdnviz_truncate(const scalar_t* __restrict__ S, scalar_t* __restrict__ OUT, cons
             gemm_xty(Bs, As, Cs, false, false);  // U^T Z
             __syncthreads();
 #ifdef GDNVIZ_DMMA
-            {  // Z <- (Z - U (U^T Z)) zscale, each entry by the lane that holds its product
-                const int lane = t & 31, w = t >> 5, lr = lane >> 2, lk = lane & 3;
-                double acc[NB][RT][2];
-                gemm_xb<NB>(Bs, [&](int k, int j) { return Cs[k * QP + j]; }, acc);
-#pragma unroll
-                for (int b = 0; b < NB; ++b)
-#pragma unroll
-                    for (int a = 0; a < RT; ++a)
-#pragma unroll
-                        for (int h = 0; h < 2; ++h) {
-                            double* z = As + (8 * (RT * w + a) + lr) * QP + 8 * b + 2 * lk + h;
-                            *z = (*z - acc[b][a][h]) * zscale;
-                        }
-            }
+            sub_xc(Bs, Cs, As, 1.0, zscale);  // Z <- (Z - U (U^T Z)) zscale
 #else
             for (int e = t; e < K_ * QB; e += NT) {
                 const int i = e >> LQB, c = e & (QB - 1);
@@ -1234,20 +1238,7 @@ gdnviz_truncate(const scalar_t* __restrict__ S, scalar_t* __restrict__ OUT, cons
             gemm_xty(Bs, As, Cs, false, false);  // U^T G U
             __syncthreads();
 #ifdef GDNVIZ_DMMA
-            {  // Y = GU - U (U^T G U) / 2 into As, each entry by the lane that holds its product
-                const int lane = t & 31, w = t >> 5, lr = lane >> 2, lk = lane & 3;
-                double acc[NB][RT][2];
-                gemm_xb<NB>(Bs, [&](int k, int j) { return Cs[k * QP + j]; }, acc);
-#pragma unroll
-                for (int b = 0; b < NB; ++b)
-#pragma unroll
-                    for (int a = 0; a < RT; ++a)
-#pragma unroll
-                        for (int h = 0; h < 2; ++h) {
-                            double* y = As + (8 * (RT * w + a) + lr) * QP + 8 * b + 2 * lk + h;
-                            *y = *y - 0.5 * acc[b][a][h];
-                        }
-            }
+            sub_xc(Bs, Cs, As, 0.5, 1.0);  // Y = GU - U (U^T G U) / 2 into As
 #else
             double y[K_ * QB / NT];
 #pragma unroll
