@@ -123,8 +123,20 @@ _INTERPRET = os.environ.get("TRITON_INTERPRET", "0") not in ("", "0")
 if triton is not None:
 
     @triton.jit
+    def _shifted_gram(Z, Q: tl.constexpr, SHIFT: tl.constexpr, TINY: tl.constexpr):
+        """``ZᵀZ + SHIFT·diag(ZᵀZ) + TINY·I`` for ``Z [R, Q]`` float64 (the Cholesky-QR's Gram matrix)."""
+        qq = tl.arange(0, Q)
+        C = tl.dot(tl.trans(Z), Z, input_precision="ieee")
+        return tl.where(qq[:, None] == qq[None, :], C * (1.0 + SHIFT) + TINY, C)
+
+    @triton.jit
     def _cholqr(Z, Q: tl.constexpr, SHIFT: tl.constexpr, TINY: tl.constexpr):
-        """Shifted Cholesky-QR of ``Z [R, Q]`` float64: ``Z L⁻ᵀ`` with ``L Lᵀ = ZᵀZ + SHIFT·diag(ZᵀZ) + TINY·I``.
+        """Shifted Cholesky-QR of ``Z [R, Q]`` float64: ``Z L⁻ᵀ`` with ``L Lᵀ = ZᵀZ + SHIFT·diag(ZᵀZ) + TINY·I``."""
+        return _cholqr_gram(Z, _shifted_gram(Z, Q, SHIFT, TINY), Q)
+
+    @triton.jit
+    def _cholqr_gram(Z, C, Q: tl.constexpr):
+        """``Z L⁻ᵀ`` with ``L Lᵀ = C`` (``_shifted_gram(Z)``).
 
         One loop over the Q columns computes column j of ``L`` (right-looking update of the Gram matrix) and row j
         of ``L⁻¹`` (forward substitution: row j of ``L`` is complete once column j is), so the factor is never
@@ -133,8 +145,6 @@ if triton is not None:
         qq = tl.arange(0, Q)
         rows = qq[:, None]
         cols = qq[None, :]
-        C = tl.dot(tl.trans(Z), Z, input_precision="ieee")
-        C = tl.where(rows == cols, C * (1.0 + SHIFT) + TINY, C)
         L = tl.zeros((Q, Q), tl.float64)
         Li = tl.zeros((Q, Q), tl.float64)
         for j in range(Q):
@@ -155,12 +165,11 @@ if triton is not None:
         qq = tl.arange(0, Q)
         rows = qq[:, None]
         cols = qq[None, :]
-        C = tl.dot(tl.trans(Z), Z, input_precision="ieee")
-        C = tl.where(rows == cols, C * (1.0 + SHIFT) + TINY, C)
+        C = _shifted_gram(Z, Q, SHIFT, TINY)
         dev = tl.abs(C - tl.where(rows == cols, 1.0, 0.0))
         lead = (rows < check) & (cols < check)
         bad = tl.sum(tl.where(lead & ~(dev <= ORTH), 1, 0))  # a NaN entry counts as bad
-        return tl.where((bad == 0) & (check > 0), Z, _cholqr(Z, Q, SHIFT, TINY))
+        return tl.where((bad == 0) & (check > 0), Z, _cholqr_gram(Z, C, Q))
 
     @triton.jit
     def _top_ritz(T, r_take, col0, Q: tl.constexpr, MAX_SWEEPS: tl.constexpr, TOL2: tl.constexpr,
