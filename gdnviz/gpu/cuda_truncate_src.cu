@@ -310,6 +310,26 @@ __device__ __forceinline__ void lower_step(const double* X, int xs, const double
     }
 }
 
+// Warp w's lower items (lower_items) into G [K][GST], mirrored so that G stays symmetric bit for bit: each (i, j),
+// i >= j, written (subtract: G_ij - acc, the deflation; else acc, the Gram matrix) by the one lane that holds it
+__device__ __forceinline__ void lower_store(const int (&irow)[GSL], const int (&icol)[GSL],
+                                            const double (&acc)[GSL][RT][2], double* G, bool subtract) {
+    const int lane = threadIdx.x & 31, lr = lane >> 2, lk = lane & 3;
+#pragma unroll
+    for (int q = 0; q < GSL; ++q)
+#pragma unroll
+        for (int a = 0; a < RT; ++a)
+#pragma unroll
+            for (int h = 0; h < 2; ++h) {
+                const int i = 8 * (RT * irow[q] + a) + lr, j = 8 * icol[q] + 2 * lk + h;
+                if (i >= j) {
+                    const double g = subtract ? G[i * GST + j] - acc[q][a][h] : acc[q][a][h];
+                    G[i * GST + j] = g;
+                    G[j * GST + i] = g;
+                }
+            }
+}
+
 // Warp w's RT x NB accumulator tiles (gemm_gx, the sketch), zeroed.
 __device__ __forceinline__ void zero_tiles(double (&acc)[NB][RT][2]) {
 #pragma unroll
@@ -785,15 +805,7 @@ gdnviz_truncate(const scalar_t* __restrict__ S, scalar_t* __restrict__ OUT, cons
             }
             __syncthreads();
         }
-#pragma unroll
-        for (int q = 0; q < GSL; ++q)
-#pragma unroll
-            for (int a = 0; a < RT; ++a)
-#pragma unroll
-                for (int h = 0; h < 2; ++h) {
-                    const int i = 8 * (RT * irow[q] + a) + lr, j = 8 * icol[q] + 2 * lk + h;
-                    if (i >= j) { Gs[i * GST + j] = acc[q][a][h]; Gs[j * GST + i] = acc[q][a][h]; }
-                }
+        lower_store(irow, icol, acc, Gs, false);
         if (sketch_fused) store_tiles(accz, As);
         tr = gram_trace(Gs, misc + M_RED);
     }
@@ -1263,7 +1275,7 @@ gdnviz_truncate(const scalar_t* __restrict__ S, scalar_t* __restrict__ OUT, cons
             // items (the Gram's assignment, lower_items: 9 per warp at K = 128), G_ij - P_ij written to both (i, j) and
             // (j, i), so G stays symmetric bit for bit; each (i, j), i >= j, is read and written by one lane only
             {
-                const int lane = t & 31, w = t >> 5, lr = lane >> 2, lk = lane & 3;
+                const int w = t >> 5, lk = t & 3;
                 int irow[GSL], icol[GSL], rb0, rb1;
                 double acc[GSL][RT][2];
                 lower_items(w, irow, icol, acc, rb0, rb1);
@@ -1274,19 +1286,7 @@ gdnviz_truncate(const scalar_t* __restrict__ S, scalar_t* __restrict__ OUT, cons
 #pragma unroll 2
                     for (int k0 = 0; k0 < QB; k0 += 4) lower_step(L, QP, R, QP, k0 + lk, rb0, rb1, irow, icol, acc);
                 }
-#pragma unroll
-                for (int q = 0; q < GSL; ++q)
-#pragma unroll
-                    for (int a = 0; a < RT; ++a)
-#pragma unroll
-                        for (int h = 0; h < 2; ++h) {
-                            const int i = 8 * (RT * irow[q] + a) + lr, j = 8 * icol[q] + 2 * lk + h;
-                            if (i >= j) {
-                                const double g = Gs[i * GST + j] - acc[q][a][h];
-                                Gs[i * GST + j] = g;
-                                Gs[j * GST + i] = g;
-                            }
-                        }
+                lower_store(irow, icol, acc, Gs, true);
                 t2 = gram_trace(Gs, misc + M_RED);
             }
 #else
