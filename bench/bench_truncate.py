@@ -185,7 +185,7 @@ def graph_replay_ms(S: torch.Tensor, r: int, warmup: int, repeats: int):
 
 def capture_replay_ms(fn, static_in: torch.Tensor, warmup: int, repeats: int):
     """Capture ``fn(static_in)`` in a CUDA graph: (replay ms, static output), or (None, error text) if capture fails."""
-    from gdnviz.gpu.cuda_graph import capture
+    from tests.support.cuda_graph import capture
 
     try:
         g, static_out = capture(fn, static_in)

@@ -14,12 +14,12 @@ import torch
 
 
 def _gxx():
-    from gdnviz.gpu import cuda_emul
+    from tests.support import cuda_emul
 
     return cuda_emul.available()
 
 
-# tests that run a kernel's CUDA source on the CPU through gdnviz.gpu.cuda_emul (g++)
+# tests that run a kernel's CUDA source on the CPU through tests.support.cuda_emul (g++)
 needs_gxx = pytest.mark.skipif(not _gxx(), reason="g++ not installed")
 
 
@@ -57,7 +57,7 @@ def compile_log(source: str):
 def truncation_checks(monkeypatch, env: str, value: str, seed: int = 1) -> None:
     from bench.bench_truncate import gdn_like_spectra
     from gdnviz import truncate
-    from gdnviz.gpu.cuda_graph import capture
+    from tests.support.cuda_graph import capture
 
     g = torch.Generator().manual_seed(seed)
     sig = gdn_like_spectra(288, 128, g)

@@ -1,7 +1,7 @@
 """The CUDA bisection (gdnviz.gpu.cuda_bisect) behind gdnviz.gpu.symeig.eigvalsh_tridiag.
 
 CPU: the switch, what ``bisect`` refuses, the source compiling for sm_90 without spills where an NVRTC library is
-found, and the source run through gdnviz.gpu.cuda_emul (g++, CUDA's threads emulated) returning every eigenvalue of
+found, and the source run through tests.support.cuda_emul (g++, CUDA's threads emulated) returning every eigenvalue of
 hard tridiagonals (random, graded over 16 decades, split into blocks by zero off-diagonals, repeated eigenvalues,
 zero) to 32·ε_f64·‖T‖_∞ + 1e-299 of float64 ``eigvalsh`` (LAPACK's own error is part of the difference; 1e-299 is
 the interval's floor). CUDA: equal to the Triton bisection kernel (the same algorithm) to 1e-15·‖T‖, and
@@ -57,7 +57,7 @@ def test_source_compiles_for_hopper(n, form):
 @pytest.mark.parametrize("form", cuda_bisect.FORMS)
 @pytest.mark.parametrize("n", [64, 128])
 def test_emulated_bisection_finds_every_eigenvalue(n, form):
-    from gdnviz.gpu.cuda_emul import Emulated
+    from tests.support.cuda_emul import Emulated
     from gdnviz.gpu.symeig import BISECT_STEPS
 
     D, E = tridiagonals(n, seed=n)
@@ -104,7 +104,7 @@ def extreme_tridiagonals(n: int, seed: int = 0) -> tuple[np.ndarray, np.ndarray]
 def test_emulated_minors_form_equals_pivots_form_on_extreme_ranges(n):
     """The division-free form (signs of the leading minors, rescaled every 4 steps) against the LDLᵀ form and
     LAPACK where the minors would leave float64's range without the rescaling (both forms: 32·ε·‖T‖ + 1e-299)."""
-    from gdnviz.gpu.cuda_emul import Emulated
+    from tests.support.cuda_emul import Emulated
     from gdnviz.gpu.symeig import BISECT_STEPS
 
     D, E = extreme_tridiagonals(n, seed=n + 1)

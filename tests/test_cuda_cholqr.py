@@ -2,7 +2,7 @@
 
 CPU: the switch (GDNVIZ_CUDA_CHOLQR), the shapes it takes, and — where an NVRTC library can be found (CUDA builds
 of torch, or the nvidia-cuda-nvrtc wheel) — that the source compiles for sm_90 without spills of consequence; and
-the source itself run through gdnviz.gpu.cuda_emul (g++, CUDA's threads emulated) with the CUDA test's criteria.
+the source itself run through tests.support.cuda_emul (g++, CUDA's threads emulated) with the CUDA test's criteria.
 CUDA: equal to the torch path to 1e-12 on well-conditioned blocks, the same answer on graded, rank-deficient and zero
 blocks, truncate_states with the kernel keeps the 1e-5 energy criterion, and a CUDA graph replays it.
 """
@@ -114,13 +114,13 @@ def test_shuffle_form_gives_the_same_bits_and_energy(monkeypatch):
 @pytest.mark.parametrize("form", ["smem", "shfl"])
 @pytest.mark.parametrize("R", [64, 128])
 def test_emulated_kernel_equals_the_torch_definition(R, form):
-    """The kernel's CUDA source run on the CPU (gdnviz.gpu.cuda_emul) against truncate._cholqr's torch kernels, with
+    """The kernel's CUDA source run on the CPU (tests.support.cuda_emul) against truncate._cholqr's torch kernels, with
     the CUDA test's criteria: a random block equal to 1e-12 (and orthonormal to 1e-12), graded columns (1 … 1e-9) to
     1e-8, duplicated columns (rank 16) finite and to 1e-6, zero stays zero; both forms give the same bits."""
     import numpy as np
 
     from gdnviz import truncate as tr
-    from gdnviz.gpu.cuda_emul import Emulated
+    from tests.support.cuda_emul import Emulated
 
     g = torch.Generator().manual_seed(R)
     Z = torch.randn(4, R, 32, generator=g, dtype=torch.float64)

@@ -1,7 +1,7 @@
 """The CUDA Householder tridiagonalisation (gdnviz.gpu.cuda_tridiag) behind gdnviz.gpu.symeig.svdvals.
 
 CPU: on by default (``GDNVIZ_CUDA_TRIDIAG=0`` turns it off), its shared-memory size, and — where an NVRTC library is
-found — that the source compiles for sm_90 (n = 64, 128) without spills; the source run through gdnviz.gpu.cuda_emul
+found — that the source compiles for sm_90 (n = 64, 128) without spills; the source run through tests.support.cuda_emul
 (g++, CUDA's threads emulated) returns a tridiagonal with G's eigenvalues (1e-13·λ_max). CUDA: with the kernel (the switch set
 explicitly on, and off for the Triton reference), ``symeig.svdvals`` meets test_symeig's bounds against float64
 ``torch.linalg.svdvals`` on the same test states (1e-7·σ_max absolute, 1e-9 relative for σ ≥ 1e-3 σ_max, the same
@@ -75,12 +75,12 @@ def test_cuda_tridiag_spectra_match(monkeypatch):
                                           (64, 4, True), (128, 2, True), (128, 4, True), (64, 2, "split"),
                                           (128, 2, "split")])
 def test_emulated_tridiagonal_keeps_the_eigenvalues(n, tpr, regs):
-    """The kernel's CUDA source run on the CPU (gdnviz.gpu.cuda_emul): the tridiagonal (D, E) it returns has the
+    """The kernel's CUDA source run on the CPU (tests.support.cuda_emul): the tridiagonal (D, E) it returns has the
     eigenvalues of G to 1e-13·λ_max (float64 eigvalsh of both) — a random Gram matrix, a graded one (λ from 1 to
     1e-16), rank 3, repeated eigenvalues, and zero (D = E = 0 exactly)."""
     import numpy as np
 
-    from gdnviz.gpu.cuda_emul import Emulated
+    from tests.support.cuda_emul import Emulated
 
     g = torch.Generator().manual_seed(n)
     A = torch.randn(5, n, n, generator=g, dtype=torch.float64)

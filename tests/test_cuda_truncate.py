@@ -2,7 +2,7 @@
 
 Where it runs:
 
-* CPU: the kernel's CUDA source compiled with g++ against gdnviz.gpu.cuda_emul (every thread of a block emulated,
+* CPU: the kernel's CUDA source compiled with g++ against tests.support.cuda_emul (every thread of a block emulated,
   barriers and warp shuffles included, shared memory NaN-filled before each block) on states of every battery of
   tests/test_truncate.py — retained energy within 1e-5 of exact, equal to reference_fused's to 1e-9, the output a
   projection of S — plus mixed ranks / shapes / dtypes in one launch, kept and zero states, invalid ranks.
@@ -18,7 +18,8 @@ import pytest
 import torch
 
 from cuda_kernel_checks import compile_log, needs_gxx
-from gdnviz.gpu import cuda_emul, cuda_truncate
+from gdnviz.gpu import cuda_truncate
+from tests.support import cuda_emul
 from gdnviz.gpu.fused_truncate import reference_fused
 from gdnviz.truncate import energy_error, exact_truncate, retained_energy
 from test_truncate import hard_states
@@ -647,7 +648,7 @@ def test_cuda_attempts_certify_gdn_like_states(r, monkeypatch):
 @pytest.mark.gpu
 def test_cuda_kernel_device_ranks_no_sync_and_graph_replay():
     from bench.bench_truncate import gdn_like_states
-    from gdnviz.gpu.cuda_graph import capture
+    from tests.support.cuda_graph import capture
 
     S1 = gdn_like_states(16, 128, 128, seed=50).cuda()
     S2 = gdn_like_states(16, 128, 128, seed=51).cuda()
@@ -691,7 +692,7 @@ def test_cuda_split_launches_equal_the_fused_kernel(monkeypatch):
     SPLIT_MAX_STATES states) give the fused kernel's outputs bit for bit — certified attempts at r = 1, 4, 12, the
     full algorithm at r = 32, per-state ranks with a kept state — and replay from a CUDA graph."""
     from bench.bench_truncate import gdn_like_states
-    from gdnviz.gpu.cuda_graph import capture
+    from tests.support.cuda_graph import capture
 
     S = gdn_like_states(16, 128, 128, seed=52).cuda()
     ranks = torch.tensor([1, 4, 12, 32, 128, 2, 16, 17] * 2, device="cuda", dtype=torch.int32)
@@ -715,7 +716,7 @@ def test_cuda_phased_launch_equals_one_block_per_state(monkeypatch):
     graph (the tickets and counters are zeroed by the captured memset). The first pass's sketch fused into the Gram
     matrix's loop (the default) gives the separate sketch's bits too."""
     from bench.bench_truncate import gdn_like_states
-    from gdnviz.gpu.cuda_graph import capture
+    from tests.support.cuda_graph import capture
 
     S = gdn_like_states(288, 128, 128, seed=71).cuda()
     ranks = torch.tensor([1, 4, 12, 32, 128, 2, 16, 17] * 36, device="cuda", dtype=torch.int32)

@@ -396,7 +396,7 @@ def test_cuda_no_host_sync():
 def test_cuda_graph_capture_and_replay():
     """One layer boundary (16 states, per-state ranks on the device) captured in a CUDA graph; replays on new data
     copied into the static input equal eager calls."""
-    from gdnviz.gpu.cuda_graph import capture
+    from tests.support.cuda_graph import capture
     from gdnviz.gpu.fused_truncate import truncate_fused
 
     S1, S2 = _gdn_batch(16, seed=42), _gdn_batch(16, seed=43)

@@ -356,7 +356,7 @@ def test_cuda_truncation_has_no_host_sync_and_matches_eigh():
 
 @pytest.mark.gpu
 def test_cuda_truncation_can_be_captured_in_a_graph():
-    from gdnviz.gpu.cuda_graph import capture
+    from tests.support.cuda_graph import capture
     from gdnviz.truncate import retained_energy, truncate_states
 
     r = 4

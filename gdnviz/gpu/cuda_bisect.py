@@ -24,7 +24,7 @@ minors against 24.1 ms for the pivots (Triton: 30.2 ms), eigenvalues equal to 4.
 Status: used by ``symeig.eigvalsh_tridiag`` on NVIDIA CUDA builds by default (``GDNVIZ_CUDA_BISECT=0`` keeps the
 Triton kernel); compiled once per (n, device) on first use; if compilation fails ``KERNELS.available`` is False
 and the Triton kernel is used. ``tests/test_cuda_bisect.py`` pins it to float64 ``eigvalsh`` on CPU (its source run
-through ``gdnviz.gpu.cuda_emul``) and to the Triton kernel on CUDA.
+through ``tests.support.cuda_emul``) and to the Triton kernel on CUDA.
 """
 from __future__ import annotations
 

@@ -33,7 +33,7 @@ cases (1.14–1.40× the torch path), energy error ≤ 2.5e-8 (the smem form's, 
 
 Compiled with ``torch.cuda._compile_kernel`` (NVRTC, bundled with CUDA builds of PyTorch; no ``nvcc`` needed), once
 per (R, device), on first use — call it once outside a CUDA-graph capture (``truncate_states``' callers do: the
-first window of ``gdnviz.gpu.scan_graph`` and ``gdnviz.gpu.cuda_graph.capture`` run eagerly first). The launch
+first window of ``gdnviz.gpu.scan_graph`` and ``tests.support.cuda_graph.capture`` run eagerly first). The launch
 goes to the current stream, so graphs capture it. If compilation fails (no NVRTC, an unsupported GPU),
 ``KERNELS.available`` is False with the reason in ``KERNELS.reason`` and ``gdnviz.truncate`` keeps its torch path.
 
@@ -42,7 +42,7 @@ Status: used by ``gdnviz.truncate._cholqr`` on CUDA for float64 ``[N, 64|128, 32
 ``=smem`` picks the shared-memory form, ``=1`` or ``=shfl`` the default form.
 Accuracy: same definition as the torch path, other summation order; the CUDA tests in tests/test_cuda_cholqr.py pin
 it to ``truncate._cholqr`` (1e-12 relative on well-conditioned blocks) and keep the 1e-5 energy criterion inside
-``truncate_states``; on CPU the same source runs through ``gdnviz.gpu.cuda_emul`` (g++, CUDA's threads emulated)
+``truncate_states``; on CPU the same source runs through ``tests.support.cuda_emul`` (g++, CUDA's threads emulated)
 against the same criteria, both forms bit for bit equal.
 """
 from __future__ import annotations

@@ -38,7 +38,7 @@ with NVRTC once per (n, device) on first use (outside a CUDA-graph capture); if 
 unsupported GPU, too little shared memory), ``KERNELS.available`` is False (reason in ``KERNELS.reason``) and the
 Triton kernel is used. ``tests/test_cuda_tridiag.py`` pins its singular values to float64 ``torch.linalg.svdvals``
 and to the Triton path's on CUDA; on CPU the source is compiled for sm_90 where an NVRTC library is found, and run
-through ``gdnviz.gpu.cuda_emul`` (g++ and an emulation of CUDA's threads), whose tridiagonal keeps G's eigenvalues.
+through ``tests.support.cuda_emul`` (g++ and an emulation of CUDA's threads), whose tridiagonal keeps G's eigenvalues.
 """
 from __future__ import annotations
 

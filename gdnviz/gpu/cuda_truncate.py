@@ -93,7 +93,7 @@ r = 4 attempt from 277,718 to 208,672 cycles (−25%) and the r = 12 one from 70
 0.307 / 0.688 / 0.984 / 2.203 ms at r = 1 / 4 / 12 / 32 and 16 states 0.113 ms at r = 1 and 4. Running the Jacobi
 rounds of 16 columns in one warp made them 2.6× slower (reverted).
 
-Verified where: on CPU, the same source compiled with g++ against ``gdnviz.gpu.cuda_emul`` (every thread of a block
+Verified where: on CPU, the same source compiled with g++ against ``tests.support.cuda_emul`` (every thread of a block
 as a user-level context, barriers and warp shuffles emulated, shared memory NaN-filled) equals ``reference_fused``
 on tests/test_truncate.py's batteries (tests/test_cuda_truncate.py; the FMA build, and the tensor-core build with
 ``mma.sync`` emulated from warp collectives against it); NVRTC compiles both builds for sm_90 (spills only for 32
@@ -517,7 +517,7 @@ def _attempt_tables(device: torch.device) -> dict[int, torch.Tensor]:
 def emulate(X: torch.Tensor, ranks, iters: int | None = None, attempts: bool | None = None, info: bool = False,
             concurrent: int = 4, dmma: bool = False, split: bool = False, counters: bool = False,
             phased: int = 0):
-    """The same launches of the same kernel source run on the CPU through ``gdnviz.gpu.cuda_emul`` (tests; needs
+    """The same launches of the same kernel source run on the CPU through ``tests.support.cuda_emul`` (tests; needs
     ``g++``): ``X [N, K, V]`` float32/float64, ``ranks`` an int or N ints (run as device-side ranks: no attempts).
     ``concurrent`` blocks run at once, in lockstep by barrier phases, so a block writing into another block's part of
     the scratch buffer changes the answers here as it did on the H200 (eighth session). Returns the
@@ -530,7 +530,7 @@ def emulate(X: torch.Tensor, ranks, iters: int | None = None, attempts: bool | N
     ``phased`` (2 or 3): the full algorithm's launch as ``PHASED`` with that many thread blocks per state (tickets, the hand-over buffer and
     counters), whatever the rank and the number of states (not with ``split`` or ``counters``). Slow (~0.1–1 s per
     state and launch)."""
-    from gdnviz.gpu.cuda_emul import Emulated
+    from tests.support.cuda_emul import Emulated
     from gdnviz.gpu.fused_truncate import _constants
 
     N, K, V = X.shape

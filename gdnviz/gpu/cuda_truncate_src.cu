@@ -2,7 +2,7 @@
 // The algorithm of gdnviz.gpu.fused_truncate (reference_fused): see gdnviz/gpu/cuda_truncate.py for the contract.
 // Placeholders replaced by the Python side: @K@ (rows of a state), @V@ (columns), @T@ (float or double), @QB@ (block
 // width q: 32, or 16 for the small certified attempt).
-// Written for gdnviz.gpu.cuda_emul too: dynamic shared memory only, barriers reached by every thread.
+// Written for tests.support.cuda_emul too: dynamic shared memory only, barriers reached by every thread.
 #define K_ @K@
 #define V_ @V@
 #define M_ (K_ < V_ ? K_ : V_)
@@ -114,7 +114,7 @@ __device__ __forceinline__ double trace_sm() {
 // GDNVIZ_DMMA (the default on GPUs): the Gram matrix, the products G X, the sketch S Omega and the deflation's
 // U Y^T + Y U^T on the float64 tensor cores,
 // mma.sync.aligned.m8n8k4.row.col.f64 — D (8x8) += A (8x4) B (4x8), each lane holding A[lane/4][lane%4],
-// B[lane%4][lane/4] and D[lane/4][2(lane%4) + {0, 1}]. gdnviz.gpu.cuda_emul defines dmma_m8n8k4 from warp shuffles.
+// B[lane%4][lane/4] and D[lane/4][2(lane%4) + {0, 1}]. tests.support.cuda_emul defines dmma_m8n8k4 from warp shuffles.
 #define RT (K_ / 64)  // 8-row tiles of G per warp (8 warps cover K_ rows)
 #define GSL (K_ == 128 ? 9 : K_ / 8)  // lower-triangle items per warp (lower_items)
 #define SG 20         // stride of the Gram's 16-column staging rows: a fragment's 8 rows x 4 columns, 2 wavefronts
