@@ -73,3 +73,8 @@ class WorkerCrashed(GDNVizError):
 
 class JobCancelled(GDNVizError):
     """The user cancelled a running job."""
+
+
+# --- settings ------------------------------------------------------------------------------------
+class BadSetting(GDNVizError):
+    """An environment variable of ``gdnviz.settings`` holds a value its kind cannot parse."""
