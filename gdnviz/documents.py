@@ -18,21 +18,18 @@ import os
 from dataclasses import dataclass
 from pathlib import Path
 
+from gdnviz import settings
 from gdnviz.errors import DocumentTooLong, EmptyDocument, NotText
 
 SAMPLES_DIR = Path(__file__).resolve().parent / "assets" / "samples"
-#: Default per-document token limit (override with the environment variable GDNVIZ_MAX_TOKENS).
-DEFAULT_MAX_TOKENS = 32768
 #: Bytes inspected for NUL bytes / control characters when deciding whether an upload is binary.
 _SNIFF = 8192
 _TEXT_CONTROL = {9, 10, 12, 13, 27}  # tab, newline, form feed, carriage return, escape
 
 
 def max_tokens_default() -> int:
-    try:
-        return max(1, int(os.environ.get("GDNVIZ_MAX_TOKENS", DEFAULT_MAX_TOKENS)))
-    except ValueError:
-        return DEFAULT_MAX_TOKENS
+    """The per-document token limit the app starts with (``GDNVIZ_MAX_TOKENS``, ``gdnviz.settings``)."""
+    return settings.get("GDNVIZ_MAX_TOKENS")
 
 
 @dataclass(frozen=True)

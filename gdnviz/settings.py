@@ -5,7 +5,7 @@ setting's kind; unset or empty means the default. Kinds:
 
 - ``text``: the value, stripped;
 - ``path``: a folder, ``~`` expanded (``None`` when unset and the default is empty);
-- ``path_or_off``: like ``path``, but ``0`` turns the feature off (``None``);
+- ``path_or_off``: like ``path``, but ``0`` turns the feature off (``False``);
 - ``int`` / ``float``: a number, at least ``minimum``;
 - ``flag``: ``1``/``true``/``yes``/``on`` or ``0``/``false``/``no``/``off`` (any case).
 
@@ -75,7 +75,7 @@ def get(name: str):
         return value
     if s.kind in ("path", "path_or_off"):
         if s.kind == "path_or_off" and value == "0":
-            return None
+            return False
         return Path(value).expanduser() if value else None
     if s.kind == "flag":
         low = value.lower()

@@ -32,6 +32,8 @@ from typing import Any, Iterable
 
 import diskcache
 
+from gdnviz import settings
+
 ROOT = Path(__file__).resolve().parent.parent
 MEMO_MAGIC = b"GDNV1"
 #: A worker whose heartbeat is older than this (seconds) is considered gone (its pid is checked too).
@@ -42,8 +44,8 @@ TERMINAL = ("done", "failed", "cancelled")
 
 def default_cache_dir() -> Path:
     """``$GDNVIZ_CACHE_DIR`` if set, else ``cache/`` at the repository root."""
-    env = os.environ.get("GDNVIZ_CACHE_DIR")
-    return Path(env).expanduser().resolve() if env else ROOT / "cache"
+    folder = settings.get("GDNVIZ_CACHE_DIR")
+    return folder.resolve() if folder else ROOT / "cache"
 
 
 def content_hash(obj: Any) -> str:
@@ -98,7 +100,7 @@ class Store:
         self.dir = Path(directory).expanduser().resolve() if directory else default_cache_dir()
         self.dir.mkdir(parents=True, exist_ok=True)
         if memo_size_gb is None:
-            memo_size_gb = float(os.environ.get("GDNVIZ_MEMO_GB", "20"))
+            memo_size_gb = settings.get("GDNVIZ_MEMO_GB")
         self.queue = diskcache.Deque(directory=str(self.dir / "queue"))
         self.jobs = diskcache.Cache(str(self.dir / "jobs"), eviction_policy="none", timeout=60)
         self.memo = diskcache.Cache(str(self.dir / "memo"), size_limit=int(memo_size_gb * 2 ** 30),

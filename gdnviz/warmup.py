@@ -23,10 +23,11 @@ On CPU nothing is compiled or tuned, so ``needs_warm_up`` is False and loading s
 from __future__ import annotations
 
 import logging
-import os
 import time
 
 import torch
+
+from gdnviz import settings
 
 log = logging.getLogger(__name__)
 SEGMENT = 256
@@ -36,7 +37,7 @@ SEGMENTS = 16  # one CUDA-graph window at L = 256
 def needs_warm_up(lm) -> bool:
     """True for models whose GDN layers run fla's Triton kernels (CUDA): their first calls compile and autotune.
     ``GDNVIZ_WARMUP=0`` in the environment turns the warm-up off."""
-    if os.environ.get("GDNVIZ_WARMUP", "1") == "0":
+    if not settings.get("GDNVIZ_WARMUP"):
         return False
     return lm.info.kernel_path == "fla" and torch.device(lm.device).type == "cuda"
 

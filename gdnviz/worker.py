@@ -27,6 +27,7 @@ import threading
 import time
 import traceback
 
+from gdnviz import settings
 from gdnviz.store import HEARTBEAT_EVERY, Store, pid_alive
 
 log = logging.getLogger("gdnviz.worker")
@@ -152,15 +153,15 @@ class Worker:
         """Test-only fault injection (see the module docstring)."""
         if kind == "inspect":
             return
-        delay = os.environ.get("GDNVIZ_TEST_JOB_DELAY")
+        delay = settings.get("GDNVIZ_TEST_JOB_DELAY")
         if delay:
-            time.sleep(float(delay))
-        code = os.environ.get("GDNVIZ_TEST_CRASH")
+            time.sleep(delay)
+        code = settings.get("GDNVIZ_TEST_CRASH")
         if code:
             log.warning("GDNVIZ_TEST_CRASH: exiting with code %s mid-job", code)
             logging.shutdown()
-            os._exit(int(code))
-        if os.environ.get("GDNVIZ_TEST_OOM"):
+            os._exit(code)
+        if settings.get("GDNVIZ_TEST_OOM"):
             import torch
 
             raise torch.cuda.OutOfMemoryError(

@@ -25,6 +25,8 @@ import threading
 
 import torch
 
+from gdnviz import settings
+
 #: Bump when the file layout below changes.
 _FORMAT = b"gdnviz-cubin-1\n"
 
@@ -38,11 +40,11 @@ def env_switch(env_name: str, default_on: bool) -> bool:
 
 def cache_dir() -> str | None:
     """The on-disk kernel cache's folder, or None when ``GDNVIZ_KERNEL_CACHE=0``."""
-    env = os.environ.get("GDNVIZ_KERNEL_CACHE", "").strip()
-    if env == "0":
+    folder = settings.get("GDNVIZ_KERNEL_CACHE")
+    if folder is False:
         return None
-    if env:
-        return env
+    if folder:
+        return str(folder)
     base = os.environ.get("XDG_CACHE_HOME") or os.path.join(os.path.expanduser("~"), ".cache")
     return os.path.join(base, "gdnviz", "cuda_kernels")
 

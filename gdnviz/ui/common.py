@@ -31,6 +31,7 @@ from types import SimpleNamespace
 import pandas as pd
 import streamlit as st
 
+from gdnviz import settings
 from gdnviz.store import Store, TERMINAL, default_cache_dir
 from gdnviz.ui.worker_client import WorkerHandle, make_handle
 
@@ -46,10 +47,7 @@ PAGES = {
 def _poll_seconds() -> float | None:
     """Seconds between polls of a running job (``$GDNVIZ_POLL_SECONDS``, default 0.5; 0 turns polling off, as the
     AppTest suite does: it reruns pages itself)."""
-    try:
-        v = float(os.environ.get("GDNVIZ_POLL_SECONDS", "0.5"))
-    except ValueError:
-        v = 0.5
+    v = settings.get("GDNVIZ_POLL_SECONDS")
     return v if v > 0 else None
 
 DEMO_DIR = Path(__file__).resolve().parent.parent / "assets" / "demo"
@@ -132,7 +130,7 @@ def persist_widgets() -> None:
 # =============================================================================================================
 def default_model() -> str:
     """``$GDNVIZ_DEFAULT_MODEL`` (a local folder, an org/name in the HF cache, or "demo"), else "demo"."""
-    return os.environ.get("GDNVIZ_DEFAULT_MODEL", "").strip() or "demo"
+    return settings.get("GDNVIZ_DEFAULT_MODEL")
 
 
 def demo_installed() -> bool:

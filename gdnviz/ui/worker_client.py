@@ -19,6 +19,7 @@ import threading
 import time
 from pathlib import Path
 
+from gdnviz import settings
 from gdnviz.store import ROOT, Store, describe_exit, pid_alive
 
 
@@ -105,7 +106,7 @@ class WorkerHandle:
 
 
 def worker_enabled() -> bool:
-    return os.environ.get("GDNVIZ_NO_WORKER", "").strip().lower() not in ("1", "true", "yes")
+    return not settings.get("GDNVIZ_NO_WORKER")
 
 
 def make_handle(store: Store) -> WorkerHandle:
