@@ -1,16 +1,18 @@
-"""Capture of a long document vs a plain prefill of the same tokens, in the same run.
+"""Capture of a long document vs a plain prefill of the same tokens, in the same run (a guard benchmark).
 
     python bench/bench_capture.py --device cuda --tokens 16384            # H200, Qwen3.5-0.8B shape, bf16
+    python bench/bench_capture.py --device cuda --tokens 131072 --repeats 1 --no-compare   # 128K: time and memory
     python bench/bench_capture.py --device cpu --tokens 4096 --demo-shape # the demo model's shape on CPU
 
-Prints one JSON line per measurement: plain prefill (model.model, no cache, no logits), the naive 256-token
-loop through DynamicCache with state snapshots, gdnviz's capture (segmented run + per-boundary spectra + key
-statistics; on CUDA the one-pass state read-out), on CUDA the same capture forced through the segment loop, and the
-ratios. ``--profile N`` prints the top N ops of one capture.
+Prints one JSON line per measurement: the plain prefill (``model.model``, no cache, no logits: the baseline), the
+segmented run without callbacks, gdnviz's capture (segmented run + per-boundary spectra + key statistics; on CUDA
+the one-pass state read-out with the statistics on a side stream), each with its ratio to the plain prefill; on
+CUDA unless ``--no-compare`` the same capture with inline statistics and through the segment-by-segment loop;
+``--naive`` the 256-token loop through a DynamicCache with state snapshots; peak GPU memory and host RSS.
+``--profile N`` prints the top N ops of one capture; ``--new-lengths`` times the first capture at unseen lengths.
 """
 from __future__ import annotations
 
-import contextlib
 import os
 import sys
 import time
@@ -19,12 +21,12 @@ import numpy as np
 import torch
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-from bench.common import (LAST_TIMES, device_name, emit, env, fla_conv_flip, qwen35_08b_config,  # noqa: E402
-                          median, random_model, run_parser, second_baselines, sync, time_once, timeit)
+from bench.common import (LAST_TIMES, device_name, emit, qwen35_08b_config, random_model,  # noqa: E402
+                          run_parser, sync, timeit)
 
 
 def main():
-    ap = run_parser()
+    ap = run_parser(description=__doc__.split("\n\n")[0].replace("\n", " "))
     ap.add_argument("--dtype", default=None)
     ap.add_argument("--small", action="store_true", help="4 layers / 4 heads: a CPU smoke run")
     ap.add_argument("--demo-shape", action="store_true",
@@ -36,17 +38,6 @@ def main():
     ap.add_argument("--profile", type=int, default=0, help="print the top N ops of one capture (torch.profiler)")
     ap.add_argument("--no-compare", action="store_true",
                     help="skip the inline-statistics and segment-loop captures (long documents: time and memory only)")
-    ap.add_argument("--blocked-ab", action="store_true",
-                    help="also the capture with GDNVIZ_KEYCONE_BLOCKED=1 (the blocked key-cone sums)")
-    ap.add_argument("--fla-conv-ab", action="store_true",
-                    help="also the plain prefill with GDNVIZ_FLA_CONV=all (fla's causal_conv1d instead of "
-                         "transformers' PyTorch fallback), a second baseline every capture row is also divided by, "
-                         "and the capture with the other convolution than the default")
-    ap.add_argument("--env-ab", action="append", default=[],
-                    help="NAME=VALUE[,NAME=VALUE...]: the capture again with these environment variables set, timed "
-                         "in pairs with the default capture (default, switched; --repeats pairs), so the two share the "
-                         "process's drift; the row has both medians, the median of the pairs' ratios and how far the "
-                         "results moved; repeatable")
     args = ap.parse_args()
 
     from gdnviz import runner
@@ -81,7 +72,6 @@ def main():
     t_plain = timeit(plain, dev, repeats=args.repeats)
     plain_times = [round(x, 4) for x in LAST_TIMES]  # the spread: captures of identical settings differ by ~15 ms
     emit(what="plain_prefill", seconds=t_plain, **base)
-    ratios = second_baselines(args.fla_conv_ab, plain, dev, args.repeats, t_plain, base)
 
     def scan_only():
         runner.forward(lm, ids, segment_len=L, keep_hidden=False)
@@ -97,47 +87,11 @@ def main():
     t_cap = timeit(cap, dev, repeats=args.repeats)
     cap_times = [round(x, 4) for x in LAST_TIMES]
     c = holder["c"]
-    emit(what="capture", seconds=t_cap, baseline="plain_prefill", ratio=t_cap / t_plain, **ratios(t_cap),
+    emit(what="capture", seconds=t_cap, baseline="plain_prefill", ratio=t_cap / t_plain,
          seconds_each=cap_times, plain_prefill_seconds_each=plain_times,
          stored_mb=len(c.to_bytes()) / 2**20, boundaries=len(c.positions), backends=c.meta["backends"],
          readouts=c.meta.get("readouts"), pipelined=c.meta.get("pipelined"),
          statistics_seconds=c.meta.get("statistics_seconds"), **base)
-    if args.fla_conv_ab:
-        value, suffix = fla_conv_flip()
-        with env("GDNVIZ_FLA_CONV", value):
-            t_cap_fla = timeit(cap, dev, repeats=args.repeats)
-        emit(what=f"capture_{suffix}", seconds=t_cap_fla, baseline="plain_prefill", ratio=t_cap_fla / t_plain,
-             **ratios(t_cap_fla), **base)
-    if args.blocked_ab:
-        with env("GDNVIZ_KEYCONE_BLOCKED", "1"):
-            t_cap_b = timeit(cap, dev, repeats=args.repeats)
-        emit(what="capture_keycone_blocked", seconds=t_cap_b, baseline="plain_prefill", ratio=t_cap_b / t_plain,
-             **ratios(t_cap_b), **base)
-    for spec in args.env_ab:
-        pairs = [kv.split("=", 1) for kv in spec.split(",") if kv]
-
-        def cap_env():
-            with contextlib.ExitStack() as stack:
-                for k, v in pairs:
-                    stack.enter_context(env(k, v))
-                holder["e"] = capture_document(lm, ids[0].cpu(), L)
-
-        cap_env()  # first call: kernels of the switched path compile here
-        ta, tb = [], []
-        for _ in range(args.repeats):
-            ta.append(time_once(cap, dev))
-            tb.append(time_once(cap_env, dev))
-        a, b = holder["c"], holder["e"]
-        mb, ma = median(tb), median(ta)
-        emit(what="capture_env_" + "_".join(f"{k.removeprefix('GDNVIZ_').lower()}{v}" for k, v in pairs),
-             seconds=mb, default_seconds=ma, paired_ratio=median([y / x for x, y in zip(ta, tb)]),
-             baseline="plain_prefill", ratio=mb / t_plain, default_ratio=ma / t_plain, **ratios(mb),
-             seconds_each=[round(x, 4) for x in tb], default_seconds_each=[round(x, 4) for x in ta],
-             max_rel_sv_diff=float(np.max(np.abs(a.sv - b.sv) / np.maximum(b.sv[..., :1], 1e-30))),
-             max_rel_keycone_diff={n: float(np.nanmax(np.abs(a.keycone[n] - b.keycone[n]) /
-                                                      np.maximum(np.abs(b.keycone[n]), 1e-300)))
-                                   for n in b.keycone},
-             statistics_seconds=b.meta.get("statistics_seconds"), **base)
     if dev.type == "cuda" and not args.no_compare:  # the same capture with each layer's statistics inline
         def cap_inline():
             holder["i"] = capture_document(lm, ids[0].cpu(), L, pipeline=False)

@@ -1,35 +1,25 @@
-"""Decode steps per second: gdnviz's own decode step (``runner.forward`` one token at a time, as sweeps and
-``gdnviz.generate`` decode) vs the same step through a StaticCache, eager and replayed from one CUDA graph — the
-measurement behind issue #6 target 5's next step.
+"""Milliseconds per greedy decode step: gdnviz's decoder vs its runner's DynamicCache step, in the same run.
 
-A retrieval sweep is decode-bound: at 4K tokens 82–93% of a sweep is the 128-token greedy decode (``bench_sweep.py``'s
-``prefill_only`` rows, fourteenth session), ~31 ms per token on the H200, which is host work per layer (the same
-~23-30 ms per step on this project's CPU with tiny widths). transformers 5.17's ``StaticCache`` gives hybrid configs
-``LinearAttentionAndStaticFullAttentionLayer`` layers: the attention KV is written by ``index_copy_`` at a device-side
-length and the GDN conv and recurrent states are updated in place, so one decode step can be captured in a CUDA
-graph and replayed with only the next token, its position and one mask column changed between replays.
+The baseline is gdnviz's runner step through a DynamicCache; against it: gdnviz's ``StaticDecoder``
+(``gdnviz.static_decode``: what ``gdnviz.generate`` and sweeps run on CUDA), eager and replayed from a CUDA graph,
+and transformers' own forward through a StaticCache (eager and graphed, no gdnviz) for reference.
 
 Rows (``--device cuda``: the 0.8B shape, random weights, bf16; ``--device cpu``: a 24-layer model of tiny widths,
-float32, without the graph):
+float32, without the graphs):
 
 * ``decode_runner``: ms per step, gdnviz's runner through the run's DynamicCache (the baseline; its greedy tokens are
   fed to every other form, so the logits compare step by step);
-* ``decode_gdnviz_static`` / ``decode_gdnviz_graph`` (CUDA): gdnviz's ``StaticDecoder`` (``gdnviz.static_decode``,
-  what ``gdnviz.generate`` and sweeps run on CUDA since the fifteenth session), its steps eager / replayed from a CUDA
-  graph, building the StaticCache, warm-up and capture included; logits against the baseline's;
-* ``decode_static``: ms per step, eager, transformers' forward through a StaticCache of ``prompt + steps``
-  positions with explicit position ids and attention-mask columns; ``max_abs_logit_diff`` against the baseline;
-* ``decode_graph``: ms per step replaying one captured StaticCache step (CUDA); its logits against
-  ``decode_static``'s (same cache, same tokens), ``tokens_equal``; ``speedup`` against the baseline;
-* ``decode_dynamic`` (``--dynamic``, last): transformers' own decode through a DynamicCache. On the H200 (fourteenth
-  session, fla's kernels outside any gdnviz run) it hit an illegal memory access at 4K and gave NaN logits at 1K,
-  so it runs last and only when asked.
+* ``decode_gdnviz_static`` / ``decode_gdnviz_graph`` (CUDA): gdnviz's ``StaticDecoder``, its steps eager / replayed
+  from a CUDA graph, building the StaticCache, warm-up and capture included; logits against the baseline's;
+* ``decode_static``: transformers' forward through a StaticCache of ``prompt + steps`` positions with explicit
+  position ids and attention-mask columns, eager; ``max_abs_logit_diff`` against the baseline;
+* ``decode_graph`` (CUDA): one captured StaticCache step of transformers replayed; its logits against
+  ``decode_static``'s (same cache, same tokens), ``tokens_equal``; ``speedup`` against the baseline.
 
-    PYTHONPATH=$PWD python3 bench/bench_decode.py --device cuda --prompt 4096 --batch 1,4 --steps 64
-    PYTHONPATH=$PWD python3 bench/bench_decode.py --device cpu --prompt 256 --batch 1 --steps 8   # CPU smoke run
+    python bench/bench_decode.py --device cuda --prompt 4096 --batch 1,4 --steps 64
+    python bench/bench_decode.py --device cpu --prompt 256 --batch 1 --steps 8   # CPU smoke run
 
-The prompt is random tokens; no truncation: this measures what a graph could save before it is built into
-``gdnviz.probes.batch`` (the StaticCache forms run transformers' layers, not gdnviz's scan).
+The prompt is random tokens; no truncation.
 """
 from __future__ import annotations
 
@@ -103,8 +93,8 @@ class TransformersStaticStep:
     def capture(self) -> None:
         """Warm up on a side stream from the prefill's cache, restore it, capture one step (capturing runs no
         kernel). The restore before the warm-up matters: after a timed run the attention layers' device-side
-        ``cumulative_length`` stands at the cache's end, and the warm-up's writes went past it (``index_copy_():
-        index out of bounds`` on the H200, fourteenth session)."""
+        ``cumulative_length`` stands at the cache's end, and the warm-up's writes would go past it (``index_copy_():
+        index out of bounds`` on the H200)."""
         self.restore()
         s = torch.cuda.Stream()
         s.wait_stream(torch.cuda.current_stream())
@@ -183,23 +173,6 @@ def gdnviz_static_decode(lm, ids: torch.Tensor, tokens: list, graph: bool):
     return logits, (time.perf_counter() - t) / len(tokens) * 1e3, dec.replays
 
 
-def dynamic_decode(model, ids: torch.Tensor, tokens: list):
-    """transformers' own decode through a DynamicCache (fla's kernels on CUDA, outside any gdnviz run), fed
-    ``tokens``; returns (logits, seconds)."""
-    from transformers import DynamicCache
-
-    cache = DynamicCache(config=model.config)
-    model(ids, past_key_values=cache, use_cache=True)
-    sync(ids.device)
-    logits = []
-    t = time.perf_counter()
-    for nxt in tokens:
-        out = model(nxt, past_key_values=cache, use_cache=True)
-        logits.append(out.logits[:, -1].float())
-    sync(ids.device)
-    return logits, time.perf_counter() - t
-
-
 def max_diff(a: list, b: list) -> float:
     return max((x - y).abs().max().item() for x, y in zip(a, b))
 
@@ -210,9 +183,6 @@ def main() -> None:
     ap.add_argument("--prompt", type=int, default=4096, help="prompt tokens")
     ap.add_argument("--batch", default="1,4")
     ap.add_argument("--steps", type=int, default=64)
-    ap.add_argument("--dynamic", action="store_true",
-                    help="also transformers' own decode through a DynamicCache, last (on the H200 it hit an illegal "
-                         "memory access / NaN logits with fla's kernels in the fourteenth session)")
     a = ap.parse_args()
 
     from gdnviz.models import from_model
@@ -261,11 +231,6 @@ def run_batch(lm, dev, g, B: int, a, base: dict) -> None:
          max_abs_logit_diff=max_diff(static, ref), **base)
     if dev.type == "cuda":
         graph_rows(dec, tokens, static, ms_ref, dev, B, base)
-    if a.dynamic:
-        dynamic_decode(model, ids, tokens[:2])
-        dyn, t_dyn = dynamic_decode(model, ids, tokens)
-        emit(what="decode_dynamic", batch=B, ms_per_step=round(t_dyn / a.steps * 1e3, 3),
-             max_abs_logit_diff=max_diff(dyn, ref), **base)
 
 
 def graph_rows(dec: TransformersStaticStep, tokens: list, static: list, ms_ref: float, dev, B: int,

@@ -1,6 +1,6 @@
 """Retrieval prompts per second: batched sweep (B prompts per forward, per-sample truncation) vs one at a time.
 
-Issue #6 target 5. Times ``gdnviz.probes.sweep.run_sweep`` (no memo) on the same prompts with ``batch_size = B``
+Times ``gdnviz.probes.sweep.run_sweep`` (no memo) on the same prompts with ``batch_size = B``
 and ``batch_size = 1``, after one warm-up sweep at the smallest length (kernel compilation and autotuning are not
 counted), and checks that both give the same rows (predictions and scores).
 
@@ -8,7 +8,7 @@ Models: ``--model demo`` (the bundled demo model and its tokenizer) or ``--model
 Qwen3.5-0.8B shape — 24 layers, 18 GDN × 16 heads of 128×128 — with the demo tokenizer's 8,192-token vocabulary
 instead of 248,320, so the prompts are real RULER prompts; its answers are noise, its speed is the model's).
 
-    PYTHONPATH=$PWD python3 bench/bench_sweep.py --device cuda --model 0.8b --lengths 4096,16384 --n 16 --batch 8
+    python bench/bench_sweep.py --device cuda --model 0.8b --lengths 4096,16384 --n 4 --batch 4
     python bench/bench_sweep.py --device cpu --model demo --lengths 1024 --n 2 --batch 2   # CPU smoke run
 
 Every prompt of a (task, length) is run untouched and with every GDN head truncated to each ``--ranks`` value, so
@@ -18,11 +18,14 @@ one answer token (the prefills), and their share of the sweep's time; the rest i
 from __future__ import annotations
 
 import argparse
+import os
+import sys
 import time
 
 import torch
 
-from bench.common import device_name, emit, qwen35_08b_config, random_model, sync
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+from bench.common import device_name, emit, qwen35_08b_config, random_model, sync  # noqa: E402
 
 
 def main():
@@ -92,9 +95,9 @@ def prefill_seconds(lm, task: str, length: int, n: int, batch: int, ranks, dev) 
     """Where a sweep's time goes: the same prompts in the same batches (``run_sweep``'s order: longest first) with
     one answer token, i.e. the truncated prefills and one argmax, untouched and at every rank; the rest of the
     sweep's time is decoding."""
-    from gdnviz.intervene import TruncationSpec
     from gdnviz.probes import ruler
     from gdnviz.probes.batch import batched_greedy
+    from gdnviz.truncation import TruncationSpec
 
     smp = ruler.generate_many(task, lm.tokenizer, length, n, 0, chat_template=None)
     order = sorted(range(len(smp)), key=lambda i: -smp[i].n_tokens)

@@ -1,10 +1,16 @@
-"""Shared helpers for benchmarks: a Qwen3.5-0.8B-shaped random model, timing, JSON lines."""
+"""Shared helpers for the benchmarks: a Qwen3.5-0.8B-shaped random model, the common arguments, timing, JSON lines.
+
+Every benchmark prints one JSON line per measurement (:func:`emit`). Timing: :func:`timeit` (median wall seconds,
+device synchronised around each call) for whole runs, :func:`time_ms` (median milliseconds, CUDA events on a GPU) for
+kernels. ``device`` arguments take a ``torch.device`` or its name.
+"""
 from __future__ import annotations
 
 import contextlib
 import json
 import os
 import platform
+import statistics
 import sys
 import time
 
@@ -31,21 +37,23 @@ def random_model(cfg, device, dtype, seed=0):
     return m.to(dtype=dtype).eval()
 
 
-def run_parser(tokens: int = 16384):
+def run_parser(tokens: int = 16384, description: str | None = None):
     """The arguments every whole-document benchmark takes: ``--device`` (CUDA when there is one), ``--tokens``,
     ``--segment-len``; each script adds its own."""
     import argparse
 
-    ap = argparse.ArgumentParser()
+    ap = argparse.ArgumentParser(description=description)
     ap.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
     ap.add_argument("--tokens", type=int, default=tokens)
     ap.add_argument("--segment-len", type=int, default=256)
     return ap
 
 
-def sync(device):
-    if torch.device(device).type == "cuda":
-        torch.cuda.synchronize()
+def sync(device) -> None:
+    """Wait for ``device``'s queued work (a no-op on CPU)."""
+    dev = torch.device(device)
+    if dev.type == "cuda":
+        torch.cuda.synchronize(dev)
 
 
 #: The sorted wall times of the last :func:`timeit` call, seconds (for benches that report the spread).
@@ -77,6 +85,29 @@ def timeit(fn, device, repeats=3, warmup=1):
     return median(LAST_TIMES)
 
 
+def time_ms(fn, device, warmup: int, repeats: int) -> float:
+    """Median wall time of ``fn()`` in ms after ``warmup`` calls: CUDA events around each call on a GPU,
+    ``time.perf_counter`` on CPU."""
+    dev = torch.device(device)
+    for _ in range(warmup):
+        fn()
+    sync(dev)
+    times = []
+    for _ in range(repeats):
+        if dev.type == "cuda":
+            a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+            a.record()
+            fn()
+            b.record()
+            b.synchronize()
+            times.append(a.elapsed_time(b))
+        else:
+            t = time.perf_counter()
+            fn()
+            times.append((time.perf_counter() - t) * 1e3)
+    return statistics.median(times)
+
+
 def device_name(device) -> str:
     dev = torch.device(device)
     if dev.type == "cuda":
@@ -84,7 +115,8 @@ def device_name(device) -> str:
     return f"cpu ({platform.processor() or platform.machine()}, {torch.get_num_threads()} threads)"
 
 
-def emit(**row):
+def emit(**row) -> None:
+    """Print ``row`` as one JSON line (values JSON cannot hold as their ``str``), with the torch version added."""
     row.setdefault("torch", torch.__version__)
     print(json.dumps(row, default=str), flush=True)
     sys.stdout.flush()
@@ -102,30 +134,3 @@ def env(name: str, value: str):
             os.environ.pop(name, None)
         else:
             os.environ[name] = old
-
-
-def fla_conv_flip() -> tuple[str, str]:
-    """(GDNVIZ_FLA_CONV value, row suffix) for the ``--fla-conv-ab`` rows: the other side of the library's default
-    (``transformers_family.FLA_CONV``: fla's convolution in runs, on since the twelfth session)."""
-    from gdnviz.models import transformers_family
-
-    return ("0", "fallback_conv") if transformers_family.FLA_CONV else ("1", "fla_conv")
-
-
-def plain_prefill_fla_conv(plain, dev, repeats: int, t_plain: float, base: dict) -> float:
-    """Time ``plain`` (a plain prefill) on ``dev`` with fla's short convolution (``GDNVIZ_FLA_CONV=all``), emit the
-    row (with the fields of ``base``), return its seconds: the second baseline of the ``--fla-conv-ab`` rows."""
-    with env("GDNVIZ_FLA_CONV", "all"):
-        t = timeit(plain, dev, repeats=repeats)
-    emit(what="plain_prefill_fla_conv", seconds=t, baseline="plain_prefill", ratio=t / t_plain, **base)
-    return t
-
-
-def second_baselines(fla_conv: bool, plain, dev, repeats: int, t_plain: float, base: dict):
-    """The second baselines a bench divides every row by, as a function ``ratios(seconds) -> {name: ratio}``: with
-    ``fla_conv`` (``--fla-conv-ab``) the plain prefill with fla's convolution (:func:`plain_prefill_fla_conv`, timed
-    and emitted now), else none."""
-    others = {}
-    if fla_conv:
-        others["ratio_to_plain_prefill_fla_conv"] = plain_prefill_fla_conv(plain, dev, repeats, t_plain, base)
-    return lambda t: {k: t / v for k, v in others.items()}

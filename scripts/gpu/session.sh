@@ -1,58 +1,54 @@
 #!/usr/bin/env bash
 # One H200 call: the GPU-marked tests + the benchmarks, outputs under $OUT. Each step has its own time limit (env
 # var, seconds; 0 skips the step) so that one slow step cannot starve the others and the sum fits the device tool's
-# 600 s per call. fla's first call at a new shape autotunes for seconds.
+# 600 s per call. fla's first call at a new shape autotunes for seconds. A step whose script is missing is skipped.
 # Device tool: command `[STEP_SECONDS...] bash scripts/gpu/session.sh [TESTS...]`, carry [".whl"], timeout_s 600.
-# Library switches (GDNVIZ_CUDA_CHOLQR=0|smem|shfl, GDNVIZ_CUDA_TRIDIAG=0, ...) set before the command reach every bench.
-# Same-run A/B of the truncation kernel: `env OUT=$OUT/old GDNVIZ_CUDA_TRUNCATE_SRC=bench/ab/<old>.cu ... bash $0` then
-# the current tree, in one device call (bench/ab/ is git-ignored: carry [".whl", "bench/ab"]; bench/RESULTS.md, tenth session).
 # .whl holds flash_linear_attention-0.6.0 and fla_core-0.6.0 (pure-Python wheels; README "GPU"), diskcache (the worker's
 # store, tests/test_warmup.py) and wonderwords (RULER's word lists, bench_sweep.py): `pip download diskcache wonderwords
-# --no-deps -d .whl` (both pure-Python wheels). The fla wheels
-# fill the same fla/ package, so they are unpacked with zipfile rather than `pip --target --upgrade`.
+# --no-deps -d .whl` (both pure-Python wheels). The fla wheels fill the same fla/ package, so they are unpacked with
+# zipfile rather than `pip --target --upgrade`.
 #
-# Steps and their limits (defaults add up to more than 600 s: pick what a call should measure):
+# Steps and their limits (defaults add up to more than 600 s: pick what a call should measure). The guard benchmarks
+# of bench/RESULTS.md are TRUNC, TRUNCRUN (with TRUNCRUN_ARGS="--ranks 4,12,32 --eager-rank 0"), CAPTURE and SPECTRA.
 #   PRECOMPILE_SECONDS (90)     scripts/gpu/precompile.py: gdnviz's NVRTC builds into the on-disk kernel cache, in
-#                               parallel processes (PRECOMPILE_ARGS, e.g. "--profile"), so that
-#                               the steps below read them instead of compiling one after another (7-45 s each)
+#                               parallel processes (PRECOMPILE_ARGS: extra arguments), so that the steps below read
+#                               them instead of compiling one after another (7-45 s each)
 #   GPU_TEST_SECONDS (150)      pytest -m gpu on TESTS (default: the GPU test files below); GPU_TEST_TIMEOUT (100) is
 #                               pytest's limit per test (tests/test_fla_adapter.py is not in the default list: it
 #                               has its own step, FLA_TEST_SECONDS)
 #   FLA_TEST_SECONDS (0)        pytest -m gpu tests/test_fla_adapter.py alone (fla's own GatedDeltaNet models, 16-dim
 #                               heads: fla compiles and autotunes its kernels for them in a cold process; the two fp32
-#                               tests took most of 290 s on a fresh machine, twelfth session, and the bf16 pair more)
-#   TRUNC_SECONDS (100)         bench_truncate.py --quick: one boundary of 288 states (+ fused kernel rows)
-#   TRITON_CHOLQR_SECONDS (0)   bench_truncate.py --quick --triton-cholqr (Cholesky-QR in one Triton launch)
-#   CHOLQR_KERNEL_SECONDS (0)   bench_cholqr.py: truncation with the CUDA Cholesky-QR kernel (shared-memory and
-#                               shuffle forms) vs the torch path, 16 and 288 states, CUDA graphs; the building
-#                               blocks alone (Triton Jacobi, Cholesky-QR torch / CUDA, GEMM)
-#                               (CHOLQR_KERNEL_ARGS: extra arguments, e.g. "--sizes 16")
-#   PHASES_SECONDS (0)          bench_truncate_phases.py: cycles per phase of the fused CUDA truncation kernel
-#                               (its GDNVIZ_PROFILE build), 16 and 288 states, r = 1/4/12/32
-#                               (PHASES_ARGS: e.g. "--attempts --ranks 1,4,12" for the certified attempts)
-#   SPECTRA_SECONDS (0)         bench_spectra.py --candidates (gesvda, CUDA tridiagonalisation, Triton num_warps)
+#                               tests alone can take most of 290 s on a fresh machine)
+#   TRUNC_SECONDS (100)         bench_truncate.py --quick: one boundary of 288 states truncated at r = 1/4/12/32
+#   PHASES_SECONDS (0)          bench_truncate_phases.py: cycles per phase of the CUDA truncation kernel
+#                               (PHASES_ARGS: extra arguments)
+#   SPECTRA_SECONDS (0)         bench_spectra.py: singular values of 288 and 18,432 states (a 16K capture's spectra)
 #   TRUNCRUN_SECONDS (150)      bench_truncated_run.py: 16K tokens, every head truncated at every boundary
 #                               (TRUNCRUN_ARGS: extra arguments, e.g. "--ranks 4 --eager-rank 0 --mixed-ranks 1,4,12,32";
-#                               TRUNCRUN_PROFILE=25 adds a profiler table, which took the step past 70 s three times)
+#                               TRUNCRUN_PROFILE=25 adds a profiler table, which can take the step past 70 s)
 #   CAPTURE_SECONDS (170)       bench_capture.py 16K (pipelined vs inline statistics, segment loop), new lengths
-#                               (110 s ran out after the baseline rows on a fresh machine, sixteenth session; the
-#                               capture alone, without --profile and --new-lengths, fit in a 107 s call with the precompile)
+#                               (110 s can run out after the baseline rows on a fresh machine; the capture alone,
+#                               CAPTURE_ARGS="", fits in about 107 s with the precompile)
 #   CAPTURE128K_SECONDS (90)    bench_capture.py 128K, time and memory only
 #   CAPTURE_STATS_SECONDS (0)   bench_capture_stats.py 16K: the capture's statistics per component, without the model
 #   SWEEP_SECONDS (0)           the demo model's CLI sweep, batch 8 vs 1 (rows compared)
 #   BENCH_SWEEP_SECONDS (90)    bench_sweep.py: prompts/s batched vs one at a time, 0.8B shape, 4K and 16K
 #                               (BENCH_SWEEP_ARGS replaces "--lengths 4096,16384 --n 8 --batch 8")
 #   DEMO_SECONDS (0)            the demo model's capture in two consecutive processes (autotune cache check)
-#   DECODE_SECONDS (0)          bench_decode.py: ms per greedy decode step, gdnviz's runner vs StaticCache vs one step
-#                               replayed from a CUDA graph (DECODE_ARGS replaces "--prompt 4096 --batch 1,4 --steps 64")
+#   DECODE_SECONDS (0)          bench_decode.py: ms per greedy decode step, gdnviz's runner vs its StaticCache decoder,
+#                               eager and replayed from a CUDA graph (DECODE_ARGS replaces "--prompt 4096 --batch 1,4
+#                               --steps 64")
 set -x
 mkdir -p /tmp/site && for w in .whl/*.whl; do python3 -m zipfile -e "$w" /tmp/site; done
 export PYTHONPATH=/tmp/site:$PWD PYTHONUNBUFFERED=1
 nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv
 python3 -c "import torch, transformers, triton, fla; print(torch.__version__, transformers.__version__, triton.__version__, fla.__version__)"
 on() { [ "${1:-0}" != 0 ]; }
-TESTS=${*:-tests/test_cuda_truncate.py tests/test_cuda_cholqr.py tests/test_cuda_tridiag.py tests/test_cuda_bisect.py tests/test_scan_graph.py tests/test_fused_truncate.py tests/test_gpu_runner.py tests/test_qk_norm.py tests/test_fla_conv.py tests/test_analysis.py tests/test_keycone_kernel.py tests/test_capture.py tests/test_static_decode.py tests/test_jacobi.py tests/test_truncate.py tests/test_symeig.py tests/test_kernels_vs_reference.py}
-TESTS=$(for t in $TESTS; do [ -e "${t%%::*}" ] && echo "$t"; done)  # in the order given (pytest keeps it)
+# a step runs when its limit is not 0 and its script exists (bench scripts come and go; the call goes on)
+has() { [ -e "$1" ] || { echo "skipped: $1 is missing"; false; }; }
+# the default GPU test files; the globs pick up the truncation package's test files, whatever their names
+TESTS=${*:-tests/test_truncation*.py tests/test_cuda_truncate.py tests/test_fused_truncate.py tests/test_truncate.py tests/test_cuda_tridiag.py tests/test_cuda_bisect.py tests/test_symeig.py tests/test_scan_graph.py tests/test_gpu_runner.py tests/test_qk_norm.py tests/test_fla_conv.py tests/test_analysis.py tests/test_capture.py tests/test_static_decode.py tests/test_kernels_vs_reference.py}
+TESTS=$(for t in $TESTS; do [ -e "${t%%::*}" ] && echo "$t"; done)  # in the order given (pytest keeps it); missing files dropped
 if on ${PRECOMPILE_SECONDS:-90}; then
   timeout ${PRECOMPILE_SECONDS:-90} python3 scripts/gpu/precompile.py ${PRECOMPILE_ARGS:-} 2>&1 | tail -3
 fi
@@ -66,34 +62,26 @@ if on ${FLA_TEST_SECONDS:-0}; then
       tests/test_fla_adapter.py > $OUT/gpu_tests_fla.log 2>&1; echo "pytest rc=$?" >> $OUT/gpu_tests_fla.log
   grep -E "PASSED|FAILED|ERROR|rc=|cuda-vs-cpu|bf16 hybrid" $OUT/gpu_tests_fla.log | cut -c1-300
 fi
-if on ${TRUNC_SECONDS:-100}; then
+if on ${TRUNC_SECONDS:-100} && has bench/bench_truncate.py; then
   timeout ${TRUNC_SECONDS:-100} python3 bench/bench_truncate.py --device cuda --quick > $OUT/bench_truncate.log 2>&1
   grep "^{" $OUT/bench_truncate.log | cut -c1-400
 fi
-if on ${TRITON_CHOLQR_SECONDS:-0}; then  # the same with every Cholesky-QR in one Triton launch (gdnviz.gpu.cholqr)
-  timeout ${TRITON_CHOLQR_SECONDS} python3 bench/bench_truncate.py --device cuda --quick --no-fused --triton-cholqr \
-      > $OUT/bench_truncate_triton_cholqr.log 2>&1; grep "cuda_graph\|summary" $OUT/bench_truncate_triton_cholqr.log | cut -c1-400
-fi
-if on ${CHOLQR_KERNEL_SECONDS:-0}; then
-  timeout ${CHOLQR_KERNEL_SECONDS} python3 bench/bench_cholqr.py --device cuda ${CHOLQR_KERNEL_ARGS:-} > $OUT/bench_cholqr.log 2>&1
-  grep '^{' $OUT/bench_cholqr.log | cut -c1-300
-fi
-if on ${PHASES_SECONDS:-0}; then
+if on ${PHASES_SECONDS:-0} && has bench/bench_truncate_phases.py; then
   timeout ${PHASES_SECONDS} python3 bench/bench_truncate_phases.py --device cuda ${PHASES_ARGS:-} > $OUT/bench_truncate_phases.log 2>&1
   grep '^{' $OUT/bench_truncate_phases.log | cut -c1-420
 fi
-if on ${SPECTRA_SECONDS:-0}; then
-  timeout ${SPECTRA_SECONDS} python3 bench/bench_spectra.py --device cuda --candidates 2>&1 | tee $OUT/bench_spectra.jsonl
+if on ${SPECTRA_SECONDS:-0} && has bench/bench_spectra.py; then
+  timeout ${SPECTRA_SECONDS} python3 bench/bench_spectra.py --device cuda 2>&1 | tee $OUT/bench_spectra.jsonl
 fi
 if on ${TRUNCRUN_SECONDS:-150}; then
   timeout ${TRUNCRUN_SECONDS:-150} python3 bench/bench_truncated_run.py --device cuda --tokens 16384 --profile ${TRUNCRUN_PROFILE:-0} ${TRUNCRUN_ARGS:-} \
       > $OUT/bench_truncated_run.log 2>&1; grep '^{' $OUT/bench_truncated_run.log | cut -c1-400
 fi
 if on ${CAPTURE_SECONDS:-170}; then
-  timeout ${CAPTURE_SECONDS:-170} python3 bench/bench_capture.py --device cuda --tokens 16384 --repeats 3 --profile 25 \
-      --new-lengths 3000,7777,20000 > $OUT/bench_capture.log 2>&1; grep '^{' $OUT/bench_capture.log | cut -c1-400
+  timeout ${CAPTURE_SECONDS:-170} python3 bench/bench_capture.py --device cuda --tokens 16384 --repeats 3 \
+      ${CAPTURE_ARGS---profile 25 --new-lengths 3000,7777,20000} > $OUT/bench_capture.log 2>&1; grep '^{' $OUT/bench_capture.log | cut -c1-400
 fi
-if on ${CAPTURE_STATS_SECONDS:-0}; then
+if on ${CAPTURE_STATS_SECONDS:-0} && has bench/bench_capture_stats.py; then
   timeout ${CAPTURE_STATS_SECONDS} python3 bench/bench_capture_stats.py --device cuda --tokens 16384 \
       > $OUT/bench_capture_stats.log 2>&1; grep '^{' $OUT/bench_capture_stats.log | cut -c1-300
 fi
@@ -119,7 +107,7 @@ if on ${BENCH_SWEEP_SECONDS:-90}; then
   timeout ${BENCH_SWEEP_SECONDS:-90} python3 bench/bench_sweep.py --device cuda --model 0.8b \
       ${BENCH_SWEEP_ARGS:---lengths 4096,16384 --n 8 --batch 8} > $OUT/bench_sweep.log 2>&1; grep '^{' $OUT/bench_sweep.log | cut -c1-400
 fi
-# what a CUDA graph of the decode step would save (sweeps are decode-bound; issue #6 target 5)
+# ms per greedy decode step (sweeps are decode-bound)
 if on ${DECODE_SECONDS:-0}; then
   timeout ${DECODE_SECONDS} python3 bench/bench_decode.py --device cuda ${DECODE_ARGS:---prompt 4096 --batch 1,4 --steps 64} \
       > $OUT/bench_decode.log 2>&1; grep '^{' $OUT/bench_decode.log | cut -c1-400

@@ -1,8 +1,8 @@
 """Whether the decode step of the MoE families (Qwen3.5-MoE, Qwen3-Next) captures into a CUDA graph, per dtype and
-experts implementation (``gdnviz.static_decode``; sixteenth session: the float32 tiny models fell back to eager
-static steps with "Cannot copy between CPU and CUDA tensors during CUDA graph capture").
+experts implementation (``gdnviz.static_decode``). Rerun it after a transformers upgrade: on transformers 5.17 (H200,
+2026-12-01) bf16 captured with every implementation but ``eager``, float32 only with ``batched_mm``.
 
-    python3 bench/study_moe_capture.py [--device cpu]   # one JSON line per (family, dtype, experts implementation)
+    python bench/studies/study_moe_capture.py [--device cpu]   # one JSON line per (family, dtype, experts)
 
 Tiny random models (tests/tiny_models.py), a batch of 3 left-padded prompts, 12 decode steps, no truncation. Each
 line: the experts implementation the model resolved to, how many steps replayed, the decoder's reason (None =
@@ -10,25 +10,24 @@ captured), and whether the replayed logits equal the eager static steps' bit for
 """
 from __future__ import annotations
 
+import argparse
 import json
 import os
 import sys
 
-HERE = os.path.dirname(os.path.abspath(__file__))
-sys.path.insert(0, os.path.dirname(HERE))
-sys.path.insert(0, os.path.join(os.path.dirname(HERE), "tests"))
-
-import torch  # noqa: E402
-
-import tiny_models  # noqa: E402
-from gdnviz import static_decode  # noqa: E402
-from gdnviz.models import from_model  # noqa: E402
-from gdnviz.probes.batch import batched_forward  # noqa: E402
+ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+sys.path.insert(0, ROOT)
+sys.path.insert(0, os.path.join(ROOT, "tests"))
 
 STEPS = 12
 
 
 def _run(lm, prompts, graph: bool):
+    import torch
+
+    from gdnviz import static_decode
+    from gdnviz.probes.batch import batched_forward
+
     out, ctx, mask, _ = batched_forward(lm, prompts, segment_len=16, use_cache=True, logits_positions="last",
                                         keep_hidden=False)
     dec = static_decode.StaticDecoder(lm, ctx, out.cache, STEPS, attention_mask=mask, positions=mask.sum(-1),
@@ -41,7 +40,16 @@ def _run(lm, prompts, graph: bool):
 
 
 def main() -> None:
-    device = sys.argv[sys.argv.index("--device") + 1] if "--device" in sys.argv else "cuda"  # cpu: a smoke run
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--device", default="cuda", help="cuda (the study) or cpu (a smoke run: eager steps only)")
+    device = ap.parse_args().device
+
+    import tiny_models
+    import torch
+
+    from gdnviz import static_decode
+    from gdnviz.models import from_model
+
     g = torch.Generator().manual_seed(0)
     prompts = [torch.randint(0, 97, (n,), generator=g).tolist() for n in (37, 20, 9)]
     for family in ("qwen3_5_moe", "qwen3_next"):
