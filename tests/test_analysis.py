@@ -513,7 +513,7 @@ def test_keycone_summary_short_windows_skip_early_chunks():
 
 def test_keycone_summary_leaves_its_inputs_alone():
     """float64 keys are used without a copy inside keycone_sums: nothing may write into them (a chunk scaled in
-    place by the decay weights once did, in a draft)."""
+    place by the decay weights would)."""
     rng = np.random.default_rng(5)
     k = torch.from_numpy(unit(rng.standard_normal((50, 3, 8))))
     g = torch.from_numpy(np.log(rng.uniform(0.5, 0.99, (50, 3))))

@@ -55,9 +55,8 @@ __all__ = [
 
 #: Tokens per float64 chunk in the sums over T.
 CHUNK = 2048
-#: Tokens per chunk of :func:`keycone_sums` on CUDA: each chunk costs ~30 kernel launches of host time, the cost
-#: that dominated a capture's statistics at 2048 (83 ms of host time for 16K tokens × 18 layers, H200); a float64
-#: chunk of 16 heads × 128 is 268 MB, and a few live at once.
+#: Tokens per chunk of :func:`keycone_sums` on CUDA: each chunk costs ~30 kernel launches of host time
+#: (docs/kernels-spectra.md); a float64 chunk of 16 heads × 128 is 268 MB, and a few live at once.
 CUDA_CHUNK = 16384
 #: Tokens per partial product of :func:`keycone_sums`' sums over tokens on CUDA (0: one product per chunk). A sum
 #: ``Σ_t x_t x_tᵀ`` over a 16K-token chunk is 16 float64 GEMMs of 128 × 128 outputs, each reducing over 16K tokens:
@@ -212,8 +211,8 @@ def key_covariance_erank(k: Any, g: Any, horizon: Any = None, chunk: int = CHUNK
 
 def _suffix_log_decay(g64: torch.Tensor) -> torch.Tensor:
     """``c_t = Σ_{s>t} g_s`` for ``g [T, H]`` (exclusive suffix sums, summed from the end; ``c_{T−1} = 0``)."""
-    # Scanned along the last (contiguous) axis of [H, T]: CUDA's outer-axis scan of [T, H] with H = 16 columns
-    # took 2.9 ms per layer on an H200 for T = 16K (profile in bench/RESULTS.md); the sums are the same.
+    # Scanned along the last (contiguous) axis of [H, T]: CUDA's scan along the outer axis of [T, H] (H = 16
+    # columns) is several times slower (docs/kernels-spectra.md); the sums are the same.
     inclusive = torch.flip(torch.cumsum(torch.flip(g64.T.contiguous(), [1]), 1), [1]).T  # Σ_{s≥t} g_s
     return torch.cat([inclusive[1:], torch.zeros_like(inclusive[:1])], 0)
 
