@@ -1,17 +1,17 @@
 """Where a capture's statistics spend their time, per component, without the model: the library's own statistics
-code (gdnviz.capture.CaptureCallback, gdnviz.statistics) on synthetic inputs of one GDN layer of Qwen3.5-0.8B's shape (16 heads,
-128×128 states, keys unit vectors in bf16, log-decays in float32), each component timed alone (device synchronised,
-median of --repeats), then every layer of a whole capture's statistics with the host assembly at the end.
+code (gdnviz.capture.CaptureCallback, gdnviz.statistics) on synthetic inputs of one GDN layer of Qwen3.5-0.8B's shape
+(16 heads, 128×128 states, unit keys, log-decays in float32), each component timed alone (device synchronised, median
+of --repeats), then every layer of a whole capture's statistics with the host assembly at the end.
 
     python bench/bench_capture_stats.py --device cuda --tokens 16384
 
-One JSON line per component (keys float32, as a capture hands them; ``--key-dtype bfloat16`` otherwise): ms per
-layer, and × the number of GDN layers (18) as ms per capture. Components:
-``keycone_parts`` (the key cone's sums and eigenvalues in a solve of their own), ``keycone_sums`` (the sums alone, as a capture runs them),
-``layer_input`` (that + gates, key mean and samples, and their copies to the host), ``svdvals`` (the boundary states'
-spectra), ``layer_end`` (the spectra with the key cone's matrices' eigenvalues in the same solve, the final state,
-and the copies), ``all_layers`` (both jobs for every layer as a capture launches them, then ``result()``: waiting for the
-GPU and assembling the host arrays), and ``result_assembly`` (``result()``'s host part alone, from
+One JSON line per component (keys float32, as a capture hands them; ``--key-dtype bfloat16`` otherwise): ms per layer,
+and × the number of GDN layers (18) as ms per capture. Components: ``keycone_parts`` (the key cone's sums and
+eigenvalues in a solve of their own), ``keycone_sums`` (the sums alone, as a capture runs them), ``layer_input`` (that
++ gates, key mean and samples, and their copies to the host), ``svdvals`` (the boundary states' spectra),
+``layer_end`` (the spectra with the key cone's matrices' eigenvalues in the same solve, the final state, and the
+copies), ``all_layers`` (both jobs for every layer as a capture launches them, then ``result()``: waiting for the GPU
+and assembling the host arrays), and ``result_assembly`` (``result()``'s host part alone, from
 ``statistics_seconds["results"]``). Compare ``all_layers`` with bench_capture.py's capture minus its run without
 callbacks to see how much of the statistics the forward hides.
 """

@@ -29,16 +29,16 @@ eigenvalues, the boundary states' spectra, the final state) is computed by kerne
 without a single host synchronisation, and copied asynchronously into pinned host buffers. A layer has two jobs: at
 its input the gates, key samples and the key cone's sums (``gdnviz.analysis.keycone.keycone_sums``); at its end the
 boundary states' spectra together with the eigenvalues of the key cone's two matrices per head, in the same kernel
-launches (``gdnviz.statistics.batched_svdvals(extra=...)``), and the final state. As each job finishes, its results are copied out of the pinned buffers
-into the result's arrays by the host while later layers still run; only the key cone's effective ranks (a few
-numbers per head) are finished on the host after the forward. By default (``pipeline=None``)
-the statistics run on a side CUDA stream that waits for the layer's inputs, so they overlap the next layers' forward
-on the GPU; ``pipeline=False`` queues them on the main stream. At most ``PIPELINE_DEPTH`` layers' statistics are in
-flight (the host waits for the oldest beyond that), which bounds the boundary states held on the GPU. The numbers
-are the same either way (the tests compare them). On CPU everything runs inline. ``meta["statistics_seconds"]``
-says where the host's time went: launching each job kind, waiting for the GPU (``waiting``) and filling the host
-arrays (``results``: the copies out of the pinned buffers, mostly during the forward, and the key cone's effective
-ranks at the end). Timings: docs/kernels-spectra.md.
+launches (``gdnviz.statistics.batched_svdvals(extra=...)``), and the final state. As each job finishes, its results
+are copied out of the pinned buffers into the result's arrays by the host while later layers still run; only the key
+cone's effective ranks (a few numbers per head) are finished on the host after the forward. By default
+(``pipeline=None``) the statistics run on a side CUDA stream that waits for the layer's inputs, so they overlap the
+next layers' forward on the GPU; ``pipeline=False`` queues them on the main stream. At most ``PIPELINE_DEPTH`` layers'
+statistics are in flight (the host waits for the oldest beyond that), which bounds the boundary states held on the
+GPU. The numbers are the same either way (the tests compare them). On CPU everything runs inline.
+``meta["statistics_seconds"]`` says where the host's time went: launching each job kind, waiting for the GPU
+(``waiting``) and filling the host arrays (``results``: the copies out of the pinned buffers, mostly during the
+forward, and the key cone's effective ranks at the end). Timings: docs/kernels-spectra.md.
 """
 from __future__ import annotations
 

@@ -120,7 +120,8 @@ def source(n: int) -> str:
 
 def supports(D: torch.Tensor) -> bool:
     """float64 CUDA ``[N, n]`` with n in :data:`SIZES`, on an NVIDIA build."""
-    return D.is_cuda and torch.version.hip is None and D.dim() == 2 and D.dtype == torch.float64 and D.shape[-1] in SIZES
+    return (D.is_cuda and torch.version.hip is None and D.dim() == 2 and D.dtype == torch.float64
+            and D.shape[-1] in SIZES)
 
 
 def kernel(n: int, device: torch.device):
