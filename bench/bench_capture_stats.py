@@ -1,17 +1,17 @@
 """Where a capture's statistics spend their time, per component, without the model: the library's own statistics
-code (gdnviz.capture.CaptureCallback) on synthetic inputs of one GDN layer of Qwen3.5-0.8B's shape (16 heads,
-128×128 states, keys unit vectors in bf16, log-decays in float32), each component timed alone (device synchronised,
-median of --repeats), then every layer of a whole capture's statistics with the host assembly at the end.
+code (gdnviz.capture.CaptureCallback, gdnviz.statistics) on synthetic inputs of one GDN layer of Qwen3.5-0.8B's shape
+(16 heads, 128×128 states, unit keys, log-decays in float32), each component timed alone (device synchronised, median
+of --repeats), then every layer of a whole capture's statistics with the host assembly at the end.
 
     python bench/bench_capture_stats.py --device cuda --tokens 16384
 
-One JSON line per component (keys float32, as a capture hands them; ``--key-dtype bfloat16`` otherwise): ms per
-layer, and × the number of GDN layers (18) as ms per capture. Components:
-``keycone_parts`` (the key cone's sums and eigenvalues), ``keycone_sums`` (the sums alone, as a capture runs them),
-``layer_input`` (that + gates, key mean and samples, and their copies to the host), ``svdvals`` (the boundary states'
-spectra), ``layer_end`` (the spectra with the key cone's matrices' eigenvalues in the same solve, the final state,
-and the copies), ``all_layers`` (both jobs for every layer as a capture launches them, then ``result()``: waiting for the
-GPU and assembling the host arrays), and ``result_assembly`` (``result()``'s host part alone, from
+One JSON line per component (keys float32, as a capture hands them; ``--key-dtype bfloat16`` otherwise): ms per layer,
+and × the number of GDN layers (18) as ms per capture. Components: ``keycone_parts`` (the key cone's sums and
+eigenvalues in a solve of their own), ``keycone_sums`` (the sums alone, as a capture runs them), ``layer_input`` (that
++ gates, key mean and samples, and their copies to the host), ``svdvals`` (the boundary states' spectra),
+``layer_end`` (the spectra with the key cone's matrices' eigenvalues in the same solve, the final state, and the
+copies), ``all_layers`` (both jobs for every layer as a capture launches them, then ``result()``: waiting for the GPU
+and assembling the host arrays), and ``result_assembly`` (``result()``'s host part alone, from
 ``statistics_seconds["results"]``). Compare ``all_layers`` with bench_capture.py's capture minus its run without
 callbacks to see how much of the statistics the forward hides.
 """
@@ -24,7 +24,7 @@ from types import SimpleNamespace
 import torch
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-from bench.common import device_name, emit, env, run_parser, timeit  # noqa: E402
+from bench.common import device_name, emit, run_parser, timeit  # noqa: E402
 
 
 def main():
@@ -33,17 +33,13 @@ def main():
     ap.add_argument("--heads", type=int, default=16)
     ap.add_argument("--dk", type=int, default=128)
     ap.add_argument("--repeats", type=int, default=3)
-    ap.add_argument("--variants", action="store_true", help="also time the eighth session's NaN check of the spectra")
     ap.add_argument("--profile", type=int, default=0, help="CUDA kernels of one keycone_parts call (top N)")
     ap.add_argument("--key-dtype", default="float32",
-                    help="the keys' dtype: float32 as a capture hands them (on_layer_input; before the fourteenth "
-                         "session this bench used bfloat16), or bfloat16")
-    ap.add_argument("--kernel-configs", default="",
-                    help="BK,BT,WARPS[:BK,BT,WARPS...]: also time the key-cone kernel alone with each tile "
-                         "configuration (GDNVIZ_KEYCONE_KERNEL_CFG), float32 and bfloat16 keys")
+                    help="the keys' dtype: float32 as a capture hands them (on_layer_input), or bfloat16")
     args = ap.parse_args()
-    from gdnviz.analysis.keycone import keycone_parts, keycone_sums
-    from gdnviz.capture import CaptureCallback, batched_svdvals
+    from gdnviz.analysis.keycone import keycone_sums
+    from gdnviz.capture import CaptureCallback
+    from gdnviz.statistics import batched_svdvals, keycone_parts
 
     dev = torch.device(args.device)
     T, L, H, K, NL = args.tokens, args.segment_len, args.heads, args.dk, args.layers
@@ -63,54 +59,6 @@ def main():
 
     row("keycone_parts", timeit(lambda: keycone_parts(keys[0], g[0]), dev, args.repeats))
     row("keycone_sums", timeit(lambda: keycone_sums(keys[0], g[0]), dev, args.repeats))  # what a capture runs
-    from gdnviz.analysis import keycone
-
-    def rel(x, y) -> float:
-        """Largest relative difference of the sums C and P of ``x`` from those of ``y``."""
-        return max(float(((x[n] - y[n]).abs().max() / y[n].abs().max().clamp_min(1e-300))) for n in ("C", "P"))
-
-    # A/B: the Triton kernel (keycone.CUDA_KERNEL, left off: the sums read once from the keys) vs the torch form
-    from gdnviz.gpu import keycone_kernel
-
-    if keycone_kernel.available(keys):  # CUDA (or the CPU under TRITON_INTERPRET=1: a smoke run of these rows)
-        row("keycone_sums_kernel", timeit(lambda: keycone_sums(keys[0], g[0], kernel=True), dev, args.repeats))
-        row("keycone_sums_torch", timeit(lambda: keycone_sums(keys[0], g[0], kernel=False), dev, args.repeats))
-        for name, gg in (("short", g[0]), ("all_tokens", torch.zeros_like(g[0]))):  # windows of ~10 tokens / all T
-            emit(what=f"keycone_sums_kernel_vs_torch_{name}_windows",
-                 max_rel_diff=rel(keycone_sums(keys[0], gg, kernel=True), keycone_sums(keys[0], gg, kernel=False)),
-                 ms_kernel=timeit(lambda: keycone_sums(keys[0], gg, kernel=True), dev, args.repeats) * 1e3,
-                 ms_torch=timeit(lambda: keycone_sums(keys[0], gg, kernel=False), dev, args.repeats) * 1e3, **base)
-        for cfg in (c for c in args.kernel_configs.split(":") if c):
-            with env("GDNVIZ_KEYCONE_KERNEL_CFG", cfg):
-                for kd in (torch.float32, torch.bfloat16):
-                    kx = keys[0].to(kd)
-                    ref = keycone_sums(kx, g[0], kernel=False)
-                    emit(what="keycone_kernel_config", config=cfg, keys=str(kd).replace("torch.", ""),
-                         ms_per_layer=timeit(lambda: keycone_sums(kx, g[0], kernel=True), dev, args.repeats) * 1e3,
-                         max_rel_diff=rel(keycone_sums(kx, g[0], kernel=True), ref), **base)
-    split, keycone.CUDA_SPLIT_TOKENS = keycone.CUDA_SPLIT_TOKENS, 0  # A/B: one GEMM per head over all tokens
-    row("keycone_sums_unsplit", timeit(lambda: keycone_sums(keys[0], g[0], kernel=False), dev, args.repeats))
-    a = keycone_sums(keys[0], g[0], kernel=False)
-    keycone.CUDA_SPLIT_TOKENS = split
-    b = keycone_sums(keys[0], g[0], kernel=False)
-    emit(what="keycone_sums_split_vs_unsplit", max_rel_diff=rel(b, a), **base)
-    # A/B: the blocked single-pass form (keycone.CUDA_BLOCKED; left off after the twelfth session's measurement)
-    row("keycone_sums_blocked", timeit(lambda: keycone_sums(keys[0], g[0], blocked=True, kernel=False), dev,
-                                       args.repeats))
-    c = keycone_sums(keys[0], g[0], blocked=True, kernel=False)
-    emit(what="keycone_sums_blocked_vs_default", max_rel_diff=rel(c, b), **base)
-    if args.variants:  # the eighth session's NaN check of the spectra: every entry, then the states copied
-        flat = states[:, 0].reshape(-1, K, K)
-
-        def full_check():
-            from gdnviz.gpu import symeig
-
-            ok = torch.isfinite(flat).all(-1).all(-1)
-            x = torch.where(ok[:, None, None], flat, torch.zeros((), dtype=flat.dtype, device=flat.device))
-            return torch.where(ok[:, None], symeig.svdvals(x), torch.full((), float("nan"), device=flat.device))
-
-        if dev.type == "cuda":  # symeig.svdvals is the CUDA path
-            row("svdvals_entrywise_nan_check", timeit(full_check, dev, args.repeats), states=nb * H)
     if args.profile:
         from torch.profiler import ProfilerActivity, profile
 

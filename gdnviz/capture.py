@@ -27,22 +27,18 @@ Nothing else is kept: no per-token keys, no activations, no logits. For a Qwen3.
 Statistics on the device, copied once (CUDA): every per-layer statistic (gates, key samples, the key cone's sums and
 eigenvalues, the boundary states' spectra, the final state) is computed by kernels launched right after the layer,
 without a single host synchronisation, and copied asynchronously into pinned host buffers. A layer has two jobs: at
-its input the gates, key samples and the key cone's sums (``keycone_sums``); at its end the boundary states' spectra
-together with the eigenvalues of the key cone's two matrices per head, in the same kernel launches
-(``batched_svdvals(extra=...)``: in launches of their own those 32 small eigenproblems took 0.94 ms per layer on an
-H200, ninth session), and the final state. As each job finishes, its results are copied out of the pinned buffers
-into the result's arrays by the host while later layers still run; only the key cone's effective ranks (a few
-numbers per head) are finished on the host after the forward. By default (``pipeline=None``)
-the statistics run on a side CUDA stream that waits for the layer's inputs, so they overlap the next layers' forward
-on the GPU; ``pipeline=False`` queues them on the main stream. At most ``PIPELINE_DEPTH`` layers' statistics are in
-flight (the host waits for the oldest beyond that), which bounds the boundary states held on the GPU. The numbers
-are the same either way (the tests compare them). On CPU everything runs inline. ``meta["statistics_seconds"]``
-says where the host's time went: launching each job kind, waiting for the GPU (``waiting``) and filling the host
-arrays (``results``: the copies out of the pinned buffers, mostly during the forward, and the key cone's effective
-ranks at the end). Before this design (sixth session) the statistics ran on a background thread
-with ~300 synchronous device→host copies and the key cone's eigenvalues on the host: a 16K-token capture took 0.98 s
-(7.4× the prefill) on an H200; 0.32 s (2.39×) in the seventh session, 0.266 s (2.01×) in the ninth
-(bench/RESULTS.md).
+its input the gates, key samples and the key cone's sums (``gdnviz.analysis.keycone.keycone_sums``); at its end the
+boundary states' spectra together with the eigenvalues of the key cone's two matrices per head, in the same kernel
+launches (``gdnviz.statistics.batched_svdvals(extra=...)``), and the final state. As each job finishes, its results
+are copied out of the pinned buffers into the result's arrays by the host while later layers still run; only the key
+cone's effective ranks (a few numbers per head) are finished on the host after the forward. By default
+(``pipeline=None``) the statistics run on a side CUDA stream that waits for the layer's inputs, so they overlap the
+next layers' forward on the GPU; ``pipeline=False`` queues them on the main stream. At most ``PIPELINE_DEPTH`` layers'
+statistics are in flight (the host waits for the oldest beyond that), which bounds the boundary states held on the
+GPU. The numbers are the same either way (the tests compare them). On CPU everything runs inline.
+``meta["statistics_seconds"]`` says where the host's time went: launching each job kind, waiting for the GPU
+(``waiting``) and filling the host arrays (``results``: the copies out of the pinned buffers, mostly during the
+forward, and the key cone's effective ranks at the end). Timings: docs/kernels-spectra.md.
 """
 from __future__ import annotations
 
@@ -58,7 +54,9 @@ import numpy as np
 import torch
 
 from gdnviz import runner
+from gdnviz.analysis.keycone import keycone_finish, keycone_sums
 from gdnviz.errors import EmptyDocument, JobCancelled
+from gdnviz.statistics import batched_svdvals, symmetric_eigvals
 
 CAPTURE_VERSION = "capture-v1"
 KEY_SAMPLE = 256
@@ -138,50 +136,6 @@ class _DeviceJobs:
             self._drain(0)
 
 
-def batched_svdvals(states: torch.Tensor, extra: torch.Tensor | None = None):
-    """Singular values [..., min(K, V)] float64, descending, of states [..., K, V], as the square roots of the
-    eigenvalues of the float64 Gram matrix: the batched kernels of gdnviz.gpu.symeig on CUDA (its CUDA
-    tridiagonalisation and bisection by default, Triton where those are off), LAPACK ``eigvalsh`` on CPU
-    (both 8-200× faster than ``torch.linalg.svdvals``, which tests keep as the reference; absolute error on σ
-    ≈ sqrt(ε_f64)·σ_max, far below the numerical-rank threshold σ_max·128·ε_f32).
-
-    A state with a NaN or inf entry gets NaN singular values (without a host sync): LAPACK raised on it and the GPU
-    kernels returned finite numbers for it. On CUDA (float16/32 states) such a state is found from its Gram matrix's
-    diagonal (a NaN or inf entry makes its row's sum of squares NaN or inf; finite float32 entries cannot overflow it
-    in float64), and the kernels' numbers for it are replaced — two reductions and a copy over the states, the check
-    of the eighth session, took 0.29 ms more per layer of a 16K-token capture on an H200 (ninth session). Elsewhere
-    its Gram matrix is computed from zeros (LAPACK raises on NaN).
-
-    ``extra``: float64 symmetric matrices ``[M, n, n]`` (n = min(K, V)) whose ascending eigenvalues are wanted too;
-    they join the Gram matrices in the same solver call (one launch of each CUDA kernel: a capture's key cone
-    matrices, 32 per layer, took 0.94 ms per layer in launches of their own — latency-bound on 32 SMs — against
-    ~3% of the 1,024 states' solve). Returns ``(sv, eigvals [M, n])`` then, NaN rows where a matrix has NaN/inf
-    (``gdnviz.analysis.keycone.symmetric_eigvals``' contract); else ``sv``."""
-    from gdnviz.gpu import symeig
-
-    shape = states.shape
-    flat = states.reshape(-1, *shape[-2:])
-    N, n = flat.shape[0], min(shape[-2:])
-    if extra is not None:
-        if extra.shape[-2:] != (n, n):
-            raise ValueError(f"extra matrices must be [M, {n}, {n}]; got {tuple(extra.shape)}")
-        A, bad = symeig.finite_symmetric(extra.to(device=flat.device, dtype=torch.float64))
-    if flat.is_cuda and flat.dtype != torch.float64:
-        G = symeig.gram(flat)
-        ok = torch.isfinite(G.diagonal(dim1=-2, dim2=-1)).all(-1)  # [N]
-    else:
-        ok = torch.isfinite(flat).all(-1).all(-1)  # [N]
-        flat = torch.where(ok[:, None, None], flat, torch.zeros((), dtype=flat.dtype, device=flat.device))
-        G = symeig.gram(flat)
-    if extra is not None:
-        G = torch.cat([G, A])
-    lam = symeig.eigvalsh(G)
-    nan = torch.full((), float("nan"), dtype=lam.dtype, device=lam.device)
-    sv = torch.where(ok[:, None], lam[:N].clamp_min(0).sqrt().flip(-1), nan)
-    sv = sv.reshape(*shape[:-2], sv.shape[-1])
-    return sv if extra is None else (sv, torch.where(bad[:, None], nan, lam[N:]))
-
-
 @dataclass
 class CaptureResult:
     """One document's capture; see the module docstring for every field's shape and meaning."""
@@ -253,9 +207,6 @@ class CaptureCallback:
                  cancel: Callable | None = None, pipeline: bool | None = None):
         """pipeline: run each layer's statistics on a side CUDA stream (module docstring); None = yes on CUDA.
         Ignored on CPU, where the statistics run inline."""
-        from gdnviz.analysis import keycone as kc
-
-        self._kc = kc
         self.info = info
         self.T = n_tokens
         self.L = segment_len
@@ -365,7 +316,7 @@ class CaptureCallback:
             self._pos = torch.as_tensor(self.key_sample_pos, device=k0.device)
         pos = self._pos
         self._put("key_sample", li, k0[pos].transpose(0, 1).to(torch.float16))
-        sums = self._kc.keycone_sums(k0, g0)  # C and P's eigenvalues join the layer's spectra (_layer_end_stats)
+        sums = keycone_sums(k0, g0)  # C and P's eigenvalues join the layer's spectra (_layer_end_stats)
         self._put("kc_horizon", li, sums["horizon"])
         self._put("kc_mean_key_norm", li, sums["mean_key_norm"])
         self._kc_mats[li] = torch.cat([sums["C"], sums["P"]])
@@ -399,7 +350,7 @@ class CaptureCallback:
         if mats.shape[-1] == self.n:  # one solve for the states' spectra and the key cone (K = min(K, V))
             sv, lam = batched_svdvals(stack, extra=mats)
         else:
-            sv, lam = batched_svdvals(stack), self._kc.symmetric_eigvals(mats)
+            sv, lam = batched_svdvals(stack), symmetric_eigvals(mats)
         self._put("sv", li, sv.float())
         self._put("kc_cov_eigvals", li, lam[:H])
         self._put("kc_P_eigvals", li, lam[H:])
@@ -414,7 +365,7 @@ class CaptureCallback:
         if not self._host:  # no GDN layer ran (nothing was launched): zeros
             self._out = {k: np.zeros_like(v) for k, v in self._result_arrays().items()}
         h = self._out
-        keycone = self._kc.keycone_finish({name[3:]: h[name] for name in h if name.startswith("kc_")})
+        keycone = keycone_finish({name[3:]: h[name] for name in h if name.startswith("kc_")})
         res = CaptureResult(meta=meta, positions=np.asarray(self.positions, np.int64), sv=h["sv"],
                             final_state=h["final_state"], g=h["g"], beta=h["beta"], key_mean=h["key_mean"],
                             keycone=keycone, key_sample=h["key_sample"], key_sample_pos=self.key_sample_pos)

@@ -424,25 +424,20 @@ def test_keycone_summary_matches_references_per_head_windows(T, chunk):
         assert np.isinf(s["horizon"][2]) and s["key_cov_erank"][2] > 1
 
 
-@pytest.mark.parametrize("chunk, split, blocked", [(300, 0, False), (2048, 0, False), (300, 64, False),
-                                                   (2048, 96, False), (None, 64, True), (None, 96, True),
-                                                   (None, 1000, True), (None, 4096, True)])
-def test_keycone_sums_are_the_reference_matrices(chunk, split, blocked, monkeypatch):
+@pytest.mark.parametrize("chunk, split", [(300, 0), (2048, 0), (300, 64), (2048, 96)])
+def test_keycone_sums_are_the_reference_matrices(chunk, split, monkeypatch):
     """keycone_sums' window covariance C and decayed covariance P (what a capture hands to its merged eigensolve)
     equal window_key_covariance over ⌈horizon⌉-token windows and decayed_key_covariance, per head (windows of 2
-    tokens, ~T/2 and all T; chunks that split the windows); keycone_parts' eigenvalues are theirs. ``split``: the
-    sums over tokens in parts of that many tokens (CUDA's split-K form, here forced on the CPU; 96 leaves a rest).
-    ``blocked``: the single-pass form (_blocked_sums) in blocks of ``split`` tokens (a window starting inside a block,
-    on a block's first token, T not a multiple of the block, one block longer than T)."""
+    tokens, ~T/2 and all T; chunks that split the windows); gdnviz.statistics.keycone_parts' eigenvalues are theirs.
+    ``split``: the sums over tokens in parts of that many tokens (CUDA's split-K form, here forced on the CPU; 96
+    leaves a rest)."""
     import functools
 
     from gdnviz.analysis import keycone
-    from gdnviz.analysis.keycone import covariance_window, keycone_parts, keycone_sums
+    from gdnviz.analysis.keycone import covariance_window, keycone_sums
+    from gdnviz.statistics import keycone_parts
 
-    if blocked:  # keycone_parts reaches keycone_sums through the module
-        monkeypatch.setattr(keycone, "CUDA_SPLIT_TOKENS", split)
-        monkeypatch.setattr(keycone, "keycone_sums", functools.partial(keycone_sums, blocked=True))
-    elif split:
+    if split:
         monkeypatch.setattr(keycone, "_gram_head_major", functools.partial(keycone._gram_head_major, p=split))
 
     rng = np.random.default_rng(17)
@@ -452,7 +447,7 @@ def test_keycone_sums_are_the_reference_matrices(chunk, split, blocked, monkeypa
     g[:, 0], g[:, 1], g[:, 2] = np.log(0.5), np.log(1 - 2.0 / T), 0.0
     g[:, 3] = np.log(rng.uniform(0.6, 0.99, T))
     kt, gt = torch.from_numpy(k), torch.from_numpy(g)
-    sums = keycone_sums(kt, gt, chunk=chunk, blocked=blocked)
+    sums = keycone_sums(kt, gt, chunk=chunk)
     w = covariance_window(decay_horizon(g), T)
     np.testing.assert_allclose(sums["C"].numpy(), window_key_covariance(k, w), rtol=1e-9, atol=1e-14)
     np.testing.assert_allclose(sums["P"].numpy(), decayed_key_covariance(k, g), rtol=1e-12, atol=1e-14)
@@ -463,56 +458,34 @@ def test_keycone_sums_are_the_reference_matrices(chunk, split, blocked, monkeypa
                                    atol=1e-12 * np.abs(M.numpy()).max())
 
 
-def test_blocked_keycone_sums_keep_nan_keys_outside_their_windows(monkeypatch):
-    """The blocked form masks with exact zeros: a NaN key before a head's window (in a block wholly outside it, and
-    in the block the window starts in) leaves that head's window covariance finite and equal to the reference; a
-    NaN inside a window makes it NaN."""
-    from gdnviz.analysis import keycone
+@pytest.mark.parametrize("chunk", [64, 2048])
+def test_keycone_sums_keep_nan_keys_outside_their_windows(chunk):
+    """The window masks are exact zeros: a NaN key before a head's window (in a chunk wholly outside it, and in the
+    chunk the window starts in) leaves that head's window covariance finite and equal to the reference; a NaN inside
+    a window makes it NaN."""
     from gdnviz.analysis.keycone import covariance_window, keycone_sums
 
-    monkeypatch.setattr(keycone, "CUDA_SPLIT_TOKENS", 64)
     rng = np.random.default_rng(3)
     T, H, K = 300, 3, 8
     k = unit(rng.standard_normal((T, H, K)))
     g = np.empty((T, H))
     g[:, 0], g[:, 1], g[:, 2] = np.log(0.5), np.log(0.9), np.log(0.5)  # windows of 2, 10 and 2 tokens
-    k[5, 0] = np.nan  # block 0 of 64 tokens: wholly before head 0's window (tokens 298, 299)
-    k[260, 1] = np.nan  # head 1's window (290 …) starts in block 4 (256 …): the NaN is in that block, before it
+    k[5, 0] = np.nan  # chunk 0: wholly before head 0's window (tokens 298, 299)
+    k[260, 1] = np.nan  # head 1's window (290 …) starts in the chunk of 64 tokens (256 …) that holds the NaN
     k[299, 2] = np.nan  # inside head 2's window
-    kt, gt = torch.from_numpy(k), torch.from_numpy(g)
-    sums = keycone_sums(kt, gt, blocked=True)
-    ref = keycone_sums(kt, gt, blocked=False)
+    sums = keycone_sums(torch.from_numpy(k), torch.from_numpy(g), chunk=chunk)
     w = covariance_window(decay_horizon(g), T)
     assert list(w) == [2, 10, 2]
     for h in (0, 1):
         np.testing.assert_allclose(sums["C"][h].numpy(), window_key_covariance(k[:, h:h + 1], w[h:h + 1])[0],
                                    rtol=1e-9, atol=1e-14)
-        np.testing.assert_allclose(sums["C"][h].numpy(), ref["C"][h].numpy(), rtol=1e-12, atol=1e-15)
-    assert torch.isnan(sums["C"][2]).all() and torch.isnan(ref["C"][2]).all()
-
-
-@pytest.mark.parametrize("attr, var, read", [("CUDA_BLOCKED", "GDNVIZ_KEYCONE_BLOCKED", "_blocked_default"),
-                                             ("CUDA_KERNEL", "GDNVIZ_KEYCONE_KERNEL", "_kernel_default")])
-@pytest.mark.parametrize("env, module, want", [("", False, False), ("", True, True), ("1", False, True),
-                                                ("0", True, False)])
-def test_keycone_switches(attr, var, read, env, module, want, monkeypatch):
-    """GDNVIZ_KEYCONE_BLOCKED / GDNVIZ_KEYCONE_KERNEL, when set, override keycone.CUDA_BLOCKED / CUDA_KERNEL (read at
-    each call: a benchmark times a whole capture both ways in one process)."""
-    from gdnviz.analysis import keycone
-
-    monkeypatch.setattr(keycone, attr, module)
-    if env:
-        monkeypatch.setenv(var, env)
-    else:
-        monkeypatch.delenv(var, raising=False)
-    assert getattr(keycone, read)() is want
+    assert torch.isnan(sums["C"][2]).all()
 
 
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
-@pytest.mark.parametrize("blocked", [False, True])
-def test_keycone_sums_on_gpu_equal_cpu(blocked):
-    """keycone_sums on CUDA (the split-K GEMMs, and the blocked form) equal the CPU's float64 sums."""
+def test_keycone_sums_on_gpu_equal_cpu():
+    """keycone_sums on CUDA (one 16K-token chunk, the split-K GEMMs) equal the CPU's float64 sums."""
     from gdnviz.analysis.keycone import keycone_sums
 
     rng = np.random.default_rng(5)
@@ -521,7 +494,7 @@ def test_keycone_sums_on_gpu_equal_cpu(blocked):
     g = np.log(rng.uniform(0.9, 0.999, (T, H)))
     kt, gt = torch.from_numpy(k), torch.from_numpy(g)
     cpu = keycone_sums(kt, gt)
-    gpu = keycone_sums(kt.cuda(), gt.cuda(), blocked=blocked)
+    gpu = keycone_sums(kt.cuda(), gt.cuda())
     for name in ("C", "P", "mean_key_norm", "horizon"):
         np.testing.assert_allclose(gpu[name].cpu().numpy(), cpu[name].numpy(), rtol=1e-9, atol=1e-13)
 
@@ -539,8 +512,8 @@ def test_keycone_summary_short_windows_skip_early_chunks():
 
 
 def test_keycone_summary_leaves_its_inputs_alone():
-    """float64 keys are used without a copy inside keycone_parts: nothing may write into them (a chunk scaled in
-    place by the decay weights once did, in a draft)."""
+    """float64 keys are used without a copy inside keycone_sums: nothing may write into them (a chunk scaled in
+    place by the decay weights would)."""
     rng = np.random.default_rng(5)
     k = torch.from_numpy(unit(rng.standard_normal((50, 3, 8))))
     g = torch.from_numpy(np.log(rng.uniform(0.5, 0.99, (50, 3))))

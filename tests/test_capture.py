@@ -151,7 +151,7 @@ def test_empty_document(lm):
 def test_batched_svdvals_cpu_matches_svd_reference():
     """The Gram-eigenvalue route used by capture on CPU against float64 torch.linalg.svdvals."""
     from gdnviz.analysis import spectra
-    from gdnviz.capture import batched_svdvals
+    from gdnviz.statistics import batched_svdvals
 
     g = torch.Generator().manual_seed(0)
     U = torch.linalg.qr(torch.randn(20, 64, 64, generator=g, dtype=torch.float64))[0]
@@ -167,7 +167,7 @@ def test_batched_svdvals_cpu_matches_svd_reference():
 def test_batched_svdvals_of_states_with_nan_or_inf():
     """A state with a NaN or an inf gets NaN singular values (LAPACK raised on it; the GPU kernels gave finite
     numbers); the other states of the batch are untouched."""
-    from gdnviz.capture import batched_svdvals
+    from gdnviz.statistics import batched_svdvals
 
     g = torch.Generator().manual_seed(1)
     S = torch.randn(4, 16, 16, generator=g)
@@ -182,8 +182,7 @@ def test_batched_svdvals_of_states_with_nan_or_inf():
 def test_batched_svdvals_solves_extra_symmetric_matrices_in_the_same_call():
     """``extra`` (a capture's key cone matrices): ascending eigenvalues of each symmetrised matrix, NaN rows for a
     matrix with NaN/inf, while the states' singular values stay what they are without it; a wrong size is refused."""
-    from gdnviz.analysis.keycone import symmetric_eigvals
-    from gdnviz.capture import batched_svdvals
+    from gdnviz.statistics import batched_svdvals, symmetric_eigvals
 
     g = torch.Generator().manual_seed(3)
     S = torch.randn(2, 3, 16, 16, generator=g)
@@ -202,7 +201,7 @@ def test_batched_svdvals_solves_extra_symmetric_matrices_in_the_same_call():
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
 def test_batched_svdvals_of_states_with_nan_or_inf_on_gpu():
-    from gdnviz.capture import batched_svdvals
+    from gdnviz.statistics import batched_svdvals
 
     g = torch.Generator().manual_seed(2)
     S = torch.randn(4, 128, 128, generator=g)
@@ -216,16 +215,41 @@ def test_batched_svdvals_of_states_with_nan_or_inf_on_gpu():
 
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+def test_batched_svdvals_fallback_on_gpu():
+    """A size the CUDA kernels do not take (n = 32) runs the fallback (float64 torch.linalg.eigvalsh on the GPU): the
+    same NaN rows and bounds as the kernels, extra matrices included."""
+    from gdnviz.gpu import symeig
+    from gdnviz.statistics import batched_svdvals
+
+    g = torch.Generator().manual_seed(5)
+    S = torch.randn(4, 32, 32, generator=g)
+    S[1, 2, 3] = float("nan")
+    A = torch.randn(3, 32, 32, generator=g, dtype=torch.float64)
+    A[2, 0, 1] = float("inf")
+    assert not symeig.uses_kernels(symeig.gram(S.cuda()))
+    sv, lam = batched_svdvals(S.cuda(), extra=A.cuda())
+    sv, lam = sv.cpu(), lam.cpu()
+    assert torch.isnan(sv[1]).all() and torch.isfinite(sv[[0, 2, 3]]).all()
+    ref = torch.linalg.svdvals(S[[0, 2, 3]].double())
+    assert ((sv[[0, 2, 3]] - ref).abs() / ref[:, :1]).max() < 1e-7
+    assert torch.isnan(lam[2]).all()
+    np.testing.assert_allclose(lam[:2].numpy(), np.linalg.eigvalsh(0.5 * (A[:2] + A[:2].mT).numpy()), atol=1e-12)
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
 def test_batched_svdvals_extra_matrices_on_gpu_equal_cpu():
     """The capture's merged solve on CUDA (one launch of the tridiagonalisation and bisection kernels for 1,024
     states and 32 key-cone matrices, with one NaN matrix) against LAPACK on the CPU."""
-    from gdnviz.capture import batched_svdvals
+    from gdnviz.gpu import symeig
+    from gdnviz.statistics import batched_svdvals
 
     g = torch.Generator().manual_seed(4)
     S = torch.randn(64, 16, 128, 128, generator=g) / 128
     X = torch.randn(32, 128, 128, generator=g, dtype=torch.float64)
     A = X @ X.mT / 128
     A[7, 3, 3] = float("nan")
+    assert symeig.uses_kernels(A.cuda())
     sv, lam = batched_svdvals(S.cuda(), extra=A.cuda())
     sv_c, lam_c = batched_svdvals(S, extra=A)
     assert ((sv.cpu() - sv_c).abs() / sv_c[..., :1]).max() < 1e-7

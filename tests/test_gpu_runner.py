@@ -146,27 +146,9 @@ def test_pipelined_capture_equals_inline_on_gpu(lm, fast_states):
     assert set(piped.meta["statistics_seconds"]) == {"layer_input", "layer_end", "waiting", "results"}
 
 
-def test_capture_with_the_keycone_kernel_on_gpu(lm, monkeypatch):
-    """The key cone's Triton kernel (``GDNVIZ_KEYCONE_KERNEL=1``) gives the same capture: every state statistic bit
-    for bit, the key cone to float64 rounding."""
-    import numpy as np
-
-    from gdnviz.capture import capture_document
-
-    x = ids(2000, seed=6)[0].cpu()
-    monkeypatch.setenv("GDNVIZ_KEYCONE_KERNEL", "0")
-    off = capture_document(lm, x, 256)
-    monkeypatch.setenv("GDNVIZ_KEYCONE_KERNEL", "1")
-    on = capture_document(lm, x, 256)
-    for f in ("sv", "final_state", "g", "beta", "key_mean", "key_sample"):  # the key cone's sums touch none
-        np.testing.assert_array_equal(getattr(off, f), getattr(on, f), err_msg=f)
-    for k in off.keycone:
-        np.testing.assert_allclose(on.keycone[k], off.keycone[k], rtol=1e-9, err_msg=k)
-
-
 def test_keycone_on_gpu_equals_cpu():
-    """The key cone's device half on CUDA (masked windows, the batched tridiagonalisation + bisection for the
-    eigenvalues) against the CPU path (LAPACK), heads with short, long and infinite horizons."""
+    """The key cone's sums on CUDA (masked windows, one 16K-token chunk) against the CPU path, heads with short,
+    long and infinite horizons."""
     import numpy as np
 
     from gdnviz.analysis.keycone import keycone_summary

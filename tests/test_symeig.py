@@ -1,39 +1,34 @@
-"""The Triton batched singular values (gdnviz.gpu.symeig) pinned to float64 torch.linalg.svdvals.
+"""Batched singular values (gdnviz.gpu.symeig) pinned to float64 torch.linalg.svdvals, on both paths.
 
-On CPU the kernels run under TRITON_INTERPRET=1 in a subprocess (the variable must be set before triton is
-imported); on CUDA they run for real on full-size states (288 heads of 128×128).
+The fallback (``torch.linalg.eigvalsh`` of the float64 Gram matrices) runs on the CPU; the fast path's CUDA kernels run
+on the CPU through tests.support.cuda_emul (g++, CUDA's threads emulated), and for real on CUDA on full-size states
+(288 heads of 128×128).
 """
-import json
-import os
-import subprocess
-import sys
-import textwrap
-
 import pytest
 import torch
 
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+from cuda_kernel_checks import needs_gxx
 
-CASES = textwrap.dedent('''
-    import torch
-    def cases(n_big, K, V, device):
-        g = torch.Generator().manual_seed(0)
-        n = min(K, V)
-        out = {}
-        U = torch.linalg.qr(torch.randn(n_big, K, K, generator=g, dtype=torch.float64))[0]
-        W = torch.linalg.qr(torch.randn(n_big, V, V, generator=g, dtype=torch.float64))[0]
-        def make(s):
-            s = s.expand(n_big, n)
-            return ((U[:, :, :n] * s[:, None, :]) @ W[:, :, :n].transpose(-1, -2)).float().to(device)
-        r = torch.arange(n, dtype=torch.float64)
-        out["decaying"] = make(torch.exp(-r * (0.05 + torch.rand(n_big, 1, generator=g, dtype=torch.float64) * 0.3)))
-        out["repeated"] = make(torch.where(r < n // 2, 1.0, 0.5).expand(n_big, n))
-        out["rank_deficient"] = make(torch.where(r < 3, 1.0 / (r + 1), 0.0).expand(n_big, n))
-        out["zero"] = torch.zeros(n_big, K, V, device=device)
-        out["random"] = torch.randn(n_big, K, V, generator=g).to(device)
-        out["huge_range"] = make(10.0 ** (-r * 12 / n).expand(n_big, n))
-        return out
-''')
+
+def cases(n_big, K, V, device) -> dict:
+    """Test states ``name -> [n_big, K, V]`` float32 on ``device``: decaying, repeated, rank-deficient, zero, random and
+    12-decade spectra."""
+    g = torch.Generator().manual_seed(0)
+    n = min(K, V)
+    out = {}
+    U = torch.linalg.qr(torch.randn(n_big, K, K, generator=g, dtype=torch.float64))[0]
+    W = torch.linalg.qr(torch.randn(n_big, V, V, generator=g, dtype=torch.float64))[0]
+    def make(s):
+        s = s.expand(n_big, n)
+        return ((U[:, :, :n] * s[:, None, :]) @ W[:, :, :n].transpose(-1, -2)).float().to(device)
+    r = torch.arange(n, dtype=torch.float64)
+    out["decaying"] = make(torch.exp(-r * (0.05 + torch.rand(n_big, 1, generator=g, dtype=torch.float64) * 0.3)))
+    out["repeated"] = make(torch.where(r < n // 2, 1.0, 0.5).expand(n_big, n))
+    out["rank_deficient"] = make(torch.where(r < 3, 1.0 / (r + 1), 0.0).expand(n_big, n))
+    out["zero"] = torch.zeros(n_big, K, V, device=device)
+    out["random"] = torch.randn(n_big, K, V, generator=g).to(device)
+    out["huge_range"] = make(10.0 ** (-r * 12 / n).expand(n_big, n))
+    return out
 
 
 def _max_errors(ours, ref):
@@ -46,10 +41,8 @@ def _max_errors(ours, ref):
 
 
 def cuda_cases() -> dict:
-    """CASES' test states at full size on CUDA: name -> [288, 128, 128]."""
-    ns = {}
-    exec(CASES, ns)
-    return ns["cases"](288, 128, 128, "cuda")
+    """The :func:`cases` at full size on CUDA: name -> [288, 128, 128]."""
+    return cases(288, 128, 128, "cuda")
 
 
 def assert_matches_svdvals(ours, ref, name) -> None:
@@ -63,32 +56,39 @@ def assert_matches_svdvals(ours, ref, name) -> None:
     assert (spectra.numerical_rank(o) == spectra.numerical_rank(r)).all(), name
 
 
-def test_symeig_interpreted_matches_svdvals():
-    code = CASES + textwrap.dedent('''
-        import json, os, sys
-        sys.path.insert(0, os.environ["ROOT"])
-        from gdnviz.gpu import symeig
-        res = {}
-        for (K, V) in [(8, 8), (16, 12), (12, 32)]:
-            for name, S in cases(3, K, V, "cpu").items():
-                ours = symeig.svdvals(S)
-                ref = torch.linalg.svdvals(S.double())
-                smax = ref[:, :1].clamp_min(1e-300)
-                big = ref >= 1e-3 * smax
-                rel = ((ours - ref).abs() / ref.clamp_min(1e-300))[big]
-                res[f"{K}x{V}:{name}"] = [((ours - ref).abs() / smax).max().item(),
-                                          rel.max().item() if rel.numel() else 0.0,
-                                          bool(torch.isfinite(ours).all())]
-        print(json.dumps(res))
-    ''')
-    env = dict(os.environ, TRITON_INTERPRET="1", ROOT=ROOT)
-    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=env, timeout=600)
-    assert out.returncode == 0, out.stderr[-3000:]
-    res = json.loads(out.stdout.strip().splitlines()[-1])
-    for case, (abs_err, rel_err, finite) in res.items():
-        assert finite, case
-        assert abs_err < 1e-7, (case, abs_err)   # ≈ sqrt(eps_f64) on the smallest values, relative to σ_max
-        assert rel_err < 1e-9, (case, rel_err)   # σ ≥ 1e-3 σ_max: error ≈ ε·σ_max²/σ² relative
+def _check(ours, ref, case) -> None:
+    """The bounds of every path: finite, 1e-7·σ_max absolute (≈ sqrt(ε_f64) on the smallest values), 1e-9 relative
+    for σ ≥ 1e-3·σ_max (error ≈ ε·σ_max²/σ²)."""
+    assert bool(torch.isfinite(ours).all()), case
+    abs_err, rel_err = _max_errors(ours, ref)
+    assert abs_err < 1e-7, (case, abs_err)
+    assert rel_err < 1e-9, (case, rel_err)
+
+
+def test_symeig_fallback_matches_svdvals():
+    """The CPU path (and the one for sizes the kernels do not take): LAPACK eigvalsh of the float64 Gram matrix."""
+    from gdnviz.gpu import symeig
+
+    for (K, V) in [(8, 8), (16, 12), (12, 32), (64, 64), (128, 96)]:
+        for name, S in cases(3, K, V, "cpu").items():
+            assert not symeig.uses_kernels(symeig.gram(S))
+            _check(symeig.svdvals(S), torch.linalg.svdvals(S.double()), f"{K}x{V}:{name}")
+
+
+@needs_gxx
+def test_symeig_emulated_kernels_match_svdvals():
+    """The fast path's two kernels (tridiagonalisation, bisection) emulated on the CPU, on the Gram matrices symeig
+    forms (both sides: K < V and K > V), against float64 torch.linalg.svdvals."""
+    from gdnviz.gpu import symeig
+    from tests.support import emulated_spectra
+
+    for (K, V) in [(64, 64), (64, 96), (96, 64)]:
+        for name, S in cases(2, K, V, "cpu").items():
+            lam = torch.from_numpy(emulated_spectra.eigvalsh(symeig.gram(S).numpy()))
+            ours = lam.clamp_min(0).sqrt().flip(-1)
+            ref = torch.linalg.svdvals(S.double())
+            _check(ours, ref, f"{K}x{V}:{name}")
+            assert_matches_svdvals(ours, ref, f"{K}x{V}:{name}")
 
 
 @pytest.mark.gpu
@@ -97,6 +97,8 @@ def test_symeig_cuda_full_size_matches_svdvals():
     from gdnviz.gpu import symeig
 
     for name, S in cuda_cases().items():
+        assert symeig.uses_kernels(symeig.gram(S)), (symeig.cuda_tridiag.KERNELS.reason,
+                                                     symeig.cuda_bisect.KERNELS.reason)
         ours = symeig.svdvals(S)
         ref = torch.linalg.svdvals(S.double())
         assert_matches_svdvals(ours, ref, name)

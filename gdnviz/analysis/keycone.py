@@ -22,7 +22,7 @@ Memory: nothing of size ``[T, H, K, K]`` is ever formed. Sums over tokens run in
 (float64 copies of one chunk at a time, ``chunk · H · K · 8`` bytes) with a batched GEMM over the token axis into
 ``[H, K, K]`` accumulators, on the device of the input tensor (CPU for numpy; CPU for MPS, which has no
 float64). ``T = 16384, H = 16, K = 128`` needs a few tens of MB beyond the input with the CPU's 2048-token
-chunks; :func:`keycone_parts` on CUDA uses 16,384-token chunks (fewer launches; about 1 GB of float64
+chunks; :func:`keycone_sums` on CUDA uses 16,384-token chunks (fewer launches; about 1 GB of float64
 temporaries). :class:`DecayedKeyCovariance` computes ``P`` incrementally, segment by segment, for inputs that never
 exist as one tensor.
 
@@ -37,8 +37,6 @@ from typing import Any
 import numpy as np
 import torch
 
-from gdnviz.gpu.nvrtc import env_switch
-
 from .horizons import decay_horizon
 from .spectra import _as_f64, effective_rank_from_eigenvalues
 
@@ -52,47 +50,20 @@ __all__ = [
     "DecayedKeyCovariance",
     "keycone_summary",
     "keycone_sums",
-    "keycone_parts",
-    "symmetric_eigvals",
     "keycone_finish",
 ]
 
 #: Tokens per float64 chunk in the sums over T.
 CHUNK = 2048
-#: Tokens per chunk of :func:`keycone_parts` on CUDA: each chunk costs ~30 kernel launches of host time, the cost
-#: that dominated a capture's statistics at 2048 (83 ms of host time for 16K tokens × 18 layers, H200); a float64
-#: chunk of 16 heads × 128 is 268 MB, and a few live at once.
+#: Tokens per chunk of :func:`keycone_sums` on CUDA: each chunk costs ~30 kernel launches of host time
+#: (docs/kernels-spectra.md); a float64 chunk of 16 heads × 128 is 268 MB, and a few live at once.
 CUDA_CHUNK = 16384
 #: Tokens per partial product of :func:`keycone_sums`' sums over tokens on CUDA (0: one product per chunk). A sum
 #: ``Σ_t x_t x_tᵀ`` over a 16K-token chunk is 16 float64 GEMMs of 128 × 128 outputs, each reducing over 16K tokens:
 #: too few thread blocks for the GPU. Cut into 1,024-token parts it is 256 GEMMs, then a sum over the parts.
 CUDA_SPLIT_TOKENS = 1024
-#: :func:`keycone_sums` on CUDA in its blocked form (:func:`_blocked_sums`: fewer passes over the float64 keys).
-#: Off: measured on the H200 (twelfth session) it is no faster alone (2.04 vs 1.98 ms per layer,
-#: ``bench/bench_capture_stats.py``) and a capture with it moved within the captures' own spread (``bench_capture.py
-#: --blocked-ab``: 4.5 and 17 ms less, ~10 ms between timings). ``GDNVIZ_KEYCONE_BLOCKED=1``
-#: (or ``=0``) overrides it, read at each call, so a benchmark can time a whole capture both ways in one process.
-CUDA_BLOCKED = False
-#: :func:`keycone_sums` on CUDA through one Triton kernel (``gdnviz.gpu.keycone_kernel``: the keys read once as they
-#: are, float64 products on the tensor cores, the window's products only for token blocks that reach into the
-#: window). Off: measured on the H200 (fourteenth session) it is faster alone (1.05 vs 1.40 ms per layer of 16K
-#: float32 keys, ``bench/bench_capture_stats.py``) but a 16K capture with it was 5% slower (paired timings,
-#: ``bench_capture.py --env-ab``: 0.180 vs 0.172 s): its programs hold an SM's whole register file for ~0.8 ms per
-#: layer, where the torch form's passes share the SMs with the forward running beside them. ``GDNVIZ_KEYCONE_KERNEL=1``
-#: (or ``=0``) overrides it, read at each call. Takes precedence over :data:`CUDA_BLOCKED`.
-CUDA_KERNEL = False
 #: Relative tolerance when rounding a horizon up to a window: 1/(1−0.9) = 10.000000000000002 is 10 tokens.
 _CEIL_RTOL = 1e-9
-
-
-def _blocked_default() -> bool:
-    """:data:`CUDA_BLOCKED`, or ``GDNVIZ_KEYCONE_BLOCKED`` when set (``0`` off, anything else on)."""
-    return env_switch("GDNVIZ_KEYCONE_BLOCKED", CUDA_BLOCKED)
-
-
-def _kernel_default() -> bool:
-    """:data:`CUDA_KERNEL`, or ``GDNVIZ_KEYCONE_KERNEL`` when set (``0`` off, anything else on)."""
-    return env_switch("GDNVIZ_KEYCONE_KERNEL", CUDA_KERNEL)
 
 
 def _tensor(x: Any) -> torch.Tensor:
@@ -240,8 +211,8 @@ def key_covariance_erank(k: Any, g: Any, horizon: Any = None, chunk: int = CHUNK
 
 def _suffix_log_decay(g64: torch.Tensor) -> torch.Tensor:
     """``c_t = Σ_{s>t} g_s`` for ``g [T, H]`` (exclusive suffix sums, summed from the end; ``c_{T−1} = 0``)."""
-    # Scanned along the last (contiguous) axis of [H, T]: CUDA's outer-axis scan of [T, H] with H = 16 columns
-    # took 2.9 ms per layer on an H200 for T = 16K (profile in bench/RESULTS.md); the sums are the same.
+    # Scanned along the last (contiguous) axis of [H, T]: CUDA's scan along the outer axis of [T, H] (H = 16
+    # columns) is several times slower (docs/kernels-spectra.md); the sums are the same.
     inclusive = torch.flip(torch.cumsum(torch.flip(g64.T.contiguous(), [1]), 1), [1]).T  # Σ_{s≥t} g_s
     return torch.cat([inclusive[1:], torch.zeros_like(inclusive[:1])], 0)
 
@@ -344,17 +315,6 @@ class DecayedKeyCovariance:
         return np.atleast_1d(effective_rank_from_eigenvalues(_eigvalsh(self.P), scale=scale))
 
 
-def symmetric_eigvals(A: torch.Tensor) -> torch.Tensor:
-    """:func:`_eigvalsh` on the device of ``A [N, n, n]`` float64 (no host synchronisation): symmetrised, NaN rows
-    where ``A`` has NaN/inf (``gdnviz.gpu.symeig.finite_symmetric`` and ``eigvalsh``: CUDA's batched kernels, LAPACK
-    on the CPU)."""
-    from gdnviz.gpu import symeig
-
-    A, bad = symeig.finite_symmetric(A)
-    lam = symeig.eigvalsh(A)
-    return torch.where(bad[:, None], torch.full((), float("nan"), dtype=lam.dtype, device=lam.device), lam)
-
-
 def _gram_head_major(x: torch.Tensor, p: int | None = None) -> torch.Tensor:
     """``Σ_t x_t x_tᵀ`` per head of head-major ``x [H, n, K]`` (float64): ``[H, K, K]``. The tokens are cut into parts
     of ``p`` (default: :data:`CUDA_SPLIT_TOKENS` on CUDA, no cut elsewhere): one batched GEMM over heads × parts, then
@@ -372,45 +332,10 @@ def _gram_head_major(x: torch.Tensor, p: int | None = None) -> torch.Tensor:
     return out
 
 
-def _blocked_sums(kt: torch.Tensor, start: torch.Tensor, ampT: torch.Tensor, p: int
-                  ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
-    """The sums of :func:`keycone_sums` in fewer passes over the keys: ``(s [H, K], sw [H, K], Gw [H, K, K],
-    P [H, K, K])`` float64 for keys ``kt [T, H, K]``, each head's window ``t ≥ start[h]`` (``start [H]`` float64,
-    integral) and amplitudes ``ampT [H, T]``.
-
-    The keys are copied once to float64, head-major, with a column of ones appended (``[H, T', K + 1]``, T' = T
-    rounded up to ``p`` with zero rows). One batched GEMM per block of ``p`` tokens gives each block's ``Σ x xᵀ``,
-    ``Σ x`` (the ones column) and count; the window's sums are the blocks wholly inside it plus a masked GEMM over the
-    one block that it starts in (gathered per head, no host synchronisation), so neither a masked copy of all keys
-    nor the separate reductions ``Σ x`` and ``Σ_window x`` are needed. Masks are ``torch.where`` (exact zeros: a NaN
-    key outside a window stays outside). ``P`` scales the same float64 copy in place by the amplitudes."""
-    T, H, K = kt.shape
-    dev = kt.device
-    c = -(-T // p)
-    xa = torch.zeros(H, c * p, K + 1, dtype=torch.float64, device=dev)
-    xa[:, :T, :K].copy_(kt.transpose(0, 1))
-    xa[:, :T, K] = 1.0
-    xb = xa.view(H, c, p, K + 1)
-    Gb = torch.matmul(xb.transpose(-1, -2), xb)  # [H, c, K + 1, K + 1]
-    st = start.to(torch.long)
-    blk = torch.div(st, p, rounding_mode="floor")  # the block each window starts in
-    zero = torch.zeros((), dtype=torch.float64, device=dev)
-    whole = torch.arange(c, device=dev)[None, :] > blk[:, None]  # [H, c]: blocks wholly inside the window
-    Gwa = torch.where(whole[:, :, None, None], Gb, zero).sum(1)
-    part = xb[torch.arange(H, device=dev), blk]  # [H, p, K + 1] (a copy)
-    inside = torch.arange(p, device=dev)[None, :] >= (st - blk * p)[:, None]
-    part = torch.where(inside[:, :, None], part, zero)
-    Gwa = Gwa + torch.bmm(part.transpose(1, 2), part)
-    s = Gb[:, :, K, :K].sum(1)
-    y = xa[:, :T, :K].mul_(ampT[:, :, None])  # rows √w_t k_t, in place (part is a copy, Gb is done)
-    return s, Gwa[:, K, :K], Gwa[:, :K, :K], _gram_head_major(y)
-
-
-def keycone_sums(k: Any, g: Any, chunk: int | None = None, blocked: bool | None = None,
-                 kernel: bool | None = None) -> dict[str, torch.Tensor]:
-    """The sums over tokens of :func:`keycone_parts`, before its eigenvalues: float64 tensors on the keys' device,
-    **without a host synchronisation**. A capture (``gdnviz.capture``) solves the two ``[H, K, K]`` matrices'
-    eigenvalues together with the layer's boundary states' spectra, in one launch of the same kernels.
+def keycone_sums(k: Any, g: Any, chunk: int | None = None) -> dict[str, torch.Tensor]:
+    """The key cone's sums over tokens, before any eigenvalue: float64 tensors on the keys' device, **without a host
+    synchronisation** on CUDA. :func:`keycone_summary` takes their eigenvalues on the host; a capture
+    (``gdnviz.capture``) solves them on the device with the layer's boundary states' spectra.
 
     The key-covariance window of each head (``⌈horizon⌉`` clamped to ``[2, T]``, :func:`covariance_window`) is
     applied as a token mask ``t ≥ T − w_h`` over all ``T`` tokens, so no window size has to reach the host; rows
@@ -420,12 +345,6 @@ def keycone_sums(k: Any, g: Any, chunk: int | None = None, blocked: bool | None 
     copied to float64 head-major (``[H, t, K]``) once, and the sums over tokens are batched GEMMs.
 
     chunk: tokens per float64 chunk; None = :data:`CUDA_CHUNK` on CUDA, :data:`CHUNK` elsewhere.
-    blocked: the single-pass form :func:`_blocked_sums` (blocks of :data:`CUDA_SPLIT_TOKENS` tokens, or 1,024 when
-    that is 0; ``chunk`` unused); None = :data:`CUDA_BLOCKED` on CUDA, off elsewhere.
-    kernel: the sums in one Triton kernel (``gdnviz.gpu.keycone_kernel.keycone_sums_kernel``, the keys read as they
-    are; ``chunk`` and ``blocked`` unused); None = :data:`CUDA_KERNEL` on CUDA where Triton is installed, off
-    elsewhere; True where the kernel cannot run (CPU without ``TRITON_INTERPRET=1``) raises.
-
     Returns ``{"horizon": [H], "mean_key_norm": [H], "C": [H, K, K], "P": [H, K, K]}``: ``C`` the window covariance
     (:func:`window_key_covariance`), ``P`` the decayed key covariance (:func:`decayed_key_covariance`).
     """
@@ -443,20 +362,6 @@ def keycone_sums(k: Any, g: Any, chunk: int | None = None, blocked: bool | None 
     w = torch.clamp(torch.ceil(hh), min=2.0).clamp(max=float(T))
     start = float(T) - w  # [H]: token t is in head h's window iff t >= start[h]
     ampT = torch.exp(_suffix_log_decay(g64)).T  # [H, T]: √w_t of the decayed covariance
-    if kernel is None:
-        kernel = dev.type == "cuda" and _kernel_default()
-        if kernel:  # the kernel's module imports Triton: only where it may run
-            from gdnviz.gpu.keycone_kernel import available
-
-            kernel = available(kt)
-    if kernel:
-        from gdnviz.gpu.keycone_kernel import keycone_sums_kernel
-
-        s, sw, Gw, P = keycone_sums_kernel(kt.to(dev), ampT, start)
-        return _keycone_result(horizon, s, sw, Gw, P, w, T)
-    if blocked if blocked is not None else (_blocked_default() and dev.type == "cuda"):
-        s, sw, Gw, P = _blocked_sums(kt.to(dev), start, ampT, CUDA_SPLIT_TOKENS or 1024)
-        return _keycone_result(horizon, s, sw, Gw, P, w, T)
     # chunks wholly before every window add exact zeros: skipped where knowing that costs no synchronisation (CPU)
     first = 0 if dev.type == "cuda" else max(0, (T - int(w.max().item())) // chunk * chunk)
     s = torch.zeros(H, K, dtype=torch.float64, device=dev)
@@ -476,35 +381,16 @@ def keycone_sums(k: Any, g: Any, chunk: int | None = None, blocked: bool | None 
             Gw += _gram_head_major(xm)
         y = x.mul_(ampT[:, i : i + n, None])  # rows √w_t k_t, in place: x is this chunk's own copy
         P += _gram_head_major(y)
-    return _keycone_result(horizon, s, sw, Gw, P, w, T)
-
-
-def _keycone_result(horizon, s, sw, Gw, P, w, T: int) -> dict[str, torch.Tensor]:
-    """:func:`keycone_sums`' dictionary from its sums."""
     # centred second moment of the window, Σ (k − μ)(k − μ)ᵀ = Σ k kᵀ − w μ μᵀ with μ = Σ k / w: float64, so the
     # cancellation costs ~1e-16 / (1 − ‖μ‖²) relative (unit keys); a cone with 1 − ‖μ‖² < 1e-8 would lose digits
     C = (Gw - sw[:, :, None] * sw[:, None, :] / w[:, None, None]) / w[:, None, None]
     return {"horizon": horizon, "mean_key_norm": torch.linalg.vector_norm(s / T, dim=-1), "C": C, "P": P}
 
 
-def keycone_parts(k: Any, g: Any, chunk: int | None = None) -> dict[str, torch.Tensor]:
-    """The device half of :func:`keycone_summary`: :func:`keycone_sums` and both eigen-decompositions, as float64
-    tensors on the keys' device, **without a host synchronisation** (:func:`keycone_finish` turns them into the
-    summary).
-
-    Returns ``{"horizon": [H], "mean_key_norm": [H], "cov_eigvals": [H, K], "P_eigvals": [H, K]}`` (eigenvalues
-    ascending; NaN rows for matrices with NaN/inf).
-    """
-    sums = keycone_sums(k, g, chunk=chunk)
-    H = sums["C"].shape[0]
-    lam = symmetric_eigvals(torch.cat([sums["C"], sums["P"]]))
-    return {"horizon": sums["horizon"], "mean_key_norm": sums["mean_key_norm"], "cov_eigvals": lam[:H],
-            "P_eigvals": lam[H:]}
-
-
 def keycone_finish(parts: dict) -> dict[str, np.ndarray]:
-    """The host half of :func:`keycone_summary`: the effective ranks from :func:`keycone_parts`'s eigenvalues
-    (tensors or numpy arrays). Returns the summary's dict of ``[H]`` float64 arrays."""
+    """:func:`keycone_summary`'s numbers from the horizons, mean key norms and ascending eigenvalues of ``C`` and
+    ``P``: ``parts = {"horizon": [H], "mean_key_norm": [H], "cov_eigvals": [H, K], "P_eigvals": [H, K]}`` (tensors
+    or numpy arrays). Returns the summary's dict of ``[H]`` float64 arrays."""
     p = {name: _as_np64(v) for name, v in parts.items()}
     h = np.atleast_1d(p["horizon"])
     cov = np.atleast_1d(effective_rank_from_eigenvalues(p["cov_eigvals"], scale="eig"))
@@ -523,8 +409,9 @@ def _as_np64(v: Any) -> np.ndarray:
 
 
 def keycone_summary(k: Any, g: Any, chunk: int | None = None) -> dict[str, np.ndarray]:
-    """Every per-head key-geometry statistic at once (``P`` is built once): :func:`keycone_finish` of
-    :func:`keycone_parts` (the sums and eigenvalues on the keys' device, the effective ranks on the host).
+    """Every per-head key-geometry statistic at once (``P`` is built once): :func:`keycone_sums` on the keys'
+    device, then the eigenvalues of ``C`` and ``P`` (float64 LAPACK, NaN rows for NaN/inf) and :func:`keycone_finish`
+    on the host.
 
     Args:
         k: unit keys ``[T, H, K]``. g: log-decays ``[T, H]``.
@@ -535,4 +422,6 @@ def keycone_summary(k: Any, g: Any, chunk: int | None = None) -> dict[str, np.nd
         (:func:`decayed_key_erank` on both scales), ``horizon`` (tokens, :func:`decay_horizon`). Tests pin each
         to those reference functions.
     """
-    return keycone_finish(keycone_parts(k, g, chunk=chunk))
+    sums = keycone_sums(k, g, chunk=chunk)
+    return keycone_finish({"horizon": sums["horizon"], "mean_key_norm": sums["mean_key_norm"],
+                           "cov_eigvals": _eigvalsh(_np(sums["C"])), "P_eigvals": _eigvalsh(_np(sums["P"]))})

@@ -222,7 +222,8 @@ def singular_values(states: Any):
     """Float64 singular values of states ``[..., K, V]``, descending: ``[..., min(K, V)]``.
 
     Computed with ``torch.linalg.svdvals`` in float64 on the device of the input. A torch tensor in gives a
-    float64 torch tensor on the same device (on the CPU for MPS, which has no float64); anything else (numpy, lists) gives a float64 numpy array.
+    float64 torch tensor on the same device (on the CPU for MPS, which has no float64); anything else (numpy,
+    lists) gives a float64 numpy array.
     Units: those of the state entries.
     """
     import torch

@@ -30,10 +30,9 @@ def default_sources(K: int = 128, V: int = 128, profile: bool = False, dtypes: t
                     out.append(("#define GDNVIZ_PROFILE\n" + src, "gdnviz_truncate"))
     if spectra:
         if K in cuda_tridiag.SIZES:
-            tpr, regs = cuda_tridiag._form(None, None)
-            out.append((cuda_tridiag.source(K, tpr, regs), "gdnviz_tridiag"))
+            out.append((cuda_tridiag.source(K), "gdnviz_tridiag"))
         if K in cuda_bisect.SIZES:
-            out.append((cuda_bisect.source(K, cuda_bisect.default_form()), "gdnviz_bisect"))
+            out.append((cuda_bisect.source(K), "gdnviz_bisect"))
     return out
 
 
