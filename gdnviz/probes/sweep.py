@@ -192,8 +192,8 @@ def _max_new(spec: SweepSpec, task: str) -> int:
 
 def cell_key(info, task: str, length: int, setting: _Setting, sample: ruler.Sample, spec: SweepSpec) -> str:
     """Memo key of one sample's result (``"sweep:<hash>"``): everything the answer depends on and ``VERSION``
-    (the untouched model's results are shared by every head set). The hash of a hash keeps the keys that cells
-    were stored under before this function was the only one building them."""
+    (the untouched model's results are shared by every head set). Format: the hash of the cell's fields, hashed
+    again with ``"sweep-cells-v<VERSION>"`` (the format the app's store holds; tests/test_sweep.py pins it)."""
     trunc = None if setting.spec is None else setting.spec.to_list()
     prompt = hashlib.sha256(np.asarray(sample.input_ids, dtype=np.int64).tobytes()).hexdigest()[:16]
     d = dict(v=VERSION, fp=info.fingerprint, dtype=info.dtype, task=task, length=int(length), trunc=trunc,
