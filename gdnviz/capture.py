@@ -321,7 +321,7 @@ class CaptureCallback:
         self._put("kc_mean_key_norm", li, sums["mean_key_norm"])
         self._kc_mats[li] = torch.cat([sums["C"], sums["P"]])
 
-    def on_boundary(self, layer, position, state):
+    def on_boundary(self, layer, position, state, rows=None):
         self._states.append(state.detach().clone())  # [1, H, K, V]
         return None
 

@@ -39,7 +39,7 @@ def _fmt(metric: str) -> str:
     return ",.0f" if metric in ("numerical_rank", "horizon") else ".2f"
 
 
-def _configure(chart, autosize: str = "fit-x"):
+def configure(chart, autosize: str = "fit-x"):
     """Shared look. autosize "fit-x": the whole chart (axes, legend) fits the width it is given (the page column,
     or the chart's own width in exports) and keeps its height; "pad" for grids and facets, which keep their size."""
     chart = chart.properties(autosize=alt.AutoSizeParams(type=autosize, contains="padding"))
@@ -219,7 +219,7 @@ def heatmap(df: pd.DataFrame, metric: str, *, selected: tuple | None = None, pic
         title=alt.Title(title or f"{label}: median over documents",
                         subtitle="click a cell to open that head · hover for the min–max over documents"),
         usermeta={"embedOptions": {"renderer": "svg"}})
-    return _configure(chart, "pad")
+    return configure(chart, "pad")
 
 
 def spectrum_chart(df: pd.DataFrame, document: str | None = None):
@@ -263,7 +263,7 @@ def spectrum_chart(df: pd.DataFrame, document: str | None = None):
     if zeros:
         sub += [f"{zeros:,} singular value{'s are' if zeros > 1 else ' is'} 0 (below the resolution √ε_f64·σ_max)",
                 "and not drawn on the log axis"]
-    return _configure(alt.layer(lines, floor, floor_txt, nr, er, nr_txt, er_txt).properties(
+    return configure(alt.layer(lines, floor, floor_txt, nr, er, nr_txt, er_txt).properties(
         width=480, height=260, title=alt.Title(title, subtitle=sub)))
 
 
@@ -279,7 +279,7 @@ def erank_along_chart(df: pd.DataFrame, segment_len: int | None = None, metric: 
                  alt.Tooltip("numerical_rank:Q", title="numerical rank"),
                  alt.Tooltip("stable_rank:Q", title="stable rank", format=".2f")])
     sub = [f"the state after every {segment_len}-token boundary", "and at the document end"] if segment_len else ""
-    return _configure(ch.properties(width=480, height=260, title=alt.Title(f"{label.capitalize()} along the document",
+    return configure(ch.properties(width=480, height=260, title=alt.Title(f"{label.capitalize()} along the document",
                                                                             subtitle=sub)))
 
 
@@ -313,7 +313,7 @@ def alpha_chart(hist: pd.DataFrame, stats: pd.DataFrame, segment_len: int | None
             x="x:Q", text="label:N"))
     sub = ["dashed: 1 − ᾱ per document (horizon = 1/(1 − ᾱ))",
            "red: 1/L; left of it a token's write outlives a segment"]
-    return _configure(alt.layer(*layers).properties(width=480, height=260, title=alt.Title(
+    return configure(alt.layer(*layers).properties(width=480, height=260, title=alt.Title(
         "Per-token decay α of this head", subtitle=sub)))
 
 
@@ -332,7 +332,7 @@ def keycone_chart(df: pd.DataFrame, info: dict | None = None):
         tooltip=[alt.Tooltip("position:Q", title="token position", format=","),
                  alt.Tooltip("cos_to_mean:Q", title="cos to μ̂", format=".3f"),
                  alt.Tooltip("orth_pc1:Q", title="⊥ PC1", format=".3f")])
-    return _configure(ch.properties(width=420, height=300, title=alt.Title("Key cone of this head", subtitle=sub)))
+    return configure(ch.properties(width=420, height=300, title=alt.Title("Key cone of this head", subtitle=sub)))
 
 
 def per_document_chart(df: pd.DataFrame):
@@ -348,7 +348,7 @@ def per_document_chart(df: pd.DataFrame):
         row=alt.Row("label:N", title=None, sort=list(dict.fromkeys(df["label"])),
                     header=alt.Header(labelAngle=0, labelAlign="left", labelFontSize=11, labelLimit=140))
     ).resolve_scale(x="independent")
-    return _configure(fac.properties(title=alt.Title("Per-document spread of this head",
+    return configure(fac.properties(title=alt.Title("Per-document spread of this head",
                                                      subtitle="dots: documents · black tick: median")), "pad")
 
 
@@ -387,7 +387,7 @@ def erank_vs_horizon_chart(table: pd.DataFrame, rho: float | None = None, rank_m
                    alt.Chart(cap).mark_text(align="left", x=4, dy=8, color="#888").encode(
                        y=alt.Y("y:Q", scale=ys), text="label:N")]
     rho_s = "n/a" if rho is None or not np.isfinite(rho) else f"{rho:.2f}"
-    return _configure(alt.layer(*layers).properties(width=440, height=340, title=alt.Title(
+    return configure(alt.layer(*layers).properties(width=440, height=340, title=alt.Title(
         "Effective rank vs decay horizon",
         subtitle=[f"one point per head (median over documents)", f"Spearman ρ = {rho_s} · dashed: y = x"])))
 
@@ -423,7 +423,7 @@ def horizon_hist_chart(table: pd.DataFrame, segment_len: int):
     txt = alt.Chart(seg).mark_text(align="right" if left else "left", dx=-4 if left else 4, y=10,
                                    color="#d62728").encode(x="x:Q", text="label:N")
     share = float(np.mean(table["horizon"].to_numpy(float) < segment_len))
-    return _configure(alt.layer(bars, rule, txt).properties(width=440, height=300, title=alt.Title(
+    return configure(alt.layer(bars, rule, txt).properties(width=440, height=300, title=alt.Title(
         "Decay horizons of all GDN heads",
         subtitle=[f"{100 * share:.0f}% of heads forget within one {segment_len}-token segment (horizon < L)"])))
 
@@ -443,7 +443,7 @@ def forgetting_chart(df: pd.DataFrame, segment_len: int):
                 scale=alt.Scale(domain=[0, 1])),
         tooltip=[alt.Tooltip("layer:O"), alt.Tooltip("forgetting:Q", title="heads forgetting"),
                  alt.Tooltip("heads:Q", title="heads"), alt.Tooltip("share:Q", format=".0%")])
-    return _configure(ch.properties(width=440, height=220, title=alt.Title(
+    return configure(ch.properties(width=440, height=220, title=alt.Title(
         "Heads forgetting within a segment, per layer", subtitle=f"horizon < L = {segment_len} tokens")))
 
 
@@ -470,7 +470,7 @@ def cache_budget_chart(df: pd.DataFrame, crossover: float | None = None):
         cx = pd.DataFrame({"x": [crossover], "label": [f"KV = recurrent at T ≈ {crossover:,.0f}"]})
         layers += [alt.Chart(cx).mark_rule(color="#888", strokeDash=[2, 2]).encode(x="x:Q"),
                    alt.Chart(cx).mark_text(align="left", dx=4, y=10, color="#555").encode(x="x:Q", text="label:N")]
-    return _configure(alt.layer(*layers).properties(width=560, height=340, title=alt.Title(
+    return configure(alt.layer(*layers).properties(width=560, height=340, title=alt.Title(
         "Cache memory vs context length", subtitle=sub)))
 
 
@@ -482,7 +482,7 @@ def loss_delta_chart(df: pd.DataFrame):
         y=alt.Y("delta:Q", title="Δ loss, truncated − untouched (nats / token)"),
         color=alt.Color("document:N", title="document", legend=alt.Legend(orient="bottom", columns=2)),
         tooltip=["document", alt.Tooltip("position:Q", format=",.0f"), alt.Tooltip("delta:Q", format="+.4f")])
-    return _configure(alt.layer(zero, ch).properties(width=560, height=240, title=alt.Title(
+    return configure(alt.layer(zero, ch).properties(width=560, height=240, title=alt.Title(
         "Loss change along the document",
         subtitle=["per-token difference, averaged over blocks of tokens", "0 = no change; > 0: truncation hurts"])))
 
@@ -492,7 +492,7 @@ def loss_vs_rank_chart(df: pd.DataFrame):
         x=alt.X("r:Q", title="rank r kept per head (log scale)", scale=alt.Scale(type="log")),
         y=alt.Y("delta:Q", title="Δ mean loss vs untouched (nats / token)"),
         tooltip=["r", alt.Tooltip("loss:Q", format=".4f"), alt.Tooltip("delta:Q", format="+.4f")])
-    return _configure(ch.properties(width=440, height=260, title="Next-token loss vs rank"))
+    return configure(ch.properties(width=440, height=260, title="Next-token loss vs rank"))
 
 
 # =============================================================================================================

@@ -7,7 +7,7 @@ crosses a multiple of L, the chosen heads are cut again, exactly as if the gener
 document. The partial segment at the end of the prompt is not cut until its boundary is reached.
 
 On CUDA the decode steps run through a StaticCache and, between boundaries, are replayed from one CUDA graph
-(``gdnviz.static_decode``; ``GDNVIZ_DECODE_GRAPH=0`` keeps the DynamicCache steps).
+(``gdnviz.static_decode``); elsewhere they go through the model's DynamicCache.
 """
 from __future__ import annotations
 
@@ -38,7 +38,7 @@ def greedy_generate(lm, prompt_ids, max_new_tokens: int = 32, *, segment_len: in
     callbacks = [TruncateCallback(lm.info, spec)] if spec is not None and len(spec) else []
     ctx = runner.RunContext(segment_len=runner.check_segment_len(segment_len), callbacks=callbacks)
     if stop_ids is None:
-        stop_ids = _stop_ids(lm)
+        stop_ids = model_stop_ids(lm)
     out = runner.forward(lm, ids, use_cache=True, logits_positions="last", keep_hidden=False, ctx=ctx)
     cache, tokens, logits = out.cache, [], out.logits[0, -1]
     dec = decoder_for(lm, ctx, cache, max_new_tokens)  # on CUDA: a StaticCache, steps replayed from a CUDA graph
@@ -60,7 +60,8 @@ def greedy_generate(lm, prompt_ids, max_new_tokens: int = 32, *, segment_len: in
     return Generation(prompt_len=ids.shape[1], tokens=tokens, text=text, readouts=tuple(sorted(ctx.readouts)))
 
 
-def _stop_ids(lm) -> set:
+def model_stop_ids(lm) -> set:
+    """The model's end-of-sequence token ids (generation config, model config and tokenizer together)."""
     ids = set()
     for src in (getattr(lm.model, "generation_config", None), lm.model.config, lm.tokenizer):
         eos = getattr(src, "eos_token_id", None) if src is not None else None

@@ -14,12 +14,14 @@ CaptureJob             ``run_id`` of a "previous runs" entry; one memo entry per
 TruncateCompareJob     untouched vs truncated greedy answers, RULER scores, next-token loss change on documents
 LossJob                ``loss_vs_rank`` table (records) for a document set
 SweepJob               RULER score vs r (``gdnviz.probes.sweep``): rows and seed 000's table (records) + settings;
-                       every (task, length, setting, sample) result is its own memo entry, so a cancelled or
-                       crashed sweep resumes where it stopped and a repeated one recomputes nothing
+                       every (task, length, setting, sample) result is its own memo entry (key:
+                       ``gdnviz.probes.sweep.cell_key``), so a cancelled or crashed sweep resumes where it
+                       stopped and a repeated one recomputes nothing
 =====================  ==========================================================================================
 
 Memo keys (``cache_key``) hash what determines a result: the computation version, the model fingerprint, the
-token ids, the segment length, the resolved dtype and device type, and the job's parameters.
+token ids, the segment length, the resolved dtype and device type, and the job's parameters. A sweep's cells are
+keyed by ``gdnviz.probes.sweep.cell_key`` alone.
 """
 from __future__ import annotations
 
@@ -34,12 +36,12 @@ from gdnviz.documents import check_length, check_text, tokenize
 from gdnviz.errors import EmptyDocumentSet, GDNVizError, JobCancelled
 from gdnviz.store import Store, content_hash
 
-#: Version strings of the computations; bump one to invalidate its memo entries.
+#: Version strings of the computations keyed by ``cache_key``; bump one to invalidate its memo entries (a sweep's
+#: cells: ``gdnviz.probes.sweep.VERSION``).
 VERSIONS = {
     "capture": "capture-v1/jobs-1",
     "truncate": "truncate-compare-v2",
     "loss": "loss-vs-rank-v1",
-    "sweep": "sweep-cells-v1",  # with gdnviz.probes.sweep.VERSION inside every cell key
 }
 
 
@@ -409,20 +411,16 @@ def run_loss(spec: LossJob, ctx: JobContext) -> dict:
 
 class _SweepMemo:
     """The store's memo as the mapping ``run_sweep`` memoises its cells in (one checksummed JSON entry per cell,
-    keyed by the cell key and ``VERSIONS['sweep']``); counts the cells it computed."""
+    under its ``gdnviz.probes.sweep.cell_key``); counts the cells it computed."""
 
     def __init__(self, store: Store):
         self.store, self.puts = store, 0
 
-    @staticmethod
-    def key(cell_key: str) -> str:
-        return f"sweep:{content_hash(dict(version=VERSIONS['sweep'], cell=cell_key))}"
+    def get(self, key: str):
+        return self.store.memo_get_json(key)
 
-    def get(self, cell_key: str):
-        return self.store.memo_get_json(self.key(cell_key))
-
-    def __setitem__(self, cell_key: str, value) -> None:
-        self.store.memo_put_json(self.key(cell_key), value)
+    def __setitem__(self, key: str, value) -> None:
+        self.store.memo_put_json(key, value)
         self.puts += 1
 
 

@@ -13,16 +13,9 @@ two together, with and without truncation.
 The adapters (``gdnviz.models``) route every GDN kernel call of a loaded model to ``gdn_scan`` while a
 ``RunContext`` is active; outside a run the model behaves exactly as without gdnviz.
 
-Callbacks are objects with any of these methods (all optional):
-
-- ``on_layer_input(layer, offset, keys, g, beta)``: before the scan of one GDN layer's call. ``keys`` are the
-  L2-normalised keys each value head writes with, ``[B, T, H, K]`` float32 (key heads repeated to value heads);
-  ``g`` log-decay ``[B, T, H]`` float32; ``beta`` ``[B, T, H]``; ``offset`` = tokens this layer had already seen.
-- ``on_boundary(layer, position, state) -> state | None``: ``state`` ``[B, H, K, V]`` float32 after ``position``
-  tokens (a multiple of L); return a replacement (same shape) or None to keep it.
-- ``on_boundaries(layer, positions, states)``: optional batched form for read-only callbacks, ``states``
-  ``[len(positions), B, H, K, V]`` float32; used instead of ``on_boundary`` on the one-pass path below.
-- ``on_layer_end(layer, position, state)``: after the call, with the carried state at its end.
+Callbacks (``RunContext.callbacks``) implement any subset of ``gdnviz.callbacks.BoundaryCallback`` (its docstring
+documents every member: ``on_layer_input``, ``on_boundary``, ``on_boundaries``, ``on_layer_end``,
+``modifies_state``, ``graph_boundary``, ``note_graph_boundaries``); ``gdnviz.callbacks.Dispatch`` calls them.
 
 Read-only runs (capture): when every boundary callback declares ``modifies_state = False``, nothing it does can
 change what the next segment reads, so on CUDA with fla (boundaries on fla's 64-token chunk grid) each layer's
@@ -38,23 +31,22 @@ Left-padded batches (``gdnviz.probes.batch``): ``RunContext.row_starts`` gives e
 tokens. Then every pad position is the exact core no-op (g = 0 i.e. alpha = 1, beta = 0, q = k = v = 0), each row's
 positions count from its own first real token, and boundaries fall at each row's own multiples of L: the scan cuts
 at the union of the rows' boundaries and calls ``on_boundary`` once per distinct position with the sub-batch
-``state[rows]`` of the rows that reached it (a callback whose ``on_boundary`` has a ``rows`` parameter also gets
-their batch indices). ``row_starts=None`` (the default) is the plain behaviour above.
+``state[rows]`` of the rows that reached it and their batch indices ``rows``. ``row_starts=None`` (the default) is
+the plain behaviour above.
 """
 from __future__ import annotations
 
 import contextlib
 import contextvars
-import inspect
 from dataclasses import dataclass, field
 from typing import Any, Iterable
 
 import torch
 
+from gdnviz.callbacks import BoundaryCallback, Dispatch
 from gdnviz.errors import BadSegmentLength
 from gdnviz.gdn import kernels
 from gdnviz.gpu import scan_graph
-from gdnviz.gpu.nvrtc import env_switch
 
 DEFAULT_SEGMENT_LEN = 256
 
@@ -64,7 +56,7 @@ class RunContext:
     """State of one segmented run; lives in a context variable while the model forward runs."""
 
     segment_len: int
-    callbacks: list = field(default_factory=list)
+    callbacks: list[BoundaryCallback] = field(default_factory=list)
     offsets: dict = field(default_factory=dict)  # GDN layer index -> tokens that layer has consumed
     current_layer: int | None = None
     backends: set = field(default_factory=set)  # kernel paths that ran: {"fla", "torch"}
@@ -73,6 +65,11 @@ class RunContext:
     readouts: set = field(default_factory=set)  # how GDN calls ran: "one-pass", "segment-loop", "segment-graph", ...
     graphs: bool | str = True  # CUDA-graph windows for state-replacing runs on CUDA (see _graph_plan); "eager": the
     # same windows without a graph, on any device (tests)
+
+    @property
+    def dispatch(self) -> Dispatch:
+        """The callbacks' optional members, looked up and called in one place (``gdnviz.callbacks``)."""
+        return Dispatch(self.callbacks)
 
 
 _ACTIVE: contextvars.ContextVar[RunContext | None] = contextvars.ContextVar("gdnviz_run", default=None)
@@ -104,18 +101,11 @@ def boundary_cuts(offset: int, length: int, segment_len: int) -> list[int]:
     return list(range(first - offset, length + 1, segment_len))
 
 
-# see prepare_core_inputs. On since the twelfth session: on the H200 the run without callbacks 0.1533 → 0.1412 s and
-# the r = 4 truncated run 0.2913 → 0.2787 s at 16K tokens (bench_truncated_run.py --qknorm-ab), and a bf16 truncated
-# run's deviation from the float32 model's unchanged (mean |Δ log p| 0.02245 vs 0.02251, tests/test_qk_norm.py)
-FAST_QK_NORM = True
-
-
 def fast_qk_norm(ctx: RunContext | None, device) -> bool:
-    """Whether :func:`prepare_core_inputs` may hand q̂, k̂ back in the value dtype (``kernels.unit_rows``): fla on
-    CUDA, no callback reads the keys (``on_layer_input`` wants float32 keys), and ``FAST_QK_NORM`` or
-    ``GDNVIZ_FAST_QK_NORM=1`` (``=0`` forces it off)."""
-    return (env_switch("GDNVIZ_FAST_QK_NORM", FAST_QK_NORM) and ctx is not None and kernels.backend_for(device) == "fla"
-            and not any(hasattr(cb, "on_layer_input") for cb in ctx.callbacks))
+    """Whether :func:`prepare_core_inputs` hands q̂, k̂ back in the value dtype (``kernels.unit_rows``): inside a
+    run, fla on CUDA, and no callback reads the float32 keys (``on_layer_input``). Elsewhere (CPU, outside a run,
+    a capture) the float32 normalisation ``kernels.l2norm`` runs."""
+    return (ctx is not None and kernels.backend_for(device) == "fla" and not ctx.dispatch.reads_keys())
 
 
 def prepare_core_inputs(query, key, num_value_heads: int, ctx: RunContext | None = None, dtype=None):
@@ -133,13 +123,6 @@ def prepare_core_inputs(query, key, num_value_heads: int, ctx: RunContext | None
         q_hat = q_hat.repeat_interleave(rep, dim=2)
         k_hat = k_hat.repeat_interleave(rep, dim=2)
     return q_hat, k_hat
-
-
-def _wants_rows(fn) -> bool:
-    try:
-        return "rows" in inspect.signature(fn).parameters
-    except (TypeError, ValueError):
-        return False
 
 
 def _row_boundaries(ctx: RunContext, offset: int, end: int) -> dict:
@@ -183,10 +166,8 @@ def gdn_scan(ctx: RunContext, layer: int, q_hat, k_hat, v, g, beta, initial_stat
         if len(ctx.row_starts) != B:
             raise ValueError(f"RunContext.row_starts has {len(ctx.row_starts)} rows, the batch has {B}")
         q_hat, k_hat, v, g, beta = _mask_pads(ctx, offset, q_hat, k_hat, v, g, beta)
-    for cb in ctx.callbacks:
-        fn = getattr(cb, "on_layer_input", None)
-        if fn is not None:
-            fn(layer, offset, k_hat, g, beta)
+    calls = ctx.dispatch
+    calls.layer_input(layer, offset, k_hat, g, beta)
     ctx.backends.add(kernels.backend_for(v.device))
     q_in = q_hat.to(v.dtype) if v.dtype != torch.float32 else q_hat
     k_in = k_hat.to(v.dtype) if v.dtype != torch.float32 else k_hat
@@ -195,7 +176,7 @@ def gdn_scan(ctx: RunContext, layer: int, q_hat, k_hat, v, g, beta, initial_stat
                 if offset + c - start > 0}
     else:
         cuts = boundary_cuts(offset, T, ctx.segment_len)
-    if (not cuts or not _boundary_callbacks(ctx)) and kernels.backend_for(v.device) == "fla":
+    if (not cuts or not calls.acts_at_boundaries()) and kernels.backend_for(v.device) == "fla":
         # nothing happens at any boundary (none in this call, e.g. a decode step between boundaries, or no callback
         # acts at one): one kernel call, what the segment loop would run (pads are the exact no-op; fla's chunk
         # kernel gives the loop's result, and no state read-out is computed for nobody). Host work only: a decode
@@ -204,23 +185,14 @@ def gdn_scan(ctx: RunContext, layer: int, q_hat, k_hat, v, g, beta, initial_stat
         out, state = kernels.core(q_in, k_in, v, g, beta, state)
         return _finish(ctx, layer, offset, T, out, state, v.dtype)
     one_pass = None
-    if not rows_mode and ctx.fast_states and _reads_only(ctx) and kernels.states_fast_path(v.device, T, cuts):
+    if not rows_mode and ctx.fast_states and calls.reads_only() and kernels.states_fast_path(v.device, T, cuts):
         one_pass = _try_one_pass(q_in, k_in, v, g, beta, state, cuts)
     if one_pass is not None:
         ctx.readouts.add("one-pass")
         out, state, states = one_pass
-        positions = [offset + c for c in cuts]
-        for cb in ctx.callbacks:
-            many = getattr(cb, "on_boundaries", None)
-            if many is not None:
-                many(layer, positions, states)
-                continue
-            fn = getattr(cb, "on_boundary", None)
-            if fn is not None:
-                for i, pos in enumerate(positions):
-                    fn(layer, pos, states[i])
+        calls.read_states(layer, [offset + c for c in cuts], states)
         return _finish(ctx, layer, offset, T, out, state, v.dtype)
-    plan = _graph_plan(ctx, layer, v)
+    plan = _graph_plan(ctx, calls, layer, v)
     if plan == "noop":  # no callback does anything in this layer: one kernel call (fla: same result as the loop)
         ctx.readouts.add("one-call")
         out, state = kernels.core(q_in, k_in, v, g, beta, state)
@@ -251,7 +223,7 @@ def gdn_scan(ctx: RunContext, layer: int, q_hat, k_hat, v, g, beta, initial_stat
             if res is not None:
                 ctx.readouts.add("segment-graph")
                 state, n_calls = res
-                owner.note_graph_boundaries(layer, n_calls)
+                calls.graph_boundaries_ran(owner, layer, n_calls)
                 for a, b in tail:
                     o, state = _segment_loop(ctx, layer, offset, q_in, k_in, v, g, beta, state, cuts, a, b)
                     out[:, a:b] = o
@@ -268,6 +240,7 @@ def _segment_loop(ctx: RunContext, layer: int, offset: int, q_in, k_in, v, g, be
     """The plain scan of local tokens [lo, hi): one kernel call per segment, callbacks at every cut in (lo, hi].
     Returns (out [B, hi - lo, H, V], state)."""
     rows_mode = ctx.row_starts is not None
+    calls = ctx.dispatch
     edges = sorted({c for c in cuts if lo < c <= hi} | {hi})
     outs, start = [], lo
     ctx.readouts.add("segment-loop")
@@ -278,27 +251,16 @@ def _segment_loop(ctx: RunContext, layer: int, offset: int, q_in, k_in, v, g, be
             outs.append(o)
         if rows_mode:
             if end > 0:
-                state = _row_callbacks(ctx, layer, offset, end, state)
+                for pos, rows in sorted(_row_boundaries(ctx, offset, end).items()):
+                    state = calls.row_boundary(layer, pos, state, torch.tensor(rows, device=state.device))
         elif (offset + end) % ctx.segment_len == 0 and end > 0:
-            for cb in ctx.callbacks:
-                fn = getattr(cb, "on_boundary", None)
-                if fn is not None:
-                    new = fn(layer, offset + end, state)
-                    if new is not None:
-                        state = new.to(torch.float32)
-                elif getattr(cb, "on_boundaries", None) is not None:  # batched read-only form, one state
-                    cb.on_boundaries(layer, [offset + end], state[None])
+            state = calls.boundary(layer, offset + end, state)
         start = end
     out = torch.cat(outs, dim=1) if len(outs) > 1 else outs[0]
     return out, state
 
 
-def _boundary_callbacks(ctx: RunContext) -> list:
-    """The callbacks that act at boundaries (``on_boundary`` or ``on_boundaries``)."""
-    return [cb for cb in ctx.callbacks if hasattr(cb, "on_boundary") or hasattr(cb, "on_boundaries")]
-
-
-def _graph_plan(ctx: RunContext, layer: int, v):
+def _graph_plan(ctx: RunContext, calls: Dispatch, layer: int, v):
     """How this layer's segments may run:
 
     - ``"noop"``: every boundary callback says it does nothing in this layer (``graph_boundary`` returned
@@ -314,19 +276,8 @@ def _graph_plan(ctx: RunContext, layer: int, v):
     fla = kernels.backend_for(v.device) == "fla"
     if ctx.graphs is True and not fla:
         return None
-    found = []
-    for cb in _boundary_callbacks(ctx):
-        gb = getattr(cb, "graph_boundary", None)
-        if gb is None:
-            return None
-        p = gb(layer, v.device)
-        if p is None:
-            return None
-        if p != "noop":
-            found.append((p[0], p[1], cb))
-    if not found:
-        return "noop" if fla else None
-    return found[0] if len(found) == 1 else None
+    plan = calls.graph_plan(layer, v.device)
+    return None if plan == "noop" and not fla else plan
 
 
 _ONE_PASS_BROKEN: list = []  # the first failure of the one-pass read-out in this process (then never tried again)
@@ -351,32 +302,8 @@ def _try_one_pass(q, k, v, g, beta, state, cuts):
 
 def _finish(ctx: RunContext, layer: int, offset: int, T: int, out, state, dtype):
     ctx.offsets[layer] = offset + T
-    for cb in ctx.callbacks:
-        fn = getattr(cb, "on_layer_end", None)
-        if fn is not None:
-            fn(layer, offset + T, state)
+    ctx.dispatch.layer_end(layer, offset + T, state)
     return out.to(dtype), state
-
-
-def _reads_only(ctx: RunContext) -> bool:
-    """True when no callback can replace a state: each boundary callback says ``modifies_state = False``."""
-    return all(getattr(cb, "modifies_state", True) is False for cb in _boundary_callbacks(ctx))
-
-
-def _row_callbacks(ctx: RunContext, layer: int, offset: int, end: int, state):
-    """Per-row boundaries: each group of rows at the same own position gets the callbacks on its sub-batch."""
-    for pos, rows in sorted(_row_boundaries(ctx, offset, end).items()):
-        idx = torch.tensor(rows, device=state.device)
-        for cb in ctx.callbacks:
-            fn = getattr(cb, "on_boundary", None)
-            if fn is None:
-                continue
-            sub = state[idx]
-            new = fn(layer, pos, sub, rows=idx) if _wants_rows(fn) else fn(layer, pos, sub)
-            if new is not None:
-                state = state.clone()
-                state[idx] = new.to(torch.float32)
-    return state
 
 
 @dataclass

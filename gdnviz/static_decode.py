@@ -1,9 +1,7 @@
 """Greedy decode steps through a StaticCache, replayed from one CUDA graph between boundaries.
 
-Why: a retrieval sweep is decode-bound (82–93% of a 4K sweep is its 128-token greedy decode, bench/RESULTS.md,
-fourteenth session), and one decode step of a 24-layer model is host work: on the H200 gdnviz's runner step took
-72.3 / 80.2 ms at batch 1 / 4, this module's steps 5.09 / 6.64 ms replayed from the graph (StaticCache, warm-up and
-capture included; ``bench/bench_decode.py``, fifteenth session). transformers' ``StaticCache`` keeps every tensor a decode step writes at a fixed address (the
+Why: a retrieval sweep is decode-bound and one decode step of a 24-layer model is host work (measurements:
+docs/runner.md). transformers' ``StaticCache`` keeps every tensor a decode step writes at a fixed address (the
 attention keys and values are written by ``index_copy_`` at a device-side length, the GDN conv and recurrent states
 are updated in place), so one step can be captured and replayed with only the token, its position and one mask
 column changed between replays.
@@ -24,14 +22,13 @@ What it does (:class:`StaticDecoder`), after a prefill through gdnviz's runner i
    in ``RunContext.offsets``) is advanced by hand.
 
 When the graph is used (:func:`graph_reason` returns None): CUDA with fla, a transformers-family model (Qwen3.5,
-Qwen3.5-MoE, Qwen3-Next) with sdpa or eager attention, the switch on (``GDNVIZ_DECODE_GRAPH=0`` turns it off), and
-no callbacks but gdnviz's truncation (a recorder's ``on_layer_end`` would not run on replays). A capture that fails
-(an operation that syncs with the host) is logged once per model class, dtype and experts implementation, and that
-decoder runs its steps eagerly through the StaticCache; the capture executes nothing, so no state is lost.
-Mixture-of-experts models (H200, sixteenth session, ``bench/study_moe_capture.py``, tiny Qwen3.5-MoE and Qwen3-Next):
-in bfloat16 with transformers' default ``grouped_mm`` experts, and with ``batched_mm``, the step captures and a replay
-equals the eager step bit for bit; float32 ``grouped_mm`` (its fallback copies group offsets to the host) and
-``eager`` experts (a loop over the experts hit) do not capture and fall back.
+Qwen3.5-MoE, Qwen3-Next) with sdpa or eager attention, and no callbacks but gdnviz's truncation (a recorder's
+``on_layer_end`` would not run on replays); elsewhere the steps go through the run's DynamicCache. A capture that
+fails (an operation that syncs with the host) is logged once per model class, dtype and experts implementation
+(:func:`_failure_key`), and that decoder runs its steps eagerly through the StaticCache; the capture executes
+nothing, so no state is lost. Mixture-of-experts models capture in bfloat16 with transformers' ``grouped_mm`` or
+``batched_mm`` experts (a replay equals the eager step bit for bit); float32 ``grouped_mm`` (its fallback copies
+group offsets to the host) and ``eager`` experts (a loop over the experts hit) do not, and fall back.
 
 Exactness: the eager static step computes what the runner's DynamicCache step computes, except that attention runs
 over the static buffer with an explicit mask (float32 CPU tests: logits within 1e-5, greedy tokens equal, batched
@@ -46,11 +43,9 @@ import torch
 
 from gdnviz import runner
 from gdnviz.gdn import kernels
-from gdnviz.gpu.nvrtc import env_switch
 
-__all__ = ["StaticDecoder", "decoder_for", "graph_reason", "DEFAULT_ON"]
+__all__ = ["StaticDecoder", "decoder_for", "graph_reason"]
 
-DEFAULT_ON = True
 _FAILED: dict = {}  # _failure_key(model) -> why its capture failed (then never tried again in this process)
 _LOG = logging.getLogger(__name__)
 
@@ -59,8 +54,6 @@ def graph_reason(lm, ctx: runner.RunContext, device) -> str | None:
     """Why decode steps of ``lm`` in ``ctx`` cannot be replayed from a CUDA graph, or None when they can."""
     from gdnviz.intervene import TruncateCallback
 
-    if not env_switch("GDNVIZ_DECODE_GRAPH", DEFAULT_ON):
-        return "switched off (GDNVIZ_DECODE_GRAPH)"
     if torch.device(device).type != "cuda" or kernels.backend_for(device) != "fla":
         return "needs CUDA with fla"
     if lm.info.family == "fla":
@@ -79,8 +72,7 @@ def graph_reason(lm, ctx: runner.RunContext, device) -> str | None:
 def _failure_key(model) -> str:
     """What a failed capture is remembered by: the model class, its dtype and its experts implementation — whether
     a step captures depends on all three (transformers' default ``grouped_mm`` experts capture in bfloat16 but not
-    in float32, whose fallback copies the group offsets to the host; ``eager`` experts never: sixteenth session,
-    ``bench/study_moe_capture.py``)."""
+    in float32, whose fallback copies the group offsets to the host; ``eager`` experts never)."""
     experts = getattr(model.config, "_experts_implementation", None)
     dtype = str(next(model.parameters()).dtype).replace("torch.", "")
     return f"{type(model).__name__} ({dtype}" + (f", experts {experts})" if experts else ")")
@@ -194,7 +186,7 @@ class StaticDecoder:
     def _at_boundary(self, offset: int) -> bool:
         """Whether, after this step's token, some row's own position is a positive multiple of L and a callback
         acts at boundaries (the step then runs eagerly, so the callbacks run)."""
-        if not runner._boundary_callbacks(self.ctx):
+        if not self.ctx.dispatch.acts_at_boundaries():
             return False
         return any(runner.boundary_cuts(offset - s, 1, self.ctx.segment_len) for s in self.starts)
 

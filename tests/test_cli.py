@@ -123,7 +123,7 @@ def test_sweep_via_the_worker_writes_what_the_direct_path_writes(tmp_path, capsy
 
 def test_sweep_outputs_without_altair_keep_the_csvs(tmp_path, capsys, monkeypatch):
     """A machine without altair (the H200 image has none) still gets rows.csv/table.csv and a message, not an
-    exit with a traceback after the whole sweep ran (seen on the H200, third session)."""
+    exit with a traceback after the whole sweep ran (as once seen on the H200)."""
     import pandas as pd
 
     from gdnviz.cli import _write_sweep_outputs

@@ -39,7 +39,7 @@ class Recorder:
     def on_layer_input(self, layer, offset, keys, g, beta):
         self.inputs.append((layer, offset, tuple(keys.shape)))
 
-    def on_boundary(self, layer, pos, state):
+    def on_boundary(self, layer, pos, state, rows=None):
         return self._ob(layer, pos, state) if self._ob else None
 
     def on_layer_end(self, layer, pos, state):
@@ -208,7 +208,7 @@ def test_get_set_state_round_trip(lm):
     y = ids(128, seed=6)
     bound = {}
 
-    def swap(l, pos, state):
+    def swap(l, pos, state, rows=None):
         bound[l] = state
         return torch.zeros_like(state) if l == layer else None
 

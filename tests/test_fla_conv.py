@@ -1,10 +1,11 @@
-"""The short convolution of transformers' GDN layers routed to fla's ``causal_conv1d`` inside gdnviz runs
-(``gdnviz.models.transformers_family``: ``FLA_CONV``, on since the twelfth session; ``GDNVIZ_FLA_CONV=0`` off).
+"""The short convolution of transformers' GDN layers routed to fla's ``causal_conv1d`` inside gdnviz runs on CUDA
+(``gdnviz.models.transformers_family.fla_conv_on``).
 
-CPU: the dispatcher is installed and passes calls through by default; the switch's cases; the plumbing (the
+CPU: the dispatcher is installed and passes CPU calls through; when the route is taken; the plumbing (the
 ``[B, T, D]`` layout handed over, the output transposed back) with fla's function replaced by a float64 reference of
 the same causal convolution, which keeps a run's logits. CUDA: fla's kernel against transformers' fallback on the
-demo model's convolution, and a bf16 truncated run with the switch on and off, each against the float32 model's run.
+demo model's convolution, and a bf16 truncated run with it against the float32 model's run, no further from it than
+the bf16 run with transformers' fallback (forced).
 """
 import pytest
 import torch
@@ -28,37 +29,30 @@ def causal_conv_btd(x, weight, bias=None, activation=None):
     return y.to(x.dtype), None
 
 
-def test_dispatcher_installed_and_off_by_default(monkeypatch):
+def test_dispatcher_installed_and_off_on_cpu():
     import transformers.models.qwen3_5.modeling_qwen3_5 as mod
 
     lm = from_model(tiny_models.qwen3_5(), "tiny")
     assert hasattr(mod.causal_conv1d_fn, "__gdnviz_original__")
-    monkeypatch.delenv("GDNVIZ_FLA_CONV", raising=False)
     x = torch.randn(1, 8, 5)
     assert not transformers_family.fla_conv_on(x)  # CPU: never
+    with runner.run_context(runner.RunContext(segment_len=4)):
+        assert not transformers_family.fla_conv_on(x)
     assert lm.info.gdn_layers
 
 
-def test_switch(monkeypatch):
+def test_route_inside_runs_on_cuda_with_fla(monkeypatch):
     class OnCuda:
         is_cuda = True
 
     monkeypatch.setattr(transformers_family, "_fla_causal_conv1d", lambda: causal_conv_btd)
     x = OnCuda()
-    monkeypatch.delenv("GDNVIZ_FLA_CONV", raising=False)
     with runner.run_context(runner.RunContext(segment_len=4)):
-        assert transformers_family.fla_conv_on(x) == transformers_family.FLA_CONV
-        assert transformers_family.FLA_CONV  # on by default since the twelfth session's measurement
-        monkeypatch.setenv("GDNVIZ_FLA_CONV", "1")
         assert transformers_family.fla_conv_on(x)
-        monkeypatch.setenv("GDNVIZ_FLA_CONV", "0")
+        monkeypatch.setattr(transformers_family, "_fla_causal_conv1d", lambda: None)  # fla absent
         assert not transformers_family.fla_conv_on(x)
-    monkeypatch.setenv("GDNVIZ_FLA_CONV", "1")
+    monkeypatch.setattr(transformers_family, "_fla_causal_conv1d", lambda: causal_conv_btd)
     assert not transformers_family.fla_conv_on(x)  # outside a run
-    monkeypatch.setenv("GDNVIZ_FLA_CONV", "all")
-    assert transformers_family.fla_conv_on(x)
-    monkeypatch.setattr(transformers_family, "_fla_causal_conv1d", lambda: None)  # fla absent
-    assert not transformers_family.fla_conv_on(x)
 
 
 def test_forced_route_keeps_a_run(monkeypatch):
@@ -105,15 +99,15 @@ def test_fla_conv_kernel_equals_the_fallback_on_gpu():
 
 
 @pytest.mark.gpu
-@pytest.mark.timeout(300)  # 99 s on a warm H200, > 100 s on a fresh one (thirteenth session): fla autotunes
+@pytest.mark.timeout(300)  # 99 s on a warm H200, > 100 s on a fresh one: fla autotunes
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
 def test_fla_conv_run_on_gpu(monkeypatch):
-    """A bf16 truncated run with GDNVIZ_FLA_CONV=1 is as close to the float32 model's as with the fallback (its
-    deviation printed)."""
+    """A bf16 truncated run with fla's convolution is as close to the float32 model's as with transformers' fallback
+    (its deviation printed)."""
     from test_qk_norm import assert_within_bf16_noise, bf16_deviation
 
     if transformers_family._fla_causal_conv1d() is None:
         pytest.skip("fla not importable")
-    dev = bf16_deviation("GDNVIZ_FLA_CONV", "1", monkeypatch)
+    dev = bf16_deviation(lambda m: m.setattr(transformers_family, "fla_conv_on", lambda t: False), monkeypatch)
     print("bf16 deviation from float32, fla conv:", dev)
     assert_within_bf16_noise(dev)

@@ -47,7 +47,7 @@ def test_runner_matches_cache_loop_on_gpu(lm):
         return (U[..., :4] @ (U[..., :4].transpose(-1, -2) @ state.double())).float()
 
     class Cut:
-        def on_boundary(self, layer, pos, state):
+        def on_boundary(self, layer, pos, state, rows=None):
             return cut(layer, pos, state)
 
     for callbacks, hook in (([], None), ([Cut()], cut)):
@@ -99,7 +99,7 @@ class _ReadOnly:
     def __init__(self):
         self.seen = []
 
-    def on_boundary(self, layer, pos, state):
+    def on_boundary(self, layer, pos, state, rows=None):
         self.seen.append((layer, pos))
 
 

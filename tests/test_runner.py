@@ -29,7 +29,7 @@ class Recorder:
     def __init__(self):
         self.final, self.bounds = {}, {}
 
-    def on_boundary(self, layer, pos, state):
+    def on_boundary(self, layer, pos, state, rows=None):
         self.bounds[(layer, pos)] = state.clone()
 
     def on_layer_end(self, layer, pos, state):
@@ -92,7 +92,7 @@ def test_runner_matches_cache_loop_truncated(lm):
         return exact_top_r(state, 2) if layer in layers else None
 
     class Cut:
-        def on_boundary(self, layer, pos, state):
+        def on_boundary(self, layer, pos, state, rows=None):
             return cut(layer, pos, state)
 
     rec = Recorder()
@@ -179,7 +179,7 @@ def test_read_only_batched_callback_sees_every_boundary_on_cpu(one_thread):
         def __init__(self):
             self.got = []
 
-        def on_boundary(self, layer, pos, state):
+        def on_boundary(self, layer, pos, state, rows=None):
             self.got.append((layer, pos, state.clone()))
 
     b, s = Batched(), Single()
@@ -189,4 +189,4 @@ def test_read_only_batched_callback_sees_every_boundary_on_cpu(one_thread):
     for (_, _, x1), (_, _, x2) in zip(b.got, s.got):
         assert torch.equal(x1, x2)
     assert not kernels.states_fast_path(torch.device("cpu"), 300, [64, 128])
-    assert runner._reads_only(runner.RunContext(64, [b])) and not runner._reads_only(runner.RunContext(64, [s]))
+    assert runner.RunContext(64, [b]).dispatch.reads_only() and not runner.RunContext(64, [s]).dispatch.reads_only()

@@ -189,3 +189,24 @@ def test_cli_loss_in_process(ckpt, tmp_path, capsys):
     assert json.loads((out / "settings.json").read_text())["ranks"] == [2, 16]
     assert main(["loss", str(ckpt), str(doc), "--ranks", "32", "--out", str(out), "--device", "cpu"]) == 2
     assert "RankOutOfRange" in capsys.readouterr().err
+
+
+def test_cell_key_is_the_key_cells_were_stored_under():
+    """``sweep.cell_key`` is the only builder of a sweep's memo key; it gives the bytes the worker's store used
+    before (the cell hash wrapped with the version string), so stored cells stay valid."""
+    import hashlib
+    from types import SimpleNamespace
+
+    from gdnviz.store import content_hash
+
+    info = SimpleNamespace(fingerprint="fp123", dtype="float32")
+    sample = SimpleNamespace(input_ids=[5, 6, 7], seed=3)
+    spec = sweep.SweepSpec(model="tiny", tasks=("vt",), lengths=(1024,), segment_len=256, max_new_tokens=12)
+    setting = sweep._Setting(sweep.UNIFORM, 4, None)
+    prompt = hashlib.sha256(np.asarray([5, 6, 7], dtype=np.int64).tobytes()).hexdigest()[:16]
+    d = dict(v=1, fp="fp123", dtype="float32", task="vt", length=1024, trunc=None, seed=3, prompt=prompt, L=256,
+             new=12)
+    inner = "sweep:" + hashlib.sha256(json.dumps(d, sort_keys=True).encode()).hexdigest()
+    stored = "sweep:" + content_hash(dict(version="sweep-cells-v1", cell=inner))
+    assert sweep.VERSION == 1
+    assert sweep.cell_key(info, "vt", 1024, setting, sample, spec) == stored

@@ -2,10 +2,9 @@
 
 Why: a truncated run cannot use the one-pass read-out (``gdnviz.gdn.kernels.core_with_states``): every boundary
 changes the state the next segment reads, so each GDN layer scans its segments one kernel call at a time, with the
-boundary work between the calls. On an H200 that loop is host-bound: fla's chunk call costs ~0.7 ms of host time
-for ~44 µs of GPU work per 256-token segment (issue #6), and the truncation of a layer's 16 states launches dozens of
-small kernels. Recorded once in a CUDA graph, a window of ``W`` segments (fla call + boundary function, ``W`` times)
-is one ``replay()`` (measured: bench/RESULTS.md, fourth session).
+boundary work between the calls. That loop is host-bound (fla's chunk call costs far more host time than GPU time
+per 256-token segment, and a layer's truncation launches several kernels: docs/runner.md). Recorded once in a CUDA
+graph, a window of ``W`` segments (fla call + boundary function, ``W`` times) is one ``replay()``.
 
 Shapes (as in ``gdnviz.gdn.kernels``): q, k ``[B, T, H, K]`` (unit rows, unscaled), v ``[B, T, H, V]``, g ``[B, T, H]``
 float32, beta ``[B, T, H]``, state ``[B, H, K, V]`` float32.
@@ -20,13 +19,15 @@ pattern (``row_pattern``): one graph serves every window of every layer of that 
 What is recorded: static input buffers (copied into before each replay), the chunk calls on slices of them — on
 CUDA with fla, when every piece lies on fla's 64-token chunk grid (``split_scan``), the chunk-local half of the
 chunk pass (decay cumsums, WY factors: ``kernels.intra``) once for the whole window and only the state recurrence and
-output pass (``kernels.segment``) per piece, the same numbers with ~2 kernels per segment instead of ~6 — the
+output pass (``kernels.segment``) per piece, the same numbers with ~2 kernels per segment instead of ~6; otherwise
+(pieces off the grid, as in some left-padded batches, or the torch bodies) one ``kernels.core`` call per piece — the
 boundary function after each piece that ends at a boundary, the outputs written into a static output buffer and
 the final state copied into the static state buffer. Constraints on the boundary function ``fn(state, rows)``
 (``rows`` None for all rows, else a device index tensor): no host sync, no data-dependent shapes, constants created
 before the capture. The first window of a new graph runs eagerly on a side stream — that run is its real result
 and also the capture's warm-up (fla's autotuning for these shapes, lazy constants) — then the body is recorded;
-later windows replay. ``gdnviz.intervene.TruncateCallback.graph_boundary`` provides such functions.
+later windows replay. A callback's ``graph_boundary`` (``gdnviz.callbacks.BoundaryCallback``) provides such
+functions; truncation's ``TruncateCallback`` does.
 
 Graphs are cached per (device, shapes, dtypes, L, W, pattern, boundary key), a few at a time (``MAX_GRAPHS``,
 least recently used dropped): all layers that truncate the same heads to the same ranks share one graph. A capture
@@ -38,7 +39,6 @@ same window body without a graph (CPU tests pin the window plumbing to the plain
 from __future__ import annotations
 
 import logging
-import os
 from collections import OrderedDict
 from typing import Callable
 
@@ -47,7 +47,6 @@ import torch
 from gdnviz.gdn import kernels
 
 WINDOW = 16  # periods per graph replay (4,096 tokens at L = 256)
-SPLIT_SCAN = True  # see split_scan: fla's chunk-local half once per window (GDNVIZ_SPLIT_SCAN=0: per piece)
 MAX_GRAPHS = 4
 _GRAPHS: "OrderedDict[tuple, _WindowGraph]" = OrderedDict()
 _BROKEN: dict = {}  # key -> repr of the capture error
@@ -178,11 +177,9 @@ class _WindowGraph:
 
 def split_scan(device, pattern: tuple) -> bool:
     """Whether a window body runs fla's chunk-local half once per window (``kernels.intra``) and only the
-    state-dependent half per piece (``kernels.segment``): fla on CUDA, every piece on the 64-token grid (so every
-    piece starts on it), not switched off (``GDNVIZ_SPLIT_SCAN=0``)."""
-    return (SPLIT_SCAN and os.environ.get("GDNVIZ_SPLIT_SCAN", "").strip() != "0"
-            and kernels.backend_for(device) == "fla"
-            and all(n % kernels.FLA_CHUNK == 0 for n, _ in pattern))
+    state-dependent half per piece (``kernels.segment``): fla on CUDA and every piece on the 64-token grid (so every
+    piece starts on it); else each piece is one ``kernels.core`` call."""
+    return kernels.backend_for(device) == "fla" and all(n % kernels.FLA_CHUNK == 0 for n, _ in pattern)
 
 
 def run_windows(q, k, v, g, beta, state, starts: list[int], L: int, W: int, fn: Callable, fn_key,

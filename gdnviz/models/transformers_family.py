@@ -12,25 +12,18 @@ globals, once per process, with a dispatcher:
 The carried state lives in ``cache.layers[i].recurrent_states[0]`` as ``[B, H, d_k, d_v]`` float32: already the
 canonical layout, no transpose.
 
-The short convolution (module-level ``causal_conv1d_fn``) is patched too, and by default passes every call through.
-With ``FLA_CONV`` or ``GDNVIZ_FLA_CONV=1`` a gdnviz run on CUDA convolves with fla's Triton ``causal_conv1d`` on the
-``[B, T, D]`` layout the projection produced, instead of transformers' PyTorch fallback (without the
-``causal-conv1d`` package: a copy of the transposed ``[B, D, T]`` view, ``F.conv1d`` padded on both sides, a slice,
-SiLU). The same causal convolution in another kernel (fla's GatedDeltaNet layers use it; transformers itself takes
-the ``causal-conv1d`` package's kernel when that is installed). On by default since the twelfth session
-(``GDNVIZ_FLA_CONV=0`` turns it off): on the H200 it takes 38 ms off a 16K-token plain prefill (0.1329 → 0.0947 s,
-transformers' fallback is that slow) and 48–60 ms off gdnviz's runs (``bench/bench_truncated_run.py --fla-conv-ab``);
-a bf16 truncated run of the demo model deviates from the float32 model's by a mean |Δ log p| of 0.0252 with it and
-0.0225 without (``tests/test_fla_conv.py``: bf16 noise either way). Benchmarks report their ratios to the plain
-prefill as transformers runs it and to the plain prefill with the same convolution: ``GDNVIZ_FLA_CONV=all`` also
-applies it outside gdnviz runs.
+The short convolution (module-level ``causal_conv1d_fn``) is patched too: inside a gdnviz run on CUDA it convolves
+with fla's Triton ``causal_conv1d`` on the ``[B, T, D]`` layout the projection produced (the same causal convolution;
+fla's GatedDeltaNet layers use it) instead of transformers' PyTorch fallback (a copy of the transposed ``[B, D, T]``
+view, ``F.conv1d`` padded on both sides, a slice, SiLU: much slower, docs/runner.md). Outside runs, on CPU, without
+fla, and for packed sequences, the call goes to transformers' own function (which takes the ``causal-conv1d``
+package's kernel when that is installed).
 """
 from __future__ import annotations
 
 import functools
 import importlib
 import inspect
-import os
 
 import torch
 
@@ -67,9 +60,6 @@ def _dispatcher(orig):
     return dispatch
 
 
-FLA_CONV = True  # see the module docstring (GDNVIZ_FLA_CONV=0: transformers' convolution in runs too)
-
-
 @functools.lru_cache(maxsize=1)
 def _fla_causal_conv1d():
     """fla's ``causal_conv1d`` (``x [B, T, D]``, ``weight [D, W]``) or None when fla does not import."""
@@ -81,14 +71,9 @@ def _fla_causal_conv1d():
 
 
 def fla_conv_on(x: torch.Tensor) -> bool:
-    """Whether this short-convolution call goes to fla's kernel (module docstring): CUDA, fla importable, and
-    ``GDNVIZ_FLA_CONV=1`` (or ``FLA_CONV``) inside a gdnviz run, ``=all`` anywhere; ``=0`` never."""
-    env = os.environ.get("GDNVIZ_FLA_CONV", "").strip()
-    if env == "0" or not x.is_cuda:
-        return False
-    if env != "all" and not ((FLA_CONV or env != "") and runner.active() is not None):
-        return False
-    return _fla_causal_conv1d() is not None
+    """Whether this short-convolution call goes to fla's kernel (module docstring): inside a gdnviz run, on CUDA,
+    with fla importable."""
+    return x.is_cuda and runner.active() is not None and _fla_causal_conv1d() is not None
 
 
 _PACKING_KWARGS = ("seq_idx", "cu_seqlens", "cu_seq_lens_q", "cu_seq_lens_k")  # packed sequences: the original

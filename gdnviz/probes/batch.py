@@ -31,7 +31,7 @@ import torch
 
 from gdnviz import runner
 from gdnviz.errors import EmptyDocument, EmptyDocumentSet
-from gdnviz.generate import Generation, _stop_ids, greedy_generate
+from gdnviz.generate import Generation, greedy_generate, model_stop_ids
 from gdnviz.intervene import TruncateCallback, TruncationSpec
 from gdnviz.static_decode import decoder_for
 
@@ -132,7 +132,7 @@ def batched_greedy(lm, prompts: Sequence, max_new_tokens: int = 32, *,
     """
     prompts = _as_lists(prompts)
     if stop_ids is None:
-        stop_ids = _stop_ids(lm)
+        stop_ids = model_stop_ids(lm)
     stop_ids = set(stop_ids)
     if lm.info.family == "fla":
         if list(callbacks):

@@ -3,10 +3,11 @@
 ``run_sweep(lm, SweepSpec(...), store=DIR)`` generates ``n`` RULER samples per (task, length)
 (``gdnviz.probes.ruler.generate_many``, seeds ``seed0 ...``), answers each greedily with the chosen heads cut to
 rank r at every boundary (``gdnviz.probes.batch.batched_greedy``, several samples per forward) and scores it
-with RULER's metric. Every (task, length, setting, sample) result is stored in a ``diskcache.Cache`` under a hash
-of (model fingerprint, dtype, task, length, truncation, sample seed and prompt, segment length, max new tokens,
-version) as soon as its batch finishes, so an interrupted sweep resumes where it stopped and a second run of the
-same sweep recomputes nothing.
+with RULER's metric. Every (task, length, setting, sample) result is stored under its memo key (:func:`cell_key`,
+the one place a sweep's memo key is built: model fingerprint, dtype, task, length, truncation, sample seed and
+prompt, segment length, max new tokens, ``VERSION``) as soon as its batch finishes, so an interrupted sweep resumes
+where it stopped and a second run of the same sweep recomputes nothing. The app's worker and the CLI use the same
+keys.
 
 ``r = min(d_k, d_v)`` is the untouched model; it is always run, as the baseline of the paired differences.
 ``sweep_table`` gives seed 000's table: per (task, length, r) the mean score, n, the difference to the untouched
@@ -35,11 +36,12 @@ from gdnviz.errors import EmptyDocumentSet, RankOutOfRange, UnknownTask
 from gdnviz.intervene import TruncationSpec
 from gdnviz.probes import ruler
 from gdnviz.probes.batch import batched_greedy
+from gdnviz.store import content_hash
 
 __all__ = ["SweepSpec", "DEFAULT_RANKS", "resolve_ranks", "resolve_heads", "run_sweep", "sweep_table",
            "sweep_figure", "to_csv", "csv_frame", "cell_key", "records", "rows_frame", "table_frame", "VERSION"]
 
-VERSION = 1
+VERSION = 1  # of a sweep cell's computation: bump it to invalidate every stored cell
 DEFAULT_RANKS = (1, 4, 12, 32, 128)
 UNIFORM = "uniform"
 ROW_COLUMNS = ["task", "length", "setting", "r", "seed", "score", "pred", "answers", "n_tokens", "n_generated"]
@@ -189,13 +191,15 @@ def _max_new(spec: SweepSpec, task: str) -> int:
 
 
 def cell_key(info, task: str, length: int, setting: _Setting, sample: ruler.Sample, spec: SweepSpec) -> str:
-    """Memo key of one sample's result: everything the answer depends on (the untouched model's results are
-    shared by every head set)."""
+    """Memo key of one sample's result (``"sweep:<hash>"``): everything the answer depends on and ``VERSION``
+    (the untouched model's results are shared by every head set). Format: the hash of the cell's fields, hashed
+    again with ``"sweep-cells-v<VERSION>"`` (the format the app's store holds; tests/test_sweep.py pins it)."""
     trunc = None if setting.spec is None else setting.spec.to_list()
     prompt = hashlib.sha256(np.asarray(sample.input_ids, dtype=np.int64).tobytes()).hexdigest()[:16]
     d = dict(v=VERSION, fp=info.fingerprint, dtype=info.dtype, task=task, length=int(length), trunc=trunc,
              seed=int(sample.seed), prompt=prompt, L=int(spec.segment_len), new=_max_new(spec, task))
-    return "sweep:" + hashlib.sha256(json.dumps(d, sort_keys=True).encode()).hexdigest()
+    inner = "sweep:" + hashlib.sha256(json.dumps(d, sort_keys=True).encode()).hexdigest()
+    return "sweep:" + content_hash(dict(version=f"sweep-cells-v{VERSION}", cell=inner))
 
 
 class _Store:
@@ -346,7 +350,7 @@ def sweep_figure(table: pd.DataFrame, title: str | None = None):
     dodged a little around each r (``r_plot``; the axis ticks and tooltips give the true r)."""
     import altair as alt
 
-    from gdnviz.figures import _configure
+    from gdnviz.figures import configure
 
     df = table[table["setting"] == UNIFORM].copy() if "setting" in table else table.copy()
     df["r"] = df["r"].astype(int)
@@ -385,7 +389,7 @@ def sweep_figure(table: pd.DataFrame, title: str | None = None):
         spacing=28)
     chart = chart.properties(title=alt.Title(title or "RULER score vs rank",
                                              subtitle=[bars_txt, f"r = {rmax} is the untouched model"]))
-    return _configure(chart, autosize="pad")
+    return configure(chart, autosize="pad")
 
 
 def csv_frame(frame: pd.DataFrame) -> pd.DataFrame:

@@ -103,17 +103,14 @@ def ensure_entrypoint() -> None:
     Streamlit runs ``pages/*.py`` directly (its legacy multipage mode, because the folder is called ``pages``)
     until some session has called ``st.navigation``: the first session of a fresh server that opens a deep link
     such as ``/head?layer=3&head=5`` would get the bare page without app.py (and AppTest resets that mode before
-    every run). Here the page notices it was not started by app.py, switches the server to ``st.navigation``
-    mode, runs app.py in its place (which opens the same page with the same query parameters, in the same run,
-    so no click is lost) and stops.
+    every run). Here the page notices it was not started by app.py and runs app.py in its place: app.py's
+    ``st.navigation`` call switches the server to that mode for every session (Streamlit's documented behaviour)
+    and opens the same page with the same query parameters, in the same run, so no click is lost; then it stops.
     """
     if getattr(_TLS, "in_app", False):
         return
     import runpy
 
-    from streamlit.runtime.pages_manager import PagesManager
-
-    PagesManager.uses_pages_directory = False
     runpy.run_path(str(APP_PATH), run_name="__main__")
     st.stop()
 
