@@ -217,7 +217,7 @@ def test_decoders_leave_no_gpu_memory_behind():
 @pytest.mark.parametrize("family", ["qwen3_5_moe", "qwen3_next"])
 def test_moe_decode_step_captures_in_bfloat16(family):
     """The mixture-of-experts families in bfloat16 with transformers' default experts implementation: the decode
-    step is captured (on the H200 float32 falls back, bench/study_moe_capture.py) with every head
+    step is captured (on the H200 float32 falls back, bench/studies/study_moe_capture.py) with every head
     truncated at r = 3 (the boundary steps run eagerly), and the replays equal the eager static steps bit for bit.
     A float32 failure of the same class must not stop a bfloat16 model from capturing (the failure memo is per
     class, dtype and experts implementation)."""
