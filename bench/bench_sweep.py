@@ -92,7 +92,7 @@ def prefill_seconds(lm, task: str, length: int, n: int, batch: int, ranks, dev) 
     """Where a sweep's time goes: the same prompts in the same batches (``run_sweep``'s order: longest first) with
     one answer token, i.e. the truncated prefills and one argmax, untouched and at every rank; the rest of the
     sweep's time is decoding."""
-    from gdnviz.intervene import TruncationSpec
+    from gdnviz.truncation import TruncationSpec
     from gdnviz.probes import ruler
     from gdnviz.probes.batch import batched_greedy
 

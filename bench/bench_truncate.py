@@ -47,7 +47,7 @@ import torch
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
 
 import gdnviz.truncate as _trunc  # noqa: E402
-from gdnviz.truncate import energy_error, iterations_for, truncate_states  # noqa: E402
+from gdnviz.truncation import energy_error, iterations_for, truncate_states  # noqa: E402
 
 F64 = torch.float64
 

@@ -6,10 +6,9 @@
 Issue #6 target 3: 16K tokens with all 288 heads truncated at all 64 boundaries in ≤ 2× the plain prefill. Rows
 (JSON lines): plain prefill (``model.model``, no cache, no logits); the segmented run without callbacks; for each
 r the truncated run with the segment loop in CUDA-graph windows (``gdnviz.gpu.scan_graph``; first call = capture,
-then the warm median; the boundary work is ``truncate_states``' subspace path), for one r the same graphs with the
-fused Triton kernel ``gdnviz.gpu.fused_truncate`` instead, and for one r the eager loop (one fla call + one truncation call per segment); the max
-|Δ log-prob| of the graph run against the eager run at the last 16 positions (cold vs warm-started truncation:
-both within the 1e-5 energy tolerance, so only rounding-level differences are expected). ``--profile N`` prints
+then the warm median; the boundary work is the CUDA truncation kernel, ``gdnviz.truncation.dispatch``), and for one
+r the eager loop (one fla call + one truncation call per segment); the max |Δ log-prob| of the graph run against
+the eager run at the last 16 positions (the same kernel: rounding-level differences at most). ``--profile N`` prints
 the top N ops of one warm graphed run.
 """
 from __future__ import annotations
@@ -30,13 +29,9 @@ def main():
     ap = run_parser()
     ap.add_argument("--ranks", default="1,4,12,32")
     ap.add_argument("--eager-rank", type=int, default=4, help="rank of the one eager-loop row (0: skip it)")
-    ap.add_argument("--fused-rank", default="4",
-                    help="comma-separated ranks of graphed rows that truncate with the fused kernel instead of "
-                         "truncate_states' subspace path (GDNVIZ_FUSED_TRUNCATE=1; the CUDA kernel of "
-                         "gdnviz.gpu.cuda_truncate where it is on, else the Triton one; 0: skip)")
     ap.add_argument("--mixed-ranks", default="",
                     help="comma-separated ranks given to the heads of every layer in turn (head h gets ranks[h %% n]): "
-                         "rows for graph windows (fused kernel for mixed-rank layers, the default mode) and the "
+                         "rows for graph windows (the CUDA kernel with per-head ranks) and the "
                          "eager loop")
     ap.add_argument("--small", action="store_true", help="4 layers / 4 heads, vocab 32000: a CPU smoke run")
     ap.add_argument("--repeats", type=int, default=3)
@@ -60,7 +55,7 @@ def main():
 
     from gdnviz import runner
     from gdnviz.gpu import scan_graph
-    from gdnviz.intervene import TruncateCallback, TruncationSpec
+    from gdnviz.truncation import TruncateCallback, TruncationSpec
     from gdnviz.models import from_model
 
     dev = torch.device(args.device)
@@ -154,26 +149,7 @@ def main():
                 stack.enter_context(env(k, v))
             switched_rows("env_" + "_".join(f"{k.removeprefix('GDNVIZ_').lower()}{v}" for k, v in pairs))
         scan_graph.clear()
-    for r in [int(x) for x in str(args.fused_rank).split(",") if x and int(x) > 0]:
-        if dev.type != "cuda":
-            break
-        os.environ["GDNVIZ_FUSED_TRUNCATE"] = "1"
-        h = {}
-        t_first = timeit(lambda: truncated(r, True, h), dev, repeats=1, warmup=0)
-        t = timeit(lambda: truncated(r, True), dev, repeats=args.repeats, warmup=0)
-        os.environ.pop("GDNVIZ_FUSED_TRUNCATE")
-        from gdnviz.gpu import cuda_truncate
-
-        row = dict(what="truncated_run_graph_fused_kernel", rank=r, seconds=t, first_call_seconds=t_first,
-                   kernel="cuda_truncate" if cuda_truncate.enabled() else "triton_fused",
-                   certified_attempts=cuda_truncate.attempts_on(),
-                   baseline="plain_prefill", ratio=t / t_plain, readouts=h["readouts"], **base)
-        if r in graphed:
-            row["max_abs_dlogp_vs_subspace"] = (graphed[r]["logp"] - h["logp"]).abs().max().item()
-        emit(**row)
     if args.mixed_ranks and dev.type == "cuda":
-        from gdnviz.intervene import fused_truncation_mode
-
         mixed = [int(x) for x in args.mixed_ranks.split(",")]
         spec_m = TruncationSpec({(l, h): mixed[h % len(mixed)] for l in lm.info.gdn_layers
                                  for h in range(lm.info.num_heads)})
@@ -181,7 +157,7 @@ def main():
             h = {}
             t_first = timeit(lambda: truncated(spec_m, graphs, h), dev, repeats=1, warmup=0)
             t = timeit(lambda: truncated(spec_m, graphs), dev, repeats=args.repeats if graphs else 1, warmup=0)
-            emit(what="truncated_run_mixed_ranks", ranks=mixed, graphs=graphs, mode=fused_truncation_mode(dev),
+            emit(what="truncated_run_mixed_ranks", ranks=mixed, graphs=graphs,
                  seconds=t, first_call_seconds=t_first, baseline="plain_prefill", ratio=t / t_plain,
                  readouts=h["readouts"], **base)
     if args.eager_rank:

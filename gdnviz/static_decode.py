@@ -57,7 +57,7 @@ _LOG = logging.getLogger(__name__)
 
 def graph_reason(lm, ctx: runner.RunContext, device) -> str | None:
     """Why decode steps of ``lm`` in ``ctx`` cannot be replayed from a CUDA graph, or None when they can."""
-    from gdnviz.intervene import TruncateCallback
+    from gdnviz.truncation import TruncateCallback
 
     if not env_switch("GDNVIZ_DECODE_GRAPH", DEFAULT_ON):
         return "switched off (GDNVIZ_DECODE_GRAPH)"

@@ -21,7 +21,7 @@ from cuda_kernel_checks import compile_log, needs_gxx
 from gdnviz.gpu import cuda_truncate
 from tests.support import cuda_emul
 from gdnviz.gpu.fused_truncate import reference_fused
-from gdnviz.truncate import energy_error, exact_truncate, retained_energy
+from gdnviz.truncation import energy_error, exact_truncate, retained_energy
 from test_truncate import hard_states
 
 TOL = 1e-5

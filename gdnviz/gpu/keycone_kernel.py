@@ -64,7 +64,7 @@ BK = 64  # output tile side (K = 128: tiles (0, 0), (0, 1), (1, 1); the fourth p
 # 8 warps: 208 registers (bfloat16 keys) / 255 and 72 bytes of stack (float32 keys) per thread (ptxas, sm_90a);
 # 4 warps spill 328 / 784 bytes
 _NUM_WARPS = 8
-# Read once at import, like Triton itself (see gdnviz.gpu.jacobi).
+# Read once at import, like Triton itself.
 _INTERPRET = os.environ.get("TRITON_INTERPRET", "0") not in ("", "0")
 
 

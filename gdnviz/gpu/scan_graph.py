@@ -26,7 +26,7 @@ the final state copied into the static state buffer. Constraints on the boundary
 (``rows`` None for all rows, else a device index tensor): no host sync, no data-dependent shapes, constants created
 before the capture. The first window of a new graph runs eagerly on a side stream — that run is its real result
 and also the capture's warm-up (fla's autotuning for these shapes, lazy constants) — then the body is recorded;
-later windows replay. ``gdnviz.intervene.TruncateCallback.graph_boundary`` provides such functions.
+later windows replay. ``gdnviz.truncation.TruncateCallback.graph_boundary`` provides such functions.
 
 Graphs are cached per (device, shapes, dtypes, L, W, pattern, boundary key), a few at a time (``MAX_GRAPHS``,
 least recently used dropped): all layers that truncate the same heads to the same ranks share one graph. A capture

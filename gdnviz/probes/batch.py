@@ -32,7 +32,7 @@ import torch
 from gdnviz import runner
 from gdnviz.errors import EmptyDocument, EmptyDocumentSet
 from gdnviz.generate import Generation, _stop_ids, greedy_generate
-from gdnviz.intervene import TruncateCallback, TruncationSpec
+from gdnviz.truncation import TruncateCallback, TruncationSpec
 from gdnviz.static_decode import decoder_for
 
 __all__ = ["pad_left", "batched_forward", "batched_token_nll", "batched_greedy"]

@@ -49,7 +49,7 @@ def trajectory_states(tokens: int, segment_len: int, r: int) -> torch.Tensor:
     """Every head's state at every boundary of the demo model truncating all heads to rank r (eager loop)."""
     from gdnviz import runner
     from gdnviz.documents import sample_documents, tokenize
-    from gdnviz.intervene import TruncateCallback, TruncationSpec
+    from gdnviz.truncation import TruncateCallback, TruncationSpec
     from gdnviz.models import load
 
     lm = load("demo", device="cpu", dtype="float32")
@@ -77,7 +77,7 @@ def main() -> None:
     a = ap.parse_args()
     from test_truncate import hard_states
 
-    from gdnviz.truncate import iterations_for
+    from gdnviz.truncation import iterations_for
 
     for r in [int(x) for x in a.ranks.split(",")]:
         sources = {"demo_trajectory": trajectory_states(a.tokens, 256, r), "hard_batteries": hard_states(r, seed=r)[0]}
