@@ -16,7 +16,7 @@ from dataclasses import dataclass
 import torch
 
 from gdnviz import runner
-from gdnviz.intervene import TruncateCallback, TruncationSpec
+from gdnviz.truncation import TruncateCallback, TruncationSpec
 from gdnviz.static_decode import decoder_for
 
 

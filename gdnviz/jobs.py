@@ -320,7 +320,7 @@ def _summary_nll(nll0: np.ndarray, nll1: np.ndarray, max_points: int = 256) -> d
 
 def run_truncate(spec: TruncateCompareJob, ctx: JobContext) -> dict:
     from gdnviz.generate import greedy_generate
-    from gdnviz.intervene import TruncationSpec
+    from gdnviz.truncation import TruncationSpec
     from gdnviz.probes import ruler
     from gdnviz.probes.loss import token_nll
 

@@ -52,7 +52,7 @@ _LOG = logging.getLogger(__name__)
 
 def graph_reason(lm, ctx: runner.RunContext, device) -> str | None:
     """Why decode steps of ``lm`` in ``ctx`` cannot be replayed from a CUDA graph, or None when they can."""
-    from gdnviz.intervene import TruncateCallback
+    from gdnviz.truncation import TruncateCallback
 
     if torch.device(device).type != "cuda" or kernels.backend_for(device) != "fla":
         return "needs CUDA with fla"

@@ -11,11 +11,11 @@ So the worker runs every kernel family a user's jobs will need once, at load tim
 * a capture (fla's short convolution and one chunk pass per GDN layer with the state read-out, the spectra kernels
   — the NVRTC-compiled CUDA tridiagonalisation and bisection — the statistics);
 * a truncated run with every head at rank 4 over 16 segments (fla's chunk kernels inside the CUDA-graph window of
-  ``gdnviz.gpu.scan_graph`` for this model's layers, and the truncation kernels of ``gdnviz.gpu.cuda_truncate`` in
-  their split launches when a layer has at most 64 heads);
+  ``gdnviz.gpu.scan_graph`` for this model's layers, and the CUDA truncation kernel ``gdnviz.truncation.cuda`` in
+  its split launches when a layer has at most 64 heads);
 * two greedy decoding steps (fla's fused recurrent kernel);
-* the fused truncation of two states with different ranks (one of them two-pass), which graph windows use for layers
-  whose heads have different ranks: on CUDA the NVRTC compilation of ``gdnviz.gpu.cuda_truncate``.
+* the truncation of two states with different ranks (one of them two-pass), what graph windows run for layers
+  whose heads have different ranks (the kernel's full algorithm; its constants cached on the device).
 
 On CPU nothing is compiled or tuned, so ``needs_warm_up`` is False and loading stays as fast as it was;
 ``GDNVIZ_WARMUP=0`` turns it off on CUDA too.
@@ -28,6 +28,9 @@ import time
 import torch
 
 from gdnviz import settings
+from gdnviz.gpu.prebuild import default_sources, prebuild
+from gdnviz.truncation import TruncationSpec, cuda, truncate_states
+from gdnviz.truncation.dispatch import kernel_runs
 
 log = logging.getLogger(__name__)
 SEGMENT = 256
@@ -50,7 +53,6 @@ def warm_up(lm, tokens: int = SEGMENT * SEGMENTS, segment_len: int = SEGMENT) ->
     """
     from gdnviz.capture import capture_document
     from gdnviz.generate import greedy_generate
-    from gdnviz.intervene import TruncationSpec
 
     vocab = int(getattr(lm.info, "vocab_size", 0) or 1000)
     ids = torch.randint(0, max(2, min(vocab, 1000)), (tokens,), generator=torch.Generator().manual_seed(0)).tolist()
@@ -81,21 +83,16 @@ def warm_up(lm, tokens: int = SEGMENT * SEGMENTS, segment_len: int = SEGMENT) ->
 def _prebuild(lm) -> None:
     """The NVRTC builds this model's runs use, compiled in parallel processes into the on-disk cache when missing
     (``gdnviz.gpu.prebuild``): the first process on a machine waits for the slowest build instead of their sum."""
-    from gdnviz.gpu import cuda_truncate
-    from gdnviz.gpu.prebuild import default_sources, prebuild
-
-    if torch.device(lm.device).type != "cuda" or not cuda_truncate.KERNELS.usable():
+    if torch.device(lm.device).type != "cuda" or not cuda.available():
         return
     cap = "%d%d" % torch.cuda.get_device_capability(lm.device)
     prebuild(default_sources(lm.info.d_k, lm.info.d_v), cap)
 
 
 def _fused_truncation(lm) -> None:
-    """Two random states of the model's head shape through ``truncate_fused`` at ranks 4 and 20 (when it supports
-    the shape): compiles the CUDA kernel and caches its constants on the device."""
-    from gdnviz.gpu.fused_truncate import DIMS, truncate_fused
-
+    """Two random states of the model's head shape truncated at ranks 4 and 20 (when the CUDA kernel takes the
+    shape): compiles its full-algorithm build and caches its constants on the device."""
     K, V = lm.info.d_k, lm.info.d_v
-    if K in DIMS and V in DIMS and min(K, V) > 20:
+    if kernel_runs(lm.device, K, V) and min(K, V) > 20:
         x = torch.randn(2, K, V, generator=torch.Generator().manual_seed(0)).to(lm.device)
-        truncate_fused(x, [4, 20])
+        truncate_states(x, [4, 20])

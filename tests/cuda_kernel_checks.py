@@ -1,9 +1,9 @@
-"""Shared checks for the NVRTC-compiled CUDA kernels' tests (tests/test_cuda_cholqr.py, tests/test_cuda_tridiag.py).
+"""Shared checks for the NVRTC-compiled CUDA kernels' tests (tests/test_cuda_truncate.py, tests/test_cuda_tridiag.py,
+tests/test_cuda_bisect.py).
 
 ``compile_log(source)``: compile a kernel for sm_90 with an NVRTC library found here (a CUDA build of torch or the
-nvidia-cuda-nvrtc wheel) and return (return code, ptxas log), or None without one. ``truncation_checks(monkeypatch,
-env, value)``: with the switch set, ``truncate_states`` on 288 GDN-like states (the last one zero) keeps the 1e-5
-energy criterion at r = 1, 4, 12, 32, leaves the zero state zero, and replays from a CUDA graph bit for bit.
+nvidia-cuda-nvrtc wheel) and return (return code, ptxas log), or None without one. ``needs_gxx``: skip a test that
+runs a kernel's source through ``tests.support.cuda_emul`` where g++ is missing.
 """
 import ctypes
 import glob
@@ -52,29 +52,6 @@ def compile_log(source: str):
     log = ctypes.create_string_buffer(n.value)
     lib.nvrtcGetProgramLog(prog, log)
     return rc, log.value.decode()
-
-
-def truncation_checks(monkeypatch, env: str, value: str, seed: int = 1) -> None:
-    from bench.bench_truncate import gdn_like_spectra
-    from gdnviz import truncate
-    from tests.support.cuda_graph import capture
-
-    g = torch.Generator().manual_seed(seed)
-    sig = gdn_like_spectra(288, 128, g)
-    U = torch.linalg.qr(torch.randn(288, 128, 128, generator=g, dtype=torch.float64))[0]
-    W = torch.linalg.qr(torch.randn(288, 128, 128, generator=g, dtype=torch.float64))[0]
-    S = ((U * sig[:, None, :]) @ W.mT).float().cuda()
-    S[-1] = 0
-    monkeypatch.setenv(env, value)
-    for r in (1, 4, 12, 32):
-        y = truncate.truncate_states(S, r)
-        err = truncate.energy_error(S, y, r).max().item()
-        assert err <= 1e-5, (r, err)
-        assert y[-1].abs().max().item() == 0.0
-        graph, out = capture(lambda x: truncate.truncate_states(x, r), S.clone())
-        graph.replay()
-        torch.cuda.synchronize()
-        assert torch.equal(out, y)
 
 
 def fake_nvrtc(source: str, name: str, cap: str):

@@ -539,7 +539,7 @@ def test_truncate_rank_out_of_range(env, populated):
 
 
 def test_truncate_and_compare_runs(env, populated):
-    pytest.importorskip("gdnviz.truncate", reason="gdnviz/truncate.py (the top-r projection) is not in the tree yet")
+    pytest.importorskip("gdnviz.truncation", reason="gdnviz/truncation (the top-r projection) is not in the tree yet")
     cache, run = populated
     env(cache)
     at = app("truncate")

@@ -11,7 +11,7 @@ import tiny_models
 from gdnviz import runner
 from gdnviz.errors import EmptyDocument, EmptyDocumentSet
 from gdnviz.generate import greedy_generate
-from gdnviz.intervene import TruncateCallback, TruncationSpec
+from gdnviz.truncation import TruncateCallback, TruncationSpec
 from gdnviz.models import from_model
 from gdnviz.probes.batch import batched_forward, batched_greedy, batched_token_nll, pad_left
 from gdnviz.probes.loss import token_nll

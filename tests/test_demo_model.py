@@ -39,7 +39,7 @@ def test_demo_architecture(demo):
 def test_demo_answers_held_out_prompts_and_rank_1_breaks_them(demo, task):
     """niah_single_1 and vt at 1K tokens (4 boundaries of 256) on held-out seeds: untouched, the model answers
     every one; with every GDN head cut to r = 1 at every boundary most answers are lost; at r = 16 none is."""
-    from gdnviz.intervene import TruncationSpec
+    from gdnviz.truncation import TruncationSpec
 
     samples = [ruler.generate(task, demo.tokenizer, 1024, seed=2_000_000 + i) for i in range(3)]
 

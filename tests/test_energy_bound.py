@@ -1,4 +1,4 @@
-"""gdnviz.truncate.energy_error_bound: a rigorous a-posteriori bound on a truncation's energy error (no SVD).
+"""gdnviz.truncation.energy_error_bound: a rigorous a-posteriori bound on a truncation's energy error (no SVD).
 
 It must never be below the actual error (checked against the float64 SVD on every battery of test_truncate.py,
 after 0, 1 and 2 filter steps, where many states are far from converged), it must certify converged states (GDN-like
@@ -8,8 +8,9 @@ the exact singular directions, and 0 on a zero state.
 import pytest
 import torch
 
-from gdnviz import truncate as tr
-from test_truncate import hard_states
+from gdnviz import truncation as tr
+from gdnviz.truncation import reference
+from tests.support.states import gdn_like_states, hard_states
 
 F64 = torch.float64
 
@@ -20,7 +21,7 @@ pytestmark = pytest.mark.usefixtures("one_thread")
 def test_never_below_the_actual_error(r):
     S, names = hard_states(r, seed=r)
     for iters in (0, 1, 2):
-        Q = tr._subspace_pass(S, r, iters, None)
+        Q = reference.subspace_pass(S, r, iters)
         bound = tr.energy_error_bound(S, Q, r)
         actual = tr.energy_error(S, Q[..., :r] @ (Q[..., :r].mT @ S), r)
         bad = [(names[i], bound[i].item(), actual[i].item()) for i in range(len(names))
@@ -29,11 +30,9 @@ def test_never_below_the_actual_error(r):
 
 
 def test_certifies_converged_states_and_refuses_a_cut_in_a_cluster():
-    from bench.bench_truncate import gdn_like_states
-
     X = gdn_like_states(64, 128, 128, seed=3)
     for r, share in ((1, 1.0), (4, 1.0), (12, 0.9), (16, 0.85)):  # measured 1.0 / 1.0 / 0.92 / 0.88
-        Q = tr._subspace_pass(X, r, tr.iterations_for(r), None)
+        Q = reference.subspace_pass(X, r, tr.iterations_for(r))
         assert (tr.energy_error_bound(X, Q, r) <= 1e-5).double().mean().item() >= share, r
     # σ_4 = σ_5 exactly: the truncation is not unique and no gap exists, so the bound must not certify
     g = torch.Generator().manual_seed(0)
@@ -42,7 +41,7 @@ def test_certifies_converged_states_and_refuses_a_cut_in_a_cluster():
     U = torch.linalg.qr(torch.randn(128, 128, generator=g, dtype=F64))[0]
     V = torch.linalg.qr(torch.randn(128, 128, generator=g, dtype=F64))[0]
     S = ((U * s) @ V.mT)[None]
-    Q = tr._subspace_pass(S, 4, 8, None)
+    Q = reference.subspace_pass(S, 4, 8)
     assert torch.isinf(tr.energy_error_bound(S, Q, 4)).all()
 
 
@@ -79,12 +78,13 @@ def rank24_small_gap_state() -> torch.Tensor:
 
 
 def test_small_eigenvalues_are_certified_without_cancellation():
-    """G's part outside the basis is formed explicitly, not as ‖G‖² − ‖T‖² − 2‖R‖²: on a rank-24 state whose
+    """G's part outside the basis is not taken from ‖G‖² − ‖T‖² − 2‖R‖² alone: on a rank-24 state whose
     eigenvalues (of the trace-1 Gram matrix) at the cut are λ_6 = 2e-7 and λ_7 = 1e-7, that difference cancels to a
     ‖D‖_F of ~2.7e-7 (the true one is 0: the 32-column basis holds the whole range), above λ_6, so the cancelled form
-    refused a converged state (sixteenth session: the demo model's trajectories had such states)."""
+    refused a converged state (the demo model's trajectories had such states); the bound caps it by tr(D) = 1 − tr(T),
+which does not cancel."""
     S = rank24_small_gap_state()
-    Q = tr._subspace_pass(S, 6, 2, None)
+    Q = reference.subspace_pass(S, 6, 2)
     b = tr.energy_error_bound(S, Q, 6)
     actual = tr.energy_error(S, Q[..., :6] @ (Q[..., :6].mT @ S), 6)
     assert b.item() <= 1e-10 and b.item() >= actual.item() - 1e-12

@@ -23,7 +23,7 @@ import textwrap
 import pytest
 import torch
 
-from gdnviz.truncate import energy_error, exact_truncate, retained_energy, truncate_states
+from gdnviz.truncation import energy_error, exact_truncate, retained_energy, truncate_states
 from test_truncate import hard_states
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -49,7 +49,7 @@ PRELUDE = textwrap.dedent('''
     import torch
     torch.set_num_threads(1)
     from gdnviz.gpu import fused_truncate as ft
-    from gdnviz.truncate import energy_error, retained_energy
+    from gdnviz.truncation import energy_error, retained_energy
     from test_truncate import hard_states
     assert ft.uses_kernel(torch.zeros(1, 64, 64)), "the interpreter is not on"
     F64 = torch.float64
@@ -417,7 +417,7 @@ def test_graph_boundary_function_every_head_equals_the_gather_path(fused):
     equals the gathered path (``rows`` given) bit for bit, equals each head truncated alone, and a subset of heads
     leaves the other heads' bits untouched."""
     from gdnviz.gpu.fused_truncate import truncate_fused
-    from gdnviz.intervene import _graph_truncation
+    from gdnviz.truncation import _graph_truncation
 
     S, _ = hard_states(4, seed=23)
     S = S[:8].float().reshape(2, 4, 128, 128)

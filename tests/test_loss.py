@@ -5,7 +5,7 @@ import torch
 
 import tiny_models
 from gdnviz.errors import EmptyDocumentSet, RankOutOfRange
-from gdnviz.intervene import TruncationSpec
+from gdnviz.truncation import TruncationSpec
 from gdnviz.models import from_model
 from gdnviz.probes.loss import copy_mask, loss_vs_rank, token_nll
 

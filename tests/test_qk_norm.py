@@ -12,7 +12,7 @@ import torch
 
 from gdnviz import runner
 from gdnviz.gdn import kernels
-from gdnviz.intervene import TruncateCallback, TruncationSpec
+from gdnviz.truncation import TruncateCallback, TruncationSpec
 from gdnviz.models import load
 
 

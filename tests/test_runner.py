@@ -106,7 +106,7 @@ def test_runner_matches_cache_loop_truncated(lm):
 
 
 def test_truncation_at_full_rank_changes_nothing(lm):
-    from gdnviz.intervene import TruncateCallback, TruncationSpec
+    from gdnviz.truncation import TruncateCallback, TruncationSpec
 
     x = ids(200, seed=4)
     plain = runner.forward(lm, x, segment_len=64, logits_positions="all")
@@ -116,7 +116,7 @@ def test_truncation_at_full_rank_changes_nothing(lm):
 
 
 def test_truncate_callback_matches_exact_cut(lm):
-    from gdnviz.intervene import TruncateCallback, TruncationSpec
+    from gdnviz.truncation import TruncateCallback, TruncationSpec
 
     x = ids(200, seed=5)
     spec = TruncationSpec.from_dict({(lm.info.gdn_layers[0], 1): 1, (lm.info.gdn_layers[-1], 3): 3})
@@ -136,7 +136,7 @@ def test_truncate_callback_matches_exact_cut(lm):
 
 def test_decode_continues_run_with_boundaries(lm):
     """Prefill + token-by-token decode through the cache == one run over the whole sequence (boundaries included)."""
-    from gdnviz.intervene import TruncateCallback, TruncationSpec
+    from gdnviz.truncation import TruncateCallback, TruncationSpec
 
     x = ids(140, seed=6)
     spec = TruncationSpec.all_heads(lm.info, 2)

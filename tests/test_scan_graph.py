@@ -10,7 +10,7 @@ import torch
 
 from gdnviz import runner
 from gdnviz.gpu import scan_graph
-from gdnviz.intervene import TruncateCallback, TruncationSpec
+from gdnviz.truncation import TruncateCallback, TruncationSpec
 from gdnviz.models import load
 
 
@@ -74,8 +74,8 @@ def _ids(lm, T, seed):
     return torch.randint(10, lm.tokenizer.vocab_size - 10, (1, T), generator=torch.Generator().manual_seed(seed))
 
 
-def _run(lm, x, spec, graphs, L, warm_start=False, split=None):
-    cb = TruncateCallback(lm.info, spec, warm_start=warm_start)
+def _run(lm, x, spec, graphs, L, split=None):
+    cb = TruncateCallback(lm.info, spec)
     if split is None:
         ctx = runner.RunContext(segment_len=L, callbacks=[cb], graphs=graphs)
         out = runner.forward(lm, x, logits_positions="all", ctx=ctx)
@@ -115,7 +115,7 @@ def _batched(lm, prompts, spec, graphs, L):
     from gdnviz.probes.batch import _position_ids, pad_left
 
     ids, mask, starts = pad_left(prompts)
-    cb = TruncateCallback(lm.info, spec, warm_start=False)
+    cb = TruncateCallback(lm.info, spec)
     ctx = runner.RunContext(segment_len=L, callbacks=[cb], row_starts=list(starts), graphs=graphs)
     out = runner.forward(lm, ids, ctx=ctx, attention_mask=mask, position_ids=_position_ids(mask),
                          logits_positions="all")
@@ -135,37 +135,26 @@ def test_left_padded_batch_windows_equal_the_per_row_loop(demo):
     assert cb.n_calls == cb_ref.n_calls
 
 
-def test_mixed_ranks_in_a_layer_use_the_plain_loop(demo):
+def test_mixed_ranks_in_a_layer_windows_equal_the_segment_loop(demo):
+    """Per-head ranks in a layer run in windows too (the CUDA kernel takes them from a device tensor; off CUDA the
+    windows call truncate_states with the same per-head ranks): the same bits as the segment loop."""
     l0 = demo.info.gdn_layers[0]
     spec = TruncationSpec({(l0, 0): 1, (l0, 1): 4})
     x = _ids(demo, 2 * 64, seed=3)
     ref, _, _ = _run(demo, x, spec, graphs=False, L=L)
     got, ctx, _ = _run(demo, x, spec, graphs="eager", L=L)
-    assert "segment-graph" not in ctx.readouts
+    assert "segment-graph" in ctx.readouts
     assert torch.equal(got, ref)
-
-
-def test_warm_start_path_stays_within_the_energy_tolerance_of_cold(demo):
-    """The graph path truncates from a cold start; the eager loop warm-starts: same truncation within tolerance."""
-    x = _ids(demo, 2 * 64, seed=4)
-    spec = TruncationSpec.all_heads(demo.info, 4)
-    warm, _, _ = _run(demo, x, spec, graphs=False, L=L, warm_start=True)
-    cold, _, _ = _run(demo, x, spec, graphs="eager", L=L)
-    lp_w, lp_c = warm.log_softmax(-1), cold.log_softmax(-1)
-    assert (lp_w - lp_c).abs().max() < 1e-3
 
 
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
-@pytest.mark.parametrize("fused", ["1", ""])
-def test_cuda_graph_windows_match_the_loop_on_gpu(fused, monkeypatch):
-    """Graph replay == the same windows run eagerly (bit for bit), and close to the warm-started eager loop; with the
-    fused kernel forced and with truncate_states' subspace path (the default for one rank per layer)."""
+def test_cuda_graph_windows_match_the_loop_on_gpu():
+    """Graph replay == the same windows run eagerly (bit for bit), and close to the eager loop (the same kernel)."""
     from gdnviz.gdn import kernels
 
     if kernels.fla_ops() is None:
         pytest.skip("fla not importable")
-    monkeypatch.setenv("GDNVIZ_FUSED_TRUNCATE", fused)
     scan_graph.clear()
     lm = load("demo", device="cuda", dtype="bfloat16")
     x = _ids(lm, 5000, seed=5).cuda()
@@ -176,7 +165,7 @@ def test_cuda_graph_windows_match_the_loop_on_gpu(fused, monkeypatch):
     got2, _, _ = _run(lm, x, spec, graphs=True, L=256)  # replay of the cached graph
     assert "segment-graph" in ctx.readouts, ctx.readouts
     assert torch.equal(got, eager) and torch.equal(got, got2)
-    assert (got.log_softmax(-1) - ref.log_softmax(-1)).abs().max() < 0.05  # bf16 model: cold vs warm start
+    assert (got.log_softmax(-1) - ref.log_softmax(-1)).abs().max() < 0.05  # bf16 model
     # a layer without truncated heads runs as one kernel call
     one = TruncationSpec.layers(lm.info, [lm.info.gdn_layers[0]], 4)
     _, ctx1, _ = _run(lm, x, one, graphs=True, L=256)
@@ -207,15 +196,14 @@ def test_left_padded_batch_graphs_on_gpu():
 
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
-def test_mixed_ranks_run_in_graphs_with_the_fused_kernel(monkeypatch):
-    """Mixed ranks in a layer: the fused kernel in the graph; replay == the same windows run eagerly, bit for bit.
-    Against the warm-started eager loop only loosely: at r = 22 or 29 the tiny model's flat tails make the top-r
-    subspace nearly non-unique (equal energy, different directions), so two exact truncations may steer differently."""
+def test_mixed_ranks_run_in_graphs_with_the_cuda_kernel():
+    """Mixed ranks in a layer: the CUDA kernel in the graph; replay == the same windows run eagerly, bit for bit.
+    Against the eager loop only loosely: at r = 22 or 29 the tiny model's flat tails make the top-r subspace nearly
+    non-unique (equal energy, different directions), so two truncations may steer differently."""
     from gdnviz.gdn import kernels
 
     if kernels.fla_ops() is None:
         pytest.skip("fla not importable")
-    monkeypatch.setenv("GDNVIZ_FUSED_TRUNCATE", "mixed")
     scan_graph.clear()
     lm = load("demo", device="cuda", dtype="float32")
     x = _ids(lm, 4096 + 300, seed=6).cuda()
@@ -225,26 +213,10 @@ def test_mixed_ranks_run_in_graphs_with_the_fused_kernel(monkeypatch):
     ref, _, cb_ref = _run(lm, x, spec, graphs=False, L=256)
     assert "segment-graph" in ctx.readouts, (ctx.readouts, scan_graph._BROKEN)
     # the boundary function's key is one of the graph key's parts (its position moved when the key grew)
-    assert any(isinstance(part, tuple) and part[:1] == ("truncate-fused",) for k in scan_graph._GRAPHS for part in k)
+    assert any(isinstance(part, tuple) and part[:1] == ("truncate",) for k in scan_graph._GRAPHS for part in k)
     assert torch.equal(got, eager)
     assert cb.n_calls == cb_ref.n_calls
     assert (got.log_softmax(-1) - ref.log_softmax(-1)).abs().max() < 0.1
-
-
-def test_fused_truncation_mode_from_the_environment(monkeypatch):
-    """The mode is pure logic on the device type and three switches (no CUDA needed): unset means "always" when the
-    CUDA truncation kernel is on (GDNVIZ_CUDA_TRUNCATE) with its certified attempts, "mixed" when it is on without
-    them (GDNVIZ_CUDA_TRUNCATE_ATTEMPT=0), and never anything but "never" off CUDA."""
-    pytest.importorskip("triton")
-    from gdnviz.intervene import fused_truncation_mode
-
-    for cuda_kernel, attempts, default in (("1", "", "always"), ("1", "0", "mixed"), ("0", "", "never")):
-        monkeypatch.setenv("GDNVIZ_CUDA_TRUNCATE", cuda_kernel)
-        monkeypatch.setenv("GDNVIZ_CUDA_TRUNCATE_ATTEMPT", attempts)
-        for env, want in (("", default), ("0", "never"), ("mixed", "mixed"), ("1", "always"), ("always", "always")):
-            monkeypatch.setenv("GDNVIZ_FUSED_TRUNCATE", env)
-            assert fused_truncation_mode("cpu") == "never"
-            assert fused_truncation_mode("cuda") == want, (cuda_kernel, env)
 
 
 @pytest.mark.gpu

@@ -9,7 +9,7 @@ import torch
 import tiny_models
 from gdnviz import runner, static_decode
 from gdnviz.generate import greedy_generate
-from gdnviz.intervene import TruncateCallback, TruncationSpec
+from gdnviz.truncation import TruncateCallback, TruncationSpec
 from gdnviz.models import from_model
 from gdnviz.probes.batch import batched_forward, batched_greedy
 

@@ -1,6 +1,6 @@
 """CUDA kernels compiled at run time with NVRTC (``torch.cuda._compile_kernel``: no ``nvcc``), cached per key.
 
-One ``Kernels`` per module of hand-written kernels (``cuda_cholqr``, ``cuda_tridiag``):
+One ``Kernels`` per module of hand-written kernels (``gdnviz.truncation.cuda``, ``cuda_tridiag``):
 ``get(key, device, source, name, shared_mem=0)`` compiles ``source``'s entry ``name`` on first use for ``key`` (call
 it outside a CUDA-graph capture) and returns the launchable kernel, or None once a compilation has failed (no
 NVRTC, an unsupported GPU, too little shared memory) — then ``available`` is False, ``reason`` says why, and the

@@ -10,6 +10,7 @@ Used by the worker's warm-up (``gdnviz.warmup``) and by ``scripts/gpu/precompile
 from __future__ import annotations
 
 from gdnviz.gpu import nvrtc
+from gdnviz.truncation import constants as tc, cuda as ct
 
 
 def default_sources(K: int = 128, V: int = 128, profile: bool = False, dtypes: tuple = ("float",),
@@ -18,10 +19,10 @@ def default_sources(K: int = 128, V: int = 128, profile: bool = False, dtypes: t
     truncation kernel's two block widths (its Gram and projection entries share each source) for ``dtypes``
     ("float", "double"), optionally their ``GDNVIZ_PROFILE`` builds; the spectra's tridiagonalisation and bisection
     for ``K`` (``spectra``). Shapes the kernels do not support are left out."""
-    from gdnviz.gpu import cuda_bisect, cuda_tridiag, cuda_truncate as ct
+    from gdnviz.gpu import cuda_bisect, cuda_tridiag
 
     out = []
-    if K in ct.DIMS and V in ct.DIMS:
+    if K in tc.DIMS and V in tc.DIMS:
         for ctype in dtypes:
             for qb in ct.BLOCKS:
                 src = ct.source(K, V, ctype, qb)

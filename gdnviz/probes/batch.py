@@ -32,7 +32,7 @@ import torch
 from gdnviz import runner
 from gdnviz.errors import EmptyDocument, EmptyDocumentSet
 from gdnviz.generate import Generation, greedy_generate, model_stop_ids
-from gdnviz.intervene import TruncateCallback, TruncationSpec
+from gdnviz.truncation import TruncateCallback, TruncationSpec
 from gdnviz.static_decode import decoder_for
 
 __all__ = ["pad_left", "batched_forward", "batched_token_nll", "batched_greedy"]

@@ -16,7 +16,7 @@ import torch
 
 from gdnviz import runner
 from gdnviz.errors import EmptyDocumentSet, RankOutOfRange
-from gdnviz.intervene import TruncateCallback, TruncationSpec
+from gdnviz.truncation import TruncateCallback, TruncationSpec
 
 DEFAULT_RANKS = (1, 4, 12, 32, 128)
 

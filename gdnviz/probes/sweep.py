@@ -33,7 +33,7 @@ import pandas as pd
 
 from gdnviz import runner
 from gdnviz.errors import EmptyDocumentSet, RankOutOfRange, UnknownTask
-from gdnviz.intervene import TruncationSpec
+from gdnviz.truncation import TruncationSpec
 from gdnviz.probes import ruler
 from gdnviz.probes.batch import batched_greedy
 from gdnviz.store import content_hash

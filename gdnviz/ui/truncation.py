@@ -51,7 +51,7 @@ def resolve(groups: list, info: dict, table=None, segment_len: int | None = None
     from types import SimpleNamespace
 
     from gdnviz.errors import RankOutOfRange
-    from gdnviz.intervene import TruncationSpec
+    from gdnviz.truncation import TruncationSpec
 
     ranks, counts = {}, []
     rmax = min(int(info["d_k"]), int(info["d_v"]))

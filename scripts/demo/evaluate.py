@@ -119,7 +119,7 @@ def seed000(lm, held_ids: list[int], a, log) -> dict:
 
     from gdnviz import summary
     from gdnviz.capture import capture_document
-    from gdnviz.intervene import TruncationSpec
+    from gdnviz.truncation import TruncationSpec
     from gdnviz.probes.loss import loss_vs_rank
 
     L = a.seed000_len

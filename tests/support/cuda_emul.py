@@ -1,6 +1,6 @@
 """Run a CUDA kernel's source on the CPU: compile it with g++ against a small emulation of CUDA's thread model.
 
-Why: the development and CI machines have no GPU, but NVRTC-compiled kernels (``gdnviz.gpu.cuda_truncate``) hold
+Why: the development and CI machines have no GPU, but NVRTC-compiled kernels (``gdnviz.truncation.cuda``) hold
 whole algorithms — their arithmetic, their barriers, their shared-memory layout. Compiling *the same source* as C++
 and running every thread of a block as a user-level context (``ucontext``) checks what a compile check cannot: that
 the kernel computes what its float64 reference computes, that no thread reads shared memory another thread has not
@@ -11,7 +11,7 @@ Model (enough for kernels written against it, not all of CUDA):
 
 * one block at a time by default, or ``concurrent`` blocks at once in lockstep by barrier phases (each block its own
   shared memory and warp slots), so that a block writing another block's part of a global buffer changes the
-  answers as it would on a GPU (``cuda_truncate``'s scratch stride bug of the eighth session passed one block at a
+  answers as it would on a GPU (a scratch stride bug of the truncation kernel passed one block at a
   time); its ``blockDim.x`` threads each on its own stack; a thread runs until it reaches
   ``__syncthreads()`` / ``__syncwarp()`` (or a warp collective) or returns; ``__syncthreads()`` releases when every
   live thread of the block waits there, ``__syncwarp()`` when every live lane of the warp does (exited threads count

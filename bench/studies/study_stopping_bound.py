@@ -1,7 +1,7 @@
 """Can a truncation know, from what it has computed, that its energy is within 1e-5 of exact? A rigorous a-posteriori
 bound, tried on real state trajectories and on the adversarial batteries (CPU).
 
-After ``iters`` filter steps, the refill and the Rayleigh–Ritz step, a pass of ``gdnviz.truncate`` holds an
+After ``iters`` filter steps, the refill and the Rayleigh–Ritz step, a pass of ``gdnviz.truncation`` holds an
 orthonormal ``Q [K, q]`` (q = 32) whose leading columns are the kept directions, on the trace-1 Gram matrix ``G``.
 With ``T = QᵀGQ`` and ``R = (I − QQᵀ) G Q`` (what G does outside span Q), in the basis [Q_r, Q_c, Q⊥]:
 
@@ -14,11 +14,11 @@ truncation keeps), B = [T_rc; R_r], and λ_max(C) ≤ c := max(λ_max(T_cc), ‖
     energy error = E* − tr(T_rr) ≤ (‖T_rc‖_F² + ‖R_r‖_F²) / (λ_min(T_rr) − c)     whenever λ_min(T_rr) > c,
 
 every quantity computable from G, Q and GQ (which the Rayleigh–Ritz step forms anyway): the library's
-``gdnviz.truncate.energy_error_bound``. One JSON line per
+``gdnviz.truncation.energy_error_bound``. One JSON line per
 (source, r, iters): how many states the bound certifies (≤ 1e-5), the worst actual error among the certified ones
 (must be ≤ 1e-5: the bound is an upper bound), and whether the bound was ever below the actual error (it must not).
 
-    python bench/study_stopping_bound.py --tokens 4096     # CPU, a few minutes
+    python bench/studies/study_stopping_bound.py --tokens 4096     # CPU, a few minutes
 """
 from __future__ import annotations
 
@@ -28,8 +28,7 @@ import sys
 
 import torch
 
-sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-sys.path.insert(0, os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "tests"))
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))))
 from bench.common import emit  # noqa: E402
 
 TOL = 1e-5
@@ -37,10 +36,10 @@ TOL = 1e-5
 
 def bound(X: torch.Tensor, r: int, iters: int) -> tuple[torch.Tensor, torch.Tensor]:
     """(a-posteriori bound, actual energy error) per state of ``X [N, K, V]`` for one pass with ``iters`` steps."""
-    from gdnviz import truncate as tr
+    from gdnviz.truncation import reference as tr
 
     X = X.double()
-    Q = tr._subspace_pass(X, r, iters, None)  # [N, K, 32], top-r Ritz vectors first
+    Q = tr.subspace_pass(X, r, iters)  # [N, K, 32], top-r Ritz vectors first
     b = tr.energy_error_bound(X, Q, r)
     return b, tr.energy_error(X, Q[..., :r] @ (Q[..., :r].mT @ X), r)
 
@@ -49,7 +48,7 @@ def trajectory_states(tokens: int, segment_len: int, r: int) -> torch.Tensor:
     """Every head's state at every boundary of the demo model truncating all heads to rank r (eager loop)."""
     from gdnviz import runner
     from gdnviz.documents import sample_documents, tokenize
-    from gdnviz.intervene import TruncateCallback, TruncationSpec
+    from gdnviz.truncation import TruncateCallback, TruncationSpec
     from gdnviz.models import load
 
     lm = load("demo", device="cpu", dtype="float32")
@@ -75,9 +74,9 @@ def main() -> None:
     ap.add_argument("--ranks", default="1,4,12,16")
     ap.add_argument("--max-iters", type=int, default=4)
     a = ap.parse_args()
-    from test_truncate import hard_states
+    from tests.support.states import hard_states
 
-    from gdnviz.truncate import iterations_for
+    from gdnviz.truncation import iterations_for
 
     for r in [int(x) for x in a.ranks.split(",")]:
         sources = {"demo_trajectory": trajectory_states(a.tokens, 256, r), "hard_batteries": hard_states(r, seed=r)[0]}

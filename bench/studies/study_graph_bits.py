@@ -6,8 +6,8 @@ step's by up to 0.047 (``bench_decode.py``). This study runs each candidate oper
 eagerly and from a graph and prints whether the bits agree, then the first decoder layer whose output differs in a
 whole step (the same step, eager vs captured, from the same cache contents).
 
-    PYTHONPATH=$PWD python3 bench/study_graph_bits.py            # ops and the layers of one step
-    PYTHONPATH=$PWD python3 bench/study_graph_bits.py --steps    # 24 steps, eager twice and graph, batch 1 and 4
+    PYTHONPATH=$PWD python3 bench/studies/study_graph_bits.py            # ops and the layers of one step
+    PYTHONPATH=$PWD python3 bench/studies/study_graph_bits.py --steps    # 24 steps, eager twice and graph, batch 1 and 4
 """
 from __future__ import annotations
 
@@ -17,7 +17,7 @@ import sys
 import torch
 import torch.nn.functional as F
 
-sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))))
 from bench.common import emit, qwen35_08b_config, random_model  # noqa: E402
 
 

@@ -5,7 +5,7 @@ One block of 8 warps per SM (as the truncation kernel runs), each warp issuing 1
 chains for 2,000 steps; one JSON line per (shape, chains): the launch's time (CUDA events, after a warm-up launch),
 TFLOP/s over the GPU and ns per instruction per warp. The operands are register constants (no memory traffic).
 
-    python bench/bench_mma_shapes.py      # CUDA only, a few seconds
+    python bench/studies/bench_mma_shapes.py      # CUDA only, a few seconds
 """
 import json, torch
 SRC = r'''

@@ -2,7 +2,7 @@
 trajectories, GDN-like states and the adversarial batteries (CPU, float64 torch; issue #6 target 1 at r = 32).
 
 A rank r > 16 takes two passes: 16 directions U₁ of S, then r − 16 directions U₂ of the deflated state PS,
-P = I − U₁U₁ᵀ. Each pass's a-posteriori bound (``gdnviz.truncate.energy_error_bound`` on its 32-column Ritz basis)
+P = I − U₁U₁ᵀ. Each pass's a-posteriori bound (``gdnviz.truncation.energy_error_bound`` on its 32-column Ritz basis)
 composes into a bound for the whole truncation:
 
     energy error ≤ e₁ + t₂·e₂,   t₂ = ‖PS‖²_F / ‖S‖²_F,
@@ -16,7 +16,7 @@ span[U₁, U₂] keeps at least ‖U₁ᵀS‖² + ‖U₂ᵀPS‖², because �
 and at the criterion (1e-5), the worst actual error among the certified ones, and how often the bound was below the
 actual error (it must never be: that count checks the derivation on every state).
 
-    python bench/study_two_pass_certificate.py --tokens 4096      # CPU, a few minutes
+    python bench/studies/study_two_pass_certificate.py --tokens 4096      # CPU, a few minutes
 """
 from __future__ import annotations
 
@@ -27,8 +27,8 @@ import sys
 import torch
 
 HERE = os.path.dirname(os.path.abspath(__file__))
-sys.path.insert(0, os.path.dirname(HERE))
-sys.path.insert(0, os.path.join(os.path.dirname(HERE), "tests"))
+sys.path.insert(0, os.path.dirname(os.path.dirname(HERE)))
+sys.path.insert(0, HERE)
 from bench.common import emit  # noqa: E402
 
 HALF = 16
@@ -37,13 +37,13 @@ TOL = 1e-5
 
 
 def schatten_bound(X: torch.Tensor, Q: torch.Tensor, r: int, p: int) -> torch.Tensor:
-    """``gdnviz.truncate.energy_error_bound(X, Q, r)`` with λ_max(D) bounded by the Schatten norm
+    """``gdnviz.truncation.energy_error_bound(X, Q, r)`` with λ_max(D) bounded by the Schatten norm
     ‖D‖_p = (tr D^p)^{1/p} (p = 4, 8, …; D = P⊥ G P⊥ formed explicitly, P⊥ = I − QQᵀ) instead of ‖D‖_F = ‖D‖_2:
     every ‖D‖_p ≥ λ_max(D) for a positive semidefinite D, and it falls toward λ_max(D) as p grows."""
-    from gdnviz import truncate as tr
+    from gdnviz.truncation import reference as tr
 
     X = X.double()
-    G, _ = tr._normalised_gram(X)
+    G, _ = tr.normalised_gram(X)
     GQ = G @ Q
     T = Q.mT @ GQ
     T = 0.5 * (T + T.mT)
@@ -65,27 +65,27 @@ def schatten_bound(X: torch.Tensor, Q: torch.Tensor, r: int, p: int) -> torch.Te
 
 def two_pass(X: torch.Tensor, r: int, iters: int, p: int = 2) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """(composed bound, actual energy error, [pass-1 bound, pass-2 bound, joint bound] [N, 3]) per state of ``X [N, K, V]``
-    for a rank 16 < r ≤ 32 with ``iters`` filter steps per pass, as ``gdnviz.truncate``'s two passes run. ``p``:
+    for a rank 16 < r ≤ 32 with ``iters`` filter steps per pass, as ``gdnviz.truncation``'s two passes run. ``p``:
     the Schatten norm bounding λ_max(D) (2: ``energy_error_bound``'s ‖D‖_F)."""
-    from gdnviz import truncate as tr
+    from gdnviz.truncation import reference as tr
 
     def pass_bound(Y, Q, k):
         """The pass's bound, or the energy its kept directions miss, 1 − tr(Q_kᵀ G Q_k) (G of trace 1: the top-k
         energy is at most 1), whichever is smaller — the kernel's certificate takes both (rank-deficient states)."""
         b = tr.energy_error_bound(Y, Q, k) if p == 2 else schatten_bound(Y, Q, k, p)
-        G, _ = tr._normalised_gram(Y)
+        G, _ = tr.normalised_gram(Y)
         Qk = Q[..., :k]
         miss = (1.0 - (Qk.mT @ G @ Qk).diagonal(dim1=-2, dim2=-1).sum(-1)).clamp_min(0.0)
         return torch.minimum(b, miss)
 
     X = X.double()
-    Q1 = tr._subspace_pass(X, HALF, iters, None, seed=0)
+    Q1 = tr.subspace_pass(X, HALF, iters)
     e1 = pass_bound(X, Q1, HALF)
     U1 = Q1[..., :HALF]
     PS = X - U1 @ (U1.mT @ X)
     s2 = X.square().sum((-1, -2))
     t2 = torch.where(s2 > 0, PS.square().sum((-1, -2)) / s2.clamp_min(1e-300), torch.zeros_like(s2))
-    Q2 = tr._subspace_pass(PS, r - HALF, iters, None, seed=1)
+    Q2 = tr.subspace_pass(PS, r - HALF, iters)
     e2 = pass_bound(PS, Q2, r - HALF)
     U, _ = torch.linalg.qr(torch.cat([U1, Q2[..., : r - HALF]], dim=-1))
     actual = tr.energy_error(X, U @ (U.mT @ X), r)
@@ -107,9 +107,9 @@ def main() -> None:
     a = ap.parse_args()
     torch.set_num_threads(max(1, os.cpu_count() or 1))
     from study_stopping_bound import trajectory_states
-    from test_truncate import hard_states
+    from tests.support.states import hard_states
 
-    from bench.bench_truncate import gdn_like_states
+    from tests.support.states import gdn_like_states
 
     for r in [int(x) for x in a.ranks.split(",")]:
         sources = {"demo_trajectory": trajectory_states(a.tokens, 256, r),
