@@ -31,13 +31,6 @@ from gdnviz import settings
 _FORMAT = b"gdnviz-cubin-1\n"
 
 
-def env_switch(env_name: str, default_on: bool) -> bool:
-    """An on/off switch in environment variable ``env_name``: unset → ``default_on``, ``0`` → off, any other value →
-    on (a module may read further values, e.g. a form)."""
-    env = os.environ.get(env_name, "").strip()
-    return default_on if env == "" else env != "0"
-
-
 def cache_dir() -> str | None:
     """The on-disk kernel cache's folder, or None when ``GDNVIZ_KERNEL_CACHE=0``."""
     folder = settings.get("GDNVIZ_KERNEL_CACHE")
@@ -196,10 +189,6 @@ class Kernels:
 
     def usable(self) -> bool:
         return self.available and torch.version.hip is None
-
-    def switched_on(self, env_name: str, default_on: bool) -> bool:
-        """A kernel module's on/off switch (:func:`env_switch`), and only while ``usable()``."""
-        return env_switch(env_name, default_on) and self.usable()
 
     def get(self, key, device: torch.device, source: str, name: str, shared_mem: int = 0):
         k = self._cache.get(key)
