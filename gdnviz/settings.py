@@ -52,7 +52,7 @@ SETTINGS: dict[str, Setting] = {s.name: s for s in (
     Setting("GDNVIZ_WARMUP", "flag", "1",
             "warm the GPU kernels up when a model loads on CUDA (0: the first job pays compilation instead)"),
     Setting("GDNVIZ_NO_WORKER", "flag", "0",
-            "1: the app starts no worker process (jobs wait for one started by hand or run by tests)", "developer"),
+            "1: the app starts no worker process (jobs wait for one started by hand, or tests run them)"),
     Setting("GDNVIZ_POLL_SECONDS", "float", "0.5",
             "seconds between the app's polls of a running job (0: no polling, for AppTest)", "developer",
             minimum=0.0),

@@ -74,3 +74,11 @@ def test_bad_values_raise_naming_the_variable(monkeypatch, name, value):
 def test_unknown_name():
     with pytest.raises(KeyError):
         settings.get("GDNVIZ_NOT_A_SETTING")
+
+
+def test_every_setting_is_documented():
+    """User settings are in the README's table, developer settings in docs/settings.md."""
+    root = PKG.parent
+    docs = {"user": (root / "README.md").read_text(), "developer": (root / "docs" / "settings.md").read_text()}
+    for s in settings.table():
+        assert f"| `{s.name}` |" in docs[s.audience], (s.name, s.audience)
