@@ -1,18 +1,21 @@
 """gdnviz: the Streamlit app. Start it with ``make app`` or ``python -m streamlit run app.py``.
 
-Environment variables:
-  GDNVIZ_DEFAULT_MODEL  model selected at start: "demo" (the bundled model, the default), a local checkpoint folder,
-                        or an org/name in the local Hugging Face cache
-  GDNVIZ_CACHE_DIR      where jobs, results and previous runs are stored (default: cache/ in the repository)
-  GDNVIZ_MAX_TOKENS     default per-document token limit (32768)
-  GDNVIZ_NO_WORKER=1    do not start the worker process (tests run jobs in-process)
-The app itself never touches the GPU: the worker (python -m gdnviz.worker), started once by this server, does.
+Its environment variables are the table of ``gdnviz.settings`` (README, "Settings"); a value that does not parse
+stops the app with a message naming it. The app itself never touches the GPU: the worker (python -m gdnviz.worker), started once by this server, does.
 """
 import streamlit as st
 
+from gdnviz import settings
+from gdnviz.errors import BadSetting
 from gdnviz.ui import common
 
 st.set_page_config(page_title="gdnviz", page_icon=":material/grid_view:", layout="wide")
+try:
+    for s in settings.table():
+        settings.get(s.name)
+except BadSetting as e:
+    st.error(f"{e} Fix or unset it in the environment, then restart the app.")
+    st.stop()
 common.persist_widgets()
 common.init_model_state()
 

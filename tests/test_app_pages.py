@@ -176,6 +176,16 @@ def test_empty_pasted_text(env, tmp_path):
     assert any("is empty: paste some text" in t for t in texts(at, "error"))
 
 
+def test_bad_setting_stops_the_app_with_its_name(env, tmp_path, monkeypatch):
+    """An environment variable that does not parse gets a message naming it, not a traceback."""
+    env(tmp_path / "c")
+    monkeypatch.setenv("GDNVIZ_MAX_TOKENS", "lots")
+    at = app()
+    at.run()
+    assert not at.exception
+    assert any("GDNVIZ_MAX_TOKENS='lots' is not an integer" in t for t in texts(at, "error"))
+
+
 @pytest.mark.parametrize("name,data,message", [
     ("photo.txt", b"\x89PNG\r\n\x1a\n\x00\x00\x00\rIHDR", "looks like a binary file (a NUL byte at byte offset 8)"),
     ("latin1.txt", "Le café est prêt.".encode("latin-1"), "is not valid UTF-8 text: byte 0xe9 at byte offset 6"),
