@@ -1,5 +1,6 @@
 // Fused top-r truncation of GDN head states: one thread block per state, everything but U in shared memory.
-// The algorithm of gdnviz.gpu.fused_truncate (reference_fused): see gdnviz/gpu/cuda_truncate.py for the contract.
+// The algorithm of gdnviz.truncation.reference.subspace_truncate: see gdnviz/truncation/cuda.py for the contract and
+// docs/kernels-truncation.md for the design.
 // Placeholders replaced by the Python side: @K@ (rows of a state), @V@ (columns), @T@ (float or double), @QB@ (block
 // width q: 32, or 16 for the small certified attempt).
 // Written for tests.support.cuda_emul too: dynamic shared memory only, barriers reached by every thread.
@@ -24,6 +25,11 @@
 #define QT (QB * QB / NT)
 #define NB (QB / 8)
 #define NPAIR (QB / 2)  // pairs per Jacobi round
+// pair-block Jacobi rounds for 32-column blocks (one barrier per round); the 16-column attempt keeps the per-entry
+// rounds: there only 64 of the 256 threads would update a 2 x 2 block, and the r = 1 attempt measured 7% slower
+#if QB == 32
+#define GDNVIZ_PAIR_JACOBI
+#endif
 typedef @T@ scalar_t;
 #define SHIFT 1e-13
 #define TINY 1e-300
@@ -61,13 +67,13 @@ typedef @T@ scalar_t;
 #define NO_BOUND 1e300  // BOUND where no bound holds (not attempted, no gap); NVRTC has no INFINITY
 #define READ_DONE 1
 #define ATTEMPT 2
-// split launches (few states: gdnviz.gpu.cuda_truncate.split_on): GRAM_IN reads S S^T from GIN [N][K][K] (written by
+// split launches (few states: gdnviz.truncation.cuda.split_on): GRAM_IN reads S S^T from GIN [N][K][K] (written by
 // gdnviz_gram, whose thread blocks cover the GPU) instead of computing it; NO_PROJ writes the final U into the
 // scratch and leaves S_r = U (U^T S) to gdnviz_project. Both give the fused kernel's bits: the same sums in the same
 // order, only spread over more thread blocks
 #define GRAM_IN 4
 #define NO_PROJ 8
-// PHASED (more states than multiprocessors, the full algorithm at ranks > HALF: gdnviz.gpu.cuda_truncate.phased_on):
+// PHASED (more states than multiprocessors, the full algorithm at ranks > HALF: gdnviz.truncation.cuda.phased_on):
 // each state as consecutive items, one thread block each, over a grid of (items) x N blocks: item 0 runs everything
 // up to and including the first pass's deflation (a state that needs no second pass runs whole); item 1 the second
 // pass's sketch and filter steps (with PHASED3; without it, everything after item 0); item 2 the rest (Rayleigh-Ritz,
@@ -80,25 +86,6 @@ typedef @T@ scalar_t;
 // blocks, so the item a block waits for holds a smaller ticket and is running or done; item 0 never waits
 #define PHASED 16
 #define PHASED3 32
-// GDNVIZ_PHASE_TRACE (bench/study_phase_schedule.py): thread 0 of each item of a two-pass state writes its ticket
-// time, the time its wait ended, its end time (globaltimer, ns, low 40 bits) and its SM into GSAVE after zscale
-#if defined(GDNVIZ_PHASE_TRACE) && !defined(GDNVIZ_EMULATED)
-__device__ __forceinline__ double trace_now() {
-    unsigned long long x;
-    asm volatile("mov.u64 %0, %%globaltimer;" : "=l"(x));
-    return (double)(x & 0xFFFFFFFFFFull);
-}
-__device__ __forceinline__ double trace_sm() {
-    unsigned x;
-    asm volatile("mov.u32 %0, %%smid;" : "=r"(x));
-    return (double)x;
-}
-#define TRACE(slot) do { if (t == 0) Gsave[K_ * K_ + K_ * QB + 1 + 4 * item + (slot)] = trace_now(); } while (0)
-#define TRACE_END() do { if (t == 0) { TRACE(2); Gsave[K_ * K_ + K_ * QB + 4 + 4 * item] = trace_sm(); } } while (0)
-#else
-#define TRACE(slot) do { } while (0)
-#define TRACE_END() do { } while (0)
-#endif
 #define M_TK 352  // misc slot: the block's ticket
 #define M_CQ 356  // GDNVIZ_PROFILE: cholqr's cycles in its three parts (thread 0)
 
@@ -552,7 +539,7 @@ __device__ __forceinline__ void gemm_xty(const double* X, const double* Y, doubl
 // consecutive entries (JQP even: a row starts 16-byte aligned). Three block barriers in all (four when checked).
 // check > 0 (the Cholesky-QR pairs after the refill and of the final U): when max |C_ij - delta_ij| over the leading
 // check x check block is <= ORTH_TOL, X is left as it is and 1 returned (block-uniform; a NaN never passes) — the
-// factorisation would move it by ~ORTH_TOL / 2 (gdnviz.gpu.fused_truncate.ORTH_TOL, checked_cholqr: the same rule).
+// factorisation would move it by ~ORTH_TOL / 2 (gdnviz.truncation.constants.ORTH_TOL, reference.checked_cholqr: the same rule).
 // Measured (H200, nineteenth session, 288 states at r = 32, same run): the folded update and the transposed L took
 // 1.164 -> 1.141 ms, the checked pairs -> 1.096 ms (cholqr 243.5K -> 208.7K cycles of thread 0)
 // Not inlined: one copy of its code serves its 18 calls per state at r = 32 instead of a copy per call site (the
@@ -672,11 +659,6 @@ gdnviz_truncate(const scalar_t* __restrict__ S, scalar_t* __restrict__ OUT, cons
     const bool attempt = (mode & ATTEMPT) != 0;
     const bool two_pass = r > HALF && r <= 2 * HALF && r < M_;  // a valid rank that needs the second pass
     if (item > 0 && (!two_pass || attempt)) return;  // item 0 wrote it whole
-    const bool traced = phased && two_pass;
-    if (traced) {
-        TRACE(0);
-        if (item == 0) TRACE(1);  // item 0 waits for nothing
-    }
     if (r >= M_) {  // kept: the state unchanged, bit for bit
         for (int e = t; e < K_ * V_; e += NT) On[e] = Sn[e];
         if (attempt && t == 0) { DONE[n] = 1; BOUND[n] = 0.0; }
@@ -705,7 +687,7 @@ gdnviz_truncate(const scalar_t* __restrict__ S, scalar_t* __restrict__ OUT, cons
     const int tx = t & 15, ty = t >> 4;
 
     double tr = 0.0, gf2 = 0.0, zscale = 0.0;  // gf2: ||G||_F^2 (the attempt's certificate)
-#if defined(GDNVIZ_DMMA) && !defined(GDNVIZ_SEPARATE_SKETCH)
+#ifdef GDNVIZ_DMMA
     const bool sketch_fused = !attempt && !(mode & GRAM_IN);  // Z = S Omega_0 computed with the Gram matrix
 #else
     const bool sketch_fused = false;
@@ -715,7 +697,6 @@ gdnviz_truncate(const scalar_t* __restrict__ S, scalar_t* __restrict__ OUT, cons
             while (atomicAdd(SYNC + 1 + n, 0) < item) __nanosleep(256);
             __threadfence();
         }
-        TRACE(1);
         __syncthreads();
         load_square(Gsave, Gs);
         if (item == 2) load_block(Gsave + K_ * K_, As);
@@ -956,7 +937,6 @@ gdnviz_truncate(const scalar_t* __restrict__ S, scalar_t* __restrict__ OUT, cons
             __threadfence();
             __syncthreads();
             if (t == 0) atomicExch(SYNC + 1 + n, 2);
-            TRACE_END();
             return;
         }
         // ---- refill damped columns with fixed unit directions, then Cholesky-QR twice
@@ -1035,7 +1015,7 @@ gdnviz_truncate(const scalar_t* __restrict__ S, scalar_t* __restrict__ OUT, cons
             // of pair b / NPAIR, columns of pair b % NPAIR — from 4 loads of each, with the same rot2 expressions
             // per entry as the per-entry form below, so the same bits; one barrier per round instead of two, and no
             // rotation parameters through shared memory (their loads were most of a round's shared-memory traffic).
-            // Built for 32-column blocks only (cuda_truncate.source): at 16 columns 64 of the 256 threads would
+            // Built for 32-column blocks only (the GDNVIZ_PAIR_JACOBI define above): at 16 columns 64 of the 256 threads would
             // update the 8 x 8 blocks, and the r = 1 attempt measured 7% slower (sixteenth session)
             for (int k = 0; k < QB - 1; ++k) {
 #ifdef GDNVIZ_PAIR_JACOBI
@@ -1327,7 +1307,6 @@ gdnviz_truncate(const scalar_t* __restrict__ S, scalar_t* __restrict__ OUT, cons
                 __threadfence();
                 __syncthreads();
                 if (t == 0) atomicExch(SYNC + 1 + n, 1);
-                if (traced) TRACE_END();
                 return;
             }
         }
@@ -1416,7 +1395,6 @@ gdnviz_truncate(const scalar_t* __restrict__ S, scalar_t* __restrict__ OUT, cons
     if (t == 0)
         for (int q = 0; q < 20; ++q) Un[q] = (q < 17) ? (double)pacc[q] : misc[M_CQ + q - 17];
 #endif
-    if (traced) TRACE_END();
 }
 
 // ---- split launches (mode GRAM_IN | NO_PROJ): the fused kernel's first and last phases over more thread blocks ----

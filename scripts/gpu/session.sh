@@ -3,7 +3,7 @@
 # var, seconds; 0 skips the step) so that one slow step cannot starve the others and the sum fits the device tool's
 # 600 s per call. fla's first call at a new shape autotunes for seconds.
 # Device tool: command `[STEP_SECONDS...] bash scripts/gpu/session.sh [TESTS...]`, carry [".whl"], timeout_s 600.
-# Library switches (GDNVIZ_CUDA_CHOLQR=0|smem|shfl, GDNVIZ_CUDA_TRIDIAG=0, ...) set before the command reach every bench.
+# Library switches (GDNVIZ_CUDA_TRIDIAG=0, ...) set before the command reach every bench.
 # Same-run A/B of the truncation kernel: `env OUT=$OUT/old GDNVIZ_CUDA_TRUNCATE_SRC=bench/ab/<old>.cu ... bash $0` then
 # the current tree, in one device call (bench/ab/ is git-ignored: carry [".whl", "bench/ab"]; bench/RESULTS.md, tenth session).
 # .whl holds flash_linear_attention-0.6.0 and fla_core-0.6.0 (pure-Python wheels; README "GPU"), diskcache (the worker's
@@ -21,13 +21,8 @@
 #   FLA_TEST_SECONDS (0)        pytest -m gpu tests/test_fla_adapter.py alone (fla's own GatedDeltaNet models, 16-dim
 #                               heads: fla compiles and autotunes its kernels for them in a cold process; the two fp32
 #                               tests took most of 290 s on a fresh machine, twelfth session, and the bf16 pair more)
-#   TRUNC_SECONDS (100)         bench_truncate.py --quick: one boundary of 288 states (+ fused kernel rows)
-#   TRITON_CHOLQR_SECONDS (0)   bench_truncate.py --quick --triton-cholqr (Cholesky-QR in one Triton launch)
-#   CHOLQR_KERNEL_SECONDS (0)   bench_cholqr.py: truncation with the CUDA Cholesky-QR kernel (shared-memory and
-#                               shuffle forms) vs the torch path, 16 and 288 states, CUDA graphs; the building
-#                               blocks alone (Triton Jacobi, Cholesky-QR torch / CUDA, GEMM)
-#                               (CHOLQR_KERNEL_ARGS: extra arguments, e.g. "--sizes 16")
-#   PHASES_SECONDS (0)          bench_truncate_phases.py: cycles per phase of the fused CUDA truncation kernel
+#   TRUNC_SECONDS (100)         bench_truncate.py --quick: one boundary of 288 states and 16 states
+#   PHASES_SECONDS (0)          bench_truncate_phases.py: cycles per phase of the CUDA truncation kernel
 #                               (its GDNVIZ_PROFILE build), 16 and 288 states, r = 1/4/12/32
 #                               (PHASES_ARGS: e.g. "--attempts --ranks 1,4,12" for the certified attempts)
 #   SPECTRA_SECONDS (0)         bench_spectra.py --candidates (gesvda, CUDA tridiagonalisation, Triton num_warps)
@@ -51,7 +46,7 @@ export PYTHONPATH=/tmp/site:$PWD PYTHONUNBUFFERED=1
 nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv
 python3 -c "import torch, transformers, triton, fla; print(torch.__version__, transformers.__version__, triton.__version__, fla.__version__)"
 on() { [ "${1:-0}" != 0 ]; }
-TESTS=${*:-tests/test_cuda_truncate.py tests/test_cuda_cholqr.py tests/test_cuda_tridiag.py tests/test_cuda_bisect.py tests/test_scan_graph.py tests/test_fused_truncate.py tests/test_gpu_runner.py tests/test_qk_norm.py tests/test_fla_conv.py tests/test_analysis.py tests/test_keycone_kernel.py tests/test_capture.py tests/test_static_decode.py tests/test_jacobi.py tests/test_truncate.py tests/test_symeig.py tests/test_kernels_vs_reference.py}
+TESTS=${*:-tests/test_cuda_truncate.py tests/test_cuda_tridiag.py tests/test_cuda_bisect.py tests/test_scan_graph.py tests/test_gpu_runner.py tests/test_qk_norm.py tests/test_fla_conv.py tests/test_analysis.py tests/test_keycone_kernel.py tests/test_capture.py tests/test_static_decode.py tests/test_truncate.py tests/test_symeig.py tests/test_kernels_vs_reference.py}
 TESTS=$(for t in $TESTS; do [ -e "${t%%::*}" ] && echo "$t"; done)  # in the order given (pytest keeps it)
 if on ${PRECOMPILE_SECONDS:-90}; then
   timeout ${PRECOMPILE_SECONDS:-90} python3 scripts/gpu/precompile.py ${PRECOMPILE_ARGS:-} 2>&1 | tail -3
@@ -69,14 +64,6 @@ fi
 if on ${TRUNC_SECONDS:-100}; then
   timeout ${TRUNC_SECONDS:-100} python3 bench/bench_truncate.py --device cuda --quick > $OUT/bench_truncate.log 2>&1
   grep "^{" $OUT/bench_truncate.log | cut -c1-400
-fi
-if on ${TRITON_CHOLQR_SECONDS:-0}; then  # the same with every Cholesky-QR in one Triton launch (gdnviz.gpu.cholqr)
-  timeout ${TRITON_CHOLQR_SECONDS} python3 bench/bench_truncate.py --device cuda --quick --no-fused --triton-cholqr \
-      > $OUT/bench_truncate_triton_cholqr.log 2>&1; grep "cuda_graph\|summary" $OUT/bench_truncate_triton_cholqr.log | cut -c1-400
-fi
-if on ${CHOLQR_KERNEL_SECONDS:-0}; then
-  timeout ${CHOLQR_KERNEL_SECONDS} python3 bench/bench_cholqr.py --device cuda ${CHOLQR_KERNEL_ARGS:-} > $OUT/bench_cholqr.log 2>&1
-  grep '^{' $OUT/bench_cholqr.log | cut -c1-300
 fi
 if on ${PHASES_SECONDS:-0}; then
   timeout ${PHASES_SECONDS} python3 bench/bench_truncate_phases.py --device cuda ${PHASES_ARGS:-} > $OUT/bench_truncate_phases.log 2>&1
