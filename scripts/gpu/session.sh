@@ -4,8 +4,8 @@
 # 600 s per call. fla's first call at a new shape autotunes for seconds.
 # Device tool: command `[STEP_SECONDS...] bash scripts/gpu/session.sh [TESTS...]`, carry [".whl"], timeout_s 600.
 # Library switches (GDNVIZ_CUDA_TRIDIAG=0, ...) set before the command reach every bench.
-# Same-run A/B of the truncation kernel: `env OUT=$OUT/old GDNVIZ_CUDA_TRUNCATE_SRC=bench/ab/<old>.cu ... bash $0` then
-# the current tree, in one device call (bench/ab/ is git-ignored: carry [".whl", "bench/ab"]; bench/RESULTS.md, tenth session).
+# Same-run A/B (before / after a change): run this script in a checkout of the old commit (carried as a folder, e.g.
+# bench/ab/old, git-ignored) with OUT=$OUT/old, then in the current tree, in one device call.
 # .whl holds flash_linear_attention-0.6.0 and fla_core-0.6.0 (pure-Python wheels; README "GPU"), diskcache (the worker's
 # store, tests/test_warmup.py) and wonderwords (RULER's word lists, bench_sweep.py): `pip download diskcache wonderwords
 # --no-deps -d .whl` (both pure-Python wheels). The fla wheels
