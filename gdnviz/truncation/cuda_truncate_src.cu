@@ -13,7 +13,7 @@
 // row stride of the Jacobi's matrices A, A2 (T = Q^T G Q): even, so that a round's rotation loads A[i][p(i)] and
 // A[p(i)][i] — an anti-diagonal, i + p(i) constant — fall in distinct banks (with QP = 33 all 32 lanes of every warp
 // hit one bank: ~26 wavefronts per load instead of 2, half the kernel's excess shared-memory wavefronts; Nsight
-// Compute, eighteenth session); the 2 x 2 block updates stay conflict-free
+// Compute); the 2 x 2 block updates stay conflict-free
 #define JQP (QB + 2)
 #define UL 32
 #define HALF 16
@@ -114,7 +114,7 @@ __device__ __forceinline__ void dmma_m8n8k4(double& d0, double& d1, double a, do
 // D (RT 8-row tiles, [RT][2] per lane) += A (RT x (8 x 4)) B (4 x 8): warp w's row tiles of one column tile. For K = 128
 // (RT = 2: rows lr and lr + 8) one mma.sync.aligned.m16n8k4 (sm_90), whose fragments are those of two m8n8k4 stacked
 // (PTX ISA, f64 m16n8k4: a0 / a1 rows groupID / groupID + 8, c0, c1 / c2, c3 likewise). Measured on the H200
-// (nineteenth session, bench/bench_mma_shapes.py: 8 warps per SM, 8 independent accumulators each) m8n8k4 ran at 23.6
+// (bench/bench_mma_shapes.py: 8 warps per SM, 8 independent accumulators each) m8n8k4 ran at 23.6
 // TFLOP/s, m16n8k4 at 52.5: the m8n8k4 form left half of the float64 tensor cores idle, and G·Q, the sketches and
 // the Gram matrix were bound by it (Nsight Compute: stall "math" on the mma.sync lines)
 #ifdef GDNVIZ_DMMA
@@ -173,7 +173,7 @@ __device__ __forceinline__ int jacobi_partner(int i, int k) {
 // entries d_i, d_p: whether it rotates (the skip test |a_pq| > skip sqrt|a_pp| sqrt|a_qq|, squared), its cosine c,
 // index i's signed sine sgn (−s for the pair's first index) and i's new diagonal entry dn. t = sgn(tau) / (|tau| +
 // sqrt(1 + tau^2)), tau = d / h, = sgn(d) h / (|d| + sqrt(d^2 + h^2)), and c, s come from two reciprocal square
-// roots in the chain, no division (the rounds are latency-bound: bench/RESULTS.md, sixth session; the seventeenth's
+// roots in the chain, no division (the rounds are latency-bound: bench/RESULTS.md; the seventeenth's
 // A/B: 8% fewer cycles in the rotations than a square root, a division and a reciprocal square root). c^2 + s^2 =
 // u q^2 = 1 up to rounding. Both members of a pair compute the same rotation.
 __device__ __forceinline__ bool jacobi_rotation(double a_ip, double a_pi, double di, double dp, bool is_p, double skip,
@@ -199,7 +199,7 @@ __device__ __forceinline__ bool jacobi_rotation(double a_ip, double a_pi, double
 // c·a + s·b with one rounding order fixed in the source (fma(c, a, s·b)): the two Jacobi round forms compute each
 // entry from the same operands, and NVRTC contracts `c * a + s * b` into a fused multiply-add either way depending on
 // the surrounding code, so without this the forms' bits differed on the H200 though equal in the emulation (g++
-// does not contract: sixteenth session)
+// does not contract)
 __device__ __forceinline__ double rot2(double c, double a, double s, double b) { return fma(c, a, __dmul_rn(s, b)); }
 
 // G [K][K] from global memory (row-major) into Gs (row stride GST), and with K_ * QB > 0 rows of a [K][QB] block into
@@ -252,7 +252,7 @@ __device__ __forceinline__ double store_tile_trace(const double (&acc)[KR][KR], 
 #ifdef GDNVIZ_DMMA
 // The row of k that lane (., lk) reads at step g of a sum over k on the tensor cores: the instruction's 4 rows of k
 // are 4 apart (16 g/4 + g%4 + 4 lk), so that with row strides ≡ 1 mod 4 (G's GST, QP) a fragment's 8 x 4 loads fall
-// in 16 distinct banks (consecutive rows were 4-way conflicted, tenth session)
+// in 16 distinct banks (consecutive rows were 4-way conflicted)
 __device__ __forceinline__ int frag_row(int g, int lk) { return 16 * (g >> 2) + (g & 3) + 4 * lk; }
 
 // The items of a K x K lower triangle that warp w computes, for the Gram matrix and the deflation's update on the
@@ -339,8 +339,8 @@ __device__ __forceinline__ void store_tiles(const double (&acc)[NB][RT][2], doub
 }
 
 // acc (warp w's rows 8 RT w ... x NC column tiles of 8) = X [K][QP] B, B [QB][NC * 8] read as B[k][j] = bcol(k, j)
-// through the functor: the small products U (U^T Z), U (U^T G U) and Q W_sel on the tensor cores (nineteenth session;
-// they were sums of QB fused multiply-adds with two shared-memory loads each, per entry: 288 states at r = 32
+// through the functor: the small products U (U^T Z), U (U^T G U) and Q W_sel on the tensor cores (they
+// were sums of QB fused multiply-adds with two shared-memory loads each, per entry: 288 states at r = 32
 // 0.9516 / 0.9649 -> 0.9247 / 0.9139 ms in two same-run pairs; sketch 43.0K -> 34.5K cycles, deflation 45.4K ->
 // 36.3K, selection 17.9K -> 9.1K)
 template <int NC, class F>
@@ -540,10 +540,10 @@ __device__ __forceinline__ void gemm_xty(const double* X, const double* Y, doubl
 // check > 0 (the Cholesky-QR pairs after the refill and of the final U): when max |C_ij - delta_ij| over the leading
 // check x check block is <= ORTH_TOL, X is left as it is and 1 returned (block-uniform; a NaN never passes) — the
 // factorisation would move it by ~ORTH_TOL / 2 (gdnviz.truncation.constants.ORTH_TOL, reference.checked_cholqr: the same rule).
-// Measured (H200, nineteenth session, 288 states at r = 32, same run): the folded update and the transposed L took
+// Measured (H200, 288 states at r = 32, same run): the folded update and the transposed L took
 // 1.164 -> 1.141 ms, the checked pairs -> 1.096 ms (cholqr 243.5K -> 208.7K cycles of thread 0)
 // Not inlined: one copy of its code serves its 18 calls per state at r = 32 instead of a copy per call site (the
-// kernel's code was 478 KB, far more than an SM's instruction cache; with one copy 199 KB; eighteenth session).
+// kernel's code was 478 KB, far more than an SM's instruction cache; with one copy 199 KB).
 __device__ __forceinline__ double nan_max(double a, double b) { return (a != a || a > b) ? a : b; }
 __device__ __noinline__ int cholqr(double* X, double* C, double* B, int check) {
     const int t = threadIdx.x;
@@ -711,13 +711,13 @@ gdnviz_truncate(const scalar_t* __restrict__ S, scalar_t* __restrict__ OUT, cons
     // ---- G = S S^T / ||S||_F^2 on the tensor cores: S staged 16 columns at a time through As..Bs (free until the
     // sketch; K_ x SG doubles; the next 16 columns are loaded into registers while a stage's products run). Only the
     // lower triangle is needed (mirrored: G exactly symmetric; gemm_gx reads G[k][i] for G[i][k]): warp w computes the
-    // 9 items of lower_items (K = 128: 16 x 8 blocks on m16n8k4, nineteenth session; before, 17 8 x 8 tiles per warp
-    // on m8n8k4, 60K -> 41K cycles at r = 32; no branch between the products: a branch per tile, tenth session's
-    // call 2, made the Gram 10% slower than the full square); for K = 64 warp w computes row tile w whole and keeps
+    // 9 items of lower_items (K = 128: 16 x 8 blocks on m16n8k4; before, 17 8 x 8 tiles per warp
+    // on m8n8k4, 60K -> 41K cycles at r = 32; no branch between the products: a branch per tile
+    // made the Gram 10% slower than the full square); for K = 64 warp w computes row tile w whole and keeps
     // its lower part
     // The first pass's sketch Z = S Omega_0 (the full algorithm) is accumulated in the same loop, while each 16
     // columns of S are in shared memory (Omega_0's 16 rows staged in Cs): the separate sketch read S again, 32 columns
-    // per stage with no prefetch (35K cycles per pass at r = 32, eighteenth session). Its accumulators see the same
+    // per stage with no prefetch (35K cycles per pass at r = 32). Its accumulators see the same
     // mma.sync sequence as the separate sketch's (v = 0, 4, 8, ... per 8x8 tile), so the same bits; Z goes to As
     // (free again after the loop) unscaled, as the pass loop's sketch leaves it
     {
@@ -873,7 +873,7 @@ gdnviz_truncate(const scalar_t* __restrict__ S, scalar_t* __restrict__ OUT, cons
             }
             store_tiles(acc, As);
             // warp w stored rows 16w ... of As, and the first pass's scaling below runs over As by other rows: without
-            // this barrier it read rows not yet stored (found in the eighteenth session: the emulated tensor-core
+            // this barrier it read rows not yet stored (found by the emulation: the tensor-core
             // build's Z differed from S Omega in 70 of 128 rows — a start block with some rows unscaled, which the
             // filter steps still converged from, so no accuracy test saw it)
             __syncthreads();
@@ -1016,7 +1016,7 @@ gdnviz_truncate(const scalar_t* __restrict__ S, scalar_t* __restrict__ OUT, cons
             // per entry as the per-entry form below, so the same bits; one barrier per round instead of two, and no
             // rotation parameters through shared memory (their loads were most of a round's shared-memory traffic).
             // Built for 32-column blocks only (the GDNVIZ_PAIR_JACOBI define above): at 16 columns 64 of the 256 threads would
-            // update the 8 x 8 blocks, and the r = 1 attempt measured 7% slower (sixteenth session)
+            // update the 8 x 8 blocks, and the r = 1 attempt measured 7% slower
             for (int k = 0; k < QB - 1; ++k) {
 #ifdef GDNVIZ_PAIR_JACOBI
                 const int li = t & (QB - 1);
