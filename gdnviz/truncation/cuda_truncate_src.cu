@@ -76,7 +76,7 @@ typedef @T@ scalar_t;
 // PHASED (more states than multiprocessors, the full algorithm at ranks > HALF: gdnviz.truncation.cuda.phased_on):
 // each state as consecutive items, one thread block each, over a grid of (items) x N blocks: item 0 runs everything
 // up to and including the first pass's deflation (a state that needs no second pass runs whole); item 1 the second
-// pass's sketch and filter steps (with PHASED3; without it, everything after item 0); item 2 the rest (Rayleigh-Ritz,
+// pass's sketch and filter steps; item 2 the rest (Rayleigh-Ritz,
 // selection, projection). A block takes a ticket (atomicAdd on SYNC[0]): item tk / N of state tk % N. An item leaves
 // what the next needs in GSAVE (the deflated G and zscale after item 0, the Q block after item 1; G does not change in
 // the second pass) and sets SYNC[1 + n] to the items done; the next waits for it and reads them back: the same
@@ -85,7 +85,6 @@ typedef @T@ scalar_t;
 // scheduling: ~2.25 state-times instead of 3 with three items). No deadlock: tickets are taken in order by resident
 // blocks, so the item a block waits for holds a smaller ticket and is running or done; item 0 never waits
 #define PHASED 16
-#define PHASED3 32
 #define M_TK 352  // misc slot: the block's ticket
 #define M_CQ 356  // GDNVIZ_PROFILE: cholqr's cycles in its three parts (thread 0)
 
@@ -645,7 +644,7 @@ gdnviz_truncate(const scalar_t* __restrict__ S, scalar_t* __restrict__ OUT, cons
     if (phased) {
         if (t == 0) misc[M_TK] = (double)atomicAdd(SYNC, 1);
         __syncthreads();
-        const int tk = (int)misc[M_TK], nst = gridDim.x / ((mode & PHASED3) ? 3 : 2);
+        const int tk = (int)misc[M_TK], nst = gridDim.x / 3;
         item = tk / nst;
         n = tk - item * nst;
     }
@@ -932,7 +931,7 @@ gdnviz_truncate(const scalar_t* __restrict__ S, scalar_t* __restrict__ OUT, cons
             PROF(2);
         }
         }  // item < 2
-        if (p == 1 && item == 1 && (mode & PHASED3)) {  // PHASED3: item 1 ends; Q to GSAVE (G unchanged since item 0)
+        if (p == 1 && item == 1) {  // item 1 ends; Q to GSAVE (G unchanged since item 0)
             for (int e = t; e < K_ * QB; e += NT) Gsave[K_ * K_ + e] = As[(e >> LQB) * QP + (e & (QB - 1))];
             __threadfence();
             __syncthreads();
