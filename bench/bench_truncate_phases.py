@@ -66,7 +66,7 @@ def main() -> None:
                 cyc = phase_cycles(X, r)
             med = cyc.median(0).values
             row = {name: int(med[i]) for i, name in enumerate(PHASES) if i < 15}
-            emit(what="cuda_truncate_phases", n=n, r=r, attempts=a.attempts, us_per_launch=round(us, 1),
+            emit(what="truncation_kernel_phases", n=n, r=r, attempts=a.attempts, us_per_launch=round(us, 1),
                  total_cycles=int(cyc[:, :15].sum(1).median()), jacobi_sweeps=int(med[15]),
                  cholqr_skipped_mean=round(cyc[:, 16].mean().item(), 2), cycles=row,
                  cholqr_parts={name: int(med[i]) for i, name in enumerate(PHASES) if i >= 17},

@@ -1,7 +1,7 @@
 """Kernel warm-up right after a model is loaded on CUDA, so that the user's first document does not pay it.
 
 On an H200 the first capture in a process on a fresh machine took 15.7 s for the bundled demo model (2,261 tokens),
-the next 0.1 s (bench/RESULTS.md, fourth session): Triton compiles fla's kernels and autotunes them for the model's
+the next 0.1 s (bench/RESULTS.md): Triton compiles fla's kernels and autotunes them for the model's
 head shapes. Later documents of other lengths cost at most ~1.2 s more than warm (the autotune keys are the head
 shapes, not the length), and later processes on the same machine start in ~1 s (fla's and Triton's on-disk caches).
 So the worker runs every kernel family a user's jobs will need once, at load time, on a short dummy input:

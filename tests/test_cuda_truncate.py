@@ -193,7 +193,7 @@ def test_emulated_attempt_jacobi_stop_is_counted_by_the_certificate(monkeypatch)
 def test_emulated_16_column_attempts_certify_the_same_states_at_either_jacobi_stop(monkeypatch):
     """The 16-column attempt's looser stop (1e-6, ``ATTEMPT_JACOBI_TOL[16]``) against the 32-column one's (1e-9) on 32
     GDN-like states at r = 4: the same states certified, every answer within its bound and the criterion. (At 32
-    columns 1e-6 had left a state with a bound of 1.7e-5, ninth session.)"""
+    columns 1e-6 had left a state with a bound of 1.7e-5.)"""
     assert C.ATTEMPT_JACOBI_TOL[16] > C.ATTEMPT_JACOBI_TOL[32]
     S = gdn_like_states(32, 128, 128, seed=3).double()
     out, done, bound = emulate(S, 4, attempts=True, info=True)
@@ -222,8 +222,7 @@ def test_emulated_certificate_has_no_cancellation_floor(dmma):
     """The certificate's ‖D‖_F (G outside the block) is capped by tr(D) = 1 − tr(T′), which does not cancel: on a
     rank-24 state cut at λ₆ = 2e-7, λ₇ = 1e-7 (test_energy_bound's state; the 32-column basis holds the whole range,
     so D = 0) the gap bound certifies it at ~3e-13. With ‖D‖_F from ‖G‖² − ‖T′‖² − 2‖R‖² alone, the ~7e-14 of
-    rounding in that difference made ‖D‖_F ~3e-7 > λ₆ and only the miss term certified it, at 3.3e-7 (the
-    seventeenth session's emulation). The actual error, 2e-13, is the shifted Cholesky-QR's column norms, which the
+    rounding in that difference made ‖D‖_F ~3e-7 > λ₆ and only the miss term certified it, at 3.3e-7 (emulated). The actual error, 2e-13, is the shifted Cholesky-QR's column norms, which the
     bound now includes (SCALE_SLACK): no tolerance here."""
     from test_energy_bound import rank24_small_gap_state
 
@@ -261,9 +260,9 @@ def test_emulated_tensor_core_build_matches_the_fma_build():
     ref = emulate(X, ranks)
     assert energy_error(X, got, ranks).max().item() <= TOL
     assert (got - ref)[1].abs().max().item() <= 1e-5 * X[1].abs().max().item()
-    # the third state's directions 18 … 22 hold 1e-10 … 3e-12 of its energy, so four steps of the second pass (since
-    # the seventeenth session; six before) fix its top-20 subspace only to ~2e-5 of its largest entry, which the
-    # builds' roundings move; its retained energy, 3e-10 from exact in both, they agree on
+    # the third state's directions 18 … 22 hold 1e-10 … 3e-12 of its energy, so four steps of the second pass fix its
+    # top-20 subspace only to ~2e-5 of its largest entry, which the builds' roundings move; its retained energy,
+    # 3e-10 from exact in both, they agree on
     assert (retained_energy(X[2:], got[2:]) - retained_energy(X[2:], ref[2:])).abs().max().item() <= 1e-9
     for K, V in ((64, 128), (128, 64)):  # one 8-row tile per warp (K = 64); a Gram matrix of rank ≤ V
         Y = torch.cat([hard_states(4, K=K, V=V, seed=7)[0][:1], gdn_like_states(1, K, V, seed=9).double()])
@@ -365,7 +364,6 @@ def test_phased_and_split_choices():
     launches for calls of at most SPLIT_MAX_STATES states (a layer's heads at one boundary). One G item per warp
     (the fused kernel's lower_items): 72 of 16 × 8 in 9 blocks at K = 128, 36 tiles of 8 × 8 in 5 blocks at K = 64."""
     assert cuda_truncate.PHASED_ITEMS == 3
-    assert cuda_truncate.phase_mode(3) == cuda_truncate.PHASED | cuda_truncate.PHASED3
     on = cuda_truncate.phased_on
     assert on(288, 32, 132) and on(288, 17, 132) and on(288, None, 132)
     assert not on(288, 16, 132) and not on(288, 4, 132) and not on(132, 32, 132) and not on(288, 32, 0)
@@ -440,7 +438,7 @@ def test_emulator_reports_a_barrier_deadlock():
 def test_emulator_concurrent_blocks_expose_overlapping_scratch():
     """Blocks that each use 64 doubles of a global scratch buffer at a stride of only 32 overwrite each other's
     halves on a GPU; run one at a time they do not, run concurrently (in lockstep) they do — the class of bug the
-    16-column truncation kernel had on the H200 (eighth session), which the one-block-at-a-time emulation passed."""
+    16-column truncation kernel had on the H200, which the one-block-at-a-time emulation passed."""
     import numpy as np
 
     src = r'''
@@ -492,7 +490,7 @@ def _ptxas(source: str) -> tuple[int, int]:
 @pytest.mark.parametrize("K,V", [(128, 128), (64, 128)])
 def test_kernel_compiles_for_the_h200(K, V, qb):
     """sm_90, both dtypes, both block widths; shared memory within the H200's 227 KiB per block; registers ≤ 255;
-    the spills the 128×128 kernel with 32 columns may have (≤ 320 bytes: 296 measured in an earlier session, none
+    the spills the 128×128 kernel with 32 columns may have (≤ 320 bytes: 296 measured once, none
     in the fifteenth) do not grow unnoticed."""
     assert cuda_truncate.smem_bytes(K, qb) <= 227 * 1024
     for ctype in ("float", "double"):
@@ -533,7 +531,7 @@ def test_cuda_kernel_on_batteries_and_a_boundary(r):
     same = res.done.cpu() == done if res.done.numel() else torch.ones(len(names), dtype=torch.bool)
     assert same.float().mean().item() >= 0.9, (res.done.tolist(), done.tolist())  # a bound at the tolerance may flip
     # the GPU's build sums G·X on the tensor cores, the emulation's with fmas: on the batteries' flattest states the
-    # two keep energies up to 1.2e-9 apart at r = 32 since the second pass runs 4 steps (seventeenth session; 6 before)
+    # two keep energies up to 1.2e-9 apart at r = 32 since the second pass runs 4 steps
     assert (retained_energy(H, outh) - retained_energy(H, emu)).abs()[same].max().item() <= 5e-9
     if res.done.numel():  # certified states: actual error under the bound the GPU computed
         cert = res.done.cpu().bool()

@@ -1,4 +1,4 @@
-"""float64 ``mma.sync`` throughput by shape on the GPU (nineteenth session; issue #6): m8n8k4 (sm_80, what the
+"""float64 ``mma.sync`` throughput by shape on the GPU (issue #6): m8n8k4 (sm_80, what the
 truncation kernel used) against the sm_90 shapes m16n8k4, m16n8k8 and m16n8k16.
 
 One block of 8 warps per SM (as the truncation kernel runs), each warp issuing 1, 2, 4 or 8 independent accumulator

@@ -1,6 +1,6 @@
 """Which operation of a bfloat16 decode step gives other bits when replayed from a CUDA graph than when run eagerly?
 
-Fifteenth session: gdnviz's ``StaticDecoder`` replays equal its eager steps bit for bit on float32 tiny models
+gdnviz's ``StaticDecoder`` replays equal its eager steps bit for bit on float32 tiny models
 (tests/test_static_decode.py), but on the 0.8B shape in bfloat16 the replayed logits differed from the eager static
 step's by up to 0.047 (``bench_decode.py``). This study runs each candidate operation at the decode step's shapes
 eagerly and from a graph and prints whether the bits agree, then the first decoder layer whose output differs in a

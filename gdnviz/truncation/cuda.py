@@ -14,7 +14,7 @@ for every state ``S [K, V]`` (K, V ∈ {64, 128}), ranks 1 … 32 — with one t
   — the same bits as one block per state, with the Gram matrix and the projection spread over the GPU.
 * more states than multiprocessors with a second pass (rank > 16, or device-side ranks): the phased launch, each
   state as ``PHASED_ITEMS`` consecutive thread blocks handed over through global memory (the same bits), so that the
-  last wave of one-SM blocks does not leave most multiprocessors idle.
+  last wave of one-SM blocks does not leave most multiprocessors idle (a two-item form measured slower).
 
 Contract (``truncate_cuda``): ``X [N, K, V]`` float32 or float64 CUDA, contiguous; ``ranks`` an int (1 … 32, or
 ≥ min(K, V): copied bit for bit) or an int32 CUDA tensor ``[N]`` (or 0-d) read only by the kernel — a device-side
@@ -47,9 +47,9 @@ SIGNATURE = ["const {T}*", "{T}*", "const int*", "int", "int", "const double*", 
              "int*"]
 GRAM_SIGNATURE = ["const {T}*", "double*"]
 PROJECT_SIGNATURE = ["const {T}*", "{T}*", "const int*", "int", "int", "const double*"]
-READ_DONE, ATTEMPT, GRAM_IN, NO_PROJ, PHASED, PHASED3 = 1, 2, 4, 8, 16, 32  # the kernel's mode bits (the source)
+READ_DONE, ATTEMPT, GRAM_IN, NO_PROJ, PHASED = 1, 2, 4, 8, 16  # the kernel's mode bits (the source)
 SPLIT_MAX_STATES = 64  # split launches up to this many states (above, they measured 10–30% slower)
-PHASED_ITEMS = 3  # thread blocks per state of a phased launch
+PHASED_ITEMS = 3  # thread blocks per state of a phased launch (the source's PHASED items)
 PCOLS = 16  # columns of S per gdnviz_project thread block (the kernel's PCOLS)
 
 KERNELS = Kernels()  # KERNELS.available / KERNELS.reason: whether compilation worked, and why not
@@ -83,11 +83,6 @@ def project_smem_bytes(K: int) -> int:
 def gsave_cols(K: int) -> int:
     """Doubles per state of a phased launch's hand-over buffer: G [K, K], Q [K, 32], zscale, the trace (3 × 4)."""
     return K * K + K * Q + 16
-
-
-def phase_mode(items: int) -> int:
-    """The mode bits of a phased launch with ``items`` (2 or 3) thread blocks per state."""
-    return PHASED | (PHASED3 if items == 3 else 0)
 
 
 def gram_blocks(K: int) -> int:
@@ -233,7 +228,7 @@ def launch(X: torch.Tensor, ranks, iters: int | None = None, profile: bool = Fal
                             args=[X, out, rt, rank_int, stride, omega, fill, tab,
                                   -1 if iters is None else int(iters), scratch, C.JACOBI_MAX_SWEEPS, tol2(mode, qb),
                                   C.JACOBI_SKIP,
-                                  mode | (GRAM_IN | NO_PROJ if split else 0) | (phase_mode(items) if items > 1 else 0),
+                                  mode | (GRAM_IN | NO_PROJ if split else 0) | (PHASED if items > 1 else 0),
                                   done if n_att else table, bound if n_att else scratch, C.CERT_TOL, G, gsave, sync],
                             shared_mem=smem_bytes(K, qb))
             if split:

@@ -1,5 +1,6 @@
 // Fused top-r truncation of GDN head states: one thread block per state, everything but U in shared memory.
-// The algorithm of gdnviz.gpu.fused_truncate (reference_fused): see gdnviz/gpu/cuda_truncate.py for the contract.
+// The algorithm of gdnviz.truncation.reference.subspace_truncate: see gdnviz/truncation/cuda.py for the contract and
+// docs/kernels-truncation.md for the design.
 // Placeholders replaced by the Python side: @K@ (rows of a state), @V@ (columns), @T@ (float or double), @QB@ (block
 // width q: 32, or 16 for the small certified attempt).
 // Written for tests.support.cuda_emul too: dynamic shared memory only, barriers reached by every thread.
@@ -12,7 +13,7 @@
 // row stride of the Jacobi's matrices A, A2 (T = Q^T G Q): even, so that a round's rotation loads A[i][p(i)] and
 // A[p(i)][i] — an anti-diagonal, i + p(i) constant — fall in distinct banks (with QP = 33 all 32 lanes of every warp
 // hit one bank: ~26 wavefronts per load instead of 2, half the kernel's excess shared-memory wavefronts; Nsight
-// Compute, eighteenth session); the 2 x 2 block updates stay conflict-free
+// Compute); the 2 x 2 block updates stay conflict-free
 #define JQP (QB + 2)
 #define UL 32
 #define HALF 16
@@ -24,6 +25,11 @@
 #define QT (QB * QB / NT)
 #define NB (QB / 8)
 #define NPAIR (QB / 2)  // pairs per Jacobi round
+// pair-block Jacobi rounds for 32-column blocks (one barrier per round); the 16-column attempt keeps the per-entry
+// rounds: there only 64 of the 256 threads would update a 2 x 2 block, and the r = 1 attempt measured 7% slower
+#if QB == 32
+#define GDNVIZ_PAIR_JACOBI
+#endif
 typedef @T@ scalar_t;
 #define SHIFT 1e-13
 #define TINY 1e-300
@@ -61,16 +67,16 @@ typedef @T@ scalar_t;
 #define NO_BOUND 1e300  // BOUND where no bound holds (not attempted, no gap); NVRTC has no INFINITY
 #define READ_DONE 1
 #define ATTEMPT 2
-// split launches (few states: gdnviz.gpu.cuda_truncate.split_on): GRAM_IN reads S S^T from GIN [N][K][K] (written by
+// split launches (few states: gdnviz.truncation.cuda.split_on): GRAM_IN reads S S^T from GIN [N][K][K] (written by
 // gdnviz_gram, whose thread blocks cover the GPU) instead of computing it; NO_PROJ writes the final U into the
 // scratch and leaves S_r = U (U^T S) to gdnviz_project. Both give the fused kernel's bits: the same sums in the same
 // order, only spread over more thread blocks
 #define GRAM_IN 4
 #define NO_PROJ 8
-// PHASED (more states than multiprocessors, the full algorithm at ranks > HALF: gdnviz.gpu.cuda_truncate.phased_on):
+// PHASED (more states than multiprocessors, the full algorithm at ranks > HALF: gdnviz.truncation.cuda.phased_on):
 // each state as consecutive items, one thread block each, over a grid of (items) x N blocks: item 0 runs everything
 // up to and including the first pass's deflation (a state that needs no second pass runs whole); item 1 the second
-// pass's sketch and filter steps (with PHASED3; without it, everything after item 0); item 2 the rest (Rayleigh-Ritz,
+// pass's sketch and filter steps; item 2 the rest (Rayleigh-Ritz,
 // selection, projection). A block takes a ticket (atomicAdd on SYNC[0]): item tk / N of state tk % N. An item leaves
 // what the next needs in GSAVE (the deflated G and zscale after item 0, the Q block after item 1; G does not change in
 // the second pass) and sets SYNC[1 + n] to the items done; the next waits for it and reads them back: the same
@@ -79,26 +85,6 @@ typedef @T@ scalar_t;
 // scheduling: ~2.25 state-times instead of 3 with three items). No deadlock: tickets are taken in order by resident
 // blocks, so the item a block waits for holds a smaller ticket and is running or done; item 0 never waits
 #define PHASED 16
-#define PHASED3 32
-// GDNVIZ_PHASE_TRACE (bench/study_phase_schedule.py): thread 0 of each item of a two-pass state writes its ticket
-// time, the time its wait ended, its end time (globaltimer, ns, low 40 bits) and its SM into GSAVE after zscale
-#if defined(GDNVIZ_PHASE_TRACE) && !defined(GDNVIZ_EMULATED)
-__device__ __forceinline__ double trace_now() {
-    unsigned long long x;
-    asm volatile("mov.u64 %0, %%globaltimer;" : "=l"(x));
-    return (double)(x & 0xFFFFFFFFFFull);
-}
-__device__ __forceinline__ double trace_sm() {
-    unsigned x;
-    asm volatile("mov.u32 %0, %%smid;" : "=r"(x));
-    return (double)x;
-}
-#define TRACE(slot) do { if (t == 0) Gsave[K_ * K_ + K_ * QB + 1 + 4 * item + (slot)] = trace_now(); } while (0)
-#define TRACE_END() do { if (t == 0) { TRACE(2); Gsave[K_ * K_ + K_ * QB + 4 + 4 * item] = trace_sm(); } } while (0)
-#else
-#define TRACE(slot) do { } while (0)
-#define TRACE_END() do { } while (0)
-#endif
 #define M_TK 352  // misc slot: the block's ticket
 #define M_CQ 356  // GDNVIZ_PROFILE: cholqr's cycles in its three parts (thread 0)
 
@@ -127,7 +113,7 @@ __device__ __forceinline__ void dmma_m8n8k4(double& d0, double& d1, double a, do
 // D (RT 8-row tiles, [RT][2] per lane) += A (RT x (8 x 4)) B (4 x 8): warp w's row tiles of one column tile. For K = 128
 // (RT = 2: rows lr and lr + 8) one mma.sync.aligned.m16n8k4 (sm_90), whose fragments are those of two m8n8k4 stacked
 // (PTX ISA, f64 m16n8k4: a0 / a1 rows groupID / groupID + 8, c0, c1 / c2, c3 likewise). Measured on the H200
-// (nineteenth session, bench/bench_mma_shapes.py: 8 warps per SM, 8 independent accumulators each) m8n8k4 ran at 23.6
+// (bench/bench_mma_shapes.py: 8 warps per SM, 8 independent accumulators each) m8n8k4 ran at 23.6
 // TFLOP/s, m16n8k4 at 52.5: the m8n8k4 form left half of the float64 tensor cores idle, and G·Q, the sketches and
 // the Gram matrix were bound by it (Nsight Compute: stall "math" on the mma.sync lines)
 #ifdef GDNVIZ_DMMA
@@ -186,7 +172,7 @@ __device__ __forceinline__ int jacobi_partner(int i, int k) {
 // entries d_i, d_p: whether it rotates (the skip test |a_pq| > skip sqrt|a_pp| sqrt|a_qq|, squared), its cosine c,
 // index i's signed sine sgn (−s for the pair's first index) and i's new diagonal entry dn. t = sgn(tau) / (|tau| +
 // sqrt(1 + tau^2)), tau = d / h, = sgn(d) h / (|d| + sqrt(d^2 + h^2)), and c, s come from two reciprocal square
-// roots in the chain, no division (the rounds are latency-bound: bench/RESULTS.md, sixth session; the seventeenth's
+// roots in the chain, no division (the rounds are latency-bound: bench/RESULTS.md; the seventeenth's
 // A/B: 8% fewer cycles in the rotations than a square root, a division and a reciprocal square root). c^2 + s^2 =
 // u q^2 = 1 up to rounding. Both members of a pair compute the same rotation.
 __device__ __forceinline__ bool jacobi_rotation(double a_ip, double a_pi, double di, double dp, bool is_p, double skip,
@@ -212,7 +198,7 @@ __device__ __forceinline__ bool jacobi_rotation(double a_ip, double a_pi, double
 // c·a + s·b with one rounding order fixed in the source (fma(c, a, s·b)): the two Jacobi round forms compute each
 // entry from the same operands, and NVRTC contracts `c * a + s * b` into a fused multiply-add either way depending on
 // the surrounding code, so without this the forms' bits differed on the H200 though equal in the emulation (g++
-// does not contract: sixteenth session)
+// does not contract)
 __device__ __forceinline__ double rot2(double c, double a, double s, double b) { return fma(c, a, __dmul_rn(s, b)); }
 
 // G [K][K] from global memory (row-major) into Gs (row stride GST), and with K_ * QB > 0 rows of a [K][QB] block into
@@ -265,7 +251,7 @@ __device__ __forceinline__ double store_tile_trace(const double (&acc)[KR][KR], 
 #ifdef GDNVIZ_DMMA
 // The row of k that lane (., lk) reads at step g of a sum over k on the tensor cores: the instruction's 4 rows of k
 // are 4 apart (16 g/4 + g%4 + 4 lk), so that with row strides ≡ 1 mod 4 (G's GST, QP) a fragment's 8 x 4 loads fall
-// in 16 distinct banks (consecutive rows were 4-way conflicted, tenth session)
+// in 16 distinct banks (consecutive rows were 4-way conflicted)
 __device__ __forceinline__ int frag_row(int g, int lk) { return 16 * (g >> 2) + (g & 3) + 4 * lk; }
 
 // The items of a K x K lower triangle that warp w computes, for the Gram matrix and the deflation's update on the
@@ -352,8 +338,8 @@ __device__ __forceinline__ void store_tiles(const double (&acc)[NB][RT][2], doub
 }
 
 // acc (warp w's rows 8 RT w ... x NC column tiles of 8) = X [K][QP] B, B [QB][NC * 8] read as B[k][j] = bcol(k, j)
-// through the functor: the small products U (U^T Z), U (U^T G U) and Q W_sel on the tensor cores (nineteenth session;
-// they were sums of QB fused multiply-adds with two shared-memory loads each, per entry: 288 states at r = 32
+// through the functor: the small products U (U^T Z), U (U^T G U) and Q W_sel on the tensor cores (they
+// were sums of QB fused multiply-adds with two shared-memory loads each, per entry: 288 states at r = 32
 // 0.9516 / 0.9649 -> 0.9247 / 0.9139 ms in two same-run pairs; sketch 43.0K -> 34.5K cycles, deflation 45.4K ->
 // 36.3K, selection 17.9K -> 9.1K)
 template <int NC, class F>
@@ -552,11 +538,11 @@ __device__ __forceinline__ void gemm_xty(const double* X, const double* Y, doubl
 // consecutive entries (JQP even: a row starts 16-byte aligned). Three block barriers in all (four when checked).
 // check > 0 (the Cholesky-QR pairs after the refill and of the final U): when max |C_ij - delta_ij| over the leading
 // check x check block is <= ORTH_TOL, X is left as it is and 1 returned (block-uniform; a NaN never passes) — the
-// factorisation would move it by ~ORTH_TOL / 2 (gdnviz.gpu.fused_truncate.ORTH_TOL, checked_cholqr: the same rule).
-// Measured (H200, nineteenth session, 288 states at r = 32, same run): the folded update and the transposed L took
+// factorisation would move it by ~ORTH_TOL / 2 (gdnviz.truncation.constants.ORTH_TOL, reference.checked_cholqr: the same rule).
+// Measured (H200, 288 states at r = 32, same run): the folded update and the transposed L took
 // 1.164 -> 1.141 ms, the checked pairs -> 1.096 ms (cholqr 243.5K -> 208.7K cycles of thread 0)
 // Not inlined: one copy of its code serves its 18 calls per state at r = 32 instead of a copy per call site (the
-// kernel's code was 478 KB, far more than an SM's instruction cache; with one copy 199 KB; eighteenth session).
+// kernel's code was 478 KB, far more than an SM's instruction cache; with one copy 199 KB).
 __device__ __forceinline__ double nan_max(double a, double b) { return (a != a || a > b) ? a : b; }
 __device__ __noinline__ int cholqr(double* X, double* C, double* B, int check) {
     const int t = threadIdx.x;
@@ -658,7 +644,7 @@ gdnviz_truncate(const scalar_t* __restrict__ S, scalar_t* __restrict__ OUT, cons
     if (phased) {
         if (t == 0) misc[M_TK] = (double)atomicAdd(SYNC, 1);
         __syncthreads();
-        const int tk = (int)misc[M_TK], nst = gridDim.x / ((mode & PHASED3) ? 3 : 2);
+        const int tk = (int)misc[M_TK], nst = gridDim.x / 3;
         item = tk / nst;
         n = tk - item * nst;
     }
@@ -672,11 +658,6 @@ gdnviz_truncate(const scalar_t* __restrict__ S, scalar_t* __restrict__ OUT, cons
     const bool attempt = (mode & ATTEMPT) != 0;
     const bool two_pass = r > HALF && r <= 2 * HALF && r < M_;  // a valid rank that needs the second pass
     if (item > 0 && (!two_pass || attempt)) return;  // item 0 wrote it whole
-    const bool traced = phased && two_pass;
-    if (traced) {
-        TRACE(0);
-        if (item == 0) TRACE(1);  // item 0 waits for nothing
-    }
     if (r >= M_) {  // kept: the state unchanged, bit for bit
         for (int e = t; e < K_ * V_; e += NT) On[e] = Sn[e];
         if (attempt && t == 0) { DONE[n] = 1; BOUND[n] = 0.0; }
@@ -705,7 +686,7 @@ gdnviz_truncate(const scalar_t* __restrict__ S, scalar_t* __restrict__ OUT, cons
     const int tx = t & 15, ty = t >> 4;
 
     double tr = 0.0, gf2 = 0.0, zscale = 0.0;  // gf2: ||G||_F^2 (the attempt's certificate)
-#if defined(GDNVIZ_DMMA) && !defined(GDNVIZ_SEPARATE_SKETCH)
+#ifdef GDNVIZ_DMMA
     const bool sketch_fused = !attempt && !(mode & GRAM_IN);  // Z = S Omega_0 computed with the Gram matrix
 #else
     const bool sketch_fused = false;
@@ -715,7 +696,6 @@ gdnviz_truncate(const scalar_t* __restrict__ S, scalar_t* __restrict__ OUT, cons
             while (atomicAdd(SYNC + 1 + n, 0) < item) __nanosleep(256);
             __threadfence();
         }
-        TRACE(1);
         __syncthreads();
         load_square(Gsave, Gs);
         if (item == 2) load_block(Gsave + K_ * K_, As);
@@ -730,13 +710,13 @@ gdnviz_truncate(const scalar_t* __restrict__ S, scalar_t* __restrict__ OUT, cons
     // ---- G = S S^T / ||S||_F^2 on the tensor cores: S staged 16 columns at a time through As..Bs (free until the
     // sketch; K_ x SG doubles; the next 16 columns are loaded into registers while a stage's products run). Only the
     // lower triangle is needed (mirrored: G exactly symmetric; gemm_gx reads G[k][i] for G[i][k]): warp w computes the
-    // 9 items of lower_items (K = 128: 16 x 8 blocks on m16n8k4, nineteenth session; before, 17 8 x 8 tiles per warp
-    // on m8n8k4, 60K -> 41K cycles at r = 32; no branch between the products: a branch per tile, tenth session's
-    // call 2, made the Gram 10% slower than the full square); for K = 64 warp w computes row tile w whole and keeps
+    // 9 items of lower_items (K = 128: 16 x 8 blocks on m16n8k4; before, 17 8 x 8 tiles per warp
+    // on m8n8k4, 60K -> 41K cycles at r = 32; no branch between the products: a branch per tile
+    // made the Gram 10% slower than the full square); for K = 64 warp w computes row tile w whole and keeps
     // its lower part
     // The first pass's sketch Z = S Omega_0 (the full algorithm) is accumulated in the same loop, while each 16
     // columns of S are in shared memory (Omega_0's 16 rows staged in Cs): the separate sketch read S again, 32 columns
-    // per stage with no prefetch (35K cycles per pass at r = 32, eighteenth session). Its accumulators see the same
+    // per stage with no prefetch (35K cycles per pass at r = 32). Its accumulators see the same
     // mma.sync sequence as the separate sketch's (v = 0, 4, 8, ... per 8x8 tile), so the same bits; Z goes to As
     // (free again after the loop) unscaled, as the pass loop's sketch leaves it
     {
@@ -892,7 +872,7 @@ gdnviz_truncate(const scalar_t* __restrict__ S, scalar_t* __restrict__ OUT, cons
             }
             store_tiles(acc, As);
             // warp w stored rows 16w ... of As, and the first pass's scaling below runs over As by other rows: without
-            // this barrier it read rows not yet stored (found in the eighteenth session: the emulated tensor-core
+            // this barrier it read rows not yet stored (found by the emulation: the tensor-core
             // build's Z differed from S Omega in 70 of 128 rows — a start block with some rows unscaled, which the
             // filter steps still converged from, so no accuracy test saw it)
             __syncthreads();
@@ -951,12 +931,11 @@ gdnviz_truncate(const scalar_t* __restrict__ S, scalar_t* __restrict__ OUT, cons
             PROF(2);
         }
         }  // item < 2
-        if (p == 1 && item == 1 && (mode & PHASED3)) {  // PHASED3: item 1 ends; Q to GSAVE (G unchanged since item 0)
+        if (p == 1 && item == 1) {  // item 1 ends; Q to GSAVE (G unchanged since item 0)
             for (int e = t; e < K_ * QB; e += NT) Gsave[K_ * K_ + e] = As[(e >> LQB) * QP + (e & (QB - 1))];
             __threadfence();
             __syncthreads();
             if (t == 0) atomicExch(SYNC + 1 + n, 2);
-            TRACE_END();
             return;
         }
         // ---- refill damped columns with fixed unit directions, then Cholesky-QR twice
@@ -1035,8 +1014,8 @@ gdnviz_truncate(const scalar_t* __restrict__ S, scalar_t* __restrict__ OUT, cons
             // of pair b / NPAIR, columns of pair b % NPAIR — from 4 loads of each, with the same rot2 expressions
             // per entry as the per-entry form below, so the same bits; one barrier per round instead of two, and no
             // rotation parameters through shared memory (their loads were most of a round's shared-memory traffic).
-            // Built for 32-column blocks only (cuda_truncate.source): at 16 columns 64 of the 256 threads would
-            // update the 8 x 8 blocks, and the r = 1 attempt measured 7% slower (sixteenth session)
+            // Built for 32-column blocks only (the GDNVIZ_PAIR_JACOBI define above): at 16 columns 64 of the 256 threads would
+            // update the 8 x 8 blocks, and the r = 1 attempt measured 7% slower
             for (int k = 0; k < QB - 1; ++k) {
 #ifdef GDNVIZ_PAIR_JACOBI
                 const int li = t & (QB - 1);
@@ -1327,7 +1306,6 @@ gdnviz_truncate(const scalar_t* __restrict__ S, scalar_t* __restrict__ OUT, cons
                 __threadfence();
                 __syncthreads();
                 if (t == 0) atomicExch(SYNC + 1 + n, 1);
-                if (traced) TRACE_END();
                 return;
             }
         }
@@ -1416,7 +1394,6 @@ gdnviz_truncate(const scalar_t* __restrict__ S, scalar_t* __restrict__ OUT, cons
     if (t == 0)
         for (int q = 0; q < 20; ++q) Un[q] = (q < 17) ? (double)pacc[q] : misc[M_CQ + q - 17];
 #endif
-    if (traced) TRACE_END();
 }
 
 // ---- split launches (mode GRAM_IN | NO_PROJ): the fused kernel's first and last phases over more thread blocks ----

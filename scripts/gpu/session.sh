@@ -3,6 +3,7 @@
 # var, seconds; 0 skips the step) so that one slow step cannot starve the others and the sum fits the device tool's
 # 600 s per call. fla's first call at a new shape autotunes for seconds. A step whose script is missing is skipped.
 # Device tool: command `[STEP_SECONDS...] bash scripts/gpu/session.sh [TESTS...]`, carry [".whl"], timeout_s 600.
+# Same-run A/B of the guard benchmarks (before / after a change): bench/guard.sh BEFORE_DIR, in one device call.
 # .whl holds flash_linear_attention-0.6.0 and fla_core-0.6.0 (pure-Python wheels; README "GPU"), diskcache (the worker's
 # store, tests/test_warmup.py) and wonderwords (RULER's word lists, bench_sweep.py): `pip download diskcache wonderwords
 # --no-deps -d .whl` (both pure-Python wheels). The fla wheels fill the same fla/ package, so they are unpacked with

@@ -27,8 +27,8 @@ def emulate(X: torch.Tensor, ranks, iters: int | None = None, attempts: bool = T
     or with ``info`` (output, done int32 ``[N]``, bound float64 ``[N]``) as in ``cuda.Launched``. ``dmma``: the
     tensor-core build (the GPU's), its instructions emulated by warp collectives — several times slower than the
     FMA build the other tests run. ``split``: the split launches. ``counters``: the ``GDNVIZ_PROFILE`` build (not
-    with ``split``), returning ``(output, counters float64 [N, 20])``. ``phased`` (2 or 3): the full algorithm's
-    launch as ``PHASED`` with that many thread blocks per state, whatever the rank and the number of states."""
+    with ``split``), returning ``(output, counters float64 [N, 20])``. ``phased``: the full algorithm's launch as
+    ``PHASED`` (three thread blocks per state), whatever the rank and the number of states."""
     N, K, V = X.shape
     ctype = cuda.CTYPES[X.dtype]
     omega, fill, table = (t.cpu().numpy() for t in C.start_matrices(K, V, torch.device("cpu")))
@@ -46,8 +46,8 @@ def emulate(X: torch.Tensor, ranks, iters: int | None = None, attempts: bool = T
     G = np.full((N, K, K), np.nan) if split else np.zeros(1)
     if counters and split:
         raise ValueError("counters come from the fused kernel's profile build: not with split")
-    if phased not in (0, 2, 3):
-        raise ValueError("phased takes 0 (one block per state), 2 or 3 thread blocks per state")
+    if phased not in (0, 3):
+        raise ValueError("phased takes 0 (one block per state) or 3 thread blocks per state")
     if phased and (split or counters):
         raise ValueError("phased launches run without split launches and without the profile build")
     if split:
@@ -66,7 +66,7 @@ def emulate(X: torch.Tensor, ranks, iters: int | None = None, attempts: bool = T
         gsave = np.full((N, cuda.gsave_cols(K)), np.nan) if items > 1 else np.zeros(1)
         sync = np.zeros(N + 1, dtype=np.int32)
         mode_bits = (mode | (cuda.GRAM_IN | cuda.NO_PROJ if split else 0)
-                     | (cuda.phase_mode(items) if items > 1 else 0))
+                     | (cuda.PHASED if items > 1 else 0))
         emu.launch(items * N, cuda.NT,
                    [x, out, rk, rank_int, stride, np.ascontiguousarray(omega), np.ascontiguousarray(fill),
                     np.ascontiguousarray(tab), -1 if iters is None else int(iters), scratch, C.JACOBI_MAX_SWEEPS,
