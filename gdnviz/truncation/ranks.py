@@ -15,21 +15,22 @@ import torch
 from gdnviz.errors import RankOutOfRange
 
 
-def check_rank(value, what: str = "Truncation rank", upper: int | None = None) -> int:
-    """``value`` as an int ≥ 1 (and ≤ ``upper`` when given), else ``RankOutOfRange`` naming ``what``."""
+def check_rank(value, where: str = "", upper: int | None = None) -> int:
+    """``value`` as an int ≥ 1 (and ≤ ``upper`` when given), else ``RankOutOfRange``: "rank 0{where} is outside
+    1..16 (min(d_k, d_v)) …", ``where`` naming the rank's owner (e.g. " for layer 0 head 3")."""
     if isinstance(value, bool) or (isinstance(value, torch.Tensor) and (
             value.dtype == torch.bool or value.dtype.is_floating_point or value.dtype.is_complex)):
-        raise RankOutOfRange(f"{what} must be an integer ≥ 1; got {value!r}.")
+        raise RankOutOfRange(f"The truncation rank{where} must be an integer ≥ 1; got {value!r}.")
     try:
         r = operator.index(value)
     except TypeError:
-        raise RankOutOfRange(f"{what} must be an integer ≥ 1; got {value!r}.") from None
-    if r < 1:
-        raise RankOutOfRange(f"{what} must be at least 1 (got {r}); a rank of min(d_k, d_v) or more keeps the "
-                             "state unchanged.")
-    if upper is not None and r > upper:
-        raise RankOutOfRange(f"{what} {r} is outside 1..{upper} (min(d_k, d_v)); r = {upper} keeps the state "
+        raise RankOutOfRange(f"The truncation rank{where} must be an integer ≥ 1; got {value!r}.") from None
+    if upper is not None and not 1 <= r <= upper:
+        raise RankOutOfRange(f"rank {r}{where} is outside 1..{upper} (min(d_k, d_v)); r = {upper} keeps the state "
                              "untouched.")
+    if r < 1:
+        raise RankOutOfRange(f"rank {r}{where} is outside 1..min(d_k, d_v): ranks are integers ≥ 1, and a rank of "
+                             "min(d_k, d_v) or more keeps the state unchanged.")
     return r
 
 
@@ -49,4 +50,4 @@ def state_ranks(rank, n: int) -> list[int]:
         return [check_rank(rank)] * n
     if per_state and len(values) != n:
         raise ValueError(f"Per-state ranks must have one entry per state: got {len(values)} for {n} states.")
-    return [check_rank(v, f"Truncation rank of state {i}") for i, v in enumerate(values)]
+    return [check_rank(v, f" of state {i}") for i, v in enumerate(values)]

@@ -40,7 +40,7 @@ class TruncationSpec:
             for e in items:
                 (l, h), r = ((e[0], e[1]), e[2]) if len(e) == 3 else (tuple(e[0]), e[1])
                 lh = (_index(l, "layer"), _index(h, "head"))
-                pairs.append((lh, check_rank(r, f"layer {lh[0]} head {lh[1]}: rank")))
+                pairs.append((lh, check_rank(r, f" for layer {lh[0]} head {lh[1]}")))
         except (TypeError, IndexError):
             raise ValueError("ranks must be {(layer, head): r} or pairs ((layer, head), r) or triples (layer, head, "
                              f"r); got {self.ranks!r:.200}") from None
@@ -81,4 +81,4 @@ class TruncationSpec:
             if not 0 <= h < info.num_heads:
                 raise ValueError(f"head {h} out of range: GDN layers have {info.num_heads} heads "
                                  f"(0..{info.num_heads - 1})")
-            check_rank(r, f"layer {l} head {h}: rank", upper=rmax)
+            check_rank(r, f" for layer {l} head {h}", upper=rmax)

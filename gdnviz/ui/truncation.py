@@ -51,7 +51,7 @@ def resolve(groups: list, info: dict, table=None, segment_len: int | None = None
     from types import SimpleNamespace
 
     from gdnviz.errors import RankOutOfRange
-    from gdnviz.truncation import TruncationSpec
+    from gdnviz.truncation import TruncationSpec, check_rank
 
     ranks, counts = {}, []
     rmax = min(int(info["d_k"]), int(info["d_v"]))
@@ -63,7 +63,7 @@ def resolve(groups: list, info: dict, table=None, segment_len: int | None = None
         heads = group_heads(g, info, table, segment_len)
         counts.append(len(heads))
         for lh in heads:
-            ranks[lh] = r
+            ranks[lh] = check_rank(r, f" for layer {lh[0]} head {lh[1]}", upper=rmax)
     ns = SimpleNamespace(gdn_layers=tuple(info["gdn_layers"]), num_heads=int(info["num_heads"]),
                          d_k=int(info["d_k"]), d_v=int(info["d_v"]))
     TruncationSpec.from_dict(ranks).validate(ns)
