@@ -20,42 +20,18 @@ from __future__ import annotations
 
 import argparse
 import os
-import statistics
 import sys
-import time
 import traceback
 
 import torch
 
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
 
-from bench.common import emit, sync  # noqa: E402
+from bench.common import emit, sync, time_ms  # noqa: E402
 from gdnviz.truncation import energy_error, truncate_states  # noqa: E402
 from tests.support.states import gdn_like_states  # noqa: E402
 
 F64 = torch.float64
-
-
-# --------------------------------------------------------------------------------------------- timing
-def time_ms(fn, device: torch.device, warmup: int, repeats: int) -> float:
-    """Median wall time of ``fn()`` in ms (CUDA events on GPU, perf_counter on CPU), after ``warmup`` calls."""
-    for _ in range(warmup):
-        fn()
-    sync(device)
-    times = []
-    for _ in range(repeats):
-        if device.type == "cuda":
-            a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-            a.record()
-            fn()
-            b.record()
-            b.synchronize()
-            times.append(a.elapsed_time(b))
-        else:
-            t = time.perf_counter()
-            fn()
-            times.append((time.perf_counter() - t) * 1e3)
-    return statistics.median(times)
 
 
 def svd_truncate(S: torch.Tensor, r: int) -> torch.Tensor:
