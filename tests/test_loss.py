@@ -69,6 +69,6 @@ def test_loss_vs_rank(lm):
 def test_loss_bad_inputs(lm):
     with pytest.raises(EmptyDocumentSet):
         loss_vs_rank(lm, [], ranks=[1])
-    for bad in (0, 17):
+    for bad in (0, 17, 2.5):  # 2.5 is refused, not rounded to 2
         with pytest.raises(RankOutOfRange):
             loss_vs_rank(lm, [doc(20, 0)], ranks=[bad])

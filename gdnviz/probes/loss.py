@@ -15,8 +15,8 @@ import pandas as pd
 import torch
 
 from gdnviz import runner
-from gdnviz.errors import EmptyDocumentSet, RankOutOfRange
-from gdnviz.truncation import TruncateCallback, TruncationSpec
+from gdnviz.errors import EmptyDocumentSet
+from gdnviz.truncation import TruncateCallback, TruncationSpec, check_rank
 
 DEFAULT_RANKS = (1, 4, 12, 32, 128)
 
@@ -63,10 +63,7 @@ def loss_vs_rank(lm, documents: Sequence, ranks: Iterable[int] = DEFAULT_RANKS, 
     if not documents:
         raise EmptyDocumentSet("loss vs rank needs at least one document")
     rmax = min(lm.info.d_k, lm.info.d_v)
-    ranks = sorted(set(int(r) for r in ranks) | {rmax})
-    for r in ranks:
-        if not 1 <= r <= rmax:
-            raise RankOutOfRange(f"rank {r} is outside 1..{rmax}")
+    ranks = sorted({check_rank(r, upper=rmax) for r in ranks} | {rmax})  # 2.5 is refused, not rounded
     heads = heads if heads is not None else [(l, h) for l in lm.info.gdn_layers for h in range(lm.info.num_heads)]
     masks = [copy_mask(d, min_distance) for d in documents]
     rows, total = [], len(ranks) * len(documents)

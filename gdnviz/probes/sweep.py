@@ -32,8 +32,8 @@ import numpy as np
 import pandas as pd
 
 from gdnviz import runner
-from gdnviz.errors import EmptyDocumentSet, RankOutOfRange, UnknownTask
-from gdnviz.truncation import TruncationSpec
+from gdnviz.errors import EmptyDocumentSet, UnknownTask
+from gdnviz.truncation import TruncationSpec, check_rank
 from gdnviz.probes import ruler
 from gdnviz.probes.batch import batched_greedy
 from gdnviz.store import content_hash
@@ -110,13 +110,7 @@ def resolve_ranks(ranks: Iterable[int] | None, rmax: int) -> list[int]:
     outside 1..rmax raise RankOutOfRange."""
     if ranks is None:
         return sorted({r for r in DEFAULT_RANKS if r < rmax} | {rmax})
-    out = set()
-    for r in ranks:
-        if isinstance(r, bool) or not isinstance(r, (int, np.integer)) or not 1 <= int(r) <= rmax:
-            raise RankOutOfRange(f"rank {r!r} is outside 1..{rmax} (min(d_k, d_v) of this model); r = {rmax} "
-                                 "is the untouched model")
-        out.add(int(r))
-    return sorted(out | {rmax})
+    return sorted({check_rank(r, upper=rmax) for r in ranks} | {rmax})
 
 
 def resolve_heads(heads: Any, info) -> list[tuple[int, int]]:
