@@ -59,6 +59,8 @@ def _model_plugin_class():
             from gdnviz.models import load
 
             model, device, dtype, trust = self.key
+            if self.key in here._MODELS and not isinstance(here._MODELS[self.key], Exception):
+                return  # registered again by a later sweep: the model is loaded already
             try:
                 here._MODELS[self.key] = load(model, device=device, dtype=dtype, trust_remote_code=trust,
                                               load_tokenizer=True)
@@ -93,9 +95,21 @@ def _answer_on_worker(key, batch):
     return get_worker().address, answer_batch(lm, batch)
 
 
+_CLIENTS: dict = {}  # address -> a running Client of this process (a local cluster and its models outlive a sweep)
+
+
 def connect(address: str, workers: int = 2, timeout: float = 10.0):
-    """A ``distributed.Client`` for ``address`` (module docstring). ``workers``: CPU worker processes of a local
-    cluster without GPUs. Raises ClusterError when no scheduler answers within ``timeout`` seconds."""
+    """A ``distributed.Client`` for ``address`` (module docstring), kept for later calls with the same address while
+    it runs. ``workers``: CPU worker processes of a local cluster without GPUs. Raises ClusterError when no
+    scheduler answers within ``timeout`` seconds."""
+    c = _CLIENTS.get(address)
+    if c is not None and c.status == "running":
+        return c
+    _CLIENTS[address] = c = _connect(address, workers, timeout)
+    return c
+
+
+def _connect(address: str, workers: int, timeout: float):
     distributed = _dask()
     if address == "local":
         import torch

@@ -1,5 +1,6 @@
 """The Dask executor of sweeps (gdnviz.cluster) on a real local cluster of two CPU worker processes, bundled demo
 model: the same rows as one process, resume from the store, a worker killed mid-sweep, and the clear refusals."""
+import dataclasses
 import os
 import signal
 
@@ -104,3 +105,21 @@ def test_cli_sweep_on_the_cluster(client, tmp_path, capsys):
     assert len(rows) == 1 + 2  # header, r = 1 and the untouched r = 16
     assert main(args + ["--cluster", "tcp://127.0.0.1:9"]) != 0
     assert "no Dask scheduler answers at 'tcp://127.0.0.1:9'" in capsys.readouterr().err
+
+
+def test_the_app_workers_sweep_job_runs_on_the_configured_cluster(client, lm, tmp_path, monkeypatch):
+    """GDNVIZ_CLUSTER set: the sweep job answers on the cluster's workers (per-worker progress), rows as in one
+    process, the store's memo written here."""
+    from gdnviz import jobs
+    from gdnviz.store import Store
+
+    monkeypatch.setenv("GDNVIZ_CLUSTER", client.scheduler.address)
+    spec = jobs.SweepJob(model="demo", device="cpu", dtype="float32", tasks=("niah_single_1",), lengths=(1024,),
+                         ranks=(1,), n=2, batch_size=1, segment_len=256)
+    texts = []
+    res = jobs.run(spec, jobs.JobContext(Store(tmp_path / "cache"), progress=lambda d, n, t: texts.append(t)))
+    assert res["cluster"] == client.scheduler.address and sum(res["per_worker"].values()) == 4
+    assert res["computed"] == 4 and any("· workers: " in t for t in texts), texts
+    local = sweep.run_sweep(lm, jobs.sweep_spec_of(dataclasses.replace(spec, fingerprint=lm.info.fingerprint)))
+    assert [(r["seed"], r["r"], r["pred"]) for r in res["rows"]] == \
+        [(int(r.seed), int(r.r), r.pred) for r in local.itertuples()]
