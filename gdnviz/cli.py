@@ -234,6 +234,9 @@ def cmd_sweep_via_worker(args) -> int:
 
 def cmd_sweep(args) -> int:
     if args.via_worker:
+        if args.cluster:
+            raise GDNVizError("--via-worker and --cluster exclude each other: the app's worker answers on this "
+                              "machine; --cluster answers on the cluster's workers")
         return cmd_sweep_via_worker(args)
     from tqdm import tqdm
 
@@ -243,7 +246,16 @@ def cmd_sweep(args) -> int:
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     sa = _sweep_args(args)
-    lm = _load_for_probe(args)
+    ex = None
+    if args.cluster:
+        from gdnviz import cluster
+
+        ex = cluster.executor(args.cluster, args.model, args.device, args.dtype, args.trust_remote_code,
+                              workers=args.workers)
+        print(f"sweep on the Dask cluster {args.cluster}: {len(ex.workers)} workers", file=sys.stderr)
+        lm = ex.model_view()
+    else:
+        lm = _load_for_probe(args)
     spec = sweep_spec_of(SweepJob(fingerprint=lm.info.fingerprint, **sa))
     settings = dict(spec=spec.to_dict(), model=lm.info.to_dict(), version=sweep.VERSION)
     (out / "settings.json").write_text(json.dumps(settings, indent=2, default=str))
@@ -254,9 +266,12 @@ def cmd_sweep(args) -> int:
         bar.refresh()
 
     try:
-        rows = sweep.run_sweep(lm, spec, store=out / "cache", progress=progress)
+        rows = sweep.run_sweep(lm, spec, store=out / "cache", progress=progress, executor=ex)
     finally:
         bar.close()
+    if ex is not None:
+        print("samples answered per worker: " + (", ".join(f"{a} {n}" for a, n in sorted(ex.per_worker.items()))
+                                                 or "none (all from the memo)"), file=sys.stderr)
     table = sweep.sweep_table(rows, rmax=min(lm.info.d_k, lm.info.d_v))
     _write_sweep_outputs(out, rows, table, settings, lm.info.name)
     return 0
@@ -319,6 +334,10 @@ def main(argv=None) -> int:
     sp.add_argument("--via-worker", action="store_true",
                     help="run through the app's worker and store (samples memoised there; a rerun resumes)")
     sp.add_argument("--cache-dir", default=None, help="the store for --via-worker (default: $GDNVIZ_CACHE_DIR or ./cache)")
+    sp.add_argument("--cluster", default="",
+                    help="answer on a Dask cluster: 'local' (one worker per GPU via dask-cuda; CPU: --workers "
+                         "processes) or a scheduler address tcp://HOST:PORT (or a scheduler file .json)")
+    sp.add_argument("--workers", type=int, default=2, help="CPU worker processes of --cluster local without GPUs")
     sp.add_argument("--segment-len", type=int, default=256)
     sp.add_argument("--device", default="auto")
     sp.add_argument("--dtype", default="auto")

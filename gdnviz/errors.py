@@ -78,3 +78,8 @@ class JobCancelled(GDNVizError):
 # --- settings ------------------------------------------------------------------------------------
 class BadSetting(GDNVizError):
     """An environment variable of ``gdnviz.settings`` holds a value its kind cannot parse."""
+
+
+class ClusterError(GDNVizError):
+    """A Dask cluster cannot run the work: no scheduler answers, workers disagree with this process (gdnviz code,
+    model), a worker cannot load the model, or Dask is not installed."""

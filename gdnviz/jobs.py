@@ -442,8 +442,24 @@ def sweep_spec_of(spec: SweepJob):
 def run_sweep_job(spec: SweepJob, ctx: JobContext) -> dict:
     from gdnviz.probes import sweep
 
-    ctx.progress(0, 1, "loading the model")
-    lm = ctx.model(spec.model, spec.device, spec.dtype)
+    from gdnviz import settings
+
+    address = settings.get("GDNVIZ_CLUSTER")
+    ex, workers = None, {"text": ""}
+    if address:
+        from gdnviz import cluster
+
+        ctx.progress(0, 1, f"connecting to the Dask cluster {address} and loading the model on its workers")
+
+        def on_result(addr, per_worker):
+            workers["text"] = " · workers: " + ", ".join(f"{a.rsplit(':', 1)[-1]} {n}" for a, n in
+                                                         sorted(per_worker.items()))
+
+        ex = cluster.executor(address, spec.model, spec.device, spec.dtype, on_result=on_result)
+        lm = ex.model_view()
+    else:
+        ctx.progress(0, 1, "loading the model")
+        lm = ctx.model(spec.model, spec.device, spec.dtype)
     info = lm.info
     sspec = sweep_spec_of(spec)
     cells = len(spec.tasks) * len(spec.lengths) * int(spec.n)
@@ -454,9 +470,10 @@ def run_sweep_job(spec: SweepJob, ctx: JobContext) -> dict:
     t0 = time.time()
 
     def progress(done, total):
-        ctx.progress(done, total, f"answer {done:,}/{total:,} · {now['text']}")
+        ctx.progress(done, total, f"answer {done:,}/{total:,} · {now['text']}{workers['text']}")
 
-    rows = sweep.run_sweep(lm, sspec, store=memo, progress=progress, describe=lambda t: now.update(text=t))
+    rows = sweep.run_sweep(lm, sspec, store=memo, progress=progress, describe=lambda t: now.update(text=t),
+                           executor=ex)
     rmax = min(info.d_k, info.d_v)
     table = sweep.sweep_table(rows, rmax=rmax)
     n_total = len(rows)
@@ -466,7 +483,8 @@ def run_sweep_job(spec: SweepJob, ctx: JobContext) -> dict:
         model=info.to_dict(), model_name=spec.model, rmax=rmax, ranks=sorted({int(r) for r in rows["r"].dropna()}),
         n_heads=len(sweep.resolve_heads(sspec.heads, info)), computed=memo.puts, reused=n_total - memo.puts,
         n_results=n_total, seconds=round(time.time() - t0, 3), dtype=info.dtype, device=info.device,
-        kernel_path=info.kernel_path)
+        kernel_path=info.kernel_path, cluster=address or None,
+        per_worker=dict(ex.per_worker) if ex is not None else None)
 
 
 # --- reading results back (app side, no torch) -----------------------------------------------------------------

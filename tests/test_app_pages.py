@@ -640,7 +640,7 @@ def test_sweeps_bad_input_is_refused_with_specific_messages(env, populated):
     assert any("**4 of 12 heads** cut to each r" in c for c in texts(at, "caption"))
     # per-head rank maps: each bad line named, a good one adds a setting to the count
     for text, message in (("early heads", "line 1: expected NAME"), ("early: 2:0:1", "layer 2 is not a GDN layer"),
-                          ("early: 3:0:99", "r = 99 for head 3:0 is outside 1..16")):
+                          ("early: 3:0:99", "rank 99 for layer 3 head 0 (rank maps, line 1, early) is outside 1..16")):
         at.text_area(key="sw_rank_maps").input(text).run()
         assert any(message in e for e in texts(at, "error")), (text, texts(at, "error"))
         assert at.button(key="sw_run").proto.disabled

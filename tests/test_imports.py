@@ -73,3 +73,14 @@ def test_analysis_is_pure():
     for name, deps in _graph().items():
         if name.startswith("gdnviz.analysis"):
             assert not {d for d in deps if d.startswith("gdnviz.gpu") or d == "gdnviz.statistics"}, (name, deps)
+
+
+def test_dask_is_imported_only_for_a_cluster():
+    """Dask stays optional: the library, the CLI, the jobs and the worker import nothing of it until a cluster runs."""
+    import subprocess
+    import sys
+
+    code = ("import sys, gdnviz.cli, gdnviz.jobs, gdnviz.worker, gdnviz.probes.sweep, gdnviz.cluster; "
+            "bad = sorted(m for m in sys.modules if m.split('.')[0] in ('dask', 'distributed', 'dask_cuda')); "
+            "assert not bad, bad")
+    subprocess.run([sys.executable, "-c", code], check=True, cwd=PKG.parent)

@@ -38,7 +38,7 @@ from gdnviz.probes import ruler
 from gdnviz.probes.batch import batched_greedy
 from gdnviz.store import content_hash
 
-__all__ = ["SweepSpec", "DEFAULT_RANKS", "resolve_ranks", "resolve_heads", "run_sweep", "sweep_table",
+__all__ = ["SweepSpec", "Batch", "answer_batch", "local_executor", "DEFAULT_RANKS", "resolve_ranks", "resolve_heads", "run_sweep", "sweep_table",
            "sweep_figure", "to_csv", "csv_frame", "cell_key", "records", "rows_frame", "table_frame", "VERSION"]
 
 VERSION = 1  # of a sweep cell's computation: bump it to invalidate every stored cell
@@ -238,16 +238,53 @@ def _setting_label(setting: _Setting, rmax: int) -> str:
     return f"r = {setting.r}" + (" (untouched)" if setting.r == rmax else "")
 
 
+@dataclass(frozen=True)
+class Batch:
+    """One unit of work: samples ``idx`` of one (task, length, setting), answered in one batched forward.
+    ``prompts``: their token ids; ``n_tokens``: their RULER sizes; ``answers``: their reference answers."""
+
+    task: str
+    length: int
+    setting: _Setting
+    idx: tuple
+    prompts: tuple
+    answers: tuple
+    n_tokens: tuple
+    new_tokens: int
+    segment_len: int
+
+
+def answer_batch(lm, b: Batch) -> list[dict]:
+    """The results of one batch on ``lm`` (one dict per sample: score, pred, n_tokens, n_generated)."""
+    gens = batched_greedy(lm, [list(p) for p in b.prompts], b.new_tokens, segment_len=b.segment_len,
+                          spec=b.setting.spec)
+    return [dict(score=float(ruler.score(b.task, [g.text], [list(a)])), pred=g.text, n_tokens=int(n),
+                 n_generated=len(g.tokens)) for g, a, n in zip(gens, b.answers, b.n_tokens)]
+
+
+def local_executor(lm):
+    """The default executor: each batch answered on ``lm`` in this process, in order, one after another.
+    An executor maps an iterable of ``Batch`` to an iterable of ``(batch, results)`` as they finish (any order);
+    ``gdnviz.cluster`` has the Dask one."""
+    def execute(batches):
+        for b in batches:
+            yield b, answer_batch(lm, b)
+    return execute
+
+
 def run_sweep(lm, spec: SweepSpec, store=None, progress: Callable[[int, int], None] | None = None,
-              describe: Callable[[str], None] | None = None) -> pd.DataFrame:
+              describe: Callable[[str], None] | None = None, executor=None) -> pd.DataFrame:
     """Run (or resume) a sweep; returns one row per (task, length, setting, r, sample).
 
     store: a directory (a ``diskcache.Cache`` is opened there), any mapping-like cache (``get`` and item
     assignment), or None (no memo).
     progress(done, total): called after every sample (cached ones included), once its batch is stored, so a
     progress callback that raises (a cancel) stops between batches without losing finished samples.
-    describe(text): called before each (task, length, setting) with what runs next, e.g.
+    describe(text): called before each (task, length, setting)'s batches are handed to the executor, e.g.
     "vt · 1,024 tokens · r = 4: 3 of 20 samples to generate".
+    executor: None (``local_executor(lm)``) or a callable as ``local_executor`` returns (``gdnviz.cluster``); only
+    this process writes the store, so results come back here first. ``lm`` needs only ``info`` and ``tokenizer``
+    when another executor answers.
     Raises UnknownTask, TaskTooShort, RankOutOfRange, EmptyDocumentSet, BadSegmentLength before running anything.
     """
     if lm.tokenizer is None:
@@ -256,18 +293,25 @@ def run_sweep(lm, spec: SweepSpec, store=None, progress: Callable[[int, int], No
     samples = _samples(lm, spec)  # raises TaskTooShort before any model call
     settings = _settings(spec, lm.info)
     total = sum(len(s) for s in samples.values()) * len(settings)
+    execute = executor if executor is not None else local_executor(lm)
     st = _Store(store)
-    rows, done = [], 0
+    groups = []  # (task, length, setting, samples, keys)
+    results: dict = {}
+    done = 0
     try:
         for (task, length), smp in samples.items():
-            new_tokens = _max_new(spec, task)
             for setting in settings:
                 keys = [cell_key(lm.info, task, length, setting, s, spec) for s in smp]
-                results = {k: st.get(k) for k in keys}
-                cached = sum(v is not None for v in results.values())
+                for k in keys:
+                    results[k] = st.get(k)
+                groups.append((task, length, setting, smp, keys))
+                cached = sum(results[k] is not None for k in keys)
                 done += cached
-                if progress is not None and cached:
-                    progress(done, total)
+        if progress is not None and done:
+            progress(done, total)
+
+        def batches():
+            for task, length, setting, smp, keys in groups:
                 todo = sorted((i for i, k in enumerate(keys) if results[k] is None),
                               key=lambda i: -smp[i].n_tokens)  # similar lengths together: less padding
                 if describe is not None:
@@ -275,27 +319,36 @@ def run_sweep(lm, spec: SweepSpec, store=None, progress: Callable[[int, int], No
                              + (f"{len(todo)} of {len(smp)} samples to generate" if todo else
                                 f"all {len(smp)} samples from the memo"))
                 for b in range(0, len(todo), spec.batch_size):
-                    idx = todo[b:b + spec.batch_size]
-                    gens = batched_greedy(lm, [smp[i].input_ids for i in idx], new_tokens,
-                                          segment_len=spec.segment_len, spec=setting.spec)
-                    for i, gen in zip(idx, gens):  # store the whole batch first, then report
-                        s = smp[i]
-                        res = dict(score=float(ruler.score(task, [gen.text], [s.answers])), pred=gen.text,
-                                   n_tokens=int(s.n_tokens), n_generated=len(gen.tokens))
-                        st.set(keys[i], res)
-                        results[keys[i]] = res
-                    for _ in idx:
-                        done += 1
-                        if progress is not None:
-                            progress(done, total)
-                for s, k in zip(smp, keys):
-                    res = results[k]
-                    rows.append(dict(task=task, length=int(length), setting=setting.name, r=setting.r,
-                                     seed=int(s.seed), score=res["score"], pred=res["pred"],
-                                     answers=list(s.answers), n_tokens=res["n_tokens"],
-                                     n_generated=res["n_generated"]))
+                    idx = tuple(todo[b:b + spec.batch_size])
+                    yield Batch(task, int(length), setting, idx, tuple(tuple(smp[i].input_ids) for i in idx),
+                                tuple(tuple(smp[i].answers) for i in idx), tuple(int(smp[i].n_tokens) for i in idx),
+                                _max_new(spec, task), int(spec.segment_len)), keys
+
+        key_of = {}
+
+        def handed():
+            for b, keys in batches():
+                key_of[id(b)] = keys
+                yield b
+
+        for b, res in execute(handed()):
+            keys = key_of.pop(id(b))
+            for i, r in zip(b.idx, res):  # store the whole batch first, then report
+                st.set(keys[i], r)
+                results[keys[i]] = r
+            for _ in b.idx:
+                done += 1
+                if progress is not None:
+                    progress(done, total)
     finally:
         st.close()
+    rows = []
+    for task, length, setting, smp, keys in groups:
+        for s, k in zip(smp, keys):
+            res = results[k]
+            rows.append(dict(task=task, length=int(length), setting=setting.name, r=setting.r, seed=int(s.seed),
+                             score=res["score"], pred=res["pred"], answers=list(s.answers), n_tokens=res["n_tokens"],
+                             n_generated=res["n_generated"]))
     df = pd.DataFrame(rows, columns=ROW_COLUMNS)
     df["r"] = df["r"].astype("Int64")
     return df

@@ -61,26 +61,34 @@ class TruncateCallback:
         self.n_calls = 0
         self.d_k, self.d_v = info.d_k, info.d_v
 
+    def _fn(self, layer, dev: torch.device, kernel: bool):
+        """The layer's boundary function (``graph_truncation``), cached per (heads, ranks, device, kernel)."""
+        heads, rl = self.per_layer[layer]
+        key = ("truncate", tuple(heads.tolist()), tuple(rl), str(dev), kernel)
+        fn = self._graph_fns.get(key)
+        if fn is None:
+            rk = rl[0] if len(set(rl)) == 1 else (torch.tensor(rl, dtype=torch.int32, device=dev) if kernel else rl)
+            fn = self._graph_fns[key] = graph_truncation(heads.to(dev), rk, kernel)
+        return fn, key
+
+    def _kernel(self, layer, dev: torch.device) -> bool:
+        """Whether the CUDA kernel truncates every head of ``layer`` on ``dev``."""
+        return (dev.type == "cuda" and max(self.per_layer[layer][1]) <= C.MAX_RANK
+                and kernel_runs(dev, self.d_k, self.d_v))
+
     def graph_boundary(self, layer, device):
         """For the runner's graph windows: ``"noop"`` when no head of ``layer`` is truncated; else ``(fn, key)`` with
         ``fn(state [B, H, K, V], rows=None) -> state`` the eager loop's truncation and ``key`` naming what it does (so
         that layers doing the same share a graph). On CUDA only where the CUDA kernel truncates the layer (ranks ≤ 32,
         K and V in {64, 128}, NVRTC available): then ``fn`` has no host sync; elsewhere on CUDA None (the runner runs
         its eager loop for the layer). Off CUDA (uncaptured windows) ``fn`` runs ``truncate_states``."""
-        sel = self.per_layer.get(layer)
-        if sel is None:
+        if layer not in self.per_layer:
             return "noop"
-        heads, rl = sel
         dev = torch.device(device)
-        kernel = dev.type == "cuda"
-        if kernel and (max(rl) > C.MAX_RANK or not kernel_runs(dev, self.d_k, self.d_v)):
+        kernel = self._kernel(layer, dev)
+        if dev.type == "cuda" and not kernel:
             return None
-        key = ("truncate", tuple(heads.tolist()), tuple(rl), str(dev))
-        fn = self._graph_fns.get(key)
-        if fn is None:
-            rk = rl[0] if len(set(rl)) == 1 else (torch.tensor(rl, dtype=torch.int32, device=dev) if kernel else rl)
-            fn = self._graph_fns[key] = graph_truncation(heads.to(dev), rk, kernel)
-        return fn, key
+        return self._fn(layer, dev, kernel)
 
     def note_graph_boundaries(self, layer, n: int) -> None:
         """``n`` boundaries of ``layer`` ran inside a CUDA graph: counted in ``n_calls``."""
@@ -90,15 +98,8 @@ class TruncateCallback:
         """The eager loop's boundary: ``state [B, H, K, V]`` with the layer's heads truncated (a new tensor), or None
         when the layer has none. ``position`` and ``rows`` (the batch rows of a left-padded batch that reached this
         boundary) do not change the answer: each row's heads are cut on their own."""
-        sel = self.per_layer.get(layer)
-        if sel is None:
+        if layer not in self.per_layer:
             return None
-        heads, rl = sel
-        B = state.shape[0]
-        heads_d = heads.to(state.device)
-        x = state[:, heads_d].reshape(-1, *state.shape[-2:])  # [B · h, K, V]
-        y = truncate_states(x, rl[0] if len(set(rl)) == 1 else rl * B)
-        out = state.clone()
-        out[:, heads_d] = y.reshape(B, len(heads), *state.shape[-2:]).to(state.dtype)
+        fn, _ = self._fn(layer, state.device, self._kernel(layer, state.device))
         self.n_calls += 1
-        return out
+        return fn(state)

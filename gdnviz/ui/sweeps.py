@@ -13,6 +13,7 @@ import time
 import pandas as pd
 
 from gdnviz.errors import RankOutOfRange, TaskTooShort
+from gdnviz.truncation.ranks import check_rank
 from gdnviz.ui import truncation as T
 
 #: The tasks ticked when the page opens (seed 000's retrieval pair: a needle and variable tracking).
@@ -200,9 +201,7 @@ def parse_rank_maps(text: str, info: dict) -> tuple:
                                  f"{', '.join(map(str, gl))}).")
             if not 0 <= h < H:
                 raise ValueError(f"Rank maps, line {i} ({name}): head {h} does not exist (heads 0..{H - 1}).")
-            if not 1 <= r <= rmax:
-                raise RankOutOfRange(f"Rank maps, line {i} ({name}): r = {r} for head {l}:{h} is outside "
-                                     f"1..{rmax}.")
+            check_rank(r, f" for layer {l} head {h} (rank maps, line {i}, {name})", upper=rmax)
             if (l, h) in seen:
                 raise ValueError(f"Rank maps, line {i} ({name}): head {l}:{h} appears twice.")
             seen.add((l, h))

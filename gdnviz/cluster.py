@@ -1,0 +1,214 @@
+"""Sweeps on a Dask cluster: one model per worker process, batches of samples as the unit of work.
+
+``executor(client_or_address, model, device, dtype)`` returns a ``ClusterExecutor`` for ``run_sweep(...,
+executor=ex)`` (with ``ex.model_view()`` as its ``lm``). Every worker loads the model once (a worker plugin) and
+keeps it; each ``gdnviz.probes.sweep.Batch`` is one Dask task answered by ``answer_batch`` on a worker; results come
+back to this process, which alone writes the memo store, so a worker that dies loses at most its batches in flight
+(Dask reruns them elsewhere) and an interrupted sweep resumes from the store. Batches are formed exactly as in one
+process, so the rows are the same.
+
+Addresses: ``"local"`` (one worker per visible GPU through dask-cuda; without a GPU, ``workers`` CPU worker
+processes) or a scheduler's address (``tcp://HOST:PORT``, or a scheduler file path ending in ``.json``).
+Dask (``distributed``; ``dask-cuda`` for local GPU clusters) is imported only here. Errors: ``ClusterError``.
+"""
+from __future__ import annotations
+
+import hashlib
+from collections import Counter
+from pathlib import Path
+
+from gdnviz.errors import ClusterError, GDNVizError
+
+PLUGIN = "gdnviz-model"
+_MODELS: dict = {}  # in each worker process: model key -> LoadedModel
+
+
+def code_hash() -> str:
+    """sha256 (16 hex digits) of the gdnviz package's Python and CUDA sources: workers must run the same code."""
+    root = Path(__file__).resolve().parent
+    h = hashlib.sha256()
+    for f in sorted(list(root.rglob("*.py")) + list(root.rglob("*.cu"))):
+        h.update(str(f.relative_to(root)).encode())
+        h.update(f.read_bytes())
+    return h.hexdigest()[:16]
+
+
+def _dask():
+    try:
+        import distributed
+    except ImportError:
+        raise ClusterError("Dask is not installed: `pip install distributed` (and `dask-cuda` for one worker per "
+                           "GPU) to run on a cluster; without --cluster gdnviz runs in this process.") from None
+    return distributed
+
+
+def _model_plugin_class():
+    distributed = _dask()
+
+    class ModelPlugin(distributed.WorkerPlugin):
+        """Loads the model into the worker process once, at registration (a failure is kept and reported)."""
+
+        name = PLUGIN
+
+        def __init__(self, key):
+            self.key = key
+
+        def setup(self, worker):
+            # the module's own dict (this class travels by value, with copies of the globals it names)
+            from gdnviz import cluster as here
+            from gdnviz.models import load
+
+            model, device, dtype, trust = self.key
+            if self.key in here._MODELS and not isinstance(here._MODELS[self.key], Exception):
+                return  # registered again by a later sweep: the model is loaded already
+            try:
+                here._MODELS[self.key] = load(model, device=device, dtype=dtype, trust_remote_code=trust,
+                                              load_tokenizer=True)
+            except Exception as e:  # noqa: BLE001 - reported to the client by _identity
+                here._MODELS[self.key] = e
+
+    return ModelPlugin
+
+
+def _identity(key) -> dict:
+    """Run on each worker: its gdnviz code hash and its model's info (or the load error's text)."""
+    lm = _MODELS.get(key)
+    out = dict(code=code_hash())
+    if lm is None:
+        out["error"] = "the model plugin did not run on this worker"
+    elif isinstance(lm, Exception):
+        out["error"] = f"{type(lm).__name__}: {lm}"
+    else:
+        out["info"] = lm.info
+    return out
+
+
+def _answer_on_worker(key, batch):
+    """A Dask task: one batch answered on this worker's model; returns (worker address, results)."""
+    from distributed import get_worker
+
+    from gdnviz.probes.sweep import answer_batch
+
+    lm = _MODELS.get(key)
+    if lm is None or isinstance(lm, Exception):
+        raise ClusterError(f"worker {get_worker().address} has no model loaded ({lm!r})")
+    return get_worker().address, answer_batch(lm, batch)
+
+
+_CLIENTS: dict = {}  # address -> a running Client of this process (a local cluster and its models outlive a sweep)
+
+
+def connect(address: str, workers: int = 2, timeout: float = 10.0):
+    """A ``distributed.Client`` for ``address`` (module docstring), kept for later calls with the same address while
+    it runs. ``workers``: CPU worker processes of a local cluster without GPUs. Raises ClusterError when no
+    scheduler answers within ``timeout`` seconds."""
+    c = _CLIENTS.get(address)
+    if c is not None and c.status == "running":
+        return c
+    _CLIENTS[address] = c = _connect(address, workers, timeout)
+    return c
+
+
+def _connect(address: str, workers: int, timeout: float):
+    distributed = _dask()
+    if address == "local":
+        import torch
+
+        if torch.cuda.is_available() and torch.cuda.device_count() > 0:
+            try:
+                from dask_cuda import LocalCUDACluster
+            except ImportError:
+                raise ClusterError("--cluster local on a GPU machine needs dask-cuda (`pip install dask-cuda`) for "
+                                   "one worker per GPU; or start `dask scheduler` and one `dask cuda worker` and "
+                                   "give the scheduler's address.") from None
+            return distributed.Client(LocalCUDACluster(dashboard_address=None))
+        if workers < 1:
+            raise ClusterError(f"a local cluster needs at least one worker process, got {workers}")
+        cluster = distributed.LocalCluster(n_workers=workers, threads_per_worker=1, processes=True,
+                                           dashboard_address=None)
+        return distributed.Client(cluster)
+    try:
+        if address.endswith(".json"):
+            return distributed.Client(scheduler_file=address, timeout=timeout)
+        return distributed.Client(address, timeout=timeout)
+    except (OSError, TimeoutError, ValueError) as e:
+        raise ClusterError(f"no Dask scheduler answers at {address!r} within {timeout:g} s ({type(e).__name__}). "
+                           "Start one with `dask scheduler` (it prints its tcp:// address) and workers with "
+                           "`dask worker ADDRESS` or `dask cuda worker ADDRESS`.") from None
+
+
+class ModelView:
+    """What ``run_sweep`` needs of a model in this process when workers answer: ``info`` (the workers') and the
+    tokenizer (loaded here, without weights)."""
+
+    def __init__(self, info, tokenizer):
+        self.info, self.tokenizer = info, tokenizer
+
+
+class ClusterExecutor:
+    """``run_sweep``'s executor on a Dask client (module docstring). ``per_worker``: samples answered per worker
+    address so far; ``on_result(address, per_worker)`` is called after each batch."""
+
+    def __init__(self, client, model: str, device: str = "auto", dtype: str = "auto",
+                 trust_remote_code: bool = False, on_result=None):
+        self.client, self.key = client, (str(model), str(device), str(dtype), bool(trust_remote_code))
+        self.on_result = on_result
+        self.per_worker: Counter = Counter()
+        self.client.register_plugin(_model_plugin_class()(self.key), name=PLUGIN)
+        ident = self.client.run(_identity, self.key)
+        if not ident:
+            raise ClusterError("the Dask cluster has no workers: start at least one (`dask worker ADDRESS`)")
+        mine = code_hash()
+        other = {a: d["code"] for a, d in ident.items() if d["code"] != mine}
+        if other:
+            raise ClusterError(f"{len(other)} of {len(ident)} workers run other gdnviz code than this process "
+                               f"(code {mine}; e.g. {next(iter(other))} has {next(iter(other.values()))}): install "
+                               "the same gdnviz version on every worker.")
+        failed = {a: d["error"] for a, d in ident.items() if "error" in d}
+        if failed:
+            a, e = next(iter(failed.items()))
+            raise ClusterError(f"{len(failed)} of {len(ident)} workers could not load {model!r} on {device!r}: "
+                               f"{a}: {e}")
+        fps = {d["info"].fingerprint for d in ident.values()}
+        if len(fps) > 1:
+            raise ClusterError(f"the workers loaded different checkpoints for {model!r} (fingerprints "
+                               f"{', '.join(sorted(fps))}): every worker must see the same files.")
+        self.info = next(iter(ident.values()))["info"]
+        self.workers = sorted(ident)
+
+    def model_view(self) -> ModelView:
+        """The sweep's ``lm`` in this process: the workers' ModelInfo and a tokenizer loaded here."""
+        from gdnviz.models.loader import load_tokenizer_for, resolve
+
+        try:
+            tok = load_tokenizer_for(resolve(self.key[0]), self.key[3])
+        except GDNVizError as e:
+            raise ClusterError(f"this process needs {self.key[0]!r}'s tokenizer to build the prompts: {e}") from None
+        if tok is None:
+            raise ClusterError(f"{self.key[0]!r} has no tokenizer this process can load: it builds the prompts")
+        return ModelView(self.info, tok)
+
+    def __call__(self, batches):
+        from distributed import as_completed
+
+        pending = {}
+        for b in batches:
+            pending[self.client.submit(_answer_on_worker, self.key, b, pure=False)] = b
+        try:
+            for fut in as_completed(list(pending)):
+                addr, res = fut.result()
+                b = pending.pop(fut)
+                self.per_worker[addr] += len(res)
+                if self.on_result is not None:
+                    self.on_result(addr, dict(self.per_worker))
+                yield b, res
+        finally:  # a cancel or an error here: nothing left running for a sweep that stopped
+            if pending:
+                self.client.cancel(list(pending))
+
+
+def executor(client_or_address, model: str, device: str = "auto", dtype: str = "auto",
+             trust_remote_code: bool = False, workers: int = 2, on_result=None) -> ClusterExecutor:
+    """A ``ClusterExecutor`` on a client or an address (``connect``)."""
+    client = connect(client_or_address, workers) if isinstance(client_or_address, str) else client_or_address
+    return ClusterExecutor(client, model, device, dtype, trust_remote_code, on_result)

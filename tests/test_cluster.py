@@ -1,0 +1,125 @@
+"""The Dask executor of sweeps (gdnviz.cluster) on a real local cluster of two CPU worker processes, bundled demo
+model: the same rows as one process, resume from the store, a worker killed mid-sweep, and the clear refusals."""
+import dataclasses
+import os
+import signal
+
+import pytest
+
+distributed = pytest.importorskip("distributed")
+
+from gdnviz import cluster  # noqa: E402
+from gdnviz.errors import ClusterError  # noqa: E402
+from gdnviz.probes import sweep  # noqa: E402
+
+pytestmark = pytest.mark.slow
+
+
+@pytest.fixture(scope="module")
+def client():
+    c = cluster.connect("local", workers=2)
+    c.wait_for_workers(2, timeout=120)
+    yield c
+    c.close()
+    c.cluster.close() if hasattr(c, "cluster") and c.cluster is not None else None
+
+
+@pytest.fixture(scope="module")
+def lm():
+    from gdnviz.models import load
+
+    return load("demo", device="cpu", dtype="float32")
+
+
+def spec_for(lm, **kw):
+    d = dict(model="demo", fingerprint=lm.info.fingerprint, tasks=("niah_single_1",), lengths=(1024,),
+             ranks=(1,), n=3, batch_size=2, segment_len=256)
+    d.update(kw)
+    return sweep.SweepSpec(**d)
+
+
+def test_cluster_rows_equal_one_process_and_resume(client, lm, tmp_path):
+    spec = spec_for(lm)
+    ex = cluster.executor(client, "demo", device="cpu", dtype="float32")
+    assert ex.info.fingerprint == lm.info.fingerprint and len(ex.workers) == 2
+    view = ex.model_view()
+    rows = sweep.run_sweep(view, spec, store=tmp_path / "memo", executor=ex)
+    local = sweep.run_sweep(lm, spec)
+    assert len(rows) == 2 * 3
+    assert rows.to_dict("records") == local.to_dict("records")
+    assert sum(ex.per_worker.values()) == len(rows)  # every sample answered once, on the cluster
+    # the client alone wrote the store: a rerun computes nothing
+    again = cluster.executor(client, "demo", device="cpu", dtype="float32")
+    rows2 = sweep.run_sweep(view, spec, store=tmp_path / "memo", executor=again)
+    assert rows2.to_dict("records") == rows.to_dict("records") and not again.per_worker
+
+
+def test_refusals(client, monkeypatch):
+    with pytest.raises(ClusterError, match="no Dask scheduler answers at 'tcp://127.0.0.1:9'"):
+        cluster.connect("tcp://127.0.0.1:9", timeout=2)
+    with pytest.raises(ClusterError, match="2 of 2 workers could not load 'demo' on 'cuda'"):
+        cluster.executor(client, "demo", device="cuda", dtype="float32")
+    with pytest.raises(ClusterError, match="could not load 'no/such-model'"):
+        cluster.executor(client, "no/such-model", device="cpu")
+    monkeypatch.setattr(cluster, "code_hash", lambda: "0" * 16)
+    with pytest.raises(ClusterError, match="2 of 2 workers run other gdnviz code than this process"):
+        cluster.executor(client, "demo", device="cpu", dtype="float32")
+
+
+def test_a_worker_killed_mid_sweep_loses_nothing(client, lm, tmp_path):
+    """After the first batch comes back, one worker process dies (SIGKILL): its batches run elsewhere (or on the
+    worker its nanny restarts, which loads the model again); the rows are those of one process, each stored once."""
+    spec = spec_for(lm, seed0=10)
+    pids = client.run(os.getpid)
+    killed = []
+
+    def kill_one(addr, per_worker):
+        if not killed:
+            victim = [w for w in pids if w != addr][0]
+            killed.append(victim)
+            os.kill(pids[victim], signal.SIGKILL)
+
+    ex = cluster.executor(client, "demo", device="cpu", dtype="float32", on_result=kill_one)
+    writes = []
+
+    class Store(dict):
+        def __setitem__(self, k, v):
+            writes.append(k)
+            super().__setitem__(k, v)
+
+    rows = sweep.run_sweep(ex.model_view(), spec, store=Store(), executor=ex)
+    assert killed
+    assert rows.to_dict("records") == sweep.run_sweep(lm, spec).to_dict("records")
+    assert len(writes) == len(set(writes)) == len(rows)
+
+
+def test_cli_sweep_on_the_cluster(client, tmp_path, capsys):
+    from gdnviz.cli import main
+
+    args = ["sweep", "demo", "--tasks", "niah_single_1", "--lengths", "1024", "--ranks", "1", "--n", "1",
+            "--device", "cpu", "--dtype", "float32", "--out", str(tmp_path / "out")]
+    assert main(args + ["--cluster", client.scheduler.address]) == 0
+    err = capsys.readouterr().err
+    assert "sweep on the Dask cluster tcp://" in err and "samples answered per worker: tcp://" in err
+    rows = (tmp_path / "out" / "rows.csv").read_text().splitlines()
+    assert len(rows) == 1 + 2  # header, r = 1 and the untouched r = 16
+    assert main(args + ["--cluster", "tcp://127.0.0.1:9"]) != 0
+    assert "no Dask scheduler answers at 'tcp://127.0.0.1:9'" in capsys.readouterr().err
+
+
+def test_the_app_workers_sweep_job_runs_on_the_configured_cluster(client, lm, tmp_path, monkeypatch):
+    """GDNVIZ_CLUSTER set: the sweep job answers on the cluster's workers (per-worker progress), rows as in one
+    process, the store's memo written here."""
+    from gdnviz import jobs
+    from gdnviz.store import Store
+
+    monkeypatch.setenv("GDNVIZ_CLUSTER", client.scheduler.address)
+    spec = jobs.SweepJob(model="demo", device="cpu", dtype="float32", tasks=("niah_single_1",), lengths=(1024,),
+                         ranks=(1,), n=2, batch_size=1, segment_len=256)
+    texts = []
+    res = jobs.run(spec, jobs.JobContext(Store(tmp_path / "cache"), progress=lambda d, n, t: texts.append(t)))
+    assert res["cluster"] == client.scheduler.address and sum(res["per_worker"].values()) == 4
+    assert res["computed"] == 4 and any("· workers: " in t for t in texts), texts
+    local = sweep.run_sweep(lm, jobs.sweep_spec_of(dataclasses.replace(spec, fingerprint=lm.info.fingerprint)))
+    assert [(r["seed"], r["r"], r["pred"]) for r in res["rows"]] == \
+        [(int(r.seed), int(r.r), r.pred) for r in local.itertuples()]
