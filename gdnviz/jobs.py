@@ -432,7 +432,7 @@ def loss_spec_of(spec: LossJob):
 
 def run_loss(spec: LossJob, ctx: JobContext) -> dict:
     from gdnviz.probes import loss_sweep
-    from gdnviz.probes.sweep import records, resolve_heads
+    from gdnviz.probes.sweep import records, resolve_heads, resolve_ranks
 
     if not spec.documents:
         raise EmptyDocumentSet("loss vs rank needs at least one document: capture a document set first")
@@ -442,11 +442,18 @@ def run_loss(spec: LossJob, ctx: JobContext) -> dict:
     docs = _tokenize_docs(lm, spec.documents, None)
     lspec = loss_spec_of(spec)
     memo = _LossMemo(ctx.store)
-    now = {"text": ""}
+    n = len(docs) * (len(resolve_ranks(lspec.ranks, min(info.d_k, info.d_v))) + len(lspec.rank_maps))
+    done = {"n": 0}
     t0 = time.time()
-    rows = loss_sweep.run_loss_sweep(
-        lm, docs, lspec, store=memo, describe=lambda t: now.update(text=t),
-        progress=lambda d, n: ctx.progress(d, n, f"loss {d:,}/{n:,} (document × setting) · {now['text']}"))
+
+    def describe(text):  # before each (document, setting): say what runs now (and honour a cancel)
+        ctx.progress(done["n"], n, f"{done['n']:,}/{n:,} (document × setting) done · running {text}")
+
+    def progress(d, total):
+        done["n"] = d
+        ctx.progress(d, total, f"{d:,}/{total:,} (document × setting) done")
+
+    rows = loss_sweep.run_loss_sweep(lm, docs, lspec, store=memo, describe=describe, progress=progress)
     rmax = min(info.d_k, info.d_v)
     table = loss_sweep.loss_table(rows, rmax=rmax)
     n_total = len(rows)

@@ -46,7 +46,7 @@ c[0].text_input("Ranks r (comma-separated)", key="ls_ranks",
                      "the baseline of the paired differences")
 c[1].number_input("Copy distance d (tokens)", min_value=0, max_value=1 << 20, step=64, key="ls_dist",
                   help="the copy/induction subsets: predictions whose preceding bigram occurred earlier, with any "
-                       "earlier occurrence (copy, any) or the most recent one (copy, most recent) more than d tokens "
+                       "earlier occurrence (copy (any)) or the most recent one (copy (recent)) more than d tokens "
                        "back. Changing d needs no new model run.")
 ranks: list = []
 try:
@@ -172,8 +172,9 @@ if rec is not None and rec["status"] == "done":
     st.markdown("**Mean next-token loss per r** (nats / token, documents weighted equally), the change vs the "
                 "untouched model ± its paired standard error over documents, and the relative change")
     st.dataframe(LS.seed000_table(tab, int(res["rmax"])), hide_index=True, width="stretch")
-    st.caption(f"Copy subsets, d = {d:,} tokens: the preceding bigram occurred earlier and **any** earlier "
-               f"occurrence (copy, any) / the **most recent** one (copy, most recent) is more than d tokens back. "
+    st.caption(f"**all**: every prediction · copy subsets, d = {d:,} tokens: the preceding bigram occurred "
+               "earlier, and **any** earlier occurrence (copy (any)) / the **most recent** one (copy (recent)) is "
+               "more than d tokens back · "
                + " · ".join(f"{LS.SUBSET_HEADS[s]}: {p:,} predictions in {n} document(s)" for s, (n, p) in
                             sizes.items()))
     if sizes["copy_recent"][0] == 0 or sizes["copy_any"][0] == 0:

@@ -672,17 +672,18 @@ def test_loss_page_runs_through_the_worker_shows_the_table_and_figure(env, popul
     res = Store(cache).job(jid)["result"]
     assert (res["computed"], res["reused"], res["n_results"]) == (4, 0, 4)  # 2 documents x (r = 2, untouched)
     table = at.dataframe[0].value
-    assert list(table.columns) == ["r", "documents"] + [f"{s}: {q}" for s in ("all tokens", "copy, any occurrence",
-                                                                            "copy, most recent")
-                                                        for q in ("loss", "Δ ± SE", "Δ %")]
-    assert table["r"].tolist() == ["2", "16 (untouched)"] and table["documents"].tolist() == [2, 2]
+    assert list(table.columns) == ["r"] + [f"{s}: {q}" for s in ("all", "copy (any)", "copy (recent)")
+                                           for q in ("loss", "Δ ± SE (Δ %)")]
+    assert table["r"].tolist() == ["2", "16 (untouched)"]
     t = {(r["r"], r["subset"]): r for r in res["table"]}
     x = t[(2, "all")]
-    assert table["all tokens: Δ ± SE"][0] == f"{x['delta']:+.4f} ± {x['se']:.4f}".replace("-", "−")
-    assert table["all tokens: loss"][1] == f"{t[(16, 'all')]['loss']:.4f}"
+    assert table["all: Δ ± SE (Δ %)"][0] == f"{x['delta']:+.4f} ± {x['se']:.4f} ({x['delta_pct']:+.2f}%)".replace(
+        "-", "−")
+    assert table["all: loss"][1] == f"{t[(16, 'all')]['loss']:.4f}"
     assert chart_titles(at) == [f"{Path(str(res['model_name'])).name}: next-token loss vs rank"]
     assert {b.proto.label for b in at.get("download_button")} >= {"PNG", "SVG", "CSV", "Per-document losses (CSV)"}
-    assert any("Copy subsets, d = 16 tokens" in c for c in texts(at, "caption"))
+    assert any("copy subsets, d = 16 tokens" in c and "all: " in c and "predictions in 2 document(s)" in c
+               for c in texts(at, "caption"))
 
     # a new session, another head set: the untouched losses come from the store, only r = 2 on layer 3 runs
     at2 = app("loss")

@@ -179,11 +179,14 @@ def test_loss_job_in_the_worker_cancels_resumes_and_refuses_bad_input(tmp_path, 
         spec = jobs.LossJob(model=ck, documents=(("one", short_text(300, 0)), ("two", short_text(260, 3))),
                             ranks=(2, 4), heads="layers:0,1", segment_len=64, min_distance=16)
         jid = _submit(store, spec)
-        t0 = time.time()
+        t0, texts = time.time(), set()
         while (store.job(jid)["progress"] or {}).get("total") != 6 or store.job(jid)["progress"]["done"] < 2:
             assert time.time() - t0 < 180 and store.job(jid)["status"] in ("queued", "running"), store.job(jid)
+            texts.add((store.job(jid)["progress"] or {}).get("text"))
             time.sleep(0.05)
-        assert "document 1/2 'one'" in store.job(jid)["progress"]["text"]
+        # before each (document, setting) the progress says which one runs
+        assert any(t and t.startswith("0/6 (document × setting) done · running document 1/2 'one'") and "r = 2"
+                   in t for t in texts), texts
         store.cancel(jid)
         rec = _wait_status(store, jid, ("cancelled", "failed", "done"))
         assert rec["status"] == "cancelled" and rec["worker_pid"] == p.pid

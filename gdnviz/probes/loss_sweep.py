@@ -266,10 +266,12 @@ def loss_figure(table: pd.DataFrame, title: str | None = None, min_distance: int
     d_txt = f" (d = {min_distance} tokens)" if min_distance is not None else ""
     df["subset_label"] = df["subset"].map(SUBSET_LABELS)
     rmax, n_docs = int(df["r"].max()), int(df.loc[df["subset"] == "all", "n_docs"].max())
-    x = alt.X("r:Q", scale=alt.Scale(type="log", base=2), title="rank r kept per head (log scale)",
-              axis=alt.Axis(values=sorted(df["r"].unique().tolist()), format="d", labelAngle=0))
+    rs = sorted(df["r"].unique().tolist())  # a little room left and right, so the end points are not on the axes
+    x = alt.X("r:Q", scale=alt.Scale(type="log", base=2, domain=[rs[0] / 1.25, rs[-1] * 1.25], nice=False),
+              title="rank r kept per head (log scale)",
+              axis=alt.Axis(values=rs, format="d", labelAngle=0))
     color = alt.Color("subset_label:N", title=f"predictions{d_txt}", sort=[SUBSET_LABELS[s] for s in SUBSETS],
-                      legend=alt.Legend(orient="bottom", direction="vertical"))
+                      legend=alt.Legend(orient="bottom", direction="vertical", labelLimit=0, titleLimit=0))
     tip = [alt.Tooltip("subset_label:N", title="subset"), alt.Tooltip("r:Q"),
            alt.Tooltip("loss:Q", format=".4f", title="loss (nats / token)"),
            alt.Tooltip("delta:Q", format="+.4f", title="Δ vs untouched (nats)"),

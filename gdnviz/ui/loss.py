@@ -14,7 +14,7 @@ import pandas as pd
 #: Seed 000's ranks for the loss probe (the untouched r = min(d_k, d_v) always runs as well).
 DEFAULT_RANKS = (1, 4, 12, 32)
 #: Column heads of the subsets (``gdnviz.probes.loss_sweep.SUBSETS``, in that order).
-SUBSET_HEADS = {"all": "all tokens", "copy_any": "copy, any occurrence", "copy_recent": "copy, most recent"}
+SUBSET_HEADS = {"all": "all", "copy_any": "copy (any)", "copy_recent": "copy (recent)"}
 
 
 def default_ranks_text(rmax: int) -> str:
@@ -44,22 +44,23 @@ def _pm(delta: float, se: float) -> str:
 
 
 def seed000_table(table: pd.DataFrame, rmax: int) -> pd.DataFrame:
-    """Seed 000's layout: one row per setting (each r, then each rank map), for each subset the mean loss
-    (nats / token), "Δ ± paired SE" (nats) and Δ (%) against the untouched model; "—" where a subset is empty."""
+    """Seed 000's layout: one row per setting (each r, then each rank map), for each subset (``SUBSET_HEADS``) the
+    mean loss (nats / token) and "Δ ± paired SE (Δ %)" (nats) against the untouched model; "—" where a subset is
+    empty. (How many documents and predictions each subset holds: ``subset_sizes``.)"""
     out = []
     for (setting, r), g in table.groupby(["setting", "r"], sort=False, dropna=False):
         name = (f"{int(r)} (untouched)" if int(r) == rmax else str(int(r))) if setting == "uniform" \
             else f"map {setting}"
-        row = {"r": name, "documents": int(g.loc[g["subset"] == "all", "n_docs"].iloc[0])}
+        row = {"r": name}
         for sub, head in SUBSET_HEADS.items():
             x = g[g["subset"] == sub].iloc[0]
             empty = int(x["n_docs"]) == 0
             row[f"{head}: loss"] = "—" if empty else f"{x['loss']:.4f}"
-            if setting == "uniform" and int(r) == rmax:
-                row[f"{head}: Δ ± SE"] = row[f"{head}: Δ %"] = "—" if empty else "0"
+            if empty or (setting == "uniform" and int(r) == rmax):
+                row[f"{head}: Δ ± SE (Δ %)"] = "—" if empty else "0"
             else:
-                row[f"{head}: Δ ± SE"] = "—" if empty else _pm(x["delta"], x["se"])
-                row[f"{head}: Δ %"] = "—" if empty else f"{x['delta_pct']:+.2f}%".replace("-", "−")
+                row[f"{head}: Δ ± SE (Δ %)"] = (_pm(x["delta"], x["se"]) + " ("
+                                                 + f"{x['delta_pct']:+.2f}%)".replace("-", "−"))
         out.append(row)
     return pd.DataFrame(out)
 
