@@ -427,7 +427,7 @@ def loss_spec_of(spec: LossJob):
     return LossSweepSpec(
         model=spec.model, ranks=tuple(int(r) for r in spec.ranks) or None, heads=heads or "all",
         rank_maps=tuple((name, tuple(tuple(int(x) for x in e) for e in m)) for name, m in spec.rank_maps),
-        segment_len=int(spec.segment_len), min_distance=int(spec.min_distance), fingerprint=spec.fingerprint or None)
+        segment_len=int(spec.segment_len), min_distance=spec.min_distance, fingerprint=spec.fingerprint or None)
 
 
 def run_loss(spec: LossJob, ctx: JobContext) -> dict:

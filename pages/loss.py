@@ -167,8 +167,9 @@ if rec is not None and rec["status"] == "done":
     d = int(sp["min_distance"])
     sizes = LS.subset_sizes(tab)
     st.markdown(f"**{res['n_results']:,} (document, setting) runs** ({res['computed']:,} computed now, "
-                f"{res['reused']:,} read from the store) · {len(res['documents'])} documents · {res['n_heads']} heads "
-                f"cut · L = {sp['segment_len']} · {res['dtype']} on {res['device']} · {res['kernel_path']} kernels")
+                f"{res['reused']:,} read from the store) · {len(res['documents'])} documents · "
+                f"{res['n_heads']} heads cut · L = {sp['segment_len']} · {res['dtype']} on {res['device']} · "
+                f"{res['kernel_path']} kernels")
     st.markdown("**Mean next-token loss per r** (nats / token, documents weighted equally), the change vs the "
                 "untouched model ± its paired standard error over documents, and the relative change")
     st.dataframe(LS.seed000_table(tab, int(res["rmax"])), hide_index=True, width="stretch")

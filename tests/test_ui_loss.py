@@ -24,14 +24,15 @@ def frame(rows):
 
 
 def test_seed000_table_layout():
-    rows = frame([row(0, "uniform", 4, (99, 2.2), (10, 1.5), (0, 0)), row(1, "uniform", 4, (99, 3.3), (5, 1.0), (0, 0)),
-                  row(0, "uniform", 16, (99, 2.0), (10, 1.0), (0, 0)), row(1, "uniform", 16, (99, 3.0), (5, 1.0), (0, 0)),
-                  row(0, "early", None, (99, 2.1), (10, 1.2), (0, 0)), row(1, "early", None, (99, 3.1), (5, 1.0), (0, 0))])
+    none = (0, 0)  # no prediction in the strict copy subset
+    rows = frame([row(0, "uniform", 4, (99, 2.2), (10, 1.5), none), row(1, "uniform", 4, (99, 3.3), (5, 1.0), none),
+                  row(0, "uniform", 16, (99, 2.0), (10, 1.0), none), row(1, "uniform", 16, (99, 3.0), (5, 1.0), none),
+                  row(0, "early", None, (99, 2.1), (10, 1.2), none), row(1, "early", None, (99, 3.1), (5, 1.0), none)])
     t = LS.seed000_table(loss_table(rows), 16)
     assert t["r"].tolist() == ["4", "16 (untouched)", "map early"]
     # r = 4: differences 0.2 and 0.3 -> mean 0.25, SE = std([0.2, 0.3], ddof=1) / sqrt(2) = 0.05
-    assert list(t.columns) == ["r", "all: loss", "all: Δ ± SE (Δ %)", "copy (any): loss", "copy (any): Δ ± SE (Δ %)",
-                               "copy (recent): loss", "copy (recent): Δ ± SE (Δ %)"]
+    assert list(t.columns) == ["r", "all: loss", "all: Δ ± SE (Δ %)", "copy (any): loss",
+                               "copy (any): Δ ± SE (Δ %)", "copy (recent): loss", "copy (recent): Δ ± SE (Δ %)"]
     assert t["all: loss"][0] == "2.7500" and t["all: Δ ± SE (Δ %)"][0] == "+0.2500 ± 0.0500 (+10.00%)"
     assert t["all: Δ ± SE (Δ %)"][1] == "0" and t["copy (recent): loss"].tolist() == ["—"] * 3
     assert t["copy (recent): Δ ± SE (Δ %)"].tolist() == ["—"] * 3
