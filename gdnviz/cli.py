@@ -5,12 +5,14 @@
     gdnviz sweep MODEL --tasks niah_single_1,vt --lengths 1024,2048 [--ranks 1,4,12,32,128] [--n 20] --out DIR
                  [--heads all|L:H,...|layers:0,1] [--batch 8] [--segment-len 256] [--device] [--dtype]
                  [--via-worker [--cache-dir DIR]]
-    gdnviz loss MODEL DOC.txt [DOC2.txt ...] [--ranks 1,4,12,32,128] --out DIR [--heads ...] [--segment-len 256]
+    gdnviz loss MODEL DOC.txt [DOC2.txt ...] [--ranks 1,4,12,32] --out DIR [--heads ...] [--min-distance 512]
+                [--segment-len 256]
 
 ``sweep`` (``gdnviz.probes.sweep``) writes rows.csv, table.csv, figure.png and settings.json and memoises every
 sample in DIR/cache, so running it again resumes where it stopped (with ``--via-worker`` it runs in the app's
-worker and memoises in the app's store instead, so the app's Sweeps page and the CLI share finished samples); ``loss`` (``gdnviz.probes.loss.loss_vs_rank``)
-writes loss.csv and settings.json.
+worker and memoises in the app's store instead, so the app's Sweeps page and the CLI share finished samples);
+``loss`` (``gdnviz.probes.loss_sweep``) writes loss.csv (per setting, r and subset: all predictions and both copy
+subsets), loss_documents.csv, figure.png and settings.json and memoises every (document, setting) in DIR/cache.
 
 ``capture`` writes one ``<doc>.capture.npz`` per document (``gdnviz.capture.CaptureResult.save``) and a
 ``summary.csv`` with every head's statistics (median and min–max over the documents), with a progress bar.
@@ -277,25 +279,62 @@ def cmd_sweep(args) -> int:
     return 0
 
 
+class _CountingMemo:
+    """A diskcache directory as the mapping ``run_loss_sweep`` memoises in; counts the entries it computed."""
+
+    def __init__(self, directory: Path):
+        import diskcache
+
+        self.cache, self.puts = diskcache.Cache(str(directory)), 0
+
+    def get(self, key):
+        return self.cache.get(key)
+
+    def __setitem__(self, key, value):
+        self.cache[key] = value
+        self.puts += 1
+
+
 def cmd_loss(args) -> int:
-    from gdnviz.documents import read_text_file
-    from gdnviz.probes import sweep
-    from gdnviz.probes.loss import loss_vs_rank
+    """loss.csv (seed 000's table in long form, one row per setting, r and subset), loss_documents.csv (one row
+    per document and setting), figure.png, settings.json; the per-document losses are memoised in DIR/cache, so
+    running it again resumes (and a new --min-distance or head set reuses the untouched losses)."""
+    from gdnviz.documents import read_text_file, tokenize
+    from gdnviz.errors import EmptyDocumentSet
+    from gdnviz.probes import loss_sweep, sweep
 
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
+    if not args.documents:
+        raise EmptyDocumentSet("loss vs rank needs at least one document file")
+    texts = [(Path(d).name, read_text_file(d)) for d in args.documents]
     lm = _load_for_probe(args)
-    rmax = min(lm.info.d_k, lm.info.d_v)
-    ranks = sweep.resolve_ranks(_int_list(args.ranks, "ranks") if args.ranks else None, rmax)
-    heads = sweep.resolve_heads(args.heads, lm.info)
-    docs = [lm.tokenizer(read_text_file(d))["input_ids"] for d in args.documents]
-    df = loss_vs_rank(lm, docs, ranks, heads=heads, segment_len=args.segment_len, min_distance=args.min_distance,
-                      progress=_progress("loss (document x rank)", len(ranks) * len(docs)))
-    df.to_csv(out / "loss.csv", index=False)
+    spec = loss_sweep.LossSweepSpec(model=args.model, ranks=tuple(_int_list(args.ranks, "ranks")) or None,
+                                    heads=args.heads, segment_len=args.segment_len, min_distance=args.min_distance,
+                                    fingerprint=lm.info.fingerprint)
+    docs = [(name, tokenize(lm.tokenizer, text)) for name, text in texts]
+    memo = _CountingMemo(out / "cache")
+    n_set = len(sweep.resolve_ranks(spec.ranks, min(lm.info.d_k, lm.info.d_v)))
+    try:
+        rows = loss_sweep.run_loss_sweep(lm, docs, spec, store=memo,
+                                         progress=_progress("loss (document x setting)", n_set * len(docs)))
+    finally:
+        memo.cache.close()
+    table = loss_sweep.loss_table(rows, rmax=min(lm.info.d_k, lm.info.d_v))
+    print(f"loss: {memo.puts} (document, setting) runs computed, {len(rows) - memo.puts} from the memo "
+          f"({out / 'cache'})", file=sys.stderr)
+    table.to_csv(out / "loss.csv", index=False)
+    rows.to_csv(out / "loss_documents.csv", index=False)
     (out / "settings.json").write_text(json.dumps(dict(
-        model=lm.info.to_dict(), documents=[str(d) for d in args.documents], ranks=ranks, heads=args.heads,
-        segment_len=args.segment_len, min_distance=args.min_distance), indent=2, default=str))
-    print(df.to_string(index=False))
+        spec=spec.to_dict(), model=lm.info.to_dict(), documents=[dict(file=str(d), tokens=len(ids)) for d, (_, ids)
+                                                                 in zip(args.documents, docs)],
+        version=loss_sweep.VERSION), indent=2, default=str))
+    try:
+        loss_sweep.loss_figure(table, title=f"{lm.info.name}: next-token loss vs rank",
+                               min_distance=args.min_distance).save(str(out / "figure.png"))
+    except ImportError as e:  # altair / vl-convert absent (e.g. a bare GPU image): the CSVs are the result
+        print(f"figure.png not written ({e}); loss.csv is complete.", file=sys.stderr)
+    print(table.to_string(index=False))
     return 0
 
 
@@ -344,9 +383,12 @@ def main(argv=None) -> int:
     sp.set_defaults(fn=cmd_sweep)
     sp = sub.add_parser("loss", parents=[common], help="next-token loss vs truncation rank over documents")
     sp.add_argument("documents", nargs="+", help="UTF-8 text files")
-    sp.add_argument("--ranks", default="", help="comma-separated ranks (default 1,4,12,32,128 up to d_k)")
+    sp.add_argument("--ranks", default="", help="comma-separated ranks (default 1,4,12,32 below min(d_k, d_v)); "
+                                                 "the untouched model always runs")
     sp.add_argument("--heads", default="all", help="all | layer:head,... | layers:0,1")
-    sp.add_argument("--min-distance", type=int, default=512, help="copy subset: bigram seen more than this earlier")
+    sp.add_argument("--min-distance", type=int, default=512,
+                    help="d of the copy subsets (tokens): the preceding bigram occurred earlier, any occurrence "
+                         "(copy_any) or the most recent one (copy_recent) more than d tokens back")
     sp.add_argument("--out", required=True, help="output folder")
     sp.add_argument("--segment-len", type=int, default=256)
     sp.add_argument("--device", default="auto")

@@ -42,6 +42,10 @@ class DocumentTooLong(GDNVizError):
     """A document has more tokens than the configured limit."""
 
 
+class DocumentTooShort(GDNVizError):
+    """A document has fewer tokens than a probe needs (e.g. no prediction after the first segment boundary)."""
+
+
 class RankOutOfRange(GDNVizError):
     """A truncation rank is outside 1..min(d_k, d_v)."""
 

@@ -12,7 +12,11 @@ spec                   result (a JSON-able dict; big arrays live in the memo)
 InspectModelJob        what ``gdnviz.models.inspect_model`` finds + fingerprint, resolved device/dtype, kernel path
 CaptureJob             ``run_id`` of a "previous runs" entry; one memo entry per document (CaptureResult bytes)
 TruncateCompareJob     untouched vs truncated greedy answers, RULER scores, next-token loss change on documents
-LossJob                ``loss_vs_rank`` table (records) for a document set
+                       (mean of per-document means; none when no documents are given)
+LossJob                loss vs r over documents (``gdnviz.probes.loss_sweep``): per-document rows and seed 000's
+                       table (records) + settings; every (document, setting)'s per-token losses are one memo entry
+                       (key: ``gdnviz.probes.loss_sweep.doc_key``), so the job resumes and shares the untouched
+                       losses across head sets
 SweepJob               RULER score vs r (``gdnviz.probes.sweep``): rows and seed 000's table (records) + settings;
                        every (task, length, setting, sample) result is its own memo entry (key:
                        ``gdnviz.probes.sweep.cell_key``), so a cancelled or crashed sweep resumes where it
@@ -21,7 +25,8 @@ SweepJob               RULER score vs r (``gdnviz.probes.sweep``): rows and seed
 
 Memo keys (``cache_key``) hash what determines a result: the computation version, the model fingerprint, the
 token ids, the segment length, the resolved dtype and device type, and the job's parameters. A sweep's cells are
-keyed by ``gdnviz.probes.sweep.cell_key`` alone.
+keyed by ``gdnviz.probes.sweep.cell_key`` alone, a loss sweep's per-document entries by
+``gdnviz.probes.loss_sweep.doc_key``.
 """
 from __future__ import annotations
 
@@ -40,8 +45,7 @@ from gdnviz.store import Store, content_hash
 #: cells: ``gdnviz.probes.sweep.VERSION``).
 VERSIONS = {
     "capture": "capture-v1/jobs-1",
-    "truncate": "truncate-compare-v2",
-    "loss": "loss-vs-rank-v1",
+    "truncate": "truncate-compare-v3",
 }
 
 
@@ -75,7 +79,8 @@ class TruncateCompareJob:
 
     ranks: ((layer, head, r), ...). The prompt is ``prompt`` (typed text) unless ``task`` names a RULER task, in
     which case a sample of ``target_len`` tokens with ``seed`` is generated with the model's tokenizer.
-    loss_documents: ((name, text), ...) whose mean next-token loss is measured both ways (empty: the prompt).
+    loss_documents: ((name, text), ...) whose mean next-token loss is measured both ways (empty: no loss is
+    computed, and the result's ``loss`` is None and ``losses`` empty).
     """
 
     kind: ClassVar[str] = "truncate"
@@ -95,14 +100,22 @@ class TruncateCompareJob:
 
 @dataclass(frozen=True)
 class LossJob:
-    """Mean next-token loss of a document set vs r (all GDN heads, or ``heads`` = ((layer, head), ...))."""
+    """Loss vs rank over a document set (``gdnviz.probes.loss_sweep``). documents: ((name, text), ...).
+
+    ranks: () = 1, 4, 12, 32 below min(d_k, d_v); the untouched r always runs. heads: "all", "layers:0,1",
+    "L:H,L:H" or ((layer, head), ...). rank_maps: ((name, ((layer, head, r), ...)), ...). min_distance: d of the
+    copy subsets (tokens). fingerprint: when given, the loaded model must have it.
+    """
 
     kind: ClassVar[str] = "loss"
     model: str
     documents: tuple
-    ranks: tuple = (1, 4, 12, 32)
-    heads: tuple = ()
+    ranks: tuple = ()
+    heads: Any = "all"
+    rank_maps: tuple = ()
     segment_len: int = 256
+    min_distance: int = 512
+    fingerprint: str = ""
     device: str = "auto"
     dtype: str = "auto"
 
@@ -344,7 +357,7 @@ def run_truncate(spec: TruncateCompareJob, ctx: JobContext) -> dict:
         prompt_text = check_text("the prompt", spec.prompt)
         prompt_ids = tokenize(lm.tokenizer, prompt_text)
         max_new = int(spec.max_new_tokens)
-    loss_docs = _tokenize_docs(lm, spec.loss_documents, None) if spec.loss_documents else [("prompt", prompt_ids)]
+    loss_docs = _tokenize_docs(lm, spec.loss_documents, None) if spec.loss_documents else []
     dev_type = info.device.split(":")[0]
     params = dict(ranks=[list(x) for x in tspec.to_list()], max_new=max_new, L=spec.segment_len, dtype=info.dtype,
                   device=dev_type, task=spec.task, refs=refs, loss_docs=[n for n, _ in loss_docs])
@@ -369,14 +382,17 @@ def run_truncate(spec: TruncateCompareJob, ctx: JobContext) -> dict:
     if refs:
         scores = dict(untouched=ruler.score(spec.task, [g0.text], [refs]),
                       truncated=ruler.score(spec.task, [g1.text], [refs]))
-    n_pred = sum(l["n_predictions"] for l in losses)
-    tot0 = sum(l["loss_untouched"] * l["n_predictions"] for l in losses) / max(1, n_pred)
-    tot1 = sum(l["loss_truncated"] * l["n_predictions"] for l in losses) / max(1, n_pred)
+    loss = None
+    if losses:  # documents weighted equally, as in gdnviz.probes.loss_sweep: the mean of per-document means
+        tot0 = float(np.mean([l["loss_untouched"] for l in losses]))
+        tot1 = float(np.mean([l["loss_truncated"] for l in losses]))
+        loss = dict(untouched=tot0, truncated=tot1, delta=tot1 - tot0,
+                    n_predictions=sum(l["n_predictions"] for l in losses), n_documents=len(losses))
     result = dict(
         prompt=prompt_text, prompt_tokens=len(prompt_ids), task=spec.task, references=refs,
         untouched=dict(text=g0.text, tokens=g0.tokens), truncated=dict(text=g1.text, tokens=g1.tokens),
         scores=scores, losses=losses,
-        loss=dict(untouched=tot0, truncated=tot1, delta=tot1 - tot0, n_predictions=n_pred),
+        loss=loss,
         n_heads=len(tspec), ranks=tspec.to_list(), segment_len=spec.segment_len, max_new_tokens=max_new,
         boundaries_in_prompt=len(prompt_ids) // spec.segment_len, model=info.name, fingerprint=info.fingerprint,
         dtype=info.dtype, device=info.device, kernel_path=info.kernel_path, memo_key=key,
@@ -388,25 +404,67 @@ def run_truncate(spec: TruncateCompareJob, ctx: JobContext) -> dict:
     return result
 
 
-def run_loss(spec: LossJob, ctx: JobContext) -> dict:
-    from gdnviz.probes.loss import loss_vs_rank
+class _LossMemo:
+    """The store's memo as the mapping ``run_loss_sweep`` keeps its per-document losses in (bytes entries, checksummed
+    by the store); counts the entries it computed."""
 
+    def __init__(self, store: Store):
+        self.store, self.puts = store, 0
+
+    def get(self, key: str):
+        return self.store.memo_get(key)
+
+    def __setitem__(self, key: str, value: bytes) -> None:
+        self.store.memo_put(key, value)
+        self.puts += 1
+
+
+def loss_spec_of(spec: LossJob):
+    """The library's ``LossSweepSpec`` of a job spec."""
+    from gdnviz.probes.loss_sweep import LossSweepSpec
+
+    heads = spec.heads if isinstance(spec.heads, str) else tuple(tuple(int(x) for x in lh) for lh in spec.heads)
+    return LossSweepSpec(
+        model=spec.model, ranks=tuple(int(r) for r in spec.ranks) or None, heads=heads or "all",
+        rank_maps=tuple((name, tuple(tuple(int(x) for x in e) for e in m)) for name, m in spec.rank_maps),
+        segment_len=int(spec.segment_len), min_distance=spec.min_distance, fingerprint=spec.fingerprint or None)
+
+
+def run_loss(spec: LossJob, ctx: JobContext) -> dict:
+    from gdnviz.probes import loss_sweep
+    from gdnviz.probes.sweep import records, resolve_heads, resolve_ranks
+
+    if not spec.documents:
+        raise EmptyDocumentSet("loss vs rank needs at least one document: capture a document set first")
     ctx.progress(0, 1, "loading the model")
     lm = ctx.model(spec.model, spec.device, spec.dtype)
     info = lm.info
     docs = _tokenize_docs(lm, spec.documents, None)
-    heads = [tuple(h) for h in spec.heads] or None
-    dev_type = info.device.split(":")[0]
-    key = cache_key("loss", info.fingerprint, dict(ranks=sorted(spec.ranks), heads=spec.heads, L=spec.segment_len,
-                                                   dtype=info.dtype, device=dev_type), [ids for _, ids in docs])
-    hit = ctx.store.memo_get_json(key)
-    if hit is not None:
-        return dict(hit, memo_hit=True)
-    df = loss_vs_rank(lm, [ids for _, ids in docs], spec.ranks, heads=heads, segment_len=spec.segment_len,
-                      progress=lambda d, n: ctx.progress(d, n, f"loss vs r: run {d}/{n}"))
-    result = dict(table=df.to_dict(orient="records"), memo_key=key, n_documents=len(docs))
-    ctx.store.memo_put_json(key, result)
-    return dict(result, memo_hit=False)
+    lspec = loss_spec_of(spec)
+    memo = _LossMemo(ctx.store)
+    n = len(docs) * (len(resolve_ranks(lspec.ranks, min(info.d_k, info.d_v))) + len(lspec.rank_maps))
+    done = {"n": 0}
+    t0 = time.time()
+
+    def describe(text):  # before each (document, setting): say what runs now (and honour a cancel)
+        ctx.progress(done["n"], n, f"{done['n']:,}/{n:,} (document × setting) done · running {text}")
+
+    def progress(d, total):
+        done["n"] = d
+        ctx.progress(d, total, f"{d:,}/{total:,} (document × setting) done")
+
+    rows = loss_sweep.run_loss_sweep(lm, docs, lspec, store=memo, describe=describe, progress=progress)
+    rmax = min(info.d_k, info.d_v)
+    table = loss_sweep.loss_table(rows, rmax=rmax)
+    n_total = len(rows)
+    ctx.progress(n_total, n_total, "done")
+    return dict(
+        rows=records(rows), table=records(table), settings=dict(lspec.to_dict(), fingerprint=info.fingerprint),
+        version=loss_sweep.VERSION, model=info.to_dict(), model_name=spec.model, rmax=rmax,
+        ranks=sorted({int(r) for r in rows["r"].dropna()}), n_heads=len(resolve_heads(lspec.heads, info)),
+        documents=[dict(name=n, n_tokens=len(ids)) for n, ids in docs], computed=memo.puts,
+        reused=n_total - memo.puts, n_results=n_total, seconds=round(time.time() - t0, 3), dtype=info.dtype,
+        device=info.device, kernel_path=info.kernel_path)
 
 
 class _SweepMemo:

@@ -148,8 +148,9 @@ c = st.columns([1, 3])
 c[0].number_input("New tokens (0 = the task's own)", min_value=0, max_value=4096, step=8, key="tr_max_new")
 if run is not None:
     c[1].checkbox(f"Also measure the next-token loss change on the run's {len(run['documents'])} document(s)",
-                  key="tr_loss_docs", help="mean loss of the untouched and the truncated model over the documents "
-                                           "of the current capture (otherwise: over the prompt)")
+                  key="tr_loss_docs", help="mean next-token loss of the untouched and the truncated model over the "
+                                           "documents of the current capture (documents weighted equally); "
+                                           "unticked, no loss is computed")
 if prompt_tokens is not None and prompt_tokens <= L:
     st.warning(f"The prompt is about {prompt_tokens:,} tokens, not more than one segment (L = {L}): no boundary "
                "falls inside it, so the truncation can only act once generation crosses a boundary. Use a longer "
@@ -204,21 +205,27 @@ if rec is not None and rec["status"] == "done":
     if res["references"]:
         st.caption("Expected answer(s): " + ", ".join(f"`{r}`" for r in res["references"]))
     lo = res["loss"]
-    st.markdown("**Next-token loss** " + ("on the run's documents" if len(res["losses"]) and
-                                          res["losses"][0]["document"] != "prompt" else "on the prompt"))
-    m = st.columns(3)
-    m[0].metric("Untouched (nats / token)", f"{lo['untouched']:.4f}")
-    m[1].metric("Truncated (nats / token)", f"{lo['truncated']:.4f}", delta=f"{lo['delta']:+.4f}",
-                delta_color="inverse")
-    m[2].metric("Relative change", f"{100 * lo['delta'] / lo['untouched']:+.2f}%" if lo["untouched"] else "n/a")
-    ld = pd.DataFrame([{k: v for k, v in l.items() if k not in ("positions", "delta_along")} for l in res["losses"]])
-    st.dataframe(ld.rename(columns={"loss_untouched": "loss untouched (nats)", "loss_truncated": "loss truncated (nats)",
-                                    "delta": "Δ loss (nats)", "n_predictions": "predictions",
-                                    "n_tokens": "tokens"}).drop(columns=["block"]),
-                 hide_index=True, width="stretch")
-    along = pd.DataFrame([dict(document=l["document"], position=p, delta=d) for l in res["losses"]
-                          for p, d in zip(l["positions"], l["delta_along"])])
-    if len(along):
-        C.chart(F.loss_delta_chart(along), along, "loss_change_along", key="tr_loss_chart")
+    if lo is None:
+        st.caption("Next-token loss: not measured" + (" (tick *Also measure the next-token loss change* above to "
+                                                       "measure it on the run's documents)." if run is not None
+                                                       else " (it is measured on the documents of a capture)."))
+    else:
+        st.markdown(f"**Next-token loss** on the run's {lo['n_documents']} document(s) (mean of the per-document "
+                    "means)")
+        m = st.columns(3)
+        m[0].metric("Untouched (nats / token)", f"{lo['untouched']:.4f}")
+        m[1].metric("Truncated (nats / token)", f"{lo['truncated']:.4f}", delta=f"{lo['delta']:+.4f}",
+                    delta_color="inverse")
+        m[2].metric("Relative change", f"{100 * lo['delta'] / lo['untouched']:+.2f}%" if lo["untouched"] else "n/a")
+        ld = pd.DataFrame([{k: v for k, v in l.items() if k not in ("positions", "delta_along")}
+                           for l in res["losses"]])
+        st.dataframe(ld.rename(columns={"loss_untouched": "loss untouched (nats)",
+                                        "loss_truncated": "loss truncated (nats)", "delta": "Δ loss (nats)",
+                                        "n_predictions": "predictions", "n_tokens": "tokens"}).drop(columns=["block"]),
+                     hide_index=True, width="stretch")
+        along = pd.DataFrame([dict(document=l["document"], position=p, delta=d) for l in res["losses"]
+                              for p, d in zip(l["positions"], l["delta_along"])])
+        if len(along):
+            C.chart(F.loss_delta_chart(along), along, "loss_change_along", key="tr_loss_chart")
     with st.expander(f"The prompt ({res['prompt_tokens']:,} tokens)"):
         st.code(res["prompt"], language=None, wrap_lines=True, height=300)

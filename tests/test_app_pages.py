@@ -468,7 +468,7 @@ def test_cache_budget(env, populated):
 # =============================================================================================================
 # Empty states, previous runs, corrupt results
 # =============================================================================================================
-@pytest.mark.parametrize("page", ["heatmap", "head", "overview", "truncate", "budget"])
+@pytest.mark.parametrize("page", ["heatmap", "head", "overview", "truncate", "budget", "loss"])
 def test_empty_states_say_what_to_do(env, tmp_path, page):
     env(tmp_path / "empty")
     at = app(page)
@@ -568,6 +568,146 @@ def test_truncate_and_compare_runs(env, populated):
     labels = [m.label for m in at.metric]
     assert labels.count("RULER score (string match, %)") == 2 and "Truncated (nats / token)" in labels
     assert chart_titles(at) == ["Loss change along the document"]
+
+
+def test_truncate_loss_box_unticked_computes_no_loss(env, populated):
+    """Unticked, the job gets no loss documents, computes no loss (not even on the prompt) and the page shows none."""
+    cache, run = populated
+    env(cache)
+    at = app("truncate")
+    at.run()
+    assert at.checkbox(key="tr_loss_docs").value  # ticked by default when there is a run
+    at.number_input(key="tr_g0_r").set_value(1)
+    at.number_input(key="tr_target_len").set_value(400)
+    at.number_input(key="tr_max_new").set_value(6)
+    at.checkbox(key="tr_loss_docs").uncheck().run()
+    at.button(key="tr_run").click().run()
+    jid = at.session_state["truncate_job"]
+    assert list(Store(cache).job(jid)["spec"]["loss_documents"]) == []
+    work(cache)
+    at.run()
+    assert not at.exception
+    res = Store(cache).job(jid)["result"]
+    assert res["loss"] is None and res["losses"] == [] and res["scores"]
+    labels = [m.label for m in at.metric]
+    assert "RULER score (string match, %)" in labels and not any("nats" in l or "Relative" in l for l in labels)
+    assert chart_titles(at) == [] and not at.dataframe
+    assert any(c.startswith("Next-token loss: not measured (tick") for c in texts(at, "caption"))
+    # ticked: the loss on the run's documents, the mean of the per-document means
+    at.checkbox(key="tr_loss_docs").check().run()
+    at.button(key="tr_run").click().run()
+    work(cache)
+    at.run()
+    res = Store(cache).job(at.session_state["truncate_job"])["result"]
+    assert [l["document"] for l in res["losses"]] == ["alpha", "beta"] and res["loss"]["n_documents"] == 2
+    assert res["loss"]["untouched"] == pytest.approx(sum(l["loss_untouched"] for l in res["losses"]) / 2)
+    assert "Truncated (nats / token)" in [m.label for m in at.metric]
+    assert any("on the run's 2 document(s) (mean of the per-document means)" in m for m in texts(at, "markdown"))
+
+
+# =============================================================================================================
+# Loss vs rank
+# =============================================================================================================
+def test_loss_page_bad_input_is_refused_with_specific_messages(env, populated, tmp_path, tiny_checkpoint):
+    cache, run = populated
+    env(cache)
+    store = Store(cache)
+    queued = store.queued_count()
+    at = app("loss")
+    at.run()
+    assert not at.exception
+    assert at.text_input(key="ls_ranks").value == "1, 4, 12" and at.number_input(key="ls_dist").value == 512
+    assert not texts(at, "error") and not at.button(key="ls_run").proto.disabled
+    assert any("2 document(s) × (4 ranks (1, 4, 12, 16 = untouched)) = **8 forward passes**" in c
+               for c in texts(at, "caption")), texts(at, "caption")
+    # a distance longer than every document: the page says the copy subsets will be empty
+    longest = max(d["n_tokens"] for d in run["documents"])
+    at.number_input(key="ls_dist").set_value(longest).run()
+    assert any(f"Every document has at most {longest + 2:,} tokens" in w and "both copy subsets are empty" in w
+               for w in texts(at, "warning")), texts(at, "warning")
+    at.number_input(key="ls_dist").set_value(16).run()
+    assert not any("copy subsets are empty" in w for w in texts(at, "warning"))
+    for ranks, message in (("0, 4", "rank 0 is outside 1..16"), ("4, 17", "rank 17 is outside 1..16"),
+                           ("4, x", "'x' is not one"), ("", "No ranks given")):
+        at.text_input(key="ls_ranks").input(ranks).run()
+        assert any(message in e for e in texts(at, "error")), (ranks, texts(at, "error"))
+        assert at.button(key="ls_run").proto.disabled
+    at.text_input(key="ls_ranks").input("4").run()
+    at.selectbox(key="ls_heads").set_value("picked").run()
+    assert any("No heads in this set" in e for e in texts(at, "error")) and at.button(key="ls_run").proto.disabled
+    at.selectbox(key="ls_heads").set_value("layers").run()
+    at.multiselect(key="ls_layers").select(3).run()
+    assert not texts(at, "error") and any("**4 of 12 heads** cut to each r" in c for c in texts(at, "caption"))
+    at.text_area(key="ls_rank_maps").input("early: 3:0:99").run()
+    assert any("r = 99 for head 3:0 is outside 1..16" in e for e in texts(at, "error"))
+    at.text_area(key="ls_rank_maps").input("early: 3:0:1").run()
+    assert any("+ 1 rank map(s)) = **6 forward passes**" in c for c in texts(at, "caption"))
+    assert store.queued_count() == queued and "loss_job" not in at.session_state
+    # a run holding a document too short for one prediction after the first boundary (L + 2 = 66 tokens)
+    short = env(tmp_path / "short")
+    capture(short, tiny_checkpoint, (("long", short_text(300, 0)), ("brief", "Just a few words here.")))
+    at = app("loss")
+    at.run()
+    errs = texts(at, "error")
+    assert any("Document 'brief' has" in e and "needs at least 66 (segment length L = 64 + 2)" in e for e in errs)
+    assert not any("'long'" in e for e in errs) and at.button(key="ls_run").proto.disabled
+
+
+def test_loss_page_runs_through_the_worker_shows_the_table_and_figure(env, populated):
+    cache, run = populated
+    env(cache)
+    at = app("loss")
+    at.run()
+    at.text_input(key="ls_ranks").input("2")
+    at.number_input(key="ls_dist").set_value(16).run()
+    at.button(key="ls_run").click().run()
+    jid = at.session_state["loss_job"]
+    rec = Store(cache).job(jid)
+    assert rec["kind"] == "loss" and rec["status"] == "queued" and at.button(key="ls_run").proto.disabled
+    assert [d[0] for d in rec["spec"]["documents"]] == ["alpha", "beta"] and rec["spec"]["min_distance"] == 16
+    assert any("Loss vs rank: queued" in t for t in progress(at))
+    assert work(cache) == 1
+    at.run()
+    assert not at.exception
+    res = Store(cache).job(jid)["result"]
+    assert (res["computed"], res["reused"], res["n_results"]) == (4, 0, 4)  # 2 documents x (r = 2, untouched)
+    table = at.dataframe[0].value
+    assert list(table.columns) == ["r"] + [f"{s}: {q}" for s in ("all", "copy (any)", "copy (recent)")
+                                           for q in ("loss", "Δ ± SE (Δ %)")]
+    assert table["r"].tolist() == ["2", "16 (untouched)"]
+    t = {(r["r"], r["subset"]): r for r in res["table"]}
+    x = t[(2, "all")]
+    assert table["all: Δ ± SE (Δ %)"][0] == f"{x['delta']:+.4f} ± {x['se']:.4f} ({x['delta_pct']:+.2f}%)".replace(
+        "-", "−")
+    assert table["all: loss"][1] == f"{t[(16, 'all')]['loss']:.4f}"
+    assert chart_titles(at) == [f"{Path(str(res['model_name'])).name}: next-token loss vs rank"]
+    assert {b.proto.label for b in at.get("download_button")} >= {"PNG", "SVG", "CSV", "Per-document losses (CSV)"}
+    assert any("copy subsets, d = 16 tokens" in c and "all: " in c and "predictions in 2 document(s)" in c
+               for c in texts(at, "caption"))
+
+    # a new session, another head set: the untouched losses come from the store, only r = 2 on layer 3 runs
+    at2 = app("loss")
+    at2.run()
+    at2.text_input(key="ls_ranks").input("2")
+    at2.number_input(key="ls_dist").set_value(16)
+    at2.selectbox(key="ls_heads").set_value("layers").run()
+    at2.multiselect(key="ls_layers").select(3).run()
+    at2.button(key="ls_run").click().run()
+    work(cache)
+    at2.run()
+    res2 = Store(cache).job(at2.session_state["loss_job"])["result"]
+    assert (res2["computed"], res2["reused"]) == (2, 2) and res2["n_heads"] == 4
+    assert [r for r in res2["table"] if r["r"] == 16] == [r for r in res["table"] if r["r"] == 16]
+    assert any("2 computed now, 2 read from the store" in m for m in texts(at2, "markdown"))
+
+    # a third session reopens the first result from the list, without running anything
+    at3 = app("loss")
+    at3.run()
+    sb = at3.selectbox(key="ls_prev")
+    assert len(sb.options) == 2 and sb.value is None
+    sb.set_value(jid).run()
+    assert at3.session_state["loss_job"] == jid and not at3.exception
+    assert at3.dataframe[0].value["r"].tolist() == ["2", "16 (untouched)"]
 
 
 # =============================================================================================================

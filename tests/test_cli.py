@@ -136,3 +136,44 @@ def test_sweep_outputs_without_altair_keep_the_csvs(tmp_path, capsys, monkeypatc
     _write_sweep_outputs(tmp_path, rows, table, {"spec": {}}, "tiny")
     assert {p.name for p in tmp_path.iterdir()} == {"rows.csv", "table.csv", "settings.json"}
     assert "figure.png not written" in capsys.readouterr().err
+
+
+def test_loss_writes_both_copy_subsets_and_resumes(tmp_path, capsys):
+    """`gdnviz loss`: loss.csv holds every r on all predictions and on both copy subsets (copy_any, copy_recent),
+    loss_documents.csv one row per document and setting; the same command again computes nothing; bad input is a
+    message (exit 2), not a traceback."""
+    import pandas as pd
+
+    from gdnviz.cli import main
+
+    ckpt = tiny_qwen35_checkpoint(tmp_path)
+    docs = []
+    for i, text in enumerate(("the cat sat on the mat and the dog sat on the log. " * 12,
+                              "one two three four five six seven eight nine ten. " * 10)):
+        docs.append(tmp_path / f"d{i}.txt")
+        docs[-1].write_text(text)
+    args = ["loss", str(ckpt), *map(str, docs), "--ranks", "2", "--segment-len", "64", "--min-distance", "40",
+            "--device", "cpu", "--dtype", "float32", "--out", str(tmp_path / "o")]
+    assert main(args) == 0
+    assert "4 (document, setting) runs computed, 0 from the memo" in capsys.readouterr().err
+    o = tmp_path / "o"
+    assert {p.name for p in o.iterdir()} == {"loss.csv", "loss_documents.csv", "figure.png", "settings.json",
+                                             "cache"}
+    t = pd.read_csv(o / "loss.csv")
+    assert t["r"].tolist() == [2, 2, 2, 16, 16, 16]
+    assert t["subset"].tolist() == ["all", "copy_any", "copy_recent"] * 2
+    # periodic text: every bigram was seen more than 40 tokens back, but always also one period (< 40) back, so
+    # the strict reading is empty (no documents, no numbers) while the other holds most predictions
+    assert t["n_docs"].tolist() == [2, 2, 0, 2, 2, 0] and t.loc[t.n_docs == 0, "loss"].isna().all()
+    assert (t.loc[t.r == 16, ["delta", "se"]].iloc[:2] == 0).all().all()
+    rows = pd.read_csv(o / "loss_documents.csv")
+    assert len(rows) == 4 and (rows["n_copy_recent"] == 0).all() and (rows["n_copy_any"] > 0).all()
+    assert json.loads((o / "settings.json").read_text())["spec"]["min_distance"] == 40
+    assert main(args) == 0
+    assert "0 (document, setting) runs computed, 4 from the memo" in capsys.readouterr().err
+    assert pd.read_csv(o / "loss.csv").equals(t)
+    assert main([*args[:-2], "--out", str(tmp_path / "x"), "--ranks", "17"]) == 2
+    err = capsys.readouterr().err
+    assert "RankOutOfRange" in err and "rank 17 is outside 1..16" in err
+    assert main([*args[:-2], "--out", str(tmp_path / "x"), "--segment-len", "4096"]) == 2
+    assert "DocumentTooShort" in capsys.readouterr().err

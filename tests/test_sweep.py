@@ -185,8 +185,11 @@ def test_cli_loss_in_process(ckpt, tmp_path, capsys):
     assert main(["loss", str(ckpt), str(doc), "--ranks", "2", "--segment-len", "64", "--min-distance", "64",
                  "--out", str(out), "--device", "cpu", "--dtype", "float32"]) == 0
     df = pd.read_csv(out / "loss.csv")
-    assert df["r"].tolist() == [2, 16] and df.loc[df.r == 16, "delta"].item() == 0 and df["n_copy"].min() > 0
-    assert json.loads((out / "settings.json").read_text())["ranks"] == [2, 16]
+    assert df["r"].tolist() == [2] * 3 + [16] * 3 and (df.loc[(df.r == 16) & (df.n_docs > 0), "delta"] == 0).all()
+    # periodic text: copies more than 64 back (copy_any), but never only that far back (copy_recent is empty)
+    assert df.loc[df.subset == "copy_any", "n_predictions"].min() > 0
+    assert (df.loc[df.subset == "copy_recent", "n_docs"] == 0).all()
+    assert json.loads((out / "settings.json").read_text())["spec"]["ranks"] == [2]
     assert main(["loss", str(ckpt), str(doc), "--ranks", "32", "--out", str(out), "--device", "cpu"]) == 2
     assert "RankOutOfRange" in capsys.readouterr().err
 

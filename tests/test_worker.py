@@ -162,6 +162,60 @@ def test_cancelled_sweep_resumes_where_it_stopped(tmp_path, tiny_checkpoint):
 
 
 @pytest.mark.slow
+def test_loss_job_in_the_worker_cancels_resumes_and_refuses_bad_input(tmp_path, tiny_checkpoint):
+    """A LossJob in a real worker process (every progress step slowed by the test hook): progress per (document,
+    setting), Cancel stops it with the finished entries stored, the same job again computes only the rest, a third
+    time nothing; a too-short document and an out-of-range r fail with their messages."""
+    from gdnviz.probes import loss_sweep
+
+    d = tmp_path / "cache"
+    store = Store(d)
+    p = subprocess.Popen([sys.executable, "-m", "gdnviz.worker", "--cache-dir", str(d), "--poll", "0.05"],
+                         cwd=str(ROOT), env=_env(GDNVIZ_TEST_JOB_DELAY="0.3"), stdout=subprocess.DEVNULL,
+                         stderr=subprocess.STDOUT)
+    try:
+        _wait_heartbeat(store, p.pid)
+        ck = str(tiny_checkpoint)
+        spec = jobs.LossJob(model=ck, documents=(("one", short_text(300, 0)), ("two", short_text(260, 3))),
+                            ranks=(2, 4), heads="layers:0,1", segment_len=64, min_distance=16)
+        jid = _submit(store, spec)
+        t0, texts = time.time(), set()
+        while (store.job(jid)["progress"] or {}).get("total") != 6 or store.job(jid)["progress"]["done"] < 2:
+            assert time.time() - t0 < 180 and store.job(jid)["status"] in ("queued", "running"), store.job(jid)
+            texts.add((store.job(jid)["progress"] or {}).get("text"))
+            time.sleep(0.05)
+        # before each (document, setting) the progress says which one runs
+        assert any(t and t.startswith("0/6 (document × setting) done · running document 1/2 'one'") and "r = 2"
+                   in t for t in texts), texts
+        store.cancel(jid)
+        rec = _wait_status(store, jid, ("cancelled", "failed", "done"))
+        assert rec["status"] == "cancelled" and rec["worker_pid"] == p.pid
+        rec = store.wait(_submit(store, spec), timeout=300)
+        assert rec["status"] == "done", rec["error"]
+        res = rec["result"]
+        assert res["n_results"] == 6 and res["reused"] >= 2 and res["computed"] == 6 - res["reused"]
+        assert res["ranks"] == [2, 4, 16] and res["n_heads"] == 8 and res["settings"]["min_distance"] == 16
+        rows, table = loss_sweep.rows_frame(res["rows"]), loss_sweep.table_frame(res["table"])
+        import pandas as pd
+
+        pd.testing.assert_frame_equal(table, loss_sweep.loss_table(rows, rmax=16))  # the library's table
+        assert list(table.columns) == loss_sweep.TABLE_COLUMNS and len(table) == 9
+        again = store.wait(_submit(store, spec), timeout=120)["result"]
+        assert (again["computed"], again["reused"]) == (0, 6) and again["table"] == res["table"]
+        bad = [(jobs.LossJob(model=ck, documents=(("one", short_text(300, 0)), ("tiny", "a few words")),
+                             segment_len=64), "DocumentTooShort", "document 'tiny' has"),
+               (jobs.LossJob(model=ck, documents=(("one", short_text(300, 0)),), ranks=(17,), segment_len=64),
+                "RankOutOfRange", "rank 17 is outside 1..16"),
+               (jobs.LossJob(model=ck, documents=(), segment_len=64), "EmptyDocumentSet", "at least one document")]
+        for spec, etype, text in bad:
+            rec = store.wait(_submit(store, spec), timeout=120)
+            assert rec["status"] == "failed" and rec["error_type"] == etype and text in rec["error"], rec
+    finally:
+        p.terminate()
+        p.wait(20)
+
+
+@pytest.mark.slow
 def test_library_errors_become_messages(worker, tiny_checkpoint, tmp_path):
     store, proc = worker
     ck = str(tiny_checkpoint)

@@ -1,24 +1,33 @@
-"""Next-token loss under truncation (seed 000 §3, "Perplexity says the residue is dead").
+"""Next-token loss of one document and its copy/induction subsets (seed 000 §3, "Perplexity says the residue is
+dead"). The sweep over documents x ranks is ``gdnviz.probes.loss_sweep``.
 
 ``token_nll`` gives the loss of every next-token prediction of one document (natural log, nats), computed from
 the segmented run's hidden states in chunks so a long document never materialises [T, vocab] logits.
-``copy_mask`` marks the copy/induction subset: predictions whose preceding bigram already appeared more than
-``min_distance`` tokens earlier. ``loss_vs_rank`` runs a document set for each r and reports the mean loss and
-its difference to the untouched model, on all tokens and on the copy subset.
+
+The copy/induction subset, in two readings. For tokens x_0 .. x_{T-1}, prediction t (0 ≤ t ≤ T-2) predicts
+x_{t+1} from x_0 .. x_t; its preceding bigram is b_t = (x_{t-1}, x_t), defined for t ≥ 1, and b_t "occurred
+earlier at j" when 1 ≤ j < t and b_j = b_t (the earlier copy ends at token j; the distance is t - j tokens).
+With d = ``min_distance``:
+
+- ``"any"``: prediction t is in the subset when some earlier occurrence j has t - j > d (equivalently the first
+  occurrence of b_t is more than d tokens back). A bigram repeated every few tokens counts once it has been in
+  the document for more than d tokens.
+- ``"recent"`` (strict): b_t occurred earlier and its most recent earlier occurrence j* = max{j < t : b_j = b_t}
+  has t - j* > d: the bigram has not been seen within the last d tokens, so only a memory older than d tokens
+  can supply the continuation.
+
+"recent" ⊆ "any". Prediction 0 (no preceding bigram) is in neither subset.
 """
 from __future__ import annotations
 
-from typing import Iterable, Sequence
-
 import numpy as np
-import pandas as pd
 import torch
 
 from gdnviz import runner
-from gdnviz.errors import EmptyDocumentSet
-from gdnviz.truncation import TruncateCallback, TruncationSpec, check_rank
+from gdnviz.truncation import TruncateCallback, TruncationSpec
 
-DEFAULT_RANKS = (1, 4, 12, 32, 128)
+#: The readings of "bigram seen more than ``min_distance`` tokens back" (the module docstring defines them).
+COPY_READINGS = ("any", "recent")
 
 
 def token_nll(lm, input_ids, *, segment_len: int = runner.DEFAULT_SEGMENT_LEN, spec: TruncationSpec | None = None,
@@ -37,49 +46,22 @@ def token_nll(lm, input_ids, *, segment_len: int = runner.DEFAULT_SEGMENT_LEN, s
     return torch.cat(nll).numpy()
 
 
-def copy_mask(input_ids, min_distance: int = 512) -> np.ndarray:
-    """[T-1] bool: prediction t (of token t+1) is in the copy/induction subset when the bigram (x_{t-1}, x_t)
-    first occurred ending at a position j with j ≤ t − min_distance − 1 (i.e. more than min_distance earlier)."""
+def copy_mask(input_ids, min_distance: int = 512, reading: str = "any") -> np.ndarray:
+    """[T-1] bool over the predictions of ``input_ids`` (a list, array or tensor of T token ids): the copy/induction
+    subset in ``reading`` "any" or "recent" (module docstring). ValueError for another reading or a negative
+    ``min_distance``."""
+    if reading not in COPY_READINGS:
+        raise ValueError(f"copy subset reading {reading!r}: expected one of {', '.join(COPY_READINGS)}")
+    if isinstance(min_distance, bool) or not isinstance(min_distance, (int, np.integer)) or min_distance < 0:
+        raise ValueError(f"min_distance must be a whole number of tokens ≥ 0, got {min_distance!r}")
     x = np.asarray(torch.as_tensor(input_ids).reshape(-1).tolist(), dtype=np.int64)
     T = len(x)
     mask = np.zeros(max(T - 1, 0), dtype=bool)
-    first_end: dict = {}
-    for t in range(1, T):
-        bg = (x[t - 1], x[t])
-        j = first_end.setdefault(bg, t)
-        if t < T - 1 and j < t - min_distance:
-            mask[t] = True
+    seen: dict = {}  # bigram -> the end of its first ("any") or latest ("recent") occurrence so far
+    for t in range(1, T - 1):
+        bg = (int(x[t - 1]), int(x[t]))
+        j = seen.get(bg)
+        mask[t] = j is not None and t - j > min_distance
+        if j is None or reading == "recent":
+            seen[bg] = t
     return mask
-
-
-def loss_vs_rank(lm, documents: Sequence, ranks: Iterable[int] = DEFAULT_RANKS, *, heads=None,
-                 segment_len: int = runner.DEFAULT_SEGMENT_LEN, min_distance: int = 512,
-                 progress=None) -> pd.DataFrame:
-    """Mean next-token loss over ``documents`` (lists of token ids) for each r, all heads (or ``heads``) cut.
-
-    Returns columns: r, loss, delta (loss − untouched), copy_loss, copy_delta, n_tokens, n_copy. r equal to
-    min(d_k, d_v) is the untouched model (always computed, as the baseline).
-    """
-    if not documents:
-        raise EmptyDocumentSet("loss vs rank needs at least one document")
-    rmax = min(lm.info.d_k, lm.info.d_v)
-    ranks = sorted({check_rank(r, upper=rmax) for r in ranks} | {rmax})  # 2.5 is refused, not rounded
-    heads = heads if heads is not None else [(l, h) for l in lm.info.gdn_layers for h in range(lm.info.num_heads)]
-    masks = [copy_mask(d, min_distance) for d in documents]
-    rows, total = [], len(ranks) * len(documents)
-    for i, r in enumerate(ranks):
-        spec = None if r == rmax else TruncationSpec.uniform(heads, r)
-        nll = []
-        for j, d in enumerate(documents):
-            nll.append(token_nll(lm, d, segment_len=segment_len, spec=spec))
-            if progress is not None:
-                progress(i * len(documents) + j + 1, total)
-        allv = np.concatenate(nll)
-        cp = np.concatenate([n[m] for n, m in zip(nll, masks)])
-        rows.append(dict(r=r, loss=float(allv.mean()), copy_loss=float(cp.mean()) if cp.size else float("nan"),
-                         n_tokens=int(allv.size), n_copy=int(cp.size)))
-    df = pd.DataFrame(rows)
-    base = df.loc[df.r == rmax].iloc[0]
-    df["delta"] = df["loss"] - base["loss"]
-    df["copy_delta"] = df["copy_loss"] - base["copy_loss"]
-    return df[["r", "loss", "delta", "copy_loss", "copy_delta", "n_tokens", "n_copy"]]

@@ -17,6 +17,7 @@ layer, head         the open head
 picked_heads        [[layer, head], ...] the truncation set built by clicks
 truncate_job        id of the truncation job of this session
 sweep_job           id of the sweep job of this session (the Sweeps page's widgets are ``sw_*``)
+loss_job            id of the loss-vs-rank job of this session (the Loss vs rank page's widgets are ``ls_*``)
 ==================  ==========================================================================================
 """
 from __future__ import annotations
@@ -43,6 +44,7 @@ PAGES = {
     "truncate": "pages/truncate.py",
     "budget": "pages/budget.py",
     "sweeps": "pages/sweeps.py",
+    "loss": "pages/loss.py",
 }
 def _poll_seconds() -> float | None:
     """Seconds between polls of a running job (``$GDNVIZ_POLL_SECONDS``, default 0.5; 0 turns polling off, as the
@@ -57,7 +59,8 @@ PERSISTED = ("model_source", "model_path", "model_hf", "device", "dtype", "sampl
              "max_tokens", "heat_metric", "click_action", "tr_prompt_mode", "tr_task", "tr_target_len", "tr_seed",
              "tr_max_new", "tr_prompt", "tr_loss_docs", "tr_chat", "bud_batch", "bud_state_dtype", "bud_kv_dtype",
              "bud_max_ctx", "head_doc", "sw_tasks", "sw_lengths", "sw_ranks", "sw_n", "sw_batch", "sw_seed0",
-             "sw_max_new", "sw_chat", "sw_heads", "sw_layers")
+             "sw_max_new", "sw_chat", "sw_heads", "sw_layers", "ls_ranks", "ls_dist", "ls_heads", "ls_layers",
+             "ls_rank_maps")
 
 
 # =============================================================================================================
@@ -553,7 +556,7 @@ def worker_status_line() -> None:
 def sidebar() -> None:
     """Worker status, the current run (previous runs) and the whole-run download."""
     with st.sidebar:
-        active = any(_active(st.session_state.get(k)) for k in ("capture_job", "truncate_job", "sweep_job"))
+        active = any(_active(st.session_state.get(k)) for k in ("capture_job", "truncate_job", "sweep_job", "loss_job"))
         ws = ensure_worker().status()
         poll = (2.0 if _poll_seconds() else None) if (active or ws["state"] in ("starting", "busy")) else None
         st.fragment(worker_status_line, run_every=poll)()

@@ -9,7 +9,7 @@
   ``--ppl-window`` tokens, plus bits per byte.
 - ``--seed000``: seed 000's measurements on this model: per-head effective rank / horizon / key cone on held-out
   documents of ``--seed000-len`` tokens (``gdnviz.capture`` + ``gdnviz.summary``), loss vs rank
-  (``gdnviz.probes.loss.loss_vs_rank``), and RULER answers with every GDN head truncated to rank r; also the
+  (``gdnviz.probes.loss_sweep``), and RULER answers with every GDN head truncated to rank r; also the
   seconds one 4K capture takes on this machine.
 
 Writes ``--out-json`` and ``--out-md`` (a markdown block for MODEL_CARD.md).
@@ -120,7 +120,7 @@ def seed000(lm, held_ids: list[int], a, log) -> dict:
     from gdnviz import summary
     from gdnviz.capture import capture_document
     from gdnviz.truncation import TruncationSpec
-    from gdnviz.probes.loss import loss_vs_rank
+    from gdnviz.probes.loss_sweep import LossSweepSpec, loss_table, run_loss_sweep
 
     L = a.seed000_len
     docs = [held_ids[i * L:(i + 1) * L] for i in range(min(a.seed000_docs, len(held_ids) // L))]
@@ -138,7 +138,10 @@ def seed000(lm, held_ids: list[int], a, log) -> dict:
     out["heads"] = json.loads(table[[c for c in cols if c in table.columns]].to_json(orient="records"))
     log(f"capture of a {L}-token document: {np.median(secs):.2f}s (median of {len(secs)}); "
         f"overview {json.dumps(out['overview'])}")
-    df = loss_vs_rank(lm, docs, ranks=a.seed000_ranks, segment_len=a.segment_len)
+    rows = run_loss_sweep(lm, [(f"heldout-{i}", d) for i, d in enumerate(docs)],
+                          LossSweepSpec(ranks=tuple(a.seed000_ranks), segment_len=a.segment_len))
+    df = loss_table(rows)
+    df = df[df["subset"] == "all"][["r", "loss", "delta", "se", "n_docs"]]
     out["loss_vs_rank"] = json.loads(df.to_json(orient="records"))
     log("loss vs rank:\n" + df.to_string(index=False))
     trunc = {}
