@@ -31,7 +31,8 @@ import pandas as pd
 from gdnviz import runner
 from gdnviz.errors import DocumentTooShort, EmptyDocumentSet
 from gdnviz.probes.loss import COPY_READINGS, copy_mask, token_nll
-from gdnviz.probes.sweep import UNIFORM, _Store, resolve_heads, resolve_ranks
+from gdnviz.probes.memo import MemoStore
+from gdnviz.probes.sweep import UNIFORM, resolve_heads, resolve_ranks
 from gdnviz.store import content_hash
 from gdnviz.truncation import TruncationSpec
 
@@ -176,7 +177,7 @@ def run_loss_sweep(lm, documents: Sequence[tuple[str, Sequence[int]]], spec: Los
     docs = _check(spec, info, documents)
     settings = _settings(spec, info)
     rmax = _rmax(info)
-    st = _Store(store)
+    st = MemoStore(store)
     rows, done, total = [], 0, len(docs) * len(settings)
     try:
         for i, (name, ids) in enumerate(docs):

@@ -36,6 +36,7 @@ from gdnviz.errors import EmptyDocumentSet, UnknownTask
 from gdnviz.truncation import TruncationSpec, check_rank
 from gdnviz.probes import ruler
 from gdnviz.probes.batch import batched_greedy
+from gdnviz.probes.memo import MemoStore
 from gdnviz.store import content_hash
 
 __all__ = ["SweepSpec", "Batch", "answer_batch", "local_executor", "DEFAULT_RANKS", "resolve_ranks", "resolve_heads", "run_sweep", "sweep_table",
@@ -196,31 +197,6 @@ def cell_key(info, task: str, length: int, setting: _Setting, sample: ruler.Samp
     return "sweep:" + content_hash(dict(version=f"sweep-cells-v{VERSION}", cell=inner))
 
 
-class _Store:
-    """diskcache.Cache for a path, the object itself for a mapping-like store, a dict for None."""
-
-    def __init__(self, store):
-        self.owned = None
-        if store is None:
-            self.c = {}
-        elif isinstance(store, (str, Path)):
-            import diskcache
-
-            self.c = self.owned = diskcache.Cache(str(store))
-        else:
-            self.c = store
-
-    def get(self, key):
-        return self.c.get(key)
-
-    def set(self, key, value):
-        self.c[key] = value
-
-    def close(self):
-        if self.owned is not None:
-            self.owned.close()
-
-
 # --- running ------------------------------------------------------------------------------------------------------
 def _samples(lm, spec: SweepSpec) -> dict:
     out = {}
@@ -294,7 +270,7 @@ def run_sweep(lm, spec: SweepSpec, store=None, progress: Callable[[int, int], No
     settings = _settings(spec, lm.info)
     total = sum(len(s) for s in samples.values()) * len(settings)
     execute = executor if executor is not None else local_executor(lm)
-    st = _Store(store)
+    st = MemoStore(store)
     groups = []  # (task, length, setting, samples, keys)
     results: dict = {}
     done = 0
