@@ -249,10 +249,7 @@ if why:
 
 rec = C.job_panel("capture_job", "Capture")
 if rec is not None and rec["status"] == "done":
-    res = rec["result"]
-    if st.session_state.get("capture_handled") != rec["id"]:
-        st.session_state["run_id"] = res["run_id"]
-        st.session_state["capture_handled"] = rec["id"]
+    res = rec["result"]  # app.py made its run the session's run (common.adopt_finished_capture)
     reused = f" ({res['reused']} reused from earlier runs)" if res.get("reused") else ""
     st.success(f"Captured {res['n_documents']} document(s), {sum(res['n_tokens']):,} tokens{reused}.",
                icon=":material/check_circle:")

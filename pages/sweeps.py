@@ -19,7 +19,7 @@ st.caption("For every task, length and rank r: generate n RULER samples, answer 
            "Every sample's result is stored as soon as its batch finishes: a cancelled or crashed sweep resumes "
            "where it stopped, and a repeated one is read back instantly.")
 
-run = C.current_run(announce=False)
+run = C.current_run()
 if run is not None:
     info, model_name, device, dtype, L_default, table, src = C.run_model(run)
 else:

@@ -24,7 +24,8 @@ else:
     info = C.inspected()
     if info is None:
         C.empty_state("No model yet.", "Pick a model (and ideally run a capture, so that heads can be chosen by "
-                                       "horizon) on the **Model & documents** page.")
+                                       "horizon) on the **Model & documents** page, or open a stored run in the "
+                                       "sidebar under *Previous runs*.")
         st.stop()
     info, model_name, device, dtype, L_default, table, src = C.inspected_model(info)
 gl, H = list(info["gdn_layers"]), int(info["num_heads"])

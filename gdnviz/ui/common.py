@@ -11,8 +11,9 @@ inspect             {"key": (model, device, dtype), "job": id, "result": dict | 
 user_docs           [{"name", "text", "source"}] pasted / uploaded documents
 sample_docs         names of bundled samples in the set (widget)
 segment_len         tokens per segment (widget)          max_tokens: per-document token limit (widget)
-capture_job         id of the capture job of this session
-run_id              the run shown on every page (None: the most recent run)
+capture_job         id of the capture job of this session (capture_handled: the one whose run was adopted)
+run_id              the run shown on every page: this session's last capture or the run the user picked (None:
+                    no run; a page never falls back to another session's run)
 layer, head         the open head
 picked_heads        [[layer, head], ...] the truncation set built by clicks
 truncate_job        id of the truncation job of this session
@@ -292,17 +293,34 @@ def run_label(run: dict) -> str:
             f"L={run.get('segment_len')} · {run.get('dtype')}/{run.get('device')}")
 
 
-def current_run(announce: bool = True) -> dict | None:
-    """The run chosen in this session, else the most recent run (saying so), else None."""
-    s = store()
+def adopt_finished_capture() -> None:
+    """Make this session's finished capture its current run, once per capture job. app.py calls it before the
+    sidebar and the page, so that nothing drawn in the run that sees the job done shows another run."""
+    jid = st.session_state.get("capture_job")
+    if not jid or st.session_state.get("capture_handled") == jid:
+        return
+    rec = store().job(jid)
+    if rec is not None and rec["status"] == "done":
+        st.session_state["run_id"] = rec["result"]["run_id"]
+        st.session_state["capture_handled"] = jid
+
+
+def current_run() -> dict | None:
+    """The run of this session (its last capture, or the one the user picked), else None. Never another session's
+    run that the user did not pick: the store is shared by every browser session of the server."""
     rid = st.session_state.get("run_id")
-    run = s.run(rid) if rid else None
-    if run is None:
-        run = s.latest_run()
-        if run is not None and announce:
-            st.caption(f"No run chosen in this session: showing the most recent run, **{run_label(run)}** "
-                       f"(`{run['run_id']}`). Pick another in the sidebar under *Previous runs*.")
-    return run
+    return store().run(rid) if rid else None
+
+
+def no_run_text() -> tuple[str, str]:
+    """(title, text) of the empty state of a page that needs a run."""
+    n = len(store().list_runs())
+    if not n:
+        return "No capture yet.", ("Pick a model and documents and run a capture on the **Model & documents** page; "
+                                   "its results appear here.")
+    which = "the stored run" if n == 1 else f"one of the {n} stored runs"
+    return "No run chosen in this session.", (
+        f"Run a capture on the **Model & documents** page, or open {which} in the sidebar under *Previous runs*.")
 
 
 @st.cache_resource(show_spinner=False, max_entries=4)
@@ -373,8 +391,7 @@ def require_run() -> tuple[dict, pd.DataFrame] | None:
     """The current run and its head table, or None after drawing the empty state."""
     run = current_run()
     if run is None:
-        empty_state("No capture yet.", "Pick a model and documents and run a capture on the **Model & documents** "
-                                       "page; its results appear here.")
+        empty_state(*no_run_text())
         return None
     table = run_table(run)
     if table is None:
@@ -565,13 +582,12 @@ def sidebar() -> None:
         ids = [r["run_id"] for r in runs]
         labels = {r["run_id"]: run_label(r) for r in runs}
         cur = st.session_state.get("run_id")
-        if cur not in ids:
-            cur = ids[0]
-        st.session_state["sb_run"] = cur
+        st.session_state["sb_run"] = cur if cur in ids else None
         st.selectbox("Run shown on every page", ids, key="sb_run", format_func=lambda r: labels.get(r, r),
-                     on_change=_pick_run, label_visibility="collapsed",
-                     help="Every capture is stored on disk; picking one reopens it instantly.")
-        run = store().run(cur)
+                     on_change=_pick_run, label_visibility="collapsed", placeholder="Pick a run to open it",
+                     help="Every capture is stored on disk; picking one reopens it instantly. A page shows only "
+                          "this session's capture or the run picked here.")
+        run = store().run(cur) if cur in ids else None
         if run is not None:
             lh = (st.session_state.get("layer"), st.session_state.get("head"))
             st.download_button("Download this run (zip)", data=lambda: run_zip_bytes(run, *lh), file_name=
