@@ -75,6 +75,11 @@ class JobCancelled(GDNVizError):
     """The user cancelled a running job."""
 
 
+# --- the store ---------------------------------------------------------------------------------
+class CorruptStoreEntry(GDNVizError):
+    """An entry of the on-disk store (a previous run, a job record, ...) cannot be read: damaged or truncated."""
+
+
 # --- settings ------------------------------------------------------------------------------------
 class BadSetting(GDNVizError):
     """An environment variable of ``gdnviz.settings`` holds a value its kind cannot parse."""

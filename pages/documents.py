@@ -265,7 +265,8 @@ if rec is not None and rec["status"] == "done":
 # 4. previous runs
 # =============================================================================================================
 st.subheader("Previous runs")
-runs = C.store().list_runs()
+runs, bad_runs = C.store().read_runs()
+C.unreadable_runs_warning(bad_runs)
 if not runs:
     st.caption("No runs yet. Every capture is stored on disk (cache directory "
                f"`{C.store().dir}`) and listed here.")
@@ -278,7 +279,7 @@ else:
     st.dataframe(df, hide_index=True, width="stretch")
     oc1, oc2 = st.columns([3, 1])
     pick = oc1.selectbox("Open a previous run", [r["run_id"] for r in runs], key="open_run_pick",
-                         format_func=lambda rid: C.run_label(C.store().run(rid) or {"run_id": rid}),
+                         format_func=lambda rid: C.run_label(next(r for r in runs if r["run_id"] == rid)),
                          label_visibility="collapsed")
     if oc2.button("Open", key="open_run_btn", icon=":material/folder_open:"):
         st.session_state["run_id"] = pick

@@ -307,9 +307,33 @@ def adopt_finished_capture() -> None:
 
 def current_run() -> dict | None:
     """The run of this session (its last capture, or the one the user picked), else None. Never another session's
-    run that the user did not pick: the store is shared by every browser session of the server."""
+    run that the user did not pick: the store is shared by every browser session of the server. A run that was
+    deleted from the store or cannot be read is None, after an error saying so."""
+    from gdnviz.errors import CorruptStoreEntry
+
     rid = st.session_state.get("run_id")
-    return store().run(rid) if rid else None
+    if not rid:
+        return None
+    try:
+        run = store().run(rid)
+    except CorruptStoreEntry as e:
+        show_error(f"This session's run cannot be opened: {e}.", "Pick another run in the sidebar under *Previous "
+                   "runs*, or run the capture again on the Model & documents page (it replaces the damaged entry).")
+        return None
+    if run is None:
+        show_error(f"This session's run {rid} is no longer in the store (its entry was deleted from the cache "
+                   f"directory {store().dir}).", "Pick another run in the sidebar, or run the capture again.")
+    return run
+
+
+def unreadable_runs_warning(bad: list[tuple[str, str]]) -> None:
+    """Say which stored runs cannot be read (they are not listed)."""
+    if not bad:
+        return
+    n = len(bad)
+    st.warning(f"{n} stored run{'s' if n != 1 else ''} cannot be read and {'is' if n == 1 else 'are'} not listed: "
+               + "; ".join(f"`{rid}` ({why})" for rid, why in bad[:3]) + (" …" if n > 3 else ""),
+               icon=":material/warning:")
 
 
 def no_run_text() -> tuple[str, str]:
@@ -574,10 +598,11 @@ def sidebar() -> None:
         ws = ensure_worker().status()
         poll = (2.0 if _poll_seconds() else None) if (active or ws["state"] in ("starting", "busy")) else None
         st.fragment(worker_status_line, run_every=poll)()
-        runs = store().list_runs()
+        runs, bad = store().read_runs()
         st.markdown("**Previous runs**")
+        unreadable_runs_warning(bad)
         if not runs:
-            st.caption("None yet: run a capture on *Model & documents*.")
+            st.caption(("No readable run" if bad else "None yet") + ": run a capture on *Model & documents*.")
             return
         ids = [r["run_id"] for r in runs]
         labels = {r["run_id"]: run_label(r) for r in runs}
@@ -587,8 +612,15 @@ def sidebar() -> None:
                      on_change=_pick_run, label_visibility="collapsed", placeholder="Pick a run to open it",
                      help="Every capture is stored on disk; picking one reopens it instantly. A page shows only "
                           "this session's capture or the run picked here.")
-        run = store().run(cur) if cur in ids else None
+        run = next((r for r in runs if r["run_id"] == cur), None)
         if run is not None:
+            from gdnviz.jobs import MissingResult
+
+            try:  # the zip is built on click, where a failure could not be shown: check that it can be built
+                _load_captures(str(store().dir), run["run_id"], tuple(d["key"] for d in run["documents"]))
+            except MissingResult as e:
+                st.caption(f"This run cannot be exported now: {e}. Open it on a page to recompute it.")
+                return
             lh = (st.session_state.get("layer"), st.session_state.get("head"))
             st.download_button("Download this run (zip)", data=lambda: run_zip_bytes(run, *lh), file_name=
                                f"gdnviz-{run['run_id']}.zip", mime="application/zip", on_click="ignore",
@@ -616,10 +648,9 @@ def run_zip_bytes(run: dict, layer: int | None = None, head: int | None = None) 
     """Figures (PNG + SVG), their CSV, the head table and the settings of a run, as one zip; with ``layer`` and
     ``head`` also that head's figures."""
     from gdnviz import figures as F
-    from gdnviz.jobs import load_run_captures
     from gdnviz.summary import document_set_table, overview
 
-    caps = load_run_captures(store(), run)
+    caps = _load_captures(str(store().dir), run["run_id"], tuple(d["key"] for d in run["documents"]))
     names = [d["name"] for d in run["documents"]]
     table = document_set_table(caps)
     L = int(run["segment_len"])
