@@ -50,6 +50,10 @@ class BadSegmentLength(GDNVizError):
     """A segment length is not a positive integer."""
 
 
+class BadTokenLimit(GDNVizError):
+    """A per-document token limit is not a positive integer."""
+
+
 class UnknownTask(GDNVizError):
     """A probe task name is not one gdnviz generates."""
 

@@ -9,6 +9,7 @@ import streamlit as st
 
 from gdnviz import documents as D
 from gdnviz.errors import GDNVizError
+from gdnviz.runner import check_segment_len
 from gdnviz.ui import common as C
 
 C.ensure_entrypoint()
@@ -184,11 +185,20 @@ with tab_u:
         C.show_error(e)
 
 c1, c2 = st.columns(2)
-c1.number_input("Segment length L (tokens)", min_value=1, max_value=1 << 20, step=64, key="segment_len",
+# no min_value: a browser keeps an out-of-range number in the field without a word; the checks below say why
+c1.number_input("Segment length L (tokens)", step=64, key="segment_len",
                 help="States are recorded (and truncated) every L tokens. Multiples of 64 keep fla's chunked "
                      "kernels split-invariant; seed 000 uses 256.")
-c2.number_input("Token limit per document", min_value=1, max_value=1 << 22, step=1024, key="max_tokens",
+c2.number_input("Token limit per document", step=1024, key="max_tokens",
                 help="Longer documents are refused before anything runs (GPU memory grows with length)")
+setting_errors = []
+for check, key in ((check_segment_len, "segment_len"), (D.check_token_limit, "max_tokens")):
+    try:
+        check(st.session_state[key])
+    except GDNVizError as e:
+        setting_errors.append(str(e))
+for e in setting_errors:
+    C.show_error(e)
 
 # the set, with token counts
 doc_set = [dict(name=n, text=samples[n].text, source="sample") for n in st.session_state["sample_docs"]]
@@ -196,19 +206,20 @@ doc_set += [d for d in st.session_state["user_docs"] if d["name"] not in st.sess
 
 
 tok = C.fast_tokenizer(info) if info is not None else None
-limit = int(st.session_state["max_tokens"])
+limit = int(st.session_state["max_tokens"]) if not setting_errors else 0
 rows, problems = [], []
 for d in doc_set:
     n = len(D.tokenize(tok, d["text"])) if tok is not None else None
     status = "ok"
-    if n is not None:
+    if n is not None and not setting_errors:
         try:
             D.check_length(d["name"], n, limit)
         except GDNVizError as e:
             status = "too long"
             problems.append(str(e))
     rows.append(dict(document=d["name"], source=d["source"], characters=len(d["text"]),
-                     tokens=n, segments=None if n is None else -(-n // int(st.session_state["segment_len"])),
+                     tokens=n, segments=None if n is None or setting_errors else
+                     -(-n // int(st.session_state["segment_len"])),
                      status=status))
 if rows:
     st.dataframe(pd.DataFrame(rows), hide_index=True, width="stretch",
@@ -231,9 +242,10 @@ else:
 # 3. capture
 # =============================================================================================================
 st.subheader("3 · Capture")
-ready = info is not None and bool(doc_set) and not problems
+ready = info is not None and bool(doc_set) and not problems and not setting_errors
 why = ("inspect a model first" if info is None else "add documents first" if not doc_set
-       else "fix the documents above first" if problems else "")
+       else "fix the documents above first" if problems else "fix the settings above first" if setting_errors
+       else "")
 if st.button("Run capture", type="primary", key="run_capture", disabled=not ready, icon=":material/play_arrow:",
              help=why or "Capture every GDN head along each document"):
     from gdnviz.jobs import CaptureJob, spec_to_dict

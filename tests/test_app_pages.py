@@ -788,3 +788,39 @@ def test_a_finished_capture_is_this_sessions_run_when_another_session_stored_a_n
     assert a.selectbox(key="sb_run").value == mine and a.session_state["run_id"] == mine
     captions = " ".join(texts(a, "caption"))
     assert mine in captions and theirs not in captions
+
+
+# =============================================================================================================
+# Ranks and segment lengths typed in
+# =============================================================================================================
+def test_truncate_group_rank_that_is_not_an_integer_is_refused(env, populated):
+    cache, run = populated
+    env(cache)
+    at = app("truncate", run=run)
+    at.run()
+    at.number_input(key="tr_g0_r").set_value(2.5).run()
+    assert not at.exception
+    errs = texts(at, "error")
+    assert any("must be an integer ≥ 1; got 2.5" in e for e in errs), errs
+    assert at.button(key="tr_run").proto.disabled
+
+
+@pytest.mark.parametrize("value", [0, -64])
+def test_segment_length_that_is_not_positive_is_refused_with_a_message(env, tmp_path, value):
+    cache = env(tmp_path / "c")
+    at = inspected(cache)
+    at.text_area(key="paste_text").input(short_text(100))
+    at.button(key="paste_add").click().run()
+    at.number_input(key="segment_len").set_value(value).run()
+    assert not at.exception
+    errs = texts(at, "error")
+    assert any(f"segment length must be a positive integer number of tokens, got {value}" in e for e in errs), errs
+    assert at.button(key="run_capture").proto.disabled
+    for page in ("truncate", "sweeps"):  # the pages that run the inspected model with that segment length
+        at.switch_page(f"pages/{page}.py").run()
+        assert not at.exception
+        assert any(f"The segment length must be a positive integer number of tokens, got {value} (set on the Model"
+                   in e for e in texts(at, "error")), (page, texts(at, "error"))
+    at.switch_page("pages/documents.py").run()
+    at.number_input(key="max_tokens").set_value(0).run()
+    assert any("token limit per document must be a positive integer, got 0" in e for e in texts(at, "error"))

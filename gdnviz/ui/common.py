@@ -396,10 +396,20 @@ def run_model(run: dict) -> tuple:
 
 
 def inspected_model(info: dict) -> tuple:
-    """The same tuple as ``run_model`` for the model inspected on the first page (no run yet: no head table)."""
+    """The same tuple as ``run_model`` for the model inspected on the first page (no run yet: no head table), with
+    the segment length set there; when that is not a positive integer, an error says so and the page stops."""
+    from gdnviz.errors import BadSegmentLength
+    from gdnviz.runner import check_segment_len
+
     ch = model_choice()
     name = ch["model"]
-    return (info, name, ch["device"], ch["dtype"], int(st.session_state.get("segment_len", 256)), None,
+    try:
+        L = check_segment_len(st.session_state.get("segment_len", 256))
+    except BadSegmentLength as e:
+        show_error(f"The {e} (set on the Model & documents page).", "Set a positive segment length there.")
+        page_link("documents", "Go to Model & documents", icon=":material/arrow_forward:")
+        st.stop()
+    return (info, name, ch["device"], ch["dtype"], L, None,
             f"the inspected model ({Path(str(name)).name})")
 
 
