@@ -76,6 +76,17 @@ def decode_upload(name: str, data: bytes) -> str:
     return check_text(name, text)
 
 
+def unique_name(name: str, taken) -> str:
+    """``name``, or ``name (2)``, ``name (3)``, … : the first not in ``taken`` (names already in a document set)."""
+    taken = set(taken)
+    if name not in taken:
+        return name
+    k = 2
+    while f"{name} ({k})" in taken:
+        k += 1
+    return f"{name} ({k})"
+
+
 def check_token_limit(limit) -> int:
     """``limit`` (tokens per document) as a positive int, else ``BadTokenLimit`` naming it."""
     if isinstance(limit, bool) or not isinstance(limit, int) or limit < 1:

@@ -138,9 +138,19 @@ samples = {d.name: d for d in D.sample_documents()}
 
 
 def _add_doc(name: str, text: str, source: str) -> None:
-    docs = [d for d in st.session_state["user_docs"] if d["name"] != name]
-    docs.append(dict(name=name, text=text, source=source))
-    st.session_state["user_docs"] = docs
+    """Add a document to the set. A name already taken (by another document or a bundled sample) gets a
+    suffix, and a note says so; the same name with the same text is not added twice."""
+    docs = st.session_state["user_docs"]
+    notes = st.session_state.setdefault("doc_notes", [])
+    same = [d for d in docs if d["name"] == name or d["name"].startswith(f"{name} (")]
+    if any(d["text"] == text for d in same):
+        notes.append(f"**{name}** is already in the set with the same text: not added again.")
+        return
+    new = D.unique_name(name, [d["name"] for d in docs] + list(samples))
+    if new != name:
+        notes.append(f"A document called **{name}** is already in the set: this one ({source}) was added as "
+                     f"**{new}**.")
+    st.session_state["user_docs"] = docs + [dict(name=new, text=text, source=source)]
 
 
 def _on_paste() -> None:
@@ -152,6 +162,7 @@ def _on_paste() -> None:
         st.session_state["paste_error"] = str(e)
         return
     st.session_state.pop("paste_error", None)
+    st.session_state["doc_notes"] = []
     _add_doc(name, text, "pasted")
     st.session_state["paste_text"] = ""
     st.session_state["paste_name"] = ""
@@ -173,6 +184,7 @@ with tab_u:
                            accept_multiple_files=True, key=f"uploads_{st.session_state.get('upload_gen', 0)}")
     if ups:
         errs = []
+        st.session_state["doc_notes"] = []
         for f in ups:
             try:
                 _add_doc(f.name, D.decode_upload(f.name, f.getvalue()), "uploaded")
@@ -183,6 +195,8 @@ with tab_u:
         st.rerun()
     for e in st.session_state.get("upload_errors", []):
         C.show_error(e)
+for note in st.session_state.get("doc_notes", []):
+    st.info(note, icon=":material/info:")
 
 c1, c2 = st.columns(2)
 # no min_value: a browser keeps an out-of-range number in the field without a word; the checks below say why

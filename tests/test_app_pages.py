@@ -824,3 +824,28 @@ def test_segment_length_that_is_not_positive_is_refused_with_a_message(env, tmp_
     at.switch_page("pages/documents.py").run()
     at.number_input(key="max_tokens").set_value(0).run()
     assert any("token limit per document must be a positive integer, got 0" in e for e in texts(at, "error"))
+
+
+def test_two_uploads_with_the_same_name_are_both_kept_and_it_says_so(env, tmp_path):
+    env(tmp_path / "c")
+    at = app()
+    at.run()
+    at.file_uploader[0].set_value([("notes.txt", b"first version", "text/plain"),
+                                   ("notes.txt", b"second version", "text/plain")])
+    at.run()
+    assert not at.exception
+    docs = {d["name"]: d["text"] for d in at.session_state["user_docs"]}
+    assert docs == {"notes.txt": "first version", "notes.txt (2)": "second version"}
+    assert any("notes.txt" in i and "added as **notes.txt (2)**" in i for i in texts(at, "info")), texts(at, "info")
+    # the same file again: not a third copy
+    at.file_uploader[0].set_value([("notes.txt", b"first version", "text/plain")])
+    at.run()
+    assert len(at.session_state["user_docs"]) == 2
+    assert any("already in the set" in i for i in texts(at, "info"))
+    # a pasted document named like a bundled sample is kept beside it
+    at.multiselect(key="sample_docs").select("genesis_1_2_kjv.txt").run()
+    at.text_input(key="paste_name").input("genesis_1_2_kjv.txt")
+    at.text_area(key="paste_text").input("my own genesis")
+    at.button(key="paste_add").click().run()
+    names = list(at.dataframe[0].value["document"])
+    assert "genesis_1_2_kjv.txt" in names and "genesis_1_2_kjv.txt (2)" in names
