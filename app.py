@@ -34,6 +34,7 @@ pages = [
 pg = st.navigation(pages)
 with st.sidebar:
     st.markdown("### gdnviz\nInside the Gated DeltaNet heads of hybrid LMs")
+common.adopt_finished_capture()
 common.sidebar()
 common.entrypoint_running(True)
 try:

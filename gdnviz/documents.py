@@ -19,7 +19,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from gdnviz import settings
-from gdnviz.errors import DocumentTooLong, EmptyDocument, NotText
+from gdnviz.errors import BadTokenLimit, DocumentTooLong, EmptyDocument, NotText
 
 SAMPLES_DIR = Path(__file__).resolve().parent / "assets" / "samples"
 #: Bytes inspected for NUL bytes / control characters when deciding whether an upload is binary.
@@ -74,6 +74,24 @@ def decode_upload(name: str, data: bytes) -> str:
         raise NotText(f"'{name}' looks like a binary file ({control} control characters in its first "
                       f"{min(len(text), _SNIFF)} characters, the first at character {first}): upload plain text")
     return check_text(name, text)
+
+
+def unique_name(name: str, taken) -> str:
+    """``name``, or ``name (2)``, ``name (3)``, … : the first not in ``taken`` (names already in a document set)."""
+    taken = set(taken)
+    if name not in taken:
+        return name
+    k = 2
+    while f"{name} ({k})" in taken:
+        k += 1
+    return f"{name} ({k})"
+
+
+def check_token_limit(limit) -> int:
+    """``limit`` (tokens per document) as a positive int, else ``BadTokenLimit`` naming it."""
+    if isinstance(limit, bool) or not isinstance(limit, int) or limit < 1:
+        raise BadTokenLimit(f"The token limit per document must be a positive integer, got {limit!r}.")
+    return limit
 
 
 def check_length(name: str, n_tokens: int, limit: int) -> None:

@@ -54,6 +54,10 @@ class BadSegmentLength(GDNVizError):
     """A segment length is not a positive integer."""
 
 
+class BadTokenLimit(GDNVizError):
+    """A per-document token limit is not a positive integer."""
+
+
 class UnknownTask(GDNVizError):
     """A probe task name is not one gdnviz generates."""
 
@@ -77,6 +81,11 @@ class WorkerCrashed(GDNVizError):
 
 class JobCancelled(GDNVizError):
     """The user cancelled a running job."""
+
+
+# --- the store ---------------------------------------------------------------------------------
+class CorruptStoreEntry(GDNVizError):
+    """An entry of the on-disk store (a previous run, a job record, ...) cannot be read: damaged or truncated."""
 
 
 # --- settings ------------------------------------------------------------------------------------

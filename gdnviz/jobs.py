@@ -38,7 +38,7 @@ from typing import Any, ClassVar
 import numpy as np
 
 from gdnviz.documents import check_length, check_text, tokenize
-from gdnviz.errors import EmptyDocumentSet, GDNVizError, JobCancelled
+from gdnviz.errors import CorruptStoreEntry, EmptyDocumentSet, GDNVizError, JobCancelled
 from gdnviz.store import Store, content_hash
 
 #: Version strings of the computations keyed by ``cache_key``; bump one to invalidate its memo entries (a sweep's
@@ -305,7 +305,10 @@ def run_capture(spec: CaptureJob, ctx: JobContext) -> dict:
         documents=[dict(name=n, n_tokens=len(ids), key=k) for (n, ids), k in zip(docs, keys)],
         spec=spec_to_dict(spec), seconds=round(seconds, 3),
     )
-    old = ctx.store.run(rid)
+    try:
+        old = ctx.store.run(rid)
+    except CorruptStoreEntry:  # a damaged entry of the same run: this capture replaces it
+        old = None
     if old is not None:
         entry["created"] = old.get("created", entry["created"])
         entry["backends"] = sorted(set(old.get("backends", [])) | backends)

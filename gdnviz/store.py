@@ -11,7 +11,10 @@ Layout under the cache directory (``cache/`` at the repository root, or ``$GDNVI
     worker.log
 
 A memo entry carries the sha256 of its payload; ``memo_get`` verifies it and treats a mismatch (or an unreadable
-entry) as a miss and deletes it, so a corrupt result is recomputed, never shown.
+entry) as a miss and deletes it, so a corrupt result is recomputed, never shown. Every other value is stored
+through ``gdnviz.store_disk.CheckedDisk`` (pickles with their sha256): a damaged run entry, job record or
+heartbeat is skipped and reported (``read_runs``, ``read_jobs``), never read as something else, and never takes
+the reader down; a damaged job record reads as a failed job that says so.
 
 Job statuses: queued → running → done | failed | cancelled. A job record is a dict:
 ``id, kind, spec, label, status, created, started, finished, worker_pid, error, error_type, result``.
@@ -33,6 +36,8 @@ from typing import Any, Iterable
 import diskcache
 
 from gdnviz import settings
+from gdnviz.errors import CorruptStoreEntry
+from gdnviz.store_disk import CheckedDisk
 
 ROOT = Path(__file__).resolve().parent.parent
 MEMO_MAGIC = b"GDNV1"
@@ -101,20 +106,31 @@ class Store:
         self.dir.mkdir(parents=True, exist_ok=True)
         if memo_size_gb is None:
             memo_size_gb = settings.get("GDNVIZ_MEMO_GB")
-        self.queue = diskcache.Deque(directory=str(self.dir / "queue"))
-        self.jobs = diskcache.Cache(str(self.dir / "jobs"), eviction_policy="none", timeout=60)
+        def checked(name: str) -> diskcache.Cache:
+            return diskcache.Cache(str(self.dir / name), eviction_policy="none", timeout=60, disk=CheckedDisk)
+
+        self.queue = diskcache.Deque.fromcache(checked("queue"))
+        self.jobs = checked("jobs")
         self.memo = diskcache.Cache(str(self.dir / "memo"), size_limit=int(memo_size_gb * 2 ** 30),
                                     eviction_policy="least-recently-stored", timeout=60)
-        self.runs = diskcache.Index(str(self.dir / "runs"))
-        self.workers = diskcache.Cache(str(self.dir / "workers"), eviction_policy="none", timeout=60)
+        self.runs = diskcache.Index.fromcache(checked("runs"))
+        self.workers = checked("workers")
 
     @property
     def log_path(self) -> Path:
         return self.dir / "worker.log"
 
     def close(self) -> None:
-        for c in (self.jobs, self.memo, self.workers):
+        for c in (self.jobs, self.memo, self.workers, self.runs.cache, self.queue.cache):
             c.close()
+
+    @staticmethod
+    def _read(cache: diskcache.Cache, key, default=None) -> tuple[Any, str | None]:
+        """(value, None), or (default, why it cannot be read) for a damaged entry (checksum, pickle, sqlite)."""
+        try:
+            return cache.get(key, default), None
+        except Exception as e:  # CorruptStoreEntry, UnpicklingError, EOFError, sqlite3 errors: bytes on disk
+            return default, str(e) if isinstance(e, CorruptStoreEntry) else f"{type(e).__name__}: {e}"
 
     # -- jobs ------------------------------------------------------------------------------------------------
     def submit(self, kind: str, spec: dict, label: str = "") -> str:
@@ -127,18 +143,39 @@ class Store:
         return jid
 
     def job(self, jid: str) -> dict | None:
-        """The job record with ``progress`` (dict or None) and ``cancel_requested`` merged in."""
-        rec = self.jobs.get(f"job:{jid}")
+        """The job record with ``progress`` (dict or None) and ``cancel_requested`` merged in. A record that
+        cannot be read is a failed job whose error says so (kind None, spec {}); a damaged progress entry reads as
+        no progress."""
+        rec, why = self._read(self.jobs, f"job:{jid}")
+        if why is not None or (rec is not None and not isinstance(rec, dict)):
+            return dict(id=jid, kind=None, spec={}, label="?", status="failed", created=None, started=None,
+                        finished=None, worker_pid=None, error=f"its record in the store cannot be read "
+                        f"({why or 'not a job record'})", error_type="CorruptStoreEntry", result=None,
+                        progress=None, cancel_requested=False)
         if rec is None:
             return None
         rec = dict(rec)
-        rec["progress"] = self.jobs.get(f"progress:{jid}")
-        rec["cancel_requested"] = bool(self.jobs.get(f"cancel:{jid}", False))
+        prog = self._read(self.jobs, f"progress:{jid}")[0]
+        rec["progress"] = prog if isinstance(prog, dict) else None
+        rec["cancel_requested"] = self._read(self.jobs, f"cancel:{jid}", False)[0] is True
         return rec
+
+    def read_jobs(self) -> tuple[list[dict], list[tuple[str, str]]]:
+        """(every readable job record, [(job id, why)] of the records that cannot be read)."""
+        recs, bad = [], []
+        for k in list(self.jobs.iterkeys()):
+            if isinstance(k, str) and k.startswith("job:"):
+                rec, why = self._read(self.jobs, k)
+                if why is not None or (rec is not None and not isinstance(rec, dict)):
+                    bad.append((k[4:], why or "not a job record"))
+                elif rec:
+                    recs.append(rec)
+        return recs, bad
 
     def update_job(self, jid: str, **fields) -> dict:
         with self.jobs.transact():
-            rec = dict(self.jobs.get(f"job:{jid}") or {"id": jid})
+            old = self._read(self.jobs, f"job:{jid}")[0]
+            rec = dict(old if isinstance(old, dict) else {"id": jid})
             rec.update(fields)
             self.jobs.set(f"job:{jid}", rec)
         return rec
@@ -151,20 +188,31 @@ class Store:
         """Ask for a job to stop. A queued job is cancelled at once; a running one at its next progress step."""
         self.jobs.set(f"cancel:{jid}", True)
         with self.jobs.transact():
-            rec = self.jobs.get(f"job:{jid}")
-            if rec is not None and rec.get("status") == "queued":
+            rec = self._read(self.jobs, f"job:{jid}")[0]
+            if isinstance(rec, dict) and rec.get("status") == "queued":
                 rec = dict(rec, status="cancelled", finished=time.time(), error="cancelled before it started")
                 self.jobs.set(f"job:{jid}", rec)
 
     def cancel_requested(self, jid: str) -> bool:
-        return bool(self.jobs.get(f"cancel:{jid}", False))
+        """True when a cancel was asked for (a damaged cancel flag counts as asked: the job stops)."""
+        v, why = self._read(self.jobs, f"cancel:{jid}", False)
+        return why is not None or bool(v)
 
     def pop_job(self) -> str | None:
-        """The next queued job id, or None when the queue is empty."""
-        try:
-            return self.queue.popleft()
-        except IndexError:
-            return None
+        """The next queued job id, or None when the queue is empty. A damaged queue entry is dropped (its job, if
+        its id cannot be read, is never run)."""
+        while True:
+            try:
+                jid = self.queue.popleft()
+            except IndexError:
+                return None
+            except Exception:  # a damaged entry at the front: drop it, or the queue would be stuck behind it
+                for k in self.queue.cache.iterkeys():
+                    self.queue.cache.delete(k)
+                    break
+                continue
+            if isinstance(jid, str):
+                return jid
 
     def queued_count(self) -> int:
         return len(self.queue)
@@ -201,8 +249,8 @@ class Store:
         out = []
         for k in list(self.workers.iterkeys()):
             if isinstance(k, str) and k.startswith("hb:"):
-                v = self.workers.get(k)
-                if v:
+                v = self._read(self.workers, k)[0]
+                if isinstance(v, dict) and isinstance(v.get("pid"), int):
                     out.append(v)
         return sorted(out, key=lambda r: -r.get("time", 0))
 
@@ -218,11 +266,11 @@ class Store:
         Returns the ids of the jobs marked failed.
         """
         failed = []
-        jid = self.workers.get(f"running:{pid}")
-        candidates = [jid] if jid else []
+        jid = self._read(self.workers, f"running:{pid}")[0]
+        candidates = [jid] if isinstance(jid, str) else []
         for j in candidates:
-            rec = self.jobs.get(f"job:{j}")
-            if rec is not None and rec.get("status") == "running" and rec.get("worker_pid") in (pid, None):
+            rec = self._read(self.jobs, f"job:{j}")[0]
+            if isinstance(rec, dict) and rec.get("status") == "running" and rec.get("worker_pid") in (pid, None):
                 msg = f"the worker process died while running this job ({describe_exit(exit_code)})"
                 msg += "; it has been restarted" if restarted else ""
                 self.update_job(j, status="failed", finished=time.time(), error=msg, error_type="WorkerCrashed")
@@ -304,20 +352,56 @@ class Store:
         return rid
 
     def run(self, rid: str) -> dict | None:
-        return self.runs.get(rid)
+        """The run entry, None when there is none; raises CorruptStoreEntry (saying why) when it cannot be read."""
+        entry, why = self._read(self.runs.cache, rid)
+        if why is None and entry is not None:
+            why = _run_problem(entry)
+        if why is not None:
+            raise CorruptStoreEntry(f"the stored run {rid} cannot be read: {why}")
+        return entry
+
+    def read_runs(self) -> tuple[list[dict], list[tuple[str, str]]]:
+        """(readable runs, most recent first; [(run id, why)] of the entries that cannot be read)."""
+        runs, bad = [], []
+        for rid in reversed(list(self.runs.keys())):
+            entry, why = self._read(self.runs.cache, rid)
+            if why is None and entry is not None:
+                why = _run_problem(entry)
+            if why is not None:
+                bad.append((str(rid), why))
+            elif entry is not None:
+                runs.append(entry)
+        return runs, bad
 
     def list_runs(self) -> list[dict]:
-        """Runs, most recent first."""
-        return list(reversed([v for v in self.runs.values()]))
+        """Readable runs, most recent first (``read_runs`` also says which cannot be read)."""
+        return self.read_runs()[0]
 
     def latest_run(self) -> dict | None:
-        try:
-            return self.runs.peekitem(last=True)[1]
-        except KeyError:
-            return None
+        runs = self.list_runs()
+        return runs[0] if runs else None
 
     def delete_run(self, rid: str) -> None:
         self.runs.pop(rid, None)
+
+
+#: what a page reads of a run entry (``jobs.run_capture`` writes them)
+RUN_FIELDS = {"run_id": str, "created": (int, float), "documents": list, "segment_len": int, "dtype": str,
+              "device": str, "model": dict, "model_name": str, "spec": dict}
+
+
+def _run_problem(entry) -> str | None:
+    """Why a run entry cannot be used (a missing or mistyped field), or None."""
+    if not isinstance(entry, dict):
+        return f"not a run entry ({type(entry).__name__})"
+    for k, t in RUN_FIELDS.items():
+        if not isinstance(entry.get(k), t):
+            return f"its field '{k}' is missing or not a {t.__name__ if isinstance(t, type) else 'number'}"
+    for d in entry["documents"]:
+        if not (isinstance(d, dict) and isinstance(d.get("name"), str) and isinstance(d.get("key"), str)
+                and isinstance(d.get("n_tokens"), int)):
+            return "a document of it has no name, memo key or token count"
+    return None
 
 
 def corrupt_memo_entry(store: Store, key: str) -> None:
@@ -331,8 +415,5 @@ def corrupt_memo_entry(store: Store, key: str) -> None:
 
 
 def iter_jobs(store: Store) -> Iterable[dict]:
-    for k in list(store.jobs.iterkeys()):
-        if isinstance(k, str) and k.startswith("job:"):
-            rec = store.jobs.get(k)
-            if rec:
-                yield rec
+    """The readable job records (``Store.read_jobs`` also says which cannot be read)."""
+    yield from store.read_jobs()[0]

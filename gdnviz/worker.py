@@ -76,6 +76,18 @@ def oom_message(kind: str, spec: dict, e: BaseException) -> str:
             f"{str(e).splitlines()[0][:200] if str(e) else 'out of memory'})")
 
 
+def _weights_version(name: str) -> str | None:
+    """The fingerprint of the checkpoint ``name`` names, or None when it cannot be found (``load`` then raises the
+    error that says why)."""
+    from gdnviz.errors import GDNVizError
+    from gdnviz.models.loader import fingerprint, resolve
+
+    try:
+        return fingerprint(resolve(name))
+    except (GDNVizError, OSError):
+        return None
+
+
 class Worker:
     """Owns the loaded model; ``process(job_id)`` runs one job; ``serve()`` loops over the queue."""
 
@@ -93,7 +105,9 @@ class Worker:
 
     # -- model pool ------------------------------------------------------------------------------------------
     def model(self, name: str, device: str, dtype: str):
-        key = (str(name), str(device), str(dtype))
+        """The loaded model for (name, device, dtype), reloaded when its weights changed on disk since it was loaded
+        (the fingerprint only stats the files when they did not)."""
+        key = (str(name), str(device), str(dtype), _weights_version(name))
         if self._lm is not None and self._lm_key == key:
             return self._lm
         from gdnviz.models import load

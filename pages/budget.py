@@ -16,7 +16,7 @@ st.caption("What one sequence costs in cache memory for the loaded configuration
 info = C.inspected()
 src = "the inspected model"
 if info is None:
-    run = C.current_run(announce=False)
+    run = C.current_run()
     if run is not None:
         info, src = run["model"], f"the model of run `{run['run_id']}`"
 if info is None:

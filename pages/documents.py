@@ -9,6 +9,7 @@ import streamlit as st
 
 from gdnviz import documents as D
 from gdnviz.errors import GDNVizError
+from gdnviz.runner import check_segment_len
 from gdnviz.ui import common as C
 
 C.ensure_entrypoint()
@@ -137,9 +138,19 @@ samples = {d.name: d for d in D.sample_documents()}
 
 
 def _add_doc(name: str, text: str, source: str) -> None:
-    docs = [d for d in st.session_state["user_docs"] if d["name"] != name]
-    docs.append(dict(name=name, text=text, source=source))
-    st.session_state["user_docs"] = docs
+    """Add a document to the set. A name already taken (by another document or a bundled sample) gets a
+    suffix, and a note says so; the same name with the same text is not added twice."""
+    docs = st.session_state["user_docs"]
+    notes = st.session_state.setdefault("doc_notes", [])
+    same = [d for d in docs if d["name"] == name or d["name"].startswith(f"{name} (")]
+    if any(d["text"] == text for d in same):
+        notes.append(f"**{name}** is already in the set with the same text: not added again.")
+        return
+    new = D.unique_name(name, [d["name"] for d in docs] + list(samples))
+    if new != name:
+        notes.append(f"A document called **{name}** is already in the set: this one ({source}) was added as "
+                     f"**{new}**.")
+    st.session_state["user_docs"] = docs + [dict(name=new, text=text, source=source)]
 
 
 def _on_paste() -> None:
@@ -151,6 +162,7 @@ def _on_paste() -> None:
         st.session_state["paste_error"] = str(e)
         return
     st.session_state.pop("paste_error", None)
+    st.session_state["doc_notes"] = []
     _add_doc(name, text, "pasted")
     st.session_state["paste_text"] = ""
     st.session_state["paste_name"] = ""
@@ -172,6 +184,7 @@ with tab_u:
                            accept_multiple_files=True, key=f"uploads_{st.session_state.get('upload_gen', 0)}")
     if ups:
         errs = []
+        st.session_state["doc_notes"] = []
         for f in ups:
             try:
                 _add_doc(f.name, D.decode_upload(f.name, f.getvalue()), "uploaded")
@@ -182,13 +195,24 @@ with tab_u:
         st.rerun()
     for e in st.session_state.get("upload_errors", []):
         C.show_error(e)
+for note in st.session_state.get("doc_notes", []):
+    st.info(note, icon=":material/info:")
 
 c1, c2 = st.columns(2)
-c1.number_input("Segment length L (tokens)", min_value=1, max_value=1 << 20, step=64, key="segment_len",
+# no min_value: a browser keeps an out-of-range number in the field without a word; the checks below say why
+c1.number_input("Segment length L (tokens)", step=64, key="segment_len",
                 help="States are recorded (and truncated) every L tokens. Multiples of 64 keep fla's chunked "
                      "kernels split-invariant; seed 000 uses 256.")
-c2.number_input("Token limit per document", min_value=1, max_value=1 << 22, step=1024, key="max_tokens",
+c2.number_input("Token limit per document", step=1024, key="max_tokens",
                 help="Longer documents are refused before anything runs (GPU memory grows with length)")
+setting_errors = []
+for check, key in ((check_segment_len, "segment_len"), (D.check_token_limit, "max_tokens")):
+    try:
+        check(st.session_state[key])
+    except GDNVizError as e:
+        setting_errors.append(str(e))
+for e in setting_errors:
+    C.show_error(e)
 
 # the set, with token counts
 doc_set = [dict(name=n, text=samples[n].text, source="sample") for n in st.session_state["sample_docs"]]
@@ -196,19 +220,20 @@ doc_set += [d for d in st.session_state["user_docs"] if d["name"] not in st.sess
 
 
 tok = C.fast_tokenizer(info) if info is not None else None
-limit = int(st.session_state["max_tokens"])
+limit = int(st.session_state["max_tokens"]) if not setting_errors else 0
 rows, problems = [], []
 for d in doc_set:
     n = len(D.tokenize(tok, d["text"])) if tok is not None else None
     status = "ok"
-    if n is not None:
+    if n is not None and not setting_errors:
         try:
             D.check_length(d["name"], n, limit)
         except GDNVizError as e:
             status = "too long"
             problems.append(str(e))
     rows.append(dict(document=d["name"], source=d["source"], characters=len(d["text"]),
-                     tokens=n, segments=None if n is None else -(-n // int(st.session_state["segment_len"])),
+                     tokens=n, segments=None if n is None or setting_errors else
+                     -(-n // int(st.session_state["segment_len"])),
                      status=status))
 if rows:
     st.dataframe(pd.DataFrame(rows), hide_index=True, width="stretch",
@@ -231,9 +256,10 @@ else:
 # 3. capture
 # =============================================================================================================
 st.subheader("3 · Capture")
-ready = info is not None and bool(doc_set) and not problems
+ready = info is not None and bool(doc_set) and not problems and not setting_errors
 why = ("inspect a model first" if info is None else "add documents first" if not doc_set
-       else "fix the documents above first" if problems else "")
+       else "fix the documents above first" if problems else "fix the settings above first" if setting_errors
+       else "")
 if st.button("Run capture", type="primary", key="run_capture", disabled=not ready, icon=":material/play_arrow:",
              help=why or "Capture every GDN head along each document"):
     from gdnviz.jobs import CaptureJob, spec_to_dict
@@ -249,10 +275,7 @@ if why:
 
 rec = C.job_panel("capture_job", "Capture")
 if rec is not None and rec["status"] == "done":
-    res = rec["result"]
-    if st.session_state.get("capture_handled") != rec["id"]:
-        st.session_state["run_id"] = res["run_id"]
-        st.session_state["capture_handled"] = rec["id"]
+    res = rec["result"]  # app.py made its run the session's run (common.adopt_finished_capture)
     reused = f" ({res['reused']} reused from earlier runs)" if res.get("reused") else ""
     st.success(f"Captured {res['n_documents']} document(s), {sum(res['n_tokens']):,} tokens{reused}.",
                icon=":material/check_circle:")
@@ -268,7 +291,8 @@ if rec is not None and rec["status"] == "done":
 # 4. previous runs
 # =============================================================================================================
 st.subheader("Previous runs")
-runs = C.store().list_runs()
+runs, bad_runs = C.store().read_runs()
+C.unreadable_runs_warning(bad_runs)
 if not runs:
     st.caption("No runs yet. Every capture is stored on disk (cache directory "
                f"`{C.store().dir}`) and listed here.")
@@ -281,7 +305,7 @@ else:
     st.dataframe(df, hide_index=True, width="stretch")
     oc1, oc2 = st.columns([3, 1])
     pick = oc1.selectbox("Open a previous run", [r["run_id"] for r in runs], key="open_run_pick",
-                         format_func=lambda rid: C.run_label(C.store().run(rid) or {"run_id": rid}),
+                         format_func=lambda rid: C.run_label(next(r for r in runs if r["run_id"] == rid)),
                          label_visibility="collapsed")
     if oc2.button("Open", key="open_run_btn", icon=":material/folder_open:"):
         st.session_state["run_id"] = pick

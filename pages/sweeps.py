@@ -19,7 +19,7 @@ st.caption("For every task, length and rank r: generate n RULER samples, answer 
            "Every sample's result is stored as soon as its batch finishes: a cancelled or crashed sweep resumes "
            "where it stopped, and a repeated one is read back instantly.")
 
-run = C.current_run(announce=False)
+run = C.current_run()
 if run is not None:
     info, model_name, device, dtype, L_default, table, src = C.run_model(run)
 else:
@@ -173,6 +173,11 @@ if go and not errors:
     st.rerun()  # redraw from the top: the sidebar's worker status and the Run button see the new job
 
 prev = S.previous_sweeps(C.store())
+bad_jobs = C.store().read_jobs()[1]
+if bad_jobs:
+    st.caption(f"{len(bad_jobs)} stored job record{'s' if len(bad_jobs) != 1 else ''} cannot be read and "
+               f"{'is' if len(bad_jobs) == 1 else 'are'} skipped (a sweep among them is not listed): "
+               + ", ".join(f"`{j}`" for j, _ in bad_jobs[:3]) + (" …" if len(bad_jobs) > 3 else ""))
 if prev:
     labels = {p["id"]: p["label"] for p in prev}
     ids = [p["id"] for p in prev]

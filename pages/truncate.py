@@ -24,7 +24,8 @@ else:
     info = C.inspected()
     if info is None:
         C.empty_state("No model yet.", "Pick a model (and ideally run a capture, so that heads can be chosen by "
-                                       "horizon) on the **Model & documents** page.")
+                                       "horizon) on the **Model & documents** page, or open a stored run in the "
+                                       "sidebar under *Previous runs*.")
         st.stop()
     info, model_name, device, dtype, L_default, table, src = C.inspected_model(info)
 gl, H = list(info["gdn_layers"]), int(info["num_heads"])
@@ -60,7 +61,7 @@ for i, gid in enumerate(st.session_state["tr_groups"]):
         c = st.columns([2, 4, 1, 1])
         kmode, kr = f"tr_g{gid}_mode", f"tr_g{gid}_r"
         st.session_state.setdefault(kmode, "picked" if (i == 0 and C.picked_heads()) else "all")
-        st.session_state.setdefault(kr, min(4, rmax))
+        st.session_state.setdefault(kr, float(min(4, rmax)))
         mode = c[0].selectbox(f"Group {i + 1}: truncate", list(T.MODES), key=kmode, format_func=T.MODES.get)
         g = dict(mode=mode)
         with c[1]:
@@ -86,7 +87,8 @@ for i, gid in enumerate(st.session_state["tr_groups"]):
                     g["hi"] = b.number_input("to (tokens)", min_value=0.0, value=float(L), key=f"tr_g{gid}_hi")
             else:
                 st.caption(f"all {len(gl) * H} heads of every GDN layer")
-        g["r"] = c[2].number_input("r", step=1, key=kr, help=f"directions kept per head, 1..{rmax}")
+        # a float field: an integer field would turn a typed 2.5 into 2 without a word; resolve() refuses it
+        g["r"] = c[2].number_input("r", step=1.0, format="%g", key=kr, help=f"directions kept per head, 1..{rmax}")
         if len(st.session_state["tr_groups"]) > 1:
             c[3].button("Remove", key=f"tr_g{gid}_rm", on_click=_drop_group, args=(gid,), icon=":material/delete:")
         groups.append(g)

@@ -35,8 +35,12 @@ def work(cache) -> int:
     return _WORKERS[key].run_pending()
 
 
-def app(page: str | None = None, **query) -> AppTest:
+def app(page: str | None = None, *, run: dict | None = None, **query) -> AppTest:
+    """The app opened on ``page`` in a new session; ``run``: the session has picked that run (a new session shows
+    no run of another session until it picks one)."""
     at = AppTest.from_file(APP, default_timeout=180)
+    if run is not None:
+        at.session_state["run_id"] = run["run_id"]
     if page:
         at.switch_page(f"pages/{page}.py")
     for k, v in query.items():
@@ -331,7 +335,7 @@ def test_worker_crash_mid_job_is_reported(env, tmp_path, monkeypatch):
 def test_heatmap_metrics_tooltips_and_click(env, populated):
     cache, run = populated
     env(cache)
-    at = app("heatmap")
+    at = app("heatmap", run=run)
     at.run()
     assert not at.exception
     ch = charts(at)
@@ -361,9 +365,9 @@ def test_heatmap_metrics_tooltips_and_click(env, populated):
 
 
 def test_heatmap_pick_mode_builds_the_truncation_set(env, populated):
-    cache, _ = populated
+    cache, run = populated
     env(cache)
-    at = app("heatmap")
+    at = app("heatmap", run=run)
     at.run()
     at.radio(key="click_action").set_value("pick").run()
     at.session_state["heat"] = {"selection": {"cell": [{"layer": 3, "head": 1}]}}
@@ -383,11 +387,11 @@ def test_heatmap_pick_mode_builds_the_truncation_set(env, populated):
 def test_head_deep_link_in_a_new_session(env, populated):
     cache, run = populated
     env(cache)
-    at = app("head", layer=3, head=1)
+    at = app("head", run=run, layer=3, head=1)
     at.run()
     assert not at.exception
     assert any("Layer 3 · head 1" in m for m in texts(at, "markdown"))
-    assert any("showing the most recent run" in c and run["run_id"] in c for c in texts(at, "caption"))
+    assert any(run["run_id"] in m for m in texts(at, "markdown"))
     assert chart_titles(at) == ["Singular spectrum at the document end", "Effective rank along the document",
                                 "Per-token decay α of this head", "Key cone of this head",
                                 "Per-document spread of this head"]
@@ -408,9 +412,9 @@ def test_head_deep_link_in_a_new_session(env, populated):
     ("x", 1, "both must be integers"),
 ])
 def test_head_bad_deep_links(env, populated, layer, head, message):
-    cache, _ = populated
+    cache, run = populated
     env(cache)
-    at = app("head", layer=layer, head=head)
+    at = app("head", run=run, layer=layer, head=head)
     at.run()
     assert not at.exception
     assert any(message in e for e in texts(at, "error"))
@@ -429,9 +433,9 @@ def test_head_bad_deep_links(env, populated, layer, head, message):
 # Overview, budget
 # =============================================================================================================
 def test_overview_figures(env, populated):
-    cache, _ = populated
+    cache, run = populated
     env(cache)
-    at = app("overview")
+    at = app("overview", run=run)
     at.run()
     assert not at.exception
     assert chart_titles(at) == ["Effective rank vs decay horizon", "Decay horizons of all GDN heads",
@@ -449,7 +453,7 @@ def test_overview_figures(env, populated):
 def test_cache_budget(env, populated):
     cache, run = populated
     env(cache)
-    at = app("budget")
+    at = app("budget", run=run)
     at.run()
     assert not at.exception
     metrics = {m.label: m.value for m in at.metric}
@@ -484,9 +488,9 @@ def test_previous_runs_reopen_and_corrupt_results_are_recomputed(env, tmp_path, 
     cache = env(tmp_path / "c")
     r1 = capture(cache, tiny_checkpoint, (("first", short_text(150, 2)),))
     r2 = capture(cache, tiny_checkpoint, (("second", short_text(180, 5)),))
-    at = app("heatmap")
+    at = app("heatmap", run=r2)
     at.run()
-    assert any(r2["run_id"] in c for c in texts(at, "caption"))  # the most recent run
+    assert any(r2["run_id"] in c for c in texts(at, "caption"))
     at.selectbox(key="sb_run").set_value(r1["run_id"]).run()
     assert at.session_state["run_id"] == r1["run_id"]
     assert any(r1["run_id"] in c for c in texts(at, "caption")) and charts(at)
@@ -497,7 +501,7 @@ def test_previous_runs_reopen_and_corrupt_results_are_recomputed(env, tmp_path, 
 
     st.cache_resource.clear()  # as after a server restart: the verified copy in memory is gone
     st.cache_data.clear()
-    at2 = app("overview")
+    at2 = app("overview", run=r2)
     at2.run()
     assert not at2.exception
     warns = texts(at2, "warning")
@@ -527,9 +531,9 @@ def test_run_zip(env, populated):
 # Truncate & compare
 # =============================================================================================================
 def test_truncate_rank_out_of_range(env, populated):
-    cache, _ = populated
+    cache, run = populated
     env(cache)
-    at = app("truncate")
+    at = app("truncate", run=run)
     at.run()
     assert not at.exception
     assert at.selectbox(key="tr_g0_mode").value == "all"
@@ -552,7 +556,7 @@ def test_truncate_and_compare_runs(env, populated):
     pytest.importorskip("gdnviz.truncation", reason="gdnviz/truncation (the top-r projection) is not in the tree yet")
     cache, run = populated
     env(cache)
-    at = app("truncate")
+    at = app("truncate", run=run)
     at.run()
     at.number_input(key="tr_g0_r").set_value(1)
     at.number_input(key="tr_target_len").set_value(400)
@@ -744,7 +748,7 @@ def test_sweeps_bad_input_is_refused_with_specific_messages(env, populated):
     env(cache)
     store = Store(cache)
     queued = store.queued_count()
-    at = app("sweeps")
+    at = app("sweeps", run=run)
     at.run()
     assert not at.exception
     # defaults on the tiny model (d_k = d_v = 16): seed 000's ranks up to 16, two tasks, lengths 4L and 16L
@@ -803,9 +807,9 @@ def test_sweeps_bad_input_is_refused_with_specific_messages(env, populated):
 
 
 def test_sweeps_run_through_the_worker_shows_the_table_and_figure(env, populated):
-    cache, _ = populated
+    cache, run = populated
     env(cache)
-    at = app("sweeps")
+    at = app("sweeps", run=run)
     at.run()
     at.multiselect(key="sw_tasks").set_value(["niah_single_1"])
     at.text_input(key="sw_lengths").input("400")
@@ -844,7 +848,7 @@ def test_sweeps_run_through_the_worker_shows_the_table_and_figure(env, populated
 
     # the same sweep from a new session, plus a per-head rank map: the 4 answers are read back from the store,
     # only the map's 2 are generated, and its own table pairs them with the untouched answers
-    at2 = app("sweeps")
+    at2 = app("sweeps", run=run)
     at2.run()
     for k, v in (("sw_tasks", ["niah_single_1"]),):
         at2.multiselect(key=k).set_value(v)
@@ -867,7 +871,7 @@ def test_sweeps_run_through_the_worker_shows_the_table_and_figure(env, populated
     assert Store(cache).job(jid2)["spec"]["rank_maps"] in ((("one_head", ((3, 1, 1),)),), [["one_head", [[3, 1, 1]]]])
 
     # a third session reopens either sweep from the list of previous sweeps, without running anything
-    at3 = app("sweeps")
+    at3 = app("sweeps", run=run)
     at3.run()
     sb = at3.selectbox(key="sw_prev")
     assert sb.options and len(sb.options) == 2 and sb.value is None
@@ -878,3 +882,110 @@ def test_sweeps_run_through_the_worker_shows_the_table_and_figure(env, populated
     at3.selectbox(key="sw_prev").set_value(jid2).run()
     assert at3.session_state["sweep_job"] == jid2
     assert list(at3.dataframe[1].value.columns)[3] == "one_head"
+
+
+# =============================================================================================================
+# Sessions: a page shows (and the sidebar exports) only this session's run or one the user picked
+# =============================================================================================================
+@pytest.mark.parametrize("page", ["heatmap", "head", "overview", "truncate", "budget", "sweeps"])
+def test_a_new_session_is_shown_no_other_sessions_run(env, populated, page):
+    """The store holds another session's run: a new session sees none of it until it picks it."""
+    cache, run = populated
+    env(cache)
+    at = app(page)
+    at.run()
+    assert not at.exception
+    shown = " ".join(texts(at, "markdown") + texts(at, "caption") + texts(at, "info"))
+    assert run["run_id"] not in shown, shown
+    assert at.selectbox(key="sb_run").value is None
+    assert "Download this run (zip)" not in [b.proto.label for b in at.get("download_button")]
+    if page in ("heatmap", "head", "overview"):
+        assert not charts(at)
+        assert any("No run chosen in this session" in i and "Previous runs" in i for i in texts(at, "info"))
+    at.selectbox(key="sb_run").set_value(run["run_id"]).run()  # the user picks it: now it is shown
+    assert not at.exception and at.session_state["run_id"] == run["run_id"]
+    assert "Download this run (zip)" in [b.proto.label for b in at.get("download_button")]
+
+
+def test_a_finished_capture_is_this_sessions_run_when_another_session_stored_a_newer_one(env, tmp_path,
+                                                                                       tiny_checkpoint):
+    """Session A captures and moves to the Heatmap while it runs; session B's capture finishes later (the newest run
+    in the store). A's pages, its sidebar picker and its zip are A's run, from the first rerun on."""
+    cache = env(tmp_path / "c")
+    a = inspected(cache)
+    a.text_input(key="paste_name").input("mine")
+    a.text_area(key="paste_text").input(short_text(150, 1))
+    a.button(key="paste_add").click().run()
+    a.number_input(key="segment_len").set_value(64)
+    a.button(key="run_capture").click().run()
+    a.switch_page("pages/heatmap.py").run()
+    work(cache)
+    mine = Store(cache).job(a.session_state["capture_job"])["result"]["run_id"]
+    theirs = capture(cache, tiny_checkpoint, (("theirs", short_text(170, 4)),))["run_id"]
+    assert Store(cache).latest_run()["run_id"] == theirs != mine
+    a.run()
+    assert not a.exception
+    assert a.selectbox(key="sb_run").value == mine and a.session_state["run_id"] == mine
+    captions = " ".join(texts(a, "caption"))
+    assert mine in captions and theirs not in captions
+
+
+# =============================================================================================================
+# Ranks and segment lengths typed in
+# =============================================================================================================
+def test_truncate_group_rank_that_is_not_an_integer_is_refused(env, populated):
+    cache, run = populated
+    env(cache)
+    at = app("truncate", run=run)
+    at.run()
+    at.number_input(key="tr_g0_r").set_value(2.5).run()
+    assert not at.exception
+    errs = texts(at, "error")
+    assert any("must be an integer ≥ 1; got 2.5" in e for e in errs), errs
+    assert at.button(key="tr_run").proto.disabled
+
+
+@pytest.mark.parametrize("value", [0, -64])
+def test_segment_length_that_is_not_positive_is_refused_with_a_message(env, tmp_path, value):
+    cache = env(tmp_path / "c")
+    at = inspected(cache)
+    at.text_area(key="paste_text").input(short_text(100))
+    at.button(key="paste_add").click().run()
+    at.number_input(key="segment_len").set_value(value).run()
+    assert not at.exception
+    errs = texts(at, "error")
+    assert any(f"segment length must be a positive integer number of tokens, got {value}" in e for e in errs), errs
+    assert at.button(key="run_capture").proto.disabled
+    for page in ("truncate", "sweeps"):  # the pages that run the inspected model with that segment length
+        at.switch_page(f"pages/{page}.py").run()
+        assert not at.exception
+        assert any(f"The segment length must be a positive integer number of tokens, got {value} (set on the Model"
+                   in e for e in texts(at, "error")), (page, texts(at, "error"))
+    at.switch_page("pages/documents.py").run()
+    at.number_input(key="max_tokens").set_value(0).run()
+    assert any("token limit per document must be a positive integer, got 0" in e for e in texts(at, "error"))
+
+
+def test_two_uploads_with_the_same_name_are_both_kept_and_it_says_so(env, tmp_path):
+    env(tmp_path / "c")
+    at = app()
+    at.run()
+    at.file_uploader[0].set_value([("notes.txt", b"first version", "text/plain"),
+                                   ("notes.txt", b"second version", "text/plain")])
+    at.run()
+    assert not at.exception
+    docs = {d["name"]: d["text"] for d in at.session_state["user_docs"]}
+    assert docs == {"notes.txt": "first version", "notes.txt (2)": "second version"}
+    assert any("notes.txt" in i and "added as **notes.txt (2)**" in i for i in texts(at, "info")), texts(at, "info")
+    # the same file again: not a third copy
+    at.file_uploader[0].set_value([("notes.txt", b"first version", "text/plain")])
+    at.run()
+    assert len(at.session_state["user_docs"]) == 2
+    assert any("already in the set" in i for i in texts(at, "info"))
+    # a pasted document named like a bundled sample is kept beside it
+    at.multiselect(key="sample_docs").select("genesis_1_2_kjv.txt").run()
+    at.text_input(key="paste_name").input("genesis_1_2_kjv.txt")
+    at.text_area(key="paste_text").input("my own genesis")
+    at.button(key="paste_add").click().run()
+    names = list(at.dataframe[0].value["document"])
+    assert "genesis_1_2_kjv.txt" in names and "genesis_1_2_kjv.txt (2)" in names

@@ -2,8 +2,9 @@
 worker process) on a tmp cache directory and the tiny checkpoint.
 
 Flows: a deep link opened before any other session of a fresh server; a capture on a sample document; a click on
-a heatmap cell that lands on that head (and the same URL pasted into a new browser session); a truncation with
-both answers; a PNG download checked byte by byte; a binary upload refused with a message.
+a heatmap cell that lands on that head (and the same URL pasted into a new browser session, which first picks the
+run); a truncation with both answers; a PNG download checked byte by byte; a binary upload refused with a message;
+two sessions capturing at once, each shown and exporting only its own run.
 The tests of this module run in order and share the server (each later flow uses the earlier capture).
 """
 from __future__ import annotations
@@ -101,6 +102,27 @@ def wait_for_app(page, timeout: int = 120_000) -> None:
                            timeout=timeout)
 
 
+def pick_run(page, index: int) -> None:
+    """Open the ``index``-th run (newest first) of the sidebar's *Previous runs* picker."""
+    page.get_by_test_id("stSidebar").get_by_test_id("stSelectbox").click()
+    page.get_by_role("option").nth(index).click()
+    wait_for_app(page)
+    page.mouse.move(1300, 1300)  # off the sidebar: the zip button's tooltip would cover what is clicked next
+
+
+def paste_document(page, name: str, text: str) -> None:
+    page.get_by_role("tab", name="Paste text").click()
+    page.locator("input[aria-label='Name']").fill(name)
+    page.keyboard.press("Enter")
+    wait_for_app(page)
+    page.locator("textarea[aria-label='Text']").fill(text)
+    page.keyboard.press("Control+Enter")
+    wait_for_app(page)
+    page.get_by_role("button", name="Add to the document set").click()
+    wait_for_app(page)
+    page.get_by_text(name).first.wait_for(state="attached")
+
+
 def test_deep_link_on_a_fresh_server(server, page):
     """The very first session opens /head?layer=..: it gets the app (navigation, sidebar), not the bare page."""
     base, _ = server
@@ -134,6 +156,7 @@ def test_heatmap_click_lands_on_that_head(server, page, browser):
     base, _ = server
     page.goto(base + "/heatmap")
     wait_for_app(page)
+    pick_run(page, 0)  # a new browser session: it opens the capture of the session before
     chart = page.get_by_test_id("stVegaLiteChart").first
     cell = chart.locator("path[aria-label^='value head: 2; layer (model index): 1;']")
     cell.wait_for()
@@ -149,8 +172,9 @@ def test_heatmap_click_lands_on_that_head(server, page, browser):
     other = ctx.new_page()
     other.goto(url)
     wait_for_app(other)
+    other.get_by_text("No run chosen in this session.").wait_for()  # another session's run is not shown unasked
+    pick_run(other, 0)
     other.get_by_role("heading", name="Layer 1 · head 2").wait_for()
-    assert other.get_by_text("showing the most recent run").count() == 1
     ctx.close()
 
 
@@ -158,6 +182,7 @@ def test_truncation_shows_both_answers(server, page):
     base, _ = server
     page.goto(base + "/truncate")
     wait_for_app(page)
+    pick_run(page, 0)
     page.locator("input[aria-label='Length (tokens)']").fill("600")
     page.keyboard.press("Enter")
     wait_for_app(page)
@@ -180,6 +205,7 @@ def test_png_download(server, page, tmp_path):
     base, _ = server
     page.goto(base + "/heatmap")
     wait_for_app(page)
+    pick_run(page, 0)
     page.get_by_test_id("stVegaLiteChart").first.wait_for()
     with page.expect_download(timeout=120_000) as d:
         page.get_by_test_id("stDownloadButton").get_by_role("button", name="PNG").first.click()
@@ -202,3 +228,73 @@ def test_binary_upload_is_refused_with_a_message(server, page, tmp_path):
     bad.write_bytes(b"%PDF-1.7\n\x00\x01\x02\x03 binary")
     page.locator("input[type='file']").set_input_files(str(bad))
     page.get_by_text("looks like a binary file (a NUL byte at byte offset 9)", exact=False).wait_for()
+
+
+def _wait_jobs_done(cache: Path, timeout: float = 300.0) -> None:
+    from gdnviz.store import TERMINAL, Store, iter_jobs
+
+    store, t0 = Store(cache), time.time()
+    while any(r["status"] not in TERMINAL for r in iter_jobs(store)):
+        assert time.time() - t0 < timeout, "the worker did not finish its jobs"
+        time.sleep(0.3)
+
+
+def test_two_sessions_each_see_and_export_only_their_own_run(server, browser, tmp_path):
+    """Session A starts a capture and goes to the Heatmap before it finishes; session B captures after it, so B's
+    run is the newest in the shared store. A's heatmap and A's sidebar zip are A's run; a third session is shown
+    no run until it picks one."""
+    import io
+    import json
+    import zipfile
+
+    from app_fixtures import short_text
+    from gdnviz.store import Store
+
+    base, cache = server
+    ctxs = [browser.new_context(viewport={"width": 1400, "height": 1400}, accept_downloads=True) for _ in range(3)]
+    a, b, c = (x.new_page() for x in ctxs)
+    for p in (a, b, c):
+        p.set_default_timeout(60_000)
+    try:
+        a.goto(base + "/")
+        wait_for_app(a)
+        a.get_by_text("Heads per GDN layer").wait_for(timeout=SLOW)
+        paste_document(a, "doc-of-a", short_text(150, 7))
+        a.get_by_role("button", name="Run capture").click()
+        wait_for_app(a)
+        a.get_by_test_id("stSidebarNav").get_by_text("Heatmap", exact=True).click()
+        wait_for_app(a)
+        _wait_jobs_done(cache)
+
+        b.goto(base + "/")
+        wait_for_app(b)
+        b.get_by_text("Heads per GDN layer").wait_for(timeout=SLOW)
+        paste_document(b, "doc-of-b", short_text(160, 11))
+        b.get_by_role("button", name="Run capture").click()
+        b.get_by_text("Captured 1 document").wait_for(timeout=SLOW)
+        runs = Store(cache).list_runs()
+        run_b = runs[0]["run_id"]
+        assert [d["name"] for d in runs[0]["documents"]] == ["doc-of-b"]
+        run_a = next(r["run_id"] for r in runs if [d["name"] for d in r["documents"]] == ["doc-of-a"])
+
+        a.get_by_test_id("stSidebarNav").get_by_text("Heatmap", exact=True).click()  # A's next rerun
+        wait_for_app(a)
+        a.get_by_test_id("stVegaLiteChart").first.wait_for()
+        assert a.get_by_text(run_a).count() >= 1 and a.get_by_text(run_b).count() == 0
+        with a.expect_download(timeout=120_000) as d:
+            a.get_by_role("button", name="Download this run (zip)").click()
+        path = tmp_path / "a.zip"
+        d.value.save_as(path)
+        assert d.value.suggested_filename == f"gdnviz-{run_a}.zip"
+        settings = json.loads(zipfile.ZipFile(io.BytesIO(path.read_bytes())).read("settings.json"))
+        assert settings["run_id"] == run_a and [x["name"] for x in settings["documents"]] == ["doc-of-a"]
+
+        c.goto(base + "/heatmap")
+        wait_for_app(c)
+        c.get_by_text("No run chosen in this session.").wait_for()
+        assert c.get_by_role("button", name="Download this run (zip)").count() == 0
+        assert c.get_by_test_id("stVegaLiteChart").count() == 0
+        assert c.get_by_text(run_a).count() == 0 and c.get_by_text(run_b).count() == 0
+    finally:
+        for x in ctxs:
+            x.close()

@@ -98,12 +98,17 @@ def test_memo_json(store):
 
 
 # --- runs -----------------------------------------------------------------------------------------------------
+def _run_entry(rid: str, created: float) -> dict:
+    return dict(run_id=rid, created=created, documents=[dict(name="d", key="capture:x", n_tokens=3)], segment_len=64,
+                dtype="float32", device="cpu", model={}, model_name="m", spec={})
+
+
 def test_previous_runs_most_recent_first(store):
     assert store.latest_run() is None and store.list_runs() == []
     for rid in ("r1", "r2", "r3"):
-        store.add_run(dict(run_id=rid, created=time.time(), documents=[]))
+        store.add_run(_run_entry(rid, time.time()))
     assert [r["run_id"] for r in store.list_runs()] == ["r3", "r2", "r1"]
-    store.add_run(dict(run_id="r1", created=0, documents=[]))  # reopened: moves to the front
+    store.add_run(_run_entry("r1", 0))  # reopened: moves to the front
     assert store.latest_run()["run_id"] == "r1"
     store.delete_run("r2")
     assert store.run("r2") is None

@@ -13,7 +13,7 @@ class ModelInfo:
     num_key_heads: query/key heads per GDN layer (keys are repeated to value heads when fewer).
     attn_kv_heads / attn_head_dim: the full-attention layers' KV heads and width (for cache budgets).
     kernel_path: "fla" (Triton kernels on CUDA) or "torch" (PyTorch, CPU); dtype: torch dtype name.
-    fingerprint: hash of config + weight file names, sizes and mtimes (cache keys).
+    fingerprint: hash of config.json and the weight files' names and whole contents (memo keys).
     """
 
     name: str

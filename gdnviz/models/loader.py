@@ -128,13 +128,14 @@ def weight_files(path: Path) -> list[Path]:
 
 
 def fingerprint(path: Path) -> str:
-    """sha256 of config.json + each weight file's name, size and first 64 KiB (stable across copies)."""
+    """16 hex chars of the sha256 of config.json and each weight file's name and whole-file sha256: it changes
+    whenever a weight changes, and is the same for a copy of the checkpoint. Each file is read once per version
+    (``gdnviz.models.filehash``); later calls only stat it."""
+    from gdnviz.models.filehash import file_sha256
+
     h = hashlib.sha256((path / "config.json").read_bytes())
     for f in weight_files(path):
-        st = f.stat()
-        h.update(f"{f.name}:{st.st_size}".encode())
-        with open(f, "rb") as fh:
-            h.update(fh.read(65536))
+        h.update(f"{f.name}:{f.stat().st_size}:{file_sha256(f)}".encode())
     return h.hexdigest()[:16]
 
 

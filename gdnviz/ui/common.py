@@ -11,8 +11,9 @@ inspect             {"key": (model, device, dtype), "job": id, "result": dict | 
 user_docs           [{"name", "text", "source"}] pasted / uploaded documents
 sample_docs         names of bundled samples in the set (widget)
 segment_len         tokens per segment (widget)          max_tokens: per-document token limit (widget)
-capture_job         id of the capture job of this session
-run_id              the run shown on every page (None: the most recent run)
+capture_job         id of the capture job of this session (capture_handled: the one whose run was adopted)
+run_id              the run shown on every page: this session's last capture or the run the user picked (None:
+                    no run; a page never falls back to another session's run)
 layer, head         the open head
 picked_heads        [[layer, head], ...] the truncation set built by clicks
 truncate_job        id of the truncation job of this session
@@ -295,17 +296,58 @@ def run_label(run: dict) -> str:
             f"L={run.get('segment_len')} · {run.get('dtype')}/{run.get('device')}")
 
 
-def current_run(announce: bool = True) -> dict | None:
-    """The run chosen in this session, else the most recent run (saying so), else None."""
-    s = store()
+def adopt_finished_capture() -> None:
+    """Make this session's finished capture its current run, once per capture job. app.py calls it before the
+    sidebar and the page, so that nothing drawn in the run that sees the job done shows another run."""
+    jid = st.session_state.get("capture_job")
+    if not jid or st.session_state.get("capture_handled") == jid:
+        return
+    rec = store().job(jid)
+    if rec is not None and rec["status"] == "done":
+        st.session_state["run_id"] = rec["result"]["run_id"]
+        st.session_state["capture_handled"] = jid
+
+
+def current_run() -> dict | None:
+    """The run of this session (its last capture, or the one the user picked), else None. Never another session's
+    run that the user did not pick: the store is shared by every browser session of the server. A run that was
+    deleted from the store or cannot be read is None, after an error saying so."""
+    from gdnviz.errors import CorruptStoreEntry
+
     rid = st.session_state.get("run_id")
-    run = s.run(rid) if rid else None
+    if not rid:
+        return None
+    try:
+        run = store().run(rid)
+    except CorruptStoreEntry as e:
+        show_error(f"This session's run cannot be opened: {e}.", "Pick another run in the sidebar under *Previous "
+                   "runs*, or run the capture again on the Model & documents page (it replaces the damaged entry).")
+        return None
     if run is None:
-        run = s.latest_run()
-        if run is not None and announce:
-            st.caption(f"No run chosen in this session: showing the most recent run, **{run_label(run)}** "
-                       f"(`{run['run_id']}`). Pick another in the sidebar under *Previous runs*.")
+        show_error(f"This session's run {rid} is no longer in the store (its entry was deleted from the cache "
+                   f"directory {store().dir}).", "Pick another run in the sidebar, or run the capture again.")
     return run
+
+
+def unreadable_runs_warning(bad: list[tuple[str, str]]) -> None:
+    """Say which stored runs cannot be read (they are not listed)."""
+    if not bad:
+        return
+    n = len(bad)
+    st.warning(f"{n} stored run{'s' if n != 1 else ''} cannot be read and {'is' if n == 1 else 'are'} not listed: "
+               + "; ".join(f"`{rid}` ({why})" for rid, why in bad[:3]) + (" …" if n > 3 else ""),
+               icon=":material/warning:")
+
+
+def no_run_text() -> tuple[str, str]:
+    """(title, text) of the empty state of a page that needs a run."""
+    n = len(store().list_runs())
+    if not n:
+        return "No capture yet.", ("Pick a model and documents and run a capture on the **Model & documents** page; "
+                                   "its results appear here.")
+    which = "the stored run" if n == 1 else f"one of the {n} stored runs"
+    return "No run chosen in this session.", (
+        f"Run a capture on the **Model & documents** page, or open {which} in the sidebar under *Previous runs*.")
 
 
 @st.cache_resource(show_spinner=False, max_entries=4)
@@ -357,10 +399,20 @@ def run_model(run: dict) -> tuple:
 
 
 def inspected_model(info: dict) -> tuple:
-    """The same tuple as ``run_model`` for the model inspected on the first page (no run yet: no head table)."""
+    """The same tuple as ``run_model`` for the model inspected on the first page (no run yet: no head table), with
+    the segment length set there; when that is not a positive integer, an error says so and the page stops."""
+    from gdnviz.errors import BadSegmentLength
+    from gdnviz.runner import check_segment_len
+
     ch = model_choice()
     name = ch["model"]
-    return (info, name, ch["device"], ch["dtype"], int(st.session_state.get("segment_len", 256)), None,
+    try:
+        L = check_segment_len(st.session_state.get("segment_len", 256))
+    except BadSegmentLength as e:
+        show_error(f"The {e} (set on the Model & documents page).", "Set a positive segment length there.")
+        page_link("documents", "Go to Model & documents", icon=":material/arrow_forward:")
+        st.stop()
+    return (info, name, ch["device"], ch["dtype"], L, None,
             f"the inspected model ({Path(str(name)).name})")
 
 
@@ -376,8 +428,7 @@ def require_run() -> tuple[dict, pd.DataFrame] | None:
     """The current run and its head table, or None after drawing the empty state."""
     run = current_run()
     if run is None:
-        empty_state("No capture yet.", "Pick a model and documents and run a capture on the **Model & documents** "
-                                       "page; its results appear here.")
+        empty_state(*no_run_text())
         return None
     table = run_table(run)
     if table is None:
@@ -560,22 +611,29 @@ def sidebar() -> None:
         ws = ensure_worker().status()
         poll = (2.0 if _poll_seconds() else None) if (active or ws["state"] in ("starting", "busy")) else None
         st.fragment(worker_status_line, run_every=poll)()
-        runs = store().list_runs()
+        runs, bad = store().read_runs()
         st.markdown("**Previous runs**")
+        unreadable_runs_warning(bad)
         if not runs:
-            st.caption("None yet: run a capture on *Model & documents*.")
+            st.caption(("No readable run" if bad else "None yet") + ": run a capture on *Model & documents*.")
             return
         ids = [r["run_id"] for r in runs]
         labels = {r["run_id"]: run_label(r) for r in runs}
         cur = st.session_state.get("run_id")
-        if cur not in ids:
-            cur = ids[0]
-        st.session_state["sb_run"] = cur
+        st.session_state["sb_run"] = cur if cur in ids else None
         st.selectbox("Run shown on every page", ids, key="sb_run", format_func=lambda r: labels.get(r, r),
-                     on_change=_pick_run, label_visibility="collapsed",
-                     help="Every capture is stored on disk; picking one reopens it instantly.")
-        run = store().run(cur)
+                     on_change=_pick_run, label_visibility="collapsed", placeholder="Pick a run to open it",
+                     help="Every capture is stored on disk; picking one reopens it instantly. A page shows only "
+                          "this session's capture or the run picked here.")
+        run = next((r for r in runs if r["run_id"] == cur), None)
         if run is not None:
+            from gdnviz.jobs import MissingResult
+
+            try:  # the zip is built on click, where a failure could not be shown: check that it can be built
+                _load_captures(str(store().dir), run["run_id"], tuple(d["key"] for d in run["documents"]))
+            except MissingResult as e:
+                st.caption(f"This run cannot be exported now: {e}. Open it on a page to recompute it.")
+                return
             lh = (st.session_state.get("layer"), st.session_state.get("head"))
             st.download_button("Download this run (zip)", data=lambda: run_zip_bytes(run, *lh), file_name=
                                f"gdnviz-{run['run_id']}.zip", mime="application/zip", on_click="ignore",
@@ -603,10 +661,9 @@ def run_zip_bytes(run: dict, layer: int | None = None, head: int | None = None) 
     """Figures (PNG + SVG), their CSV, the head table and the settings of a run, as one zip; with ``layer`` and
     ``head`` also that head's figures."""
     from gdnviz import figures as F
-    from gdnviz.jobs import load_run_captures
     from gdnviz.summary import document_set_table, overview
 
-    caps = load_run_captures(store(), run)
+    caps = _load_captures(str(store().dir), run["run_id"], tuple(d["key"] for d in run["documents"]))
     names = [d["name"] for d in run["documents"]]
     table = document_set_table(caps)
     L = int(run["segment_len"])

@@ -241,14 +241,8 @@ def rank_map_table(table: pd.DataFrame) -> pd.DataFrame | None:
 def previous_sweeps(store, limit: int = 30) -> list[dict]:
     """Finished sweep jobs in the store, newest first: ``[{id, label, finished}]`` with a one-line label (model,
     tasks, lengths, ranks, n, rank maps). Their results live in the job records, so reopening one is instant."""
-    recs = []
-    for key in store.jobs.iterkeys():
-        if not str(key).startswith("job:"):
-            continue
-        rec = store.jobs.get(key)
-        if not rec or rec.get("kind") != "sweep" or rec.get("status") != "done" or not rec.get("result"):
-            continue
-        recs.append(rec)
+    recs = [r for r in store.read_jobs()[0]
+            if r.get("kind") == "sweep" and r.get("status") == "done" and r.get("result")]
     recs.sort(key=lambda r: r.get("finished") or 0, reverse=True)
     out = []
     for rec in recs[:limit]:

@@ -1,6 +1,6 @@
 """Turn the Truncate & compare page's head groups into a truncation spec (pure: no Streamlit).
 
-A group is ``{"mode": ..., "r": int, ...}`` with mode
+A group is ``{"mode": ..., "r": rank, ...}`` (r as typed: an int, or a whole float from a number field) with mode
 ``"picked"`` (``heads``: [[layer, head], ...]), ``"layers"`` (``layers``: [layer, ...]),
 ``"horizon"`` (``filter``: "within" | "beyond" | "range", ``lo``, ``hi`` in tokens; needs a head table) or
 ``"all"``. Later groups override earlier ones for a head in both.
@@ -50,18 +50,15 @@ def resolve(groups: list, info: dict, table=None, segment_len: int | None = None
     """({(layer, head): r}, [number of heads per group]); raises RankOutOfRange / ValueError for bad input."""
     from types import SimpleNamespace
 
-    from gdnviz.errors import RankOutOfRange
     from gdnviz.truncation import TruncationSpec, check_rank
 
     ranks, counts = {}, []
     rmax = min(int(info["d_k"]), int(info["d_v"]))
-    for i, g in enumerate(groups):
-        try:
-            r = int(g.get("r"))
-        except (TypeError, ValueError):
-            raise RankOutOfRange(f"group {i + 1}: the rank must be a whole number in 1..{rmax}") from None
+    for g in groups:
         heads = group_heads(g, info, table, segment_len)
         counts.append(len(heads))
+        r = g.get("r")
+        r = int(r) if isinstance(r, float) and r.is_integer() else r  # 4.0 from a number field is 4; 2.5 is refused
         for lh in heads:
             ranks[lh] = check_rank(r, f" for layer {lh[0]} head {lh[1]}", upper=rmax)
     ns = SimpleNamespace(gdn_layers=tuple(info["gdn_layers"]), num_heads=int(info["num_heads"]),
