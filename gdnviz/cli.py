@@ -7,6 +7,17 @@
                  [--via-worker [--cache-dir DIR]]
     gdnviz loss MODEL DOC.txt [DOC2.txt ...] [--ranks 1,4,12,32] --out DIR [--heads ...] [--min-distance 512]
                 [--segment-len 256]
+    gdnviz scan MODEL --task T --length L --n N --by layer|head --r R [--keep] [--layers 0,1] [--out DIR]
+                [--memo DIR] [--max-prompts 2000]
+    gdnviz budget MODEL --tasks T1,T2 --lengths L --n N --tolerance D [--ladder 32,12,4,1] [--curve 2,5]
+                  [--out DIR] [--memo DIR] [--max-prompts 2000]
+
+``scan`` (``gdnviz.probes.scan``) writes scan.csv (layer, head, r, n, score, baseline, delta, se; head empty for a
+layer row), heatmap.png and settings.json; ``budget`` (``gdnviz.probes.budget``) writes budget.csv (layer, head, r),
+rank_map.json (for the app's Sweeps page and ``--rank-map``), summary.json, and with ``--curve`` curve.csv and
+curve.png (score vs state memory over the tolerances). Both memoise every answer in --memo (default DIR/cache):
+point several runs at one memo to share answers, and a rerun resumes. Both print what they will run first and
+refuse more new answers than --max-prompts.
 
 ``sweep`` (``gdnviz.probes.sweep``) writes rows.csv, table.csv, figure.png and settings.json and memoises every
 sample in DIR/cache, so running it again resumes where it stopped (with ``--via-worker`` it runs in the app's
@@ -338,6 +349,146 @@ def cmd_loss(args) -> int:
     return 0
 
 
+def _checked(fn):
+    """Run ``fn`` with the library's ValueErrors (bad settings) reported as GDNVizError (one line, no traceback)."""
+    try:
+        return fn()
+    except ValueError as e:
+        raise GDNVizError(str(e)) from None
+
+
+def _common_probe(args) -> dict:
+    return dict(model=args.model, segment_len=args.segment_len, batch_size=args.batch,
+                max_new_tokens=args.max_new_tokens or None,
+                chat_template={"auto": "auto", "on": True, "off": False}[args.chat], max_prompts=args.max_prompts)
+
+
+def _eta(seconds) -> str:
+    if seconds is None:
+        return "time unknown (no rate measured yet for this model, device, task and length)"
+    return f"about {seconds / 60:,.1f} min at the last measured rate"
+
+
+def cmd_scan(args) -> int:
+    from tqdm import tqdm
+
+    from gdnviz import figures as F
+    from gdnviz.probes import scan, sweep
+
+    out = Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)
+    memo = Path(args.memo) if args.memo else out / "cache"
+    lm = _load_for_probe(args)
+    layers = tuple(_int_list(args.layers, "layers")) if args.layers else None
+    spec = scan.ScanSpec(task=args.task, length=args.length, r=args.r, by=args.by, keep=args.keep, layers=layers,
+                         n=args.n, seed0=args.seed0, fingerprint=lm.info.fingerprint, **_common_probe(args))
+    plan = _checked(lambda: scan.plan_scan(lm.info, lm.tokenizer, spec, memo))
+    print(f"scan: {plan['units']} units, {plan['settings']} settings x {spec.n} samples = {plan['answers']:,} "
+          f"answers, {plan['cached']:,} in the memo, {plan['to_run']:,} to run; {_eta(plan['seconds'])}",
+          file=sys.stderr)
+    bar = tqdm(total=1, desc="scan", unit="answer", file=sys.stderr)
+
+    def progress(done, total):
+        bar.total, bar.n = total, done
+        bar.refresh()
+
+    try:
+        res = _checked(lambda: scan.run_scan(lm, spec, store=memo, progress=progress))
+    finally:
+        bar.close()
+    sweep.to_csv(res.table, out / "scan.csv")
+    settings = dict(spec=spec.to_dict(), model=lm.info.to_dict(), untouched=res.untouched, all_cut=res.all_cut,
+                    computed=res.computed, seconds=round(res.seconds, 3), plan=plan, memo=str(memo))
+    (out / "settings.json").write_text(json.dumps(settings, indent=2, default=str))
+    what = "kept whole, every other head at" if spec.keep else "cut to"
+    title = f"{lm.info.name}: {spec.task} @ {spec.length:,} tokens, one {spec.by} {what} r = {spec.r}"
+    try:
+        F.scan_heatmap(F.scan_heatmap_frame(res.table, lm.info.gdn_layers, lm.info.num_heads), keep=spec.keep,
+                       title=title, interactive=False).save(str(out / "heatmap.png"))
+    except ImportError as e:
+        print(f"heatmap.png not written ({e}); scan.csv is complete.", file=sys.stderr)
+    base = f"all heads at r = {spec.r}: {res.all_cut:.1f}; " if spec.keep else ""
+    print(f"untouched: {res.untouched:.1f}; {base}{res.computed:,} answers generated, {res.seconds:,.0f} s",
+          file=sys.stderr)
+    print(scan.ranked(res.table, spec.keep).to_string(index=False))
+    return 0
+
+
+def cmd_budget(args) -> int:
+    from tqdm import tqdm
+
+    from gdnviz.probes import budget, sweep
+
+    out = Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)
+    memo = Path(args.memo) if args.memo else out / "cache"
+    lm = _load_for_probe(args)
+    kw = dict(tasks=tuple(t for t in args.tasks.split(",") if t), lengths=tuple(_int_list(args.lengths, "lengths")),
+              n=args.n, alpha=args.alpha, ladder=tuple(_int_list(args.ladder, "ladder")), seed0=args.seed0,
+              heldout_seed0=args.heldout_seed0, n_heldout=args.n_heldout, state_dtype=args.state_dtype,
+              fingerprint=lm.info.fingerprint, **_common_probe(args))
+    tolerances = [args.tolerance] + [float(x) for x in args.curve.split(",") if x.strip()] if args.curve else \
+        [args.tolerance]
+    results = []
+    for tol in tolerances:
+        spec = budget.BudgetSpec(tolerance=tol, **kw)
+        plan = _checked(lambda: budget.plan_budget(lm.info, lm.tokenizer, spec, memo))
+        print(f"budget δ = {tol:g}: scans {plan['scan_answers']:,} answers ({plan['scan_cached']:,} in the memo), "
+              f"search at most {plan['search_max']:,}, held-out {plan['heldout_answers']:,} "
+              f"({plan['heldout_cached']:,} in the memo): at most {plan['max_to_run']:,} to run; "
+              f"{_eta(plan['seconds'])}", file=sys.stderr)
+        bar = tqdm(total=1, desc=f"budget δ = {tol:g}", unit="answer", file=sys.stderr)
+
+        def progress(done, total, text, _bar=bar):
+            _bar.total, _bar.n = total, done
+            _bar.set_postfix_str(text[:60], refresh=False)
+            _bar.refresh()
+
+        try:
+            results.append(_checked(lambda: budget.find_budget(lm, spec, store=memo, progress=progress)))
+        finally:
+            bar.close()
+    res = results[0]
+    budget.budget_table(res, lm.info).to_csv(out / "budget.csv", index=False)
+    summ = budget.summary(res, lm.info)
+    (out / "summary.json").write_text(json.dumps(summ, indent=2, default=str))
+    (out / "rank_map.json").write_text(budget.rank_map_json(res.ranks, lm.info, tolerance=res.spec.tolerance,
+                                                            tasks=list(res.spec.tasks),
+                                                            lengths=list(res.spec.lengths), n=res.spec.n))
+    if len(results) > 1:
+        curve = budget.curve_frame(results, lm.info)
+        sweep.to_csv(curve, out / "curve.csv")
+        try:
+            budget.curve_figure(curve, title=f"{lm.info.name}: score vs recurrent-state memory").save(
+                str(out / "curve.png"))
+        except ImportError as e:
+            print(f"curve.png not written ({e}); curve.csv is complete.", file=sys.stderr)
+    full, bud = summ["state_bytes_full"], summ["state_bytes_budget"]
+    print(f"state per sequence: {full / 1024:,.1f} KiB full, {bud / 1024:,.1f} KiB with the budget "
+          f"({100 * (1 - bud / full):.1f}% saved; {summ['state_dtype']})")
+    for which in ("tasks", "heldout"):
+        for k, x in summ[which].items():
+            print(f"{'search' if which == 'tasks' else 'held-out'} {k}: untouched {x['untouched']:.1f}, budget "
+                  f"{x['score']:.1f} (Δ {x['delta']:+.1f} ± {x['se']:.1f}, bound {x['bound']:+.1f}, "
+                  f"{'pass' if x['passed'] else 'FAIL'})")
+    print(budget.budget_table(res, lm.info).to_string(index=False))
+    return 0
+
+
+def _probe_args(sp) -> None:
+    sp.add_argument("--n", type=int, default=20, help="samples per task and length")
+    sp.add_argument("--seed0", type=int, default=0)
+    sp.add_argument("--out", default="gdnviz-out", help="output folder")
+    sp.add_argument("--memo", default=None, help="memo directory (default OUT/cache); share one between runs")
+    sp.add_argument("--max-prompts", type=int, default=2000, help="refuse more new answers than this")
+    sp.add_argument("--batch", type=int, default=8, help="samples per forward")
+    sp.add_argument("--max-new-tokens", type=int, default=0, help="0 = RULER's per task")
+    sp.add_argument("--chat", choices=["auto", "on", "off"], default="auto", help="wrap prompts in the chat template")
+    sp.add_argument("--segment-len", type=int, default=256)
+    sp.add_argument("--device", default="auto")
+    sp.add_argument("--dtype", default="auto")
+
+
 def main(argv=None) -> int:
     p = argparse.ArgumentParser(prog="gdnviz", description="Look inside the Gated DeltaNet heads of hybrid LMs.")
     sub = p.add_subparsers(dest="cmd", required=True)
@@ -394,6 +545,27 @@ def main(argv=None) -> int:
     sp.add_argument("--device", default="auto")
     sp.add_argument("--dtype", default="auto")
     sp.set_defaults(fn=cmd_loss)
+    sp = sub.add_parser("scan", parents=[common], help="head sensitivity scan: one layer or head cut (or kept) at a time")
+    sp.add_argument("--task", required=True, help="a RULER task, e.g. niah_single_1")
+    sp.add_argument("--length", type=int, required=True, help="target length in tokens")
+    sp.add_argument("--by", choices=["layer", "head"], default="layer")
+    sp.add_argument("--r", type=int, default=1, help="rank a cut head keeps")
+    sp.add_argument("--keep", action="store_true", help="keep-one: every head cut to r except the unit")
+    sp.add_argument("--layers", default="", help="only units in these GDN layers, e.g. 4,5 (default all)")
+    _probe_args(sp)
+    sp.set_defaults(fn=cmd_scan)
+    sp = sub.add_parser("budget", parents=[common], help="per-head rank budget within a tolerance of untouched")
+    sp.add_argument("--tasks", required=True, help="comma-separated RULER tasks")
+    sp.add_argument("--lengths", required=True, help="comma-separated target lengths in tokens")
+    sp.add_argument("--tolerance", type=float, default=1.0, help="δ, points of score every task may lose")
+    sp.add_argument("--alpha", type=float, default=0.05, help="level of the one-sided paired t test")
+    sp.add_argument("--ladder", default="32,12,4,1", help="ranks tried, e.g. 32,12,4,1")
+    sp.add_argument("--n-heldout", type=int, default=None, help="held-out samples (default n; 0 skips the check)")
+    sp.add_argument("--heldout-seed0", type=int, default=None, help="first held-out seed (default seed0 + n)")
+    sp.add_argument("--state-dtype", default="float32", choices=["float32", "bfloat16", "float16"])
+    sp.add_argument("--curve", default="", help="more tolerances for curve.csv / curve.png, e.g. 2,5,10")
+    _probe_args(sp)
+    sp.set_defaults(fn=cmd_budget)
     args = p.parse_args(argv)
     try:
         return args.fn(args)

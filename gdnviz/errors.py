@@ -70,6 +70,18 @@ class EmptyDocumentSet(GDNVizError):
     """A probe was asked to run over no documents."""
 
 
+class EmptyHeadSet(GDNVizError):
+    """A scan or budget was asked to work on no heads (no layers, or no heads in the chosen layers)."""
+
+
+class TooFewSamples(GDNVizError):
+    """n is too small for the statistical test asked for (a paired standard error needs n >= 2)."""
+
+
+class TooManyPrompts(GDNVizError):
+    """A scan or budget would generate more answers than the limit set for it; nothing was run."""
+
+
 # --- running -------------------------------------------------------------------------------------
 class GPUOutOfMemory(GDNVizError):
     """The device ran out of memory; the message says how much was asked and what to reduce."""

@@ -179,47 +179,91 @@ def crossover_context(*, n_gdn, h_v, d_k, d_v, n_attn, h_kv, d_h, b_state, b_kv,
 # =============================================================================================================
 # charts
 # =============================================================================================================
-def heatmap(df: pd.DataFrame, metric: str, *, selected: tuple | None = None, picked: Iterable = (),
-            title: str | None = None, interactive: bool = True):
-    """Layer × head grid coloured by ``value`` (median over documents); min–max in the tooltip. Click selection
-    param ``cell`` (fields layer, head); the open head gets a black frame, heads in the truncation set orange."""
-    label, scale = HEATMAP_METRICS.get(metric, (metric, "linear"))
-    fmt = _fmt(metric)
+def _grid(df: pd.DataFrame, color, tooltip: list, title: str, subtitle: str, *, selected: tuple | None,
+          picked: Iterable, interactive: bool):
+    """The layer × head grid of ``heatmap`` and ``scan_heatmap``: ``df`` has layer, head and the colour's fields;
+    click selection param ``cell`` (fields layer, head); the open head framed black, the truncation set orange."""
     n_heads = int(df["head"].max()) + 1 if len(df) else 1
-    color_scale = alt.Scale(type="log", scheme="viridis") if scale == "log" else alt.Scale(scheme="viridis")
     picked = {tuple(map(int, p)) for p in picked}
     df = df.copy()
     sel_t = None if selected is None else (int(selected[0]), int(selected[1]))
     df["frame"] = ["open head" if (l, h) == sel_t else "truncation set" if (l, h) in picked else "none"
                    for l, h in zip(df["layer"].astype(int), df["head"].astype(int))]
     frames = ["open head", "truncation set", "none"]
-    base = alt.Chart(df)
     enc = dict(
         x=alt.X("head:O", title="value head", axis=alt.Axis(labelAngle=0)),
         y=alt.Y("layer:O", title="layer (model index)", sort="ascending"),
-        color=alt.Color("value:Q", title=label.split(" (")[0], scale=color_scale,
-                        legend=alt.Legend(orient="right", gradientLength=180)),
-        tooltip=[alt.Tooltip("layer:O", title="layer"), alt.Tooltip("head:O", title="head"),
-                 alt.Tooltip("value:Q", title=f"median {label}", format=fmt),
-                 alt.Tooltip("min:Q", title="min over documents", format=fmt),
-                 alt.Tooltip("max:Q", title="max over documents", format=fmt),
-                 alt.Tooltip("n_docs:Q", title="documents")],
+        color=color, tooltip=tooltip,
         stroke=alt.Stroke("frame:N", scale=alt.Scale(domain=frames, range=["black", "#ff7f0e", "white"]),
                           legend=None),
         strokeWidth=alt.StrokeWidth("frame:N", scale=alt.Scale(domain=frames, range=[3.5, 2.5, 0.5]),
                                     legend=None),
     )
-    chart = base.mark_rect().encode(**enc)
+    chart = alt.Chart(df).mark_rect().encode(**enc)
     if interactive:
         sel = alt.selection_point(name="cell", fields=["layer", "head"], on="click", clear="dblclick",
                                   toggle=False)
         chart = chart.add_params(sel)
     chart = chart.properties(
         width=alt.Step(max(18, min(40, 640 // n_heads))), height=alt.Step(26),
-        title=alt.Title(title or f"{label}: median over documents",
-                        subtitle="click a cell to open that head · hover for the min–max over documents"),
-        usermeta={"embedOptions": {"renderer": "svg"}})
+        title=alt.Title(title, subtitle=subtitle), usermeta={"embedOptions": {"renderer": "svg"}})
     return configure(chart, "pad")
+
+
+def heatmap(df: pd.DataFrame, metric: str, *, selected: tuple | None = None, picked: Iterable = (),
+            title: str | None = None, interactive: bool = True):
+    """Layer × head grid coloured by ``value`` (median over documents); min–max in the tooltip. Click selection
+    param ``cell`` (fields layer, head); the open head gets a black frame, heads in the truncation set orange."""
+    label, scale = HEATMAP_METRICS.get(metric, (metric, "linear"))
+    fmt = _fmt(metric)
+    color_scale = alt.Scale(type="log", scheme="viridis") if scale == "log" else alt.Scale(scheme="viridis")
+    color = alt.Color("value:Q", title=label.split(" (")[0], scale=color_scale,
+                      legend=alt.Legend(orient="right", gradientLength=180))
+    tooltip = [alt.Tooltip("layer:O", title="layer"), alt.Tooltip("head:O", title="head"),
+               alt.Tooltip("value:Q", title=f"median {label}", format=fmt),
+               alt.Tooltip("min:Q", title="min over documents", format=fmt),
+               alt.Tooltip("max:Q", title="max over documents", format=fmt),
+               alt.Tooltip("n_docs:Q", title="documents")]
+    return _grid(df, color, tooltip, title or f"{label}: median over documents",
+                 "click a cell to open that head · hover for the min–max over documents", selected=selected,
+                 picked=picked, interactive=interactive)
+
+
+def scan_heatmap_frame(table: pd.DataFrame, gdn_layers: Iterable[int], num_heads: int) -> pd.DataFrame:
+    """A scan table (``gdnviz.probes.scan.TABLE_COLUMNS``) on the layer × head grid: layer, head, unit ("layer 5"
+    or "5:1"), value = delta, se, score, baseline, n, r. A layer row fills every head of its layer; heads the scan
+    did not cover are absent (blank cells)."""
+    rows = []
+    for _, x in table.iterrows():
+        heads = range(int(num_heads)) if pd.isna(x["head"]) else [int(x["head"])]
+        unit = f"layer {int(x['layer'])}" if pd.isna(x["head"]) else f"{int(x['layer'])}:{int(x['head'])}"
+        for h in heads:
+            rows.append(dict(layer=int(x["layer"]), head=h, unit=unit, value=float(x["delta"]),
+                             se=float(x["se"]) if pd.notna(x["se"]) else float("nan"), score=float(x["score"]),
+                             baseline=float(x["baseline"]), n=int(x["n"]), r=int(x["r"])))
+    return pd.DataFrame(rows, columns=["layer", "head", "unit", "value", "se", "score", "baseline", "n", "r"])
+
+
+def scan_heatmap(df: pd.DataFrame, *, keep: bool, title: str, selected: tuple | None = None,
+                 interactive: bool = True):
+    """Δscore of a scan on the layer × head grid, a diverging scale centred at 0 (red: the unit's setting scores
+    below the baseline, blue: above), symmetric about 0; the paired SE, scores and n in the tooltip."""
+    m = max(1.0, float(np.nanmax(np.abs(df["value"].to_numpy(float)))) if len(df) else 1.0)
+    what = "keeping it whole vs all cut" if keep else "cutting it vs untouched"
+    color = alt.Color("value:Q", title=["Δ score", "(points)"],
+                      scale=alt.Scale(scheme="redblue", domain=[-m, m], domainMid=0),
+                      legend=alt.Legend(orient="right", gradientLength=180))
+    tooltip = [alt.Tooltip("unit:N", title="unit (layer or layer:head)"), alt.Tooltip("layer:O", title="layer"),
+               alt.Tooltip("head:O", title="head"),
+               alt.Tooltip("value:Q", title=f"Δ score, {what} (points)", format="+.1f"),
+               alt.Tooltip("se:Q", title="paired SE (points)", format=".1f"),
+               alt.Tooltip("score:Q", title="score (%)", format=".1f"),
+               alt.Tooltip("baseline:Q", title="baseline score (%)", format=".1f"),
+               alt.Tooltip("n:Q", title="samples n"), alt.Tooltip("r:Q", title="r")]
+    n = int(df["n"].max()) if len(df) else 0
+    sub = (f"Δ = mean over the same {n} samples of (score − baseline); red: lower, blue: higher · click a cell to "
+           "open that head · hover for the paired SE")
+    return _grid(df, color, tooltip, title, sub, selected=selected, picked=(), interactive=interactive)
 
 
 def spectrum_chart(df: pd.DataFrame, document: str | None = None):

@@ -21,6 +21,10 @@ SweepJob               RULER score vs r (``gdnviz.probes.sweep``): rows and seed
                        every (task, length, setting, sample) result is its own memo entry (key:
                        ``gdnviz.probes.sweep.cell_key``), so a cancelled or crashed sweep resumes where it
                        stopped and a repeated one recomputes nothing
+ScanJob                a head sensitivity scan (``gdnviz.probes.scan``): its table (records), untouched / all-cut
+                       scores, plan; answers memoised per sample under the sweep's cell keys (shared with sweeps)
+BudgetJob              a per-head rank budget (``gdnviz.probes.budget``), optionally for several tolerances: each
+                       budget's summary (ranks, scores, held-out check, state bytes) and the score-vs-memory curve
 =====================  ==========================================================================================
 
 Memo keys (``cache_key``) hash what determines a result: the computation version, the model fingerprint, the
@@ -150,7 +154,60 @@ class SweepJob:
     dtype: str = "auto"
 
 
-SPECS = {c.kind: c for c in (InspectModelJob, CaptureJob, TruncateCompareJob, LossJob, SweepJob)}
+@dataclass(frozen=True)
+class ScanJob:
+    """A head sensitivity scan (``gdnviz.probes.scan.ScanSpec``): ``task`` at ``length`` tokens, ``n`` samples, one
+    ``by`` ("layer" | "head") unit cut to ``r`` at a time (or, with ``keep``, kept whole with every other head at
+    r); ``layers`` = () for every GDN layer. max_new_tokens: 0 = RULER's per task. max_prompts: the most new
+    answers it may generate (TooManyPrompts otherwise, before running)."""
+
+    kind: ClassVar[str] = "scan"
+    model: str
+    task: str
+    length: int
+    r: int = 1
+    by: str = "layer"
+    keep: bool = False
+    layers: tuple = ()
+    n: int = 20
+    seed0: int = 0
+    segment_len: int = 256
+    batch_size: int = 8
+    max_new_tokens: int = 0
+    chat_template: Any = "auto"
+    max_prompts: int = 2000
+    fingerprint: str = ""
+    device: str = "auto"
+    dtype: str = "auto"
+
+
+@dataclass(frozen=True)
+class BudgetJob:
+    """A per-head rank budget (``gdnviz.probes.budget.BudgetSpec``) at each of ``tolerances`` (points; the first is
+    the budget, the others add points to the score-vs-memory curve). n_heldout: -1 = n, 0 = no held-out check.
+    max_prompts: per tolerance."""
+
+    kind: ClassVar[str] = "budget"
+    model: str
+    tasks: tuple
+    lengths: tuple
+    n: int = 20
+    tolerances: tuple = (1.0,)
+    alpha: float = 0.05
+    ladder: tuple = (32, 12, 4, 1)
+    seed0: int = 0
+    n_heldout: int = -1
+    segment_len: int = 256
+    batch_size: int = 8
+    max_new_tokens: int = 0
+    chat_template: Any = "auto"
+    max_prompts: int = 2000
+    fingerprint: str = ""
+    device: str = "auto"
+    dtype: str = "auto"
+
+
+SPECS = {c.kind: c for c in (InspectModelJob, CaptureJob, TruncateCompareJob, LossJob, SweepJob, ScanJob, BudgetJob)}
 
 
 def _tuplify(x):
@@ -227,7 +284,7 @@ class JobContext:
 def run(spec, ctx: JobContext) -> dict:
     """Execute one job spec; returns its JSON-able result dict."""
     fn = {"inspect": run_inspect, "capture": run_capture, "truncate": run_truncate, "loss": run_loss,
-          "sweep": run_sweep_job}[spec.kind]
+          "sweep": run_sweep_job, "scan": run_scan_job, "budget": run_budget_job}[spec.kind]
     return fn(spec, ctx)
 
 
@@ -470,7 +527,7 @@ def run_loss(spec: LossJob, ctx: JobContext) -> dict:
         device=info.device, kernel_path=info.kernel_path)
 
 
-class _SweepMemo:
+class MemoMapping:
     """The store's memo as the mapping ``run_sweep`` memoises its cells in (one checksummed JSON entry per cell,
     under its ``gdnviz.probes.sweep.cell_key``); counts the cells it computed."""
 
@@ -526,7 +583,7 @@ def run_sweep_job(spec: SweepJob, ctx: JobContext) -> dict:
     cells = len(spec.tasks) * len(spec.lengths) * int(spec.n)
     ctx.progress(0, 1, f"generating {cells:,} RULER prompts ({len(spec.tasks)} task(s) x {len(spec.lengths)} "
                        "length(s)) and checking the settings")
-    memo = _SweepMemo(ctx.store)
+    memo = MemoMapping(ctx.store)
     now = {"text": ""}
     t0 = time.time()
 
@@ -546,6 +603,72 @@ def run_sweep_job(spec: SweepJob, ctx: JobContext) -> dict:
         n_results=n_total, seconds=round(time.time() - t0, 3), dtype=info.dtype, device=info.device,
         kernel_path=info.kernel_path, cluster=address or None,
         per_worker=dict(ex.per_worker) if ex is not None else None)
+
+
+def scan_spec_of(spec: ScanJob):
+    """The library's ``ScanSpec`` of a job spec."""
+    from gdnviz.probes.scan import ScanSpec
+
+    return ScanSpec(model=spec.model, task=spec.task, length=int(spec.length), r=int(spec.r), by=spec.by,
+                    keep=bool(spec.keep), layers=tuple(int(l) for l in spec.layers) or None, n=int(spec.n),
+                    seed0=int(spec.seed0), segment_len=int(spec.segment_len), batch_size=int(spec.batch_size),
+                    max_new_tokens=int(spec.max_new_tokens) or None, chat_template=spec.chat_template,
+                    fingerprint=spec.fingerprint or None, max_prompts=int(spec.max_prompts))
+
+
+def run_scan_job(spec: ScanJob, ctx: JobContext) -> dict:
+    from gdnviz.probes import scan, sweep
+
+    ctx.progress(0, 1, "loading the model")
+    lm = ctx.model(spec.model, spec.device, spec.dtype)
+    info = lm.info
+    sspec = scan_spec_of(spec)
+    ctx.progress(0, 1, f"generating {spec.n} {spec.task} prompts and counting the memo")
+    memo = MemoMapping(ctx.store)
+    plan = scan.plan_scan(info, lm.tokenizer, sspec, memo)
+    now = {"text": ""}
+
+    def progress(done, total):
+        ctx.progress(done, total, f"answer {done:,}/{total:,} · {now['text']}")
+
+    res = scan.run_scan(lm, sspec, store=memo, progress=progress, describe=lambda t: now.update(text=t))
+    ctx.progress(plan["answers"], plan["answers"], "done")
+    return dict(table=scan.table_records(res.table), settings=dict(sspec.to_dict(), fingerprint=info.fingerprint),
+                untouched=res.untouched, all_cut=res.all_cut, computed=res.computed,
+                reused=plan["answers"] - res.computed, n_results=plan["answers"], seconds=round(res.seconds, 3),
+                model=info.to_dict(), model_name=spec.model, rmax=min(info.d_k, info.d_v), dtype=info.dtype,
+                device=info.device, kernel_path=info.kernel_path, version=sweep.VERSION)
+
+
+def run_budget_job(spec: BudgetJob, ctx: JobContext) -> dict:
+    from gdnviz.probes import budget, sweep
+
+    ctx.progress(0, 1, "loading the model")
+    lm = ctx.model(spec.model, spec.device, spec.dtype)
+    info = lm.info
+    if not spec.tolerances:
+        raise GDNVizError("no tolerance given: set δ (points), e.g. 1")
+    memo = MemoMapping(ctx.store)
+    out, results = [], []
+    t0 = time.time()
+    for i, tol in enumerate(spec.tolerances):
+        bspec = budget.BudgetSpec(
+            model=spec.model, tasks=tuple(spec.tasks), lengths=tuple(int(x) for x in spec.lengths), n=int(spec.n),
+            tolerance=float(tol), alpha=float(spec.alpha), ladder=tuple(int(r) for r in spec.ladder),
+            seed0=int(spec.seed0), n_heldout=None if spec.n_heldout < 0 else int(spec.n_heldout),
+            segment_len=int(spec.segment_len), batch_size=int(spec.batch_size),
+            max_new_tokens=int(spec.max_new_tokens) or None, chat_template=spec.chat_template,
+            fingerprint=spec.fingerprint or None, max_prompts=int(spec.max_prompts))
+        tag = f"δ = {float(tol):g} ({i + 1}/{len(spec.tolerances)})"
+        res = budget.find_budget(lm, bspec, store=memo,
+                                 progress=lambda d, n, text, _t=tag: ctx.progress(d, n, f"{_t} · {text}"))
+        results.append(res)
+        out.append(budget.summary(res, info))
+    curve = budget.curve_frame(results, info)
+    ctx.progress(1, 1, "done")
+    return dict(budgets=out, curve=sweep.records(curve), model=info.to_dict(), model_name=spec.model,
+                rmax=min(info.d_k, info.d_v), computed=memo.puts, seconds=round(time.time() - t0, 3),
+                dtype=info.dtype, device=info.device, kernel_path=info.kernel_path)
 
 
 # --- reading results back (app side, no torch) -----------------------------------------------------------------

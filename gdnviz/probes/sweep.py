@@ -39,8 +39,9 @@ from gdnviz.probes.batch import batched_greedy
 from gdnviz.probes.memo import MemoStore
 from gdnviz.store import content_hash
 
-__all__ = ["SweepSpec", "Batch", "answer_batch", "local_executor", "DEFAULT_RANKS", "resolve_ranks", "resolve_heads", "run_sweep", "sweep_table",
-           "sweep_figure", "to_csv", "csv_frame", "cell_key", "records", "rows_frame", "table_frame", "VERSION"]
+__all__ = ["SweepSpec", "Batch", "answer_batch", "local_executor", "DEFAULT_RANKS", "resolve_ranks", "resolve_heads",
+           "run_sweep", "sweep_table", "sweep_figure", "to_csv", "csv_frame", "cell_key", "count_cached", "records",
+           "rows_frame", "table_frame", "VERSION"]
 
 VERSION = 1  # of a sweep cell's computation: bump it to invalidate every stored cell
 DEFAULT_RANKS = (1, 4, 12, 32, 128)
@@ -199,13 +200,33 @@ def cell_key(info, task: str, length: int, setting: _Setting, sample: ruler.Samp
 
 # --- running ------------------------------------------------------------------------------------------------------
 def _samples(lm, spec: SweepSpec) -> dict:
+    return _samples_for(lm.tokenizer, spec)
+
+
+def _samples_for(tokenizer, spec: SweepSpec) -> dict:
     out = {}
     kw = dict(chat_template=spec.chat_template, chat_template_kwargs=dict(spec.chat_template_kwargs) or None)
     for task in spec.tasks:
         for length in spec.lengths:
-            out[(task, int(length))] = ruler.generate_many(task, lm.tokenizer, int(length), int(spec.n),
+            out[(task, int(length))] = ruler.generate_many(task, tokenizer, int(length), int(spec.n),
                                                            int(spec.seed0), **kw)
     return out
+
+
+def count_cached(info, tokenizer, spec: SweepSpec, store=None) -> tuple[int, int]:
+    """(answers the sweep needs, answers its memo already holds), without a model: ``info`` needs fingerprint,
+    dtype, d_k, d_v, gdn_layers and num_heads (a ``ModelInfo`` or a namespace of the inspected model's), the
+    tokenizer builds the prompts. Raises what ``run_sweep`` raises before running anything."""
+    _check_spec(spec, info)
+    samples = _samples_for(tokenizer, spec)
+    settings = _settings(spec, info)
+    st = MemoStore(store)
+    try:
+        keys = [cell_key(info, task, length, setting, s, spec)
+                for (task, length), smp in samples.items() for setting in settings for s in smp]
+        return len(keys), sum(st.get(k) is not None for k in keys)
+    finally:
+        st.close()
 
 
 def _setting_label(setting: _Setting, rmax: int) -> str:
