@@ -578,7 +578,7 @@ def test_truncate_loss_box_unticked_computes_no_loss(env, populated):
     """Unticked, the job gets no loss documents, computes no loss (not even on the prompt) and the page shows none."""
     cache, run = populated
     env(cache)
-    at = app("truncate")
+    at = app("truncate", run=run)
     at.run()
     assert at.checkbox(key="tr_loss_docs").value  # ticked by default when there is a run
     at.number_input(key="tr_g0_r").set_value(1)
@@ -617,7 +617,7 @@ def test_loss_page_bad_input_is_refused_with_specific_messages(env, populated, t
     env(cache)
     store = Store(cache)
     queued = store.queued_count()
-    at = app("loss")
+    at = app("loss", run=run)
     at.run()
     assert not at.exception
     assert at.text_input(key="ls_ranks").value == "1, 4, 12" and at.number_input(key="ls_dist").value == 512
@@ -643,14 +643,14 @@ def test_loss_page_bad_input_is_refused_with_specific_messages(env, populated, t
     at.multiselect(key="ls_layers").select(3).run()
     assert not texts(at, "error") and any("**4 of 12 heads** cut to each r" in c for c in texts(at, "caption"))
     at.text_area(key="ls_rank_maps").input("early: 3:0:99").run()
-    assert any("r = 99 for head 3:0 is outside 1..16" in e for e in texts(at, "error"))
+    assert any("rank 99 for layer 3 head 0 (rank maps, line 1, early) is outside 1..16" in e for e in texts(at, "error"))
     at.text_area(key="ls_rank_maps").input("early: 3:0:1").run()
     assert any("+ 1 rank map(s)) = **6 forward passes**" in c for c in texts(at, "caption"))
     assert store.queued_count() == queued and "loss_job" not in at.session_state
     # a run holding a document too short for one prediction after the first boundary (L + 2 = 66 tokens)
     short = env(tmp_path / "short")
-    capture(short, tiny_checkpoint, (("long", short_text(300, 0)), ("brief", "Just a few words here.")))
-    at = app("loss")
+    short_run = capture(short, tiny_checkpoint, (("long", short_text(300, 0)), ("brief", "Just a few words here.")))
+    at = app("loss", run=short_run)
     at.run()
     errs = texts(at, "error")
     assert any("Document 'brief' has" in e and "needs at least 66 (segment length L = 64 + 2)" in e for e in errs)
@@ -660,7 +660,7 @@ def test_loss_page_bad_input_is_refused_with_specific_messages(env, populated, t
 def test_loss_page_runs_through_the_worker_shows_the_table_and_figure(env, populated):
     cache, run = populated
     env(cache)
-    at = app("loss")
+    at = app("loss", run=run)
     at.run()
     at.text_input(key="ls_ranks").input("2")
     at.number_input(key="ls_dist").set_value(16).run()
@@ -690,7 +690,7 @@ def test_loss_page_runs_through_the_worker_shows_the_table_and_figure(env, popul
                for c in texts(at, "caption"))
 
     # a new session, another head set: the untouched losses come from the store, only r = 2 on layer 3 runs
-    at2 = app("loss")
+    at2 = app("loss", run=run)
     at2.run()
     at2.text_input(key="ls_ranks").input("2")
     at2.number_input(key="ls_dist").set_value(16)
@@ -705,7 +705,7 @@ def test_loss_page_runs_through_the_worker_shows_the_table_and_figure(env, popul
     assert any("2 computed now, 2 read from the store" in m for m in texts(at2, "markdown"))
 
     # a third session reopens the first result from the list, without running anything
-    at3 = app("loss")
+    at3 = app("loss", run=run)
     at3.run()
     sb = at3.selectbox(key="ls_prev")
     assert len(sb.options) == 2 and sb.value is None
