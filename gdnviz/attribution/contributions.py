@@ -7,6 +7,9 @@ Canonical layout ``S [d_k, d_v]``, ``A_t = α_t (I − β_t k_t k_tᵀ)``, ``S^{
     P_{t} = A_{position−1} ⋯ A_{t}   (P_{position} = I)
 
 computed backward in O(n·d_k²) (each ``A_t`` is a scaled identity minus rank 1; P is carried as a matrix).
+A truncated head (``gdnviz.attribution.recurrence``) has its cut projections ``Π_b`` inserted: ``P_t`` includes
+``Π_b`` for every boundary ``t ≤ b < position`` (a cut at ``start`` acts on the carried-in state; one at
+``position`` itself is not applied: ``S^{(position)}`` is the pre-cut state), O(d_k³) per boundary.
 """
 from __future__ import annotations
 
@@ -14,9 +17,10 @@ from dataclasses import dataclass
 
 import torch
 
+from gdnviz.attribution import recurrence
 from gdnviz.attribution.inputs import HeadInputs, as_ids, check_head, check_position, head_inputs
 from gdnviz.errors import PositionOutOfRange
-from gdnviz.gdn import reference
+from gdnviz.runner import DEFAULT_SEGMENT_LEN
 
 
 @dataclass(frozen=True)
@@ -26,7 +30,8 @@ class Contributions:
     tokens ``[n]`` long: the 0-based token indices ``start..position−1``; vectors ``[n, d_k]``: transported keys
     ``P_{t+1} k_t``; values ``[n, d_v]``: ``β_t v_t``; carried ``[d_k, d_v]``: ``P_{start} S^{(start)}`` (zero when
     ``start`` is 0: the run starts from the zero state); state ``[d_k, d_v]``: ``S^{(position)}`` by the reference
-    recurrence. Invariant: ``vectorsᵀ values + carried == state`` to float64 rounding.
+    recurrence (with the head's cuts, pre-cut at ``position``). Invariant: ``vectorsᵀ values + carried == state``
+    to float64 rounding.
     """
 
     tokens: torch.Tensor
@@ -67,8 +72,8 @@ class Contributions:
 def decompose(inp: HeadInputs, position: int, start: int = 0) -> Contributions:
     """The decomposition of ``S^{(position)}`` from ``start`` (module docstring), from a head's float64 inputs.
 
-    ``position`` in 1..T; ``start`` in 0..position−1. ``S^{(start)}`` is computed by the reference recurrence
-    from the zero state. Raises PositionOutOfRange.
+    ``position`` in 1..T; ``start`` in 0..position−1. ``S^{(start)}`` and the cuts come from
+    ``gdnviz.attribution.recurrence.run`` (the reference recurrence from the zero state). Raises PositionOutOfRange.
     """
     check_position(position, inp.T)
     if isinstance(start, bool) or not isinstance(start, int) or not 0 <= start < position:
@@ -76,37 +81,34 @@ def decompose(inp: HeadInputs, position: int, start: int = 0) -> Contributions:
     k, v, alpha, beta = inp.k, inp.v, inp.g.exp(), inp.beta
     K = k.shape[1]
     n = position - start
+    state, proj = recurrence.run(inp, position)
     vectors = torch.empty(n, K, dtype=torch.float64)
     P = torch.eye(K, dtype=torch.float64)          # P_{t+1} at the top of the loop
     for i in range(n - 1, -1, -1):
         t = start + i
+        if t + 1 in proj:                          # the cut at boundary t + 1 acts on token t's write
+            P = P @ proj[t + 1]
         kt = k[t]
         vectors[i] = P @ kt
         P = alpha[t] * (P - beta[t] * torch.outer(vectors[i], kt))   # P_t = P_{t+1} A_t
+    if start in proj:
+        P = P @ proj[start]
     values = beta[start:position, None] * v[start:position]
-    carried = P @ _state_after(inp, start)
-    state = _state_after(inp, position)
+    carried = P @ recurrence.run(inp, start)[0] if start else torch.zeros(K, v.shape[1], dtype=torch.float64)
     return Contributions(tokens=torch.arange(start, position), vectors=vectors, values=values, carried=carried,
                          state=state, position=position, start=start)
 
 
-def _state_after(inp: HeadInputs, p: int) -> torch.Tensor:
-    """``S^{(p)}`` ``[K, V]`` by ``gdnviz.gdn.reference.recurrent`` from the zero state (zeros for p = 0)."""
-    if p == 0:
-        return torch.zeros(inp.k.shape[1], inp.v.shape[1], dtype=torch.float64)
-    _, S = reference.recurrent(inp.q[:p, None], inp.k[:p, None], inp.v[:p, None], inp.g[:p, None],
-                               inp.beta[:p, None])
-    return S[0]
-
-
-def state_contributions(lm, input_ids, layer: int, head: int, position: int, start: int = 0) -> Contributions:
+def state_contributions(lm, input_ids, layer: int, head: int, position: int, start: int = 0, spec=None,
+                        segment_len: int = DEFAULT_SEGMENT_LEN) -> Contributions:
     """Per-token contributions to ``(layer, head)``'s state after ``position`` tokens of ``input_ids``.
 
     The head's q, k, v, g, β come from the model's own run (:func:`gdnviz.attribution.inputs.head_inputs`), the
     decomposition is float64 on the CPU (:func:`decompose`). ``start`` > 0 folds tokens before it into ``carried``.
-    Raises LayerNotGDN, HeadOutOfRange, PositionOutOfRange.
+    ``spec`` (a ``TruncationSpec``): the run truncates at every ``segment_len`` tokens and this head's cuts are in
+    the decomposition. Raises LayerNotGDN, HeadOutOfRange, PositionOutOfRange, and the spec's errors.
     """
     ids = as_ids(input_ids)
     check_head(lm.info, layer, head)
     check_position(position, ids.shape[1])
-    return decompose(head_inputs(lm, ids, layer, head, position), position, start)
+    return decompose(head_inputs(lm, ids, layer, head, position, spec, segment_len), position, start)

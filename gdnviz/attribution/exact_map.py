@@ -7,13 +7,17 @@ With ``A_s = α_s (I − β_s k_s k_sᵀ)`` and the recurrence from the zero sta
 
 ``q_t`` is the query the core reads (normalised and scaled by ``K**-0.5``). Computed backward over key
 positions for all queries of the window at once: O((end − start) · end · d_k) time, float64 on the CPU.
+A truncated head (``gdnviz.attribution.recurrence``) has ``Π_b`` inserted in the product for every boundary
+``s < b ≤ t`` (the cut at b comes after token b−1's write and before token b's), O(window · d_k²) per boundary.
 """
 from __future__ import annotations
 
 import torch
 
+from gdnviz.attribution import recurrence
 from gdnviz.attribution.inputs import HeadInputs, as_ids, check_head, head_inputs
 from gdnviz.errors import PositionOutOfRange, WindowTooLarge
+from gdnviz.runner import DEFAULT_SEGMENT_LEN
 
 MAX_MAP_BYTES = 2 * 2**30  # the map is float64 [end − start, end]; plus a [end − start, d_k] work array
 
@@ -42,8 +46,12 @@ def weights(inp: HeadInputs, start: int, end: int) -> torch.Tensor:
     k, alpha, beta = inp.k, inp.g.exp(), inp.beta
     X = inp.q[start:end].clone()                    # row t: q_tᵀ A_t ⋯ A_{s+1}, transported back to key s
     w = torch.zeros(end - start, end, dtype=torch.float64)
+    _, proj = recurrence.run(inp, end)
     for s in range(end - 1, -1, -1):
         lo = max(s - start, 0)                       # queries t ≥ s are rows lo.. of the window
+        if s + 1 in proj:                            # queries t ≥ s + 1 read through the cut at s + 1
+            hi = max(s + 1 - start, 0)
+            X[hi:] = X[hi:] @ proj[s + 1]            # Π is symmetric
         Xa = X[lo:]
         ks = k[s]
         dots = Xa @ ks
@@ -52,12 +60,14 @@ def weights(inp: HeadInputs, start: int, end: int) -> torch.Tensor:
     return w
 
 
-def attention_map(lm, input_ids, layer: int, head: int, start: int, end: int) -> torch.Tensor:
+def attention_map(lm, input_ids, layer: int, head: int, start: int, end: int, spec=None,
+                  segment_len: int = DEFAULT_SEGMENT_LEN) -> torch.Tensor:
     """The exact ``[end − start, end]`` attention map of ``(layer, head)`` (module docstring): row ``i`` holds the
     weights of query position ``start + i`` over key positions ``0..end−1``, so the core's output there is
-    ``w[i] @ v`` with the head's values. q, k, v, g, β from the model's own run. Raises LayerNotGDN,
-    HeadOutOfRange, PositionOutOfRange, WindowTooLarge (before running the model)."""
+    ``w[i] @ v`` with the head's values. q, k, v, g, β from the model's own run; with ``spec`` (a
+    ``TruncationSpec``) from the run truncated at every ``segment_len`` tokens, this head's cuts in the map.
+    Raises LayerNotGDN, HeadOutOfRange, PositionOutOfRange, WindowTooLarge (before running the model)."""
     ids = as_ids(input_ids)
     check_head(lm.info, layer, head)
     check_window(start, end, ids.shape[1])
-    return weights(head_inputs(lm, ids, layer, head, end), start, end)
+    return weights(head_inputs(lm, ids, layer, head, end, spec, segment_len), start, end)

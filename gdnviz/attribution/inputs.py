@@ -13,6 +13,7 @@ import torch
 
 from gdnviz import runner
 from gdnviz.errors import HeadOutOfRange, LayerNotGDN, PositionOutOfRange
+from gdnviz.truncation import TruncateCallback
 
 
 @dataclass(frozen=True)
@@ -22,6 +23,8 @@ class HeadInputs:
     q ``[T, K]``: the query the core reads, L2-normalised *and* scaled by ``K**-0.5`` (the core's convention,
     ``gdnviz.gdn.kernels``); k ``[T, K]`` L2-normalised keys; v ``[T, V]`` values; g ``[T]`` log decay
     (α = exp g); beta ``[T]`` write strength. The recurrence starts from the zero state at token 0.
+    rank / segment_len: the head is cut to ``rank`` at every multiple of ``segment_len`` (its truncation in the
+    run the inputs came from, ``gdnviz.attribution.recurrence``); rank None: untouched.
     """
 
     q: torch.Tensor
@@ -29,6 +32,12 @@ class HeadInputs:
     v: torch.Tensor
     g: torch.Tensor
     beta: torch.Tensor
+    rank: int | None = None
+    segment_len: int | None = None
+
+    def __post_init__(self):
+        if self.rank is not None and (self.segment_len is None or self.segment_len < 1):
+            raise ValueError(f"a cut head (rank {self.rank}) needs a positive segment_len; got {self.segment_len!r}")
 
     @property
     def T(self) -> int:
@@ -80,16 +89,27 @@ class _Grab:
                                 for x in (queries, keys, values, g, beta)))
 
 
-def head_inputs(lm, input_ids, layer: int, head: int, length: int) -> HeadInputs:
+def head_inputs(lm, input_ids, layer: int, head: int, length: int, spec=None,
+                segment_len: int = runner.DEFAULT_SEGMENT_LEN) -> HeadInputs:
     """Run ``lm`` over the first ``length`` tokens of ``input_ids`` and return ``(layer, head)``'s core inputs.
 
-    Causality makes the prefix enough: nothing a head reads before token ``length`` depends on later tokens.
-    Raises LayerNotGDN, HeadOutOfRange, PositionOutOfRange (``length`` outside 1..T).
+    ``spec``: a ``TruncationSpec`` applied in that run at every ``segment_len`` tokens (so every head's inputs are
+    those of the truncated model); the result records this head's rank in it (None when the head is untouched or
+    at full rank). Causality makes the prefix enough: nothing a head reads before token ``length`` depends on
+    later tokens. Raises LayerNotGDN, HeadOutOfRange, PositionOutOfRange (``length`` outside 1..T), and the
+    spec's own errors (ValueError, RankOutOfRange).
     """
     ids = as_ids(input_ids)
     check_head(lm.info, layer, head)
     check_position(length, ids.shape[1], "length")
+    runner.check_segment_len(segment_len)
     grab = _Grab(layer, head)
-    runner.forward(lm, ids[:, :length], segment_len=max(length, 1), callbacks=[grab], keep_hidden=False)
+    callbacks, rank = [grab], None
+    if spec is not None and len(spec):
+        callbacks.insert(0, TruncateCallback(lm.info, spec))
+        r = spec.as_dict().get((layer, head))
+        rank = r if r is not None and r < min(lm.info.d_k, lm.info.d_v) else None
+    runner.forward(lm, ids[:, :length], segment_len=segment_len, callbacks=callbacks, keep_hidden=False)
     q, k, v, g, beta = (torch.cat(p) for p in zip(*grab.parts))
-    return HeadInputs(q=q * k.shape[1] ** -0.5, k=k, v=v, g=g, beta=beta)
+    return HeadInputs(q=q * k.shape[1] ** -0.5, k=k, v=v, g=g, beta=beta, rank=rank,
+                      segment_len=segment_len if rank is not None else None)
