@@ -352,3 +352,37 @@ def test_window_too_large_is_refused_before_the_model_runs(demo):
     assert 8 * T * T > attribution.MAX_MAP_BYTES >= 8 * 16_000 * 16_000
     with pytest.raises(WindowTooLarge, match=r"17000 x 17000 float64 = 2\.15 GiB, over the 2 GiB limit"):
         attribution.attention_map(demo, torch.zeros(1, T, dtype=torch.long), 0, 0, 0, T)
+
+
+# --- the command line -------------------------------------------------------------------------------------
+def test_cli_attribute_writes_the_table(tmp_path, capsys, demo):
+    """`gdnviz attribute`: one row per token from --start, with its text, norm and shares; the shares plus the
+    carried share sum to the singular values in attribution.json; bad input is a message (exit 2)."""
+    import json
+
+    import pandas as pd
+
+    from gdnviz.cli import main
+    from gdnviz.documents import tokenize
+
+    text = "The special magic number is 1234567. Remember it. The grass is green and the sky is blue."
+    doc = tmp_path / "doc.txt"
+    doc.write_text(text)
+    ids = tokenize(demo.tokenizer, text)
+    base = ["attribute", "demo", str(doc), "--layer", "4", "--head", "1", "--device", "cpu"]
+    assert main([*base, "--position", "20", "--start", "5", "--top", "3", "--out", str(tmp_path / "o")]) == 0
+    t = pd.read_csv(tmp_path / "o" / "contributions.csv", keep_default_na=False)
+    meta = json.loads((tmp_path / "o" / "attribution.json").read_text())
+    assert list(t.columns) == ["position", "token", "norm", "share_1", "share_2", "share_3"]
+    assert t["position"].tolist() == list(range(5, 20))
+    assert t["token"].tolist() == [demo.tokenizer.decode([i]) for i in ids[5:20]]
+    c = attribution.state_contributions(demo, ids, 4, 1, 20, start=5)
+    np.testing.assert_allclose(t["norm"].to_numpy(), c.norms.numpy(), rtol=1e-12)
+    sums = t[["share_1", "share_2", "share_3"]].sum().to_numpy() + np.array(meta["carried_share"])
+    np.testing.assert_allclose(sums, meta["sigma"], rtol=1e-10)
+    assert meta["carried_norm"] > 0 and meta["residual"] < 1e-10 and meta["tokens"] == len(ids)
+    capsys.readouterr()
+    assert main([*base, "--position", str(len(ids) + 1), "--out", str(tmp_path / "x")]) == 2
+    assert f"PositionOutOfRange: position {len(ids) + 1}" in capsys.readouterr().err
+    assert main([*base[:3], "--layer", "7", "--head", "0", "--out", str(tmp_path / "x")]) == 2
+    assert "layer 7 (a full-attention layer)" in capsys.readouterr().err

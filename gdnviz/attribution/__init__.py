@@ -3,6 +3,7 @@
 from gdnviz.attribution.exact_map import MAX_MAP_BYTES, attention_map, weights
 from gdnviz.attribution.contributions import Contributions, decompose, state_contributions
 from gdnviz.attribution.inputs import HeadInputs, head_inputs
+from gdnviz.attribution.table import contributions_table
 
-__all__ = ["Contributions", "HeadInputs", "MAX_MAP_BYTES", "attention_map", "decompose", "head_inputs",
+__all__ = ["Contributions", "HeadInputs", "MAX_MAP_BYTES", "attention_map", "contributions_table", "decompose", "head_inputs",
            "state_contributions", "weights"]
