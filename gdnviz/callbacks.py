@@ -26,6 +26,12 @@ class BoundaryCallback(Protocol):
         the layer had consumed before this call. Defining it keeps q and k in float32 (the runner then does not
         normalise them straight into the value dtype).
 
+    ``on_core_input(layer, offset, queries, keys, values, g, beta) -> None``
+        Right after ``on_layer_input``, with everything the core reads: ``queries`` ``[B, T, H, K]`` float32,
+        L2-normalised and *unscaled* (the core multiplies them by ``K**-0.5``), key heads repeated; ``keys``,
+        ``g``, ``beta`` as above; ``values`` ``[B, T, H, V]`` in the model dtype. Read-only (attribution reads a
+        head's recurrence inputs from it). Defining it keeps q and k in float32 too.
+
     ``on_boundary(layer, position, state, rows=None) -> state | None``
         At every boundary (``position`` a positive multiple of the segment length L), before the next segment
         reads ``state``. Return a replacement of the same shape (cast to float32 by the runner), or None to keep
@@ -63,6 +69,9 @@ class BoundaryCallback(Protocol):
     def on_layer_input(self, layer: int, offset: int, keys: torch.Tensor, g: torch.Tensor,
                        beta: torch.Tensor) -> None: ...
 
+    def on_core_input(self, layer: int, offset: int, queries: torch.Tensor, keys: torch.Tensor,
+                      values: torch.Tensor, g: torch.Tensor, beta: torch.Tensor) -> None: ...
+
     def on_boundary(self, layer: int, position: int, state: torch.Tensor,
                     rows: torch.Tensor | None = None) -> torch.Tensor | None: ...
 
@@ -97,8 +106,9 @@ class Dispatch:
         return bool(self.acting())
 
     def reads_keys(self) -> bool:
-        """Whether some callback reads the float32 keys (``on_layer_input``)."""
-        return any(_member(cb, "on_layer_input") is not None for cb in self.callbacks)
+        """Whether some callback reads the float32 keys (``on_layer_input`` or ``on_core_input``)."""
+        return any(_member(cb, "on_layer_input") is not None or _member(cb, "on_core_input") is not None
+                   for cb in self.callbacks)
 
     def reads_only(self) -> bool:
         """True when no callback can replace a state: each acting one says ``modifies_state = False``."""
@@ -128,6 +138,12 @@ class Dispatch:
             fn = _member(cb, "on_layer_input")
             if fn is not None:
                 fn(layer, offset, keys, g, beta)
+
+    def core_input(self, layer: int, offset: int, queries, keys, values, g, beta) -> None:
+        for cb in self.callbacks:
+            fn = _member(cb, "on_core_input")
+            if fn is not None:
+                fn(layer, offset, queries, keys, values, g, beta)
 
     def boundary(self, layer: int, position: int, state: torch.Tensor) -> torch.Tensor:
         """One boundary of every batch row: each callback in turn sees the state the previous one left; returns

@@ -11,6 +11,7 @@
                 [--memo DIR] [--max-prompts 2000]
     gdnviz budget MODEL --tasks T1,T2 --lengths L --n N --tolerance D [--ladder 32,12,4,1] [--curve 2,5]
                   [--out DIR] [--memo DIR] [--max-prompts 2000]
+    gdnviz attribute MODEL DOC.txt --layer L --head H [--position P] [--start 0] [--top 4] --out DIR
 
 ``scan`` (``gdnviz.probes.scan``) writes scan.csv (layer, head, r, n, score, baseline, delta, se; head empty for a
 layer row), heatmap.png and settings.json; ``budget`` (``gdnviz.probes.budget``) writes budget.csv (layer, head, r),
@@ -24,6 +25,10 @@ sample in DIR/cache, so running it again resumes where it stopped (with ``--via-
 worker and memoises in the app's store instead, so the app's Sweeps page and the CLI share finished samples);
 ``loss`` (``gdnviz.probes.loss_sweep``) writes loss.csv (per setting, r and subset: all predictions and both copy
 subsets), loss_documents.csv, figure.png and settings.json and memoises every (document, setting) in DIR/cache.
+
+``attribute`` (``gdnviz.attribution``) writes contributions.csv (one row per token: position, token text, norm,
+share along the state's top singular directions) and attribution.json (the singular values, the carried-in term's
+shares, the settings) for one head's state after P tokens (default: the whole document).
 
 ``capture`` writes one ``<doc>.capture.npz`` per document (``gdnviz.capture.CaptureResult.save``) and a
 ``summary.csv`` with every head's statistics (median and min–max over the documents), with a progress bar.
@@ -489,6 +494,42 @@ def _probe_args(sp) -> None:
     sp.add_argument("--dtype", default="auto")
 
 
+def _positive_int(text: str) -> int:
+    try:
+        n = int(text)
+    except ValueError:
+        n = 0
+    if n < 1:
+        raise argparse.ArgumentTypeError(f"must be a positive integer, got {text!r}")
+    return n
+
+
+def cmd_attribute(args) -> int:
+    """contributions.csv and attribution.json (module docstring), float64 on the CPU from the model's run."""
+    from gdnviz import attribution
+    from gdnviz.documents import read_text_file, tokenize
+    from gdnviz.models import load
+
+    text = read_text_file(args.document)
+    lm = load(args.model, device=args.device, dtype=args.dtype, trust_remote_code=args.trust_remote_code)
+    ids = tokenize(lm.tokenizer, text)
+    position = len(ids) if args.position is None else args.position
+    c = attribution.state_contributions(lm, ids, args.layer, args.head, position, start=args.start)
+    table, summary = attribution.contributions_table(c, [lm.tokenizer.decode([i]) for i in ids], args.top)
+    out = Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)
+    table.to_csv(out / "contributions.csv", index=False)
+    (out / "attribution.json").write_text(json.dumps(dict(
+        summary, model=lm.info.name, document=str(args.document), tokens=len(ids), layer=args.layer,
+        head=args.head, residual=float((c.total() - c.state).norm() / max(float(c.state.norm()), 1e-300))),
+        indent=2))
+    best = table.reindex(table["norm"].sort_values(ascending=False).index).head(10)
+    print(f"layer {args.layer} head {args.head}, state after {position} of {len(ids)} tokens: "
+          f"‖S‖ = {summary['state_norm']:.4g}; the 10 largest contributions:", file=sys.stderr)
+    print(best[["position", "token", "norm"]].to_string(index=False))
+    return 0
+
+
 def main(argv=None) -> int:
     p = argparse.ArgumentParser(prog="gdnviz", description="Look inside the Gated DeltaNet heads of hybrid LMs.")
     sub = p.add_subparsers(dest="cmd", required=True)
@@ -566,6 +607,18 @@ def main(argv=None) -> int:
     sp.add_argument("--curve", default="", help="more tolerances for curve.csv / curve.png, e.g. 2,5,10")
     _probe_args(sp)
     sp.set_defaults(fn=cmd_budget)
+    sp = sub.add_parser("attribute", parents=[common], help="which tokens a GDN head's state holds (exact)")
+    sp.add_argument("document", help="a UTF-8 text file")
+    sp.add_argument("--layer", type=int, required=True, help="a GDN layer (the model's own layer index)")
+    sp.add_argument("--head", type=int, required=True, help="a value head of that layer (0-based)")
+    sp.add_argument("--position", type=int, default=None, help="the state after this many tokens (default: all)")
+    sp.add_argument("--start", type=int, default=0,
+                    help="decompose tokens from this index on; earlier ones form the carried-in term")
+    sp.add_argument("--top", type=_positive_int, default=4, help="singular directions to report shares along")
+    sp.add_argument("--out", required=True, help="output folder")
+    sp.add_argument("--device", default="auto")
+    sp.add_argument("--dtype", default="float32", help="the model's dtype (the decomposition is float64 anyway)")
+    sp.set_defaults(fn=cmd_attribute)
     args = p.parse_args(argv)
     try:
         return args.fn(args)

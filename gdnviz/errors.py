@@ -108,3 +108,20 @@ class BadSetting(GDNVizError):
 class ClusterError(GDNVizError):
     """A Dask cluster cannot run the work: no scheduler answers, workers disagree with this process (gdnviz code,
     model), a worker cannot load the model, or Dask is not installed."""
+
+
+# --- attribution ---------------------------------------------------------------------------------
+class LayerNotGDN(GDNVizError):
+    """A layer index names no Gated DeltaNet layer (a full-attention layer, or no layer at all)."""
+
+
+class HeadOutOfRange(GDNVizError):
+    """A head index is outside 0..num_heads-1 of a GDN layer."""
+
+
+class PositionOutOfRange(GDNVizError):
+    """A token position (tokens consumed) or window is outside the document."""
+
+
+class WindowTooLarge(GDNVizError):
+    """An attention-map window would need more memory than the stated limit."""

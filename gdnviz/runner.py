@@ -14,7 +14,7 @@ The adapters (``gdnviz.models``) route every GDN kernel call of a loaded model t
 ``RunContext`` is active; outside a run the model behaves exactly as without gdnviz.
 
 Callbacks (``RunContext.callbacks``) implement any subset of ``gdnviz.callbacks.BoundaryCallback`` (its docstring
-documents every member: ``on_layer_input``, ``on_boundary``, ``on_boundaries``, ``on_layer_end``,
+documents every member: ``on_layer_input``, ``on_core_input``, ``on_boundary``, ``on_boundaries``, ``on_layer_end``,
 ``modifies_state``, ``graph_boundary``, ``note_graph_boundaries``); ``gdnviz.callbacks.Dispatch`` calls them.
 
 Read-only runs (capture): when every boundary callback declares ``modifies_state = False``, nothing it does can
@@ -168,6 +168,7 @@ def gdn_scan(ctx: RunContext, layer: int, q_hat, k_hat, v, g, beta, initial_stat
         q_hat, k_hat, v, g, beta = _mask_pads(ctx, offset, q_hat, k_hat, v, g, beta)
     calls = ctx.dispatch
     calls.layer_input(layer, offset, k_hat, g, beta)
+    calls.core_input(layer, offset, q_hat, k_hat, v, g, beta)
     ctx.backends.add(kernels.backend_for(v.device))
     q_in = q_hat.to(v.dtype) if v.dtype != torch.float32 else q_hat
     k_in = k_hat.to(v.dtype) if v.dtype != torch.float32 else k_hat

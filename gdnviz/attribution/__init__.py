@@ -1,0 +1,9 @@
+"""What a GDN head's state holds: its exact per-token decomposition and the head's exact attention map
+(docs/attribution.md). Float64 on the CPU, from the model's own q, k, v, g, β."""
+from gdnviz.attribution.exact_map import MAX_MAP_BYTES, attention_map, weights
+from gdnviz.attribution.contributions import Contributions, decompose, state_contributions
+from gdnviz.attribution.inputs import HeadInputs, head_inputs
+from gdnviz.attribution.table import contributions_table
+
+__all__ = ["Contributions", "HeadInputs", "MAX_MAP_BYTES", "attention_map", "contributions_table", "decompose", "head_inputs",
+           "state_contributions", "weights"]
