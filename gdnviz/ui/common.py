@@ -51,6 +51,8 @@ def _poll_seconds() -> float | None:
     v = settings.get("GDNVIZ_POLL_SECONDS")
     return v if v > 0 else None
 
+#: seconds between polls of the sidebar's worker status while nothing runs
+IDLE_POLL_SECONDS = 5.0
 DEMO_DIR = Path(__file__).resolve().parent.parent / "assets" / "demo"
 APP_PATH = Path(__file__).resolve().parent.parent.parent / "app.py"
 #: Widget keys kept when the user moves between pages (Streamlit drops the state of widgets not drawn).
@@ -606,7 +608,9 @@ def sidebar() -> None:
     with st.sidebar:
         active = any(_active(st.session_state.get(k)) for k in ("capture_job", "truncate_job", "sweep_job"))
         ws = ensure_worker().status()
-        poll = (2.0 if _poll_seconds() else None) if (active or ws["state"] in ("starting", "busy")) else None
+        # polled while idle too (more slowly): a worker that died is noticed and restarted without a click
+        busy = active or ws["state"] in ("starting", "busy")
+        poll = (2.0 if busy else IDLE_POLL_SECONDS) if _poll_seconds() else None
         st.fragment(worker_status_line, run_every=poll)()
         runs, bad = store().read_runs()
         st.markdown("**Previous runs**")
