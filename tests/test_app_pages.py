@@ -849,3 +849,28 @@ def test_two_uploads_with_the_same_name_are_both_kept_and_it_says_so(env, tmp_pa
     at.button(key="paste_add").click().run()
     names = list(at.dataframe[0].value["document"])
     assert "genesis_1_2_kjv.txt" in names and "genesis_1_2_kjv.txt (2)" in names
+
+
+def test_sweep_length_over_the_token_limit_is_refused(env, populated):
+    cache, run = populated
+    env(cache)
+    at = app("sweeps", run=run)
+    at.run()
+    at.text_input(key="sw_lengths").input("1024, 99999999").run()
+    assert not at.exception
+    errs = texts(at, "error")
+    assert any("Length 99,999,999 is over the token limit of 32,768 tokens" in e for e in errs), errs
+    assert at.button(key="sw_run").proto.disabled
+
+
+def test_sweep_job_over_its_token_limit_fails_before_building_prompts(env, tmp_path, tiny_checkpoint):
+    cache = env(tmp_path / "c")
+    store = Store(cache)
+    jid = store.submit("sweep", jobs.spec_to_dict(jobs.SweepJob(model=str(tiny_checkpoint), tasks=("niah_single_1",),
+                                                                lengths=(99_999_999,), n=1)))
+    t0 = time.time()
+    work(cache)
+    rec = store.job(jid)
+    assert rec["status"] == "failed" and rec["error_type"] == "DocumentTooLong", rec
+    assert "length 99,999,999 is over the token limit of 32,768 tokens" in rec["error"]
+    assert time.time() - t0 < 60

@@ -222,13 +222,17 @@ class _Store:
 
 
 # --- running ------------------------------------------------------------------------------------------------------
-def _samples(lm, spec: SweepSpec) -> dict:
+def _samples(lm, spec: SweepSpec, preparing: Callable[[int, int], None] | None = None) -> dict:
+    """The RULER samples of every (task, length); ``preparing(built, total)`` after each prompt."""
     out = {}
     kw = dict(chat_template=spec.chat_template, chat_template_kwargs=dict(spec.chat_template_kwargs) or None)
+    total, built = len(spec.tasks) * len(spec.lengths) * int(spec.n), 0
     for task in spec.tasks:
         for length in spec.lengths:
+            each = None if preparing is None else (lambda k, b=built: preparing(b + k, total))
             out[(task, int(length))] = ruler.generate_many(task, lm.tokenizer, int(length), int(spec.n),
-                                                           int(spec.seed0), **kw)
+                                                           int(spec.seed0), each=each, **kw)
+            built += int(spec.n)
     return out
 
 
@@ -239,7 +243,8 @@ def _setting_label(setting: _Setting, rmax: int) -> str:
 
 
 def run_sweep(lm, spec: SweepSpec, store=None, progress: Callable[[int, int], None] | None = None,
-              describe: Callable[[str], None] | None = None) -> pd.DataFrame:
+              describe: Callable[[str], None] | None = None,
+              preparing: Callable[[int, int], None] | None = None) -> pd.DataFrame:
     """Run (or resume) a sweep; returns one row per (task, length, setting, r, sample).
 
     store: a directory (a ``diskcache.Cache`` is opened there), any mapping-like cache (``get`` and item
@@ -248,12 +253,14 @@ def run_sweep(lm, spec: SweepSpec, store=None, progress: Callable[[int, int], No
     progress callback that raises (a cancel) stops between batches without losing finished samples.
     describe(text): called before each (task, length, setting) with what runs next, e.g.
     "vt · 1,024 tokens · r = 4: 3 of 20 samples to generate".
+    preparing(built, total): called after each RULER prompt is built (before any model call); like progress, it
+    may raise to cancel, so a cancel is honoured while thousands of prompts are built.
     Raises UnknownTask, TaskTooShort, RankOutOfRange, EmptyDocumentSet, BadSegmentLength before running anything.
     """
     if lm.tokenizer is None:
         raise ValueError("the sweep needs the model's tokenizer to build RULER prompts")
     _check_spec(spec, lm.info)
-    samples = _samples(lm, spec)  # raises TaskTooShort before any model call
+    samples = _samples(lm, spec, preparing)  # raises TaskTooShort before any model call
     settings = _settings(spec, lm.info)
     total = sum(len(s) for s in samples.values()) * len(settings)
     st = _Store(store)
