@@ -49,14 +49,25 @@ def check_text(name: str, text: str) -> str:
     return text
 
 
+#: byte-order marks of UTF-32 (checked first: its LE mark starts like UTF-16's) and UTF-16
+_UTF16_BOMS = ((b"\xff\xfe\x00\x00", "UTF-32 little-endian"), (b"\x00\x00\xfe\xff", "UTF-32 big-endian"),
+               (b"\xff\xfe", "little-endian"), (b"\xfe\xff", "big-endian"))
+
+
 def decode_upload(name: str, data: bytes) -> str:
     """Decode an uploaded file as UTF-8 text.
 
-    Raises ``EmptyDocument`` for an empty or whitespace-only file and ``NotText`` for a binary file (a NUL byte
-    or many control characters near the start) or one that is not valid UTF-8, naming the byte offset.
+    Raises ``EmptyDocument`` for an empty or whitespace-only file and ``NotText`` for a UTF-16 / UTF-32 file (its
+    byte-order mark; the message says how to convert it), a binary file (a NUL byte or many control characters
+    near the start) or one that is not valid UTF-8, naming the byte offset.
     """
     if len(data) == 0:
         raise EmptyDocument(f"'{name}' is an empty file (0 bytes): upload a .txt or .md file with text in it")
+    bom = next((enc for mark, enc in _UTF16_BOMS if data.startswith(mark)), None)
+    if bom is not None:
+        raise NotText(f"'{name}' is UTF-16 text (it starts with a UTF-16 byte-order mark, {bom}), not UTF-8: convert "
+                      f"it with `iconv -f UTF-16 -t UTF-8 '{name}' > converted.txt` (or save it as UTF-8 in your "
+                      "editor) and upload that")
     head = data[:_SNIFF]
     nul = head.find(b"\x00")
     if nul >= 0:

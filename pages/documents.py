@@ -182,6 +182,9 @@ with tab_p:
 with tab_u:
     ups = st.file_uploader("Text files (.txt, .md); several at once make a document set", type=["txt", "md"],
                            accept_multiple_files=True, key=f"uploads_{st.session_state.get('upload_gen', 0)}")
+    # the browser refuses a file over the server's limit with only a red icon: say the limit in words beforehand
+    st.caption(f"UTF-8 text, at most {st.get_option('server.maxUploadSize')} MB per file (a larger file is refused "
+               "by the browser, marked with a red icon): split it, or paste part of it.")
     if ups:
         errs = []
         st.session_state["doc_notes"] = []
