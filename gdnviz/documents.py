@@ -132,6 +132,23 @@ def tokenize(tokenizer, text: str) -> list[int]:
     return [int(i) for i in ids]
 
 
+def max_token_bytes(tokenizer) -> int:
+    """An upper bound on the UTF-8 bytes one token of a ``tokenizers.Tokenizer`` stands for: the longest vocabulary
+    entry in UTF-8 (byte-level BPE writes a byte as a 1- or 2-byte character, so this over-counts, never under).
+    A text of B bytes has at least B / max_token_bytes tokens."""
+    return max((len(t.encode("utf-8")) for t in tokenizer.get_vocab()), default=1) or 1
+
+
+def check_size(name: str, n_bytes: int, limit: int, bytes_per_token: int) -> None:
+    """``DocumentTooLong`` when a file of ``n_bytes`` cannot fit ``limit`` tokens whatever its text (at most
+    ``bytes_per_token`` bytes per token): checked before the file is decoded or tokenised."""
+    least = -(-int(n_bytes) // int(bytes_per_token))
+    if least > limit:
+        raise DocumentTooLong(f"'{name}' is {n_bytes:,} bytes: at {bytes_per_token} bytes per token at most, that is "
+                              f"at least {least:,} tokens, over the limit of {limit:,} tokens per document. Shorten "
+                              "or split it, or raise the token limit if the device has the memory for it")
+
+
 def sample_documents() -> list[Document]:
     """The bundled sample documents (public-domain texts), sorted by file name."""
     out = []

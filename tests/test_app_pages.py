@@ -877,3 +877,27 @@ def test_sweep_job_over_its_token_limit_fails_before_building_prompts(env, tmp_p
     assert rec["status"] == "failed" and rec["error_type"] == "DocumentTooLong", rec
     assert "length 99,999,999 is over the token limit of 32,768 tokens" in rec["error"]
     assert time.time() - t0 < 60
+
+
+def test_an_upload_is_tokenised_once_and_one_too_large_is_refused_before_decoding(env, tmp_path, monkeypatch):
+    from gdnviz import documents as D
+
+    cache = env(tmp_path / "c")
+    at = inspected(cache)
+    calls = []
+    real = D.tokenize
+    monkeypatch.setattr(D, "tokenize", lambda tok, text: calls.append(len(text)) or real(tok, text))
+    at.file_uploader[0].set_value([("doc.txt", short_text(300).encode(), "text/plain")])
+    at.run()
+    for _ in range(3):  # reruns (any click) do not tokenise it again
+        at.run()
+    assert len(calls) == 1, calls
+    # far over the limit whatever the tokenizer does: refused by its size, never decoded (its last byte is not UTF-8)
+    at.number_input(key="max_tokens").set_value(100).run()
+    big = b"word " * 200_000 + b"\xff"
+    at.file_uploader[0].set_value([("big.txt", big, "text/plain")])
+    at.run()
+    errs = texts(at, "error")
+    assert any("'big.txt' is 1,000,001 bytes" in e and "over the limit of 100 tokens" in e for e in errs), errs
+    assert not any("UTF-8" in e for e in errs)
+    assert "big.txt" not in [d["name"] for d in at.session_state["user_docs"]]

@@ -245,6 +245,35 @@ def _hf_tokenizer(path: str, mtime: float):
     return load_tokenizer_for(Path(path))
 
 
+@st.cache_resource(show_spinner=False, max_entries=4)
+def _max_token_bytes(path: str, mtime: float) -> int:
+    from gdnviz.documents import max_token_bytes
+
+    return max_token_bytes(_fast_tokenizer(path, mtime))
+
+
+def max_token_bytes(info: dict | None) -> int | None:
+    """``documents.max_token_bytes`` of the model's tokenizer.json (cached), or None without one."""
+    path = (info or {}).get("path")
+    p = Path(path) / "tokenizer.json" if path else None
+    return _max_token_bytes(str(path), p.stat().st_mtime) if p is not None and p.exists() else None
+
+
+def token_count(info: dict | None, tok, text: str) -> int:
+    """len(``documents.tokenize``) of ``text``, computed once per (tokenizer, text) in this session: a rerun does
+    not tokenise a 45 MB upload again."""
+    import hashlib
+
+    from gdnviz.documents import tokenize
+
+    cache = st.session_state.setdefault("_token_counts", {})
+    key = ((info or {}).get("path"), (info or {}).get("fingerprint"),
+           hashlib.sha256(text.encode("utf-8", "surrogatepass")).hexdigest())
+    if key not in cache:
+        cache[key] = len(tokenize(tok, text))
+    return cache[key]
+
+
 def _tokenizer_key(info: dict | None) -> tuple[str, float] | None:
     """(checkpoint folder, newest tokenizer file mtime) or None when the model has no folder."""
     path = (info or {}).get("path")
