@@ -49,9 +49,9 @@ def check_text(name: str, text: str) -> str:
     return text
 
 
-#: byte-order marks of UTF-32 (checked first: its LE mark starts like UTF-16's) and UTF-16
-_UTF16_BOMS = ((b"\xff\xfe\x00\x00", "UTF-32 little-endian"), (b"\x00\x00\xfe\xff", "UTF-32 big-endian"),
-               (b"\xff\xfe", "little-endian"), (b"\xfe\xff", "big-endian"))
+#: byte-order marks: (mark, encoding, byte order); UTF-32's first (its little-endian mark starts like UTF-16's)
+_BOMS = ((b"\xff\xfe\x00\x00", "UTF-32", "little-endian"), (b"\x00\x00\xfe\xff", "UTF-32", "big-endian"),
+         (b"\xff\xfe", "UTF-16", "little-endian"), (b"\xfe\xff", "UTF-16", "big-endian"))
 
 
 def decode_upload(name: str, data: bytes) -> str:
@@ -63,10 +63,11 @@ def decode_upload(name: str, data: bytes) -> str:
     """
     if len(data) == 0:
         raise EmptyDocument(f"'{name}' is an empty file (0 bytes): upload a .txt or .md file with text in it")
-    bom = next((enc for mark, enc in _UTF16_BOMS if data.startswith(mark)), None)
+    bom = next(((enc, order) for mark, enc, order in _BOMS if data.startswith(mark)), None)
     if bom is not None:
-        raise NotText(f"'{name}' is UTF-16 text (it starts with a UTF-16 byte-order mark, {bom}), not UTF-8: convert "
-                      f"it with `iconv -f UTF-16 -t UTF-8 '{name}' > converted.txt` (or save it as UTF-8 in your "
+        enc, order = bom
+        raise NotText(f"'{name}' is {enc} text (it starts with a {enc} {order} byte-order mark), not UTF-8: convert "
+                      f"it with `iconv -f {enc} -t UTF-8 '{name}' > converted.txt` (or save it as UTF-8 in your "
                       "editor) and upload that")
     head = data[:_SNIFF]
     nul = head.find(b"\x00")

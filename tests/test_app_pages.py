@@ -194,7 +194,7 @@ def test_bad_setting_stops_the_app_with_its_name(env, tmp_path, monkeypatch):
     ("photo.txt", b"\x89PNG\r\n\x1a\n\x00\x00\x00\rIHDR", "looks like a binary file (a NUL byte at byte offset 8)"),
     ("latin1.txt", "Le café est prêt.".encode("latin-1"), "is not valid UTF-8 text: byte 0xe9 at byte offset 6"),
     ("blank.md", b"", "is an empty file"),
-    ("notes16.txt", "Notes in UTF-16.".encode("utf-16"), "is UTF-16 text (it starts with a UTF-16 byte-order mark"),
+    ("notes16.txt", "Notes in UTF-16.".encode("utf-16"), "is UTF-16 text (it starts with a UTF-16 little-endian byte-order mark)"),
     ("be16.txt", "Big-endian.".encode("utf-16-be").join([b"\xfe\xff", b""]), "iconv -f UTF-16 -t UTF-8"),
 ])
 def test_bad_uploads(env, tmp_path, name, data, message):
