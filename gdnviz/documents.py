@@ -49,14 +49,26 @@ def check_text(name: str, text: str) -> str:
     return text
 
 
+#: byte-order marks: (mark, encoding, byte order); UTF-32's first (its little-endian mark starts like UTF-16's)
+_BOMS = ((b"\xff\xfe\x00\x00", "UTF-32", "little-endian"), (b"\x00\x00\xfe\xff", "UTF-32", "big-endian"),
+         (b"\xff\xfe", "UTF-16", "little-endian"), (b"\xfe\xff", "UTF-16", "big-endian"))
+
+
 def decode_upload(name: str, data: bytes) -> str:
     """Decode an uploaded file as UTF-8 text.
 
-    Raises ``EmptyDocument`` for an empty or whitespace-only file and ``NotText`` for a binary file (a NUL byte
-    or many control characters near the start) or one that is not valid UTF-8, naming the byte offset.
+    Raises ``EmptyDocument`` for an empty or whitespace-only file and ``NotText`` for a UTF-16 / UTF-32 file (its
+    byte-order mark; the message says how to convert it), a binary file (a NUL byte or many control characters
+    near the start) or one that is not valid UTF-8, naming the byte offset.
     """
     if len(data) == 0:
         raise EmptyDocument(f"'{name}' is an empty file (0 bytes): upload a .txt or .md file with text in it")
+    bom = next(((enc, order) for mark, enc, order in _BOMS if data.startswith(mark)), None)
+    if bom is not None:
+        enc, order = bom
+        raise NotText(f"'{name}' is {enc} text (it starts with a {enc} {order} byte-order mark), not UTF-8: convert "
+                      f"it with `iconv -f {enc} -t UTF-8 '{name}' > converted.txt` (or save it as UTF-8 in your "
+                      "editor) and upload that")
     head = data[:_SNIFF]
     nul = head.find(b"\x00")
     if nul >= 0:
@@ -119,6 +131,23 @@ def tokenize(tokenizer, text: str) -> list[int]:
     enc = tokenizer.encode(text)
     ids = getattr(enc, "ids", enc)
     return [int(i) for i in ids]
+
+
+def max_token_bytes(tokenizer) -> int:
+    """An upper bound on the UTF-8 bytes one token of a ``tokenizers.Tokenizer`` stands for: the longest vocabulary
+    entry in UTF-8 (byte-level BPE writes a byte as a 1- or 2-byte character, so this over-counts, never under).
+    A text of B bytes has at least B / max_token_bytes tokens."""
+    return max((len(t.encode("utf-8")) for t in tokenizer.get_vocab()), default=1) or 1
+
+
+def check_size(name: str, n_bytes: int, limit: int, bytes_per_token: int) -> None:
+    """``DocumentTooLong`` when a file of ``n_bytes`` cannot fit ``limit`` tokens whatever its text (at most
+    ``bytes_per_token`` bytes per token): checked before the file is decoded or tokenised."""
+    least = -(-int(n_bytes) // int(bytes_per_token))
+    if least > limit:
+        raise DocumentTooLong(f"'{name}' is {n_bytes:,} bytes: at {bytes_per_token} bytes per token at most, that is "
+                              f"at least {least:,} tokens, over the limit of {limit:,} tokens per document. Shorten "
+                              "or split it, or raise the token limit if the device has the memory for it")
 
 
 def sample_documents() -> list[Document]:

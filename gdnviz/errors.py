@@ -21,6 +21,14 @@ class WeightsMissing(GDNVizError):
     """A config was found but no weight files (``*.safetensors`` / ``*.bin``) beside it."""
 
 
+class BadConfig(GDNVizError):
+    """``config.json`` is not valid JSON, or not a JSON object."""
+
+
+class BadWeights(GDNVizError):
+    """A weight file cannot be read: truncated or damaged."""
+
+
 class UnsupportedFamily(GDNVizError):
     """The config's ``model_type`` is none of the families gdnviz has an adapter for."""
 

@@ -42,7 +42,7 @@ from typing import Any, ClassVar
 import numpy as np
 
 from gdnviz.documents import check_length, check_text, tokenize
-from gdnviz.errors import CorruptStoreEntry, EmptyDocumentSet, GDNVizError, JobCancelled
+from gdnviz.errors import CorruptStoreEntry, DocumentTooLong, EmptyDocumentSet, GDNVizError, JobCancelled
 from gdnviz.store import Store, content_hash
 
 #: Version strings of the computations keyed by ``cache_key``; bump one to invalidate its memo entries (a sweep's
@@ -132,7 +132,8 @@ class SweepJob:
     baseline of the paired differences). heads: "all", "layers:0,1", "L:H,L:H" or ((layer, head), ...): the heads
     cut to each r. rank_maps: ((name, ((layer, head, r), ...)), ...) extra per-head settings. max_new_tokens:
     0 = RULER's per task. chat_template: "auto" | True | False. fingerprint: when given, the loaded model must
-    have it (the page passes the inspected model's, so a checkpoint changed on disk is refused).
+    have it (the page passes the inspected model's, so a checkpoint changed on disk is refused). max_tokens: the
+    longest length allowed (the app's per-document token limit); a longer one fails before anything is built.
     """
 
     kind: ClassVar[str] = "sweep"
@@ -152,6 +153,7 @@ class SweepJob:
     fingerprint: str = ""
     device: str = "auto"
     dtype: str = "auto"
+    max_tokens: int = 32768
 
 
 @dataclass(frozen=True)
@@ -560,6 +562,10 @@ def sweep_spec_of(spec: SweepJob):
 def run_sweep_job(spec: SweepJob, ctx: JobContext) -> dict:
     from gdnviz.probes import sweep
 
+    for L in spec.lengths:
+        if int(L) > int(spec.max_tokens):
+            raise DocumentTooLong(f"Sweep length {int(L):,} is over the token limit of {int(spec.max_tokens):,} "
+                                  "tokens: lower it, or raise the token limit.")
     from gdnviz import settings
 
     address = settings.get("GDNVIZ_CLUSTER")
@@ -584,14 +590,21 @@ def run_sweep_job(spec: SweepJob, ctx: JobContext) -> dict:
     ctx.progress(0, 1, f"generating {cells:,} RULER prompts ({len(spec.tasks)} task(s) x {len(spec.lengths)} "
                        "length(s)) and checking the settings")
     memo = MemoMapping(ctx.store)
-    now = {"text": ""}
+    now = {"text": "", "shown": 0.0}
     t0 = time.time()
 
     def progress(done, total):
         ctx.progress(done, total, f"answer {done:,}/{total:,} · {now['text']}{workers['text']}")
 
+    def preparing(built, total):  # a cancel is checked after every prompt, the progress shown twice a second
+        if time.time() - now["shown"] > 0.5 or built == total:
+            now["shown"] = time.time()
+            ctx.progress(0, 1, f"generating RULER prompts: {built:,}/{total:,}")
+        elif ctx.cancelled():
+            raise JobCancelled("cancelled by the user")
+
     rows = sweep.run_sweep(lm, sspec, store=memo, progress=progress, describe=lambda t: now.update(text=t),
-                           executor=ex)
+                           preparing=preparing, executor=ex)
     rmax = min(info.d_k, info.d_v)
     table = sweep.sweep_table(rows, rmax=rmax)
     n_total = len(rows)

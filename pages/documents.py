@@ -182,11 +182,18 @@ with tab_p:
 with tab_u:
     ups = st.file_uploader("Text files (.txt, .md); several at once make a document set", type=["txt", "md"],
                            accept_multiple_files=True, key=f"uploads_{st.session_state.get('upload_gen', 0)}")
+    # the browser refuses a file over the server's limit with only a red icon: say the limit in words beforehand
+    st.caption(f"UTF-8 text, at most {st.get_option('server.maxUploadSize')} MB per file (a larger file is refused "
+               "by the browser, marked with a red icon): split it, or paste part of it.")
     if ups:
         errs = []
         st.session_state["doc_notes"] = []
+        per_token = C.max_token_bytes(info) if info is not None else None
+        lim = st.session_state.get("max_tokens")
         for f in ups:
             try:
+                if per_token is not None and isinstance(lim, int) and lim >= 1:  # too large whatever it says:
+                    D.check_size(f.name, f.size, lim, per_token)                 # not even decoded
                 _add_doc(f.name, D.decode_upload(f.name, f.getvalue()), "uploaded")
             except GDNVizError as e:
                 errs.append(str(e))
@@ -223,7 +230,7 @@ tok = C.fast_tokenizer(info) if info is not None else None
 limit = int(st.session_state["max_tokens"]) if not setting_errors else 0
 rows, problems = [], []
 for d in doc_set:
-    n = len(D.tokenize(tok, d["text"])) if tok is not None else None
+    n = C.token_count(info, tok, d["text"]) if tok is not None else None
     status = "ok"
     if n is not None and not setting_errors:
         try:

@@ -67,10 +67,18 @@ seed0, chat = int(st.session_state["sw_seed0"]), ("auto" if st.session_state["sw
 if not tasks:
     errors.append("No tasks chosen: pick at least one RULER task.")
 lengths, ranks = [], []
+from gdnviz.documents import max_tokens_default  # noqa: E402
+
+token_limit = int(st.session_state.get("max_tokens") or max_tokens_default())
 try:
     lengths = S.parse_lengths(st.session_state["sw_lengths"])
 except ValueError as e:
     errors.append(str(e))
+too_long = [L for L in lengths if L > token_limit]
+if too_long:  # before any prompt is built: a 99,999,999-token haystack would take minutes and the worker's memory
+    errors.append(f"Length {max(too_long):,} is over the token limit of {token_limit:,} tokens (set on the Model & "
+                  "documents page): lower it, or raise the limit there if the GPU has the memory.")
+    lengths = [L for L in lengths if L <= token_limit]
 try:
     ranks = S.parse_ranks(st.session_state["sw_ranks"], rmax)
 except (GDNVizError, ValueError) as e:
@@ -168,7 +176,7 @@ if go and not errors:
         ranks=tuple(r for r in ranks if r != rmax), n=int(st.session_state["sw_n"]), seed0=seed0,
         heads="all" if mode == "all" else tuple(heads), rank_maps=rank_maps, segment_len=L_default,
         batch_size=int(st.session_state["sw_batch"]), max_new_tokens=int(st.session_state["sw_max_new"]),
-        chat_template=chat, fingerprint=str(info.get("fingerprint") or ""))
+        chat_template=chat, fingerprint=str(info.get("fingerprint") or ""), max_tokens=token_limit)
     st.session_state["sweep_job"] = C.submit("sweep", spec_to_dict(spec), label="retrieval sweep")
     st.rerun()  # redraw from the top: the sidebar's worker status and the Run button see the new job
 

@@ -194,6 +194,8 @@ def test_bad_setting_stops_the_app_with_its_name(env, tmp_path, monkeypatch):
     ("photo.txt", b"\x89PNG\r\n\x1a\n\x00\x00\x00\rIHDR", "looks like a binary file (a NUL byte at byte offset 8)"),
     ("latin1.txt", "Le café est prêt.".encode("latin-1"), "is not valid UTF-8 text: byte 0xe9 at byte offset 6"),
     ("blank.md", b"", "is an empty file"),
+    ("notes16.txt", "Notes in UTF-16.".encode("utf-16"), "is UTF-16 text (it starts with a UTF-16 little-endian byte-order mark)"),
+    ("be16.txt", "Big-endian.".encode("utf-16-be").join([b"\xfe\xff", b""]), "iconv -f UTF-16 -t UTF-8"),
 ])
 def test_bad_uploads(env, tmp_path, name, data, message):
     env(tmp_path / "c")
@@ -205,6 +207,7 @@ def test_bad_uploads(env, tmp_path, name, data, message):
     errs = texts(at, "error")
     assert any(message in e and name in e for e in errs), errs
     assert [d["name"] for d in at.session_state["user_docs"]] == ["good.md"]  # the good file still got in
+    assert any("at most 50 MB per file (a larger file is refused by the browser" in c for c in texts(at, "caption"))
 
 
 def test_document_over_the_token_limit(env, tmp_path):
@@ -989,3 +992,52 @@ def test_two_uploads_with_the_same_name_are_both_kept_and_it_says_so(env, tmp_pa
     at.button(key="paste_add").click().run()
     names = list(at.dataframe[0].value["document"])
     assert "genesis_1_2_kjv.txt" in names and "genesis_1_2_kjv.txt (2)" in names
+
+
+def test_sweep_length_over_the_token_limit_is_refused(env, populated):
+    cache, run = populated
+    env(cache)
+    at = app("sweeps", run=run)
+    at.run()
+    at.text_input(key="sw_lengths").input("1024, 99999999").run()
+    assert not at.exception
+    errs = texts(at, "error")
+    assert any("Length 99,999,999 is over the token limit of 32,768 tokens" in e for e in errs), errs
+    assert at.button(key="sw_run").proto.disabled
+
+
+def test_sweep_job_over_its_token_limit_fails_before_building_prompts(env, tmp_path, tiny_checkpoint):
+    cache = env(tmp_path / "c")
+    store = Store(cache)
+    jid = store.submit("sweep", jobs.spec_to_dict(jobs.SweepJob(model=str(tiny_checkpoint), tasks=("niah_single_1",),
+                                                                lengths=(99_999_999,), n=1)))
+    t0 = time.time()
+    work(cache)
+    rec = store.job(jid)
+    assert rec["status"] == "failed" and rec["error_type"] == "DocumentTooLong", rec
+    assert "length 99,999,999 is over the token limit of 32,768 tokens" in rec["error"]
+    assert time.time() - t0 < 60
+
+
+def test_an_upload_is_tokenised_once_and_one_too_large_is_refused_before_decoding(env, tmp_path, monkeypatch):
+    from gdnviz import documents as D
+
+    cache = env(tmp_path / "c")
+    at = inspected(cache)
+    calls = []
+    real = D.tokenize
+    monkeypatch.setattr(D, "tokenize", lambda tok, text: calls.append(len(text)) or real(tok, text))
+    at.file_uploader[0].set_value([("doc.txt", short_text(300).encode(), "text/plain")])
+    at.run()
+    for _ in range(3):  # reruns (any click) do not tokenise it again
+        at.run()
+    assert len(calls) == 1, calls
+    # far over the limit whatever the tokenizer does: refused by its size, never decoded (its last byte is not UTF-8)
+    at.number_input(key="max_tokens").set_value(100).run()
+    big = b"word " * 200_000 + b"\xff"
+    at.file_uploader[0].set_value([("big.txt", big, "text/plain")])
+    at.run()
+    errs = texts(at, "error")
+    assert any("'big.txt' is 1,000,001 bytes" in e and "over the limit of 100 tokens" in e for e in errs), errs
+    assert not any("UTF-8" in e for e in errs)
+    assert "big.txt" not in [d["name"] for d in at.session_state["user_docs"]]

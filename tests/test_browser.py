@@ -298,3 +298,21 @@ def test_two_sessions_each_see_and_export_only_their_own_run(server, browser, tm
     finally:
         for x in ctxs:
             x.close()
+
+
+def test_a_killed_idle_worker_is_noticed_without_a_click(server, page):
+    """kill -9 the idle worker: within seconds, with nobody clicking, the sidebar stops showing its pid as alive
+    (the server restarts it and says so)."""
+    import signal
+
+    from gdnviz.store import Store
+
+    base, cache = server
+    page.goto(base + "/")
+    wait_for_app(page)
+    page.get_by_text("Worker idle · pid", exact=False).wait_for(timeout=SLOW)
+    pid = int(re.search(r"pid (\d+)", page.get_by_text("Worker idle · pid", exact=False).inner_text()).group(1))
+    assert pid in [h["pid"] for h in Store(cache).live_workers()]
+    os.kill(pid, signal.SIGKILL)
+    page.get_by_text("restarted 1×", exact=False).wait_for(timeout=20_000)
+    assert page.get_by_text(f"pid {pid}", exact=False).count() == 0

@@ -97,3 +97,32 @@ def test_auto_map_code_is_not_run_without_trust_remote_code(tmp_path):
     (tmp_path / "model.safetensors").write_bytes((tmp_path / "w" / "model.safetensors").read_bytes())
     info = inspect_model(tmp_path)  # auto_map is ignored: the built-in qwen3_5_text class is used
     assert info["family"] == "qwen3_5"
+
+
+def _saved_tiny(tmp_path):
+    model = tiny_models.qwen3_5()
+    model.save_pretrained(tmp_path)
+    return tmp_path
+
+
+@pytest.mark.parametrize("text,message", [
+    ('{"model_type": "qwen3_5", ', "config.json is not valid JSON"),
+    ('[{"model_type": "qwen3_5"}]', "config.json holds a list, not a JSON object"),
+])
+def test_config_that_is_not_a_json_object_names_the_file(tmp_path, text, message):
+    ck = _saved_tiny(tmp_path)
+    (ck / "config.json").write_text(text)
+    with pytest.raises(errors.BadConfig, match=message) as e:
+        inspect_model(ck)
+    assert str(ck / "config.json") in str(e.value)
+
+
+@pytest.mark.parametrize("how", ["truncated", "garbled header"])
+def test_damaged_safetensors_get_a_specific_message(tmp_path, how):
+    ck = _saved_tiny(tmp_path)
+    f = ck / "model.safetensors"
+    data = f.read_bytes()
+    f.write_bytes(data[: len(data) // 2] if how == "truncated" else data[:8] + b"\x00garbage" + data[16:])
+    with pytest.raises(errors.BadWeights, match="model.safetensors") as e:
+        load(ck, device="cpu", load_tokenizer=False)
+    assert "damaged or truncated" in str(e.value)

@@ -213,3 +213,23 @@ def test_cell_key_is_the_key_cells_were_stored_under():
     stored = "sweep:" + content_hash(dict(version="sweep-cells-v1", cell=inner))
     assert sweep.VERSION == 1
     assert sweep.cell_key(info, "vt", 1024, setting, sample, spec) == stored
+
+
+def test_a_cancel_while_the_prompts_are_built_stops_at_once(lm, counted):
+    """``preparing(built, total)`` is called after every prompt, before any model call: one that raises (the
+    worker's cancel) stops the sweep there, not after all n x tasks x lengths prompts."""
+    from gdnviz.errors import JobCancelled
+
+    seen = []
+
+    def preparing(built, total):
+        seen.append((built, total))
+        if built == 3:
+            raise JobCancelled("cancelled by the user")
+
+    with pytest.raises(JobCancelled):
+        sweep.run_sweep(lm, small_spec(lm, n=200), preparing=preparing)
+    assert seen == [(1, 400), (2, 400), (3, 400)] and counted == []
+    seen.clear()
+    sweep.run_sweep(lm, small_spec(lm, n=1, ranks=(16,)), preparing=lambda b, t: seen.append((b, t)))
+    assert seen == [(1, 2), (2, 2)]

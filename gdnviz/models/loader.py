@@ -7,13 +7,16 @@ from __future__ import annotations
 import hashlib
 import json
 import os
+import pickle
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 import torch
+from safetensors import SafetensorError
 
-from gdnviz.errors import (ModelNotFound, NotAGDNModel, NotAModelDirectory, UnsupportedFamily, WeightsMissing)
+from gdnviz.errors import (BadConfig, BadWeights, ModelNotFound, NotAGDNModel, NotAModelDirectory, UnsupportedFamily,
+                           WeightsMissing)
 from gdnviz.models.info import ModelInfo
 
 DEMO_NAME = "demo"
@@ -77,11 +80,24 @@ def _hf_cache_dir() -> str:
         return "~/.cache/huggingface/hub"
 
 
+def read_raw_config(path: Path) -> dict:
+    """``path/config.json`` as a dict; ``BadConfig`` naming the file when it is not JSON or not a JSON object."""
+    cfg = path / "config.json"
+    try:
+        raw = json.loads(cfg.read_bytes())
+    except (ValueError, UnicodeDecodeError) as e:
+        raise BadConfig(f"{cfg} is not valid JSON ({e}): fix or replace the checkpoint's config.json") from None
+    if not isinstance(raw, dict):
+        raise BadConfig(f"{cfg} holds a {type(raw).__name__}, not a JSON object: a model config is one object "
+                        "{\"model_type\": ..., ...}")
+    return raw
+
+
 def read_config(path: Path, trust_remote_code: bool = False):
     from transformers import AutoConfig
 
     _register_fla()
-    raw = json.loads((path / "config.json").read_text())
+    raw = read_raw_config(path)
     model_type = raw.get("model_type")
     if model_type not in FAMILIES:
         types = raw.get("layer_types") or (raw.get("text_config") or {}).get("layer_types")
@@ -210,8 +226,13 @@ def load(name_or_path=None, device: Any = "auto", dtype: Any = "auto", trust_rem
     ad = adapter_for(family)
     config, _ = read_config(path, trust_remote_code)
     config = ad.adjust_config(config, dev) if hasattr(ad, "adjust_config") else config
-    model = AutoModelForCausalLM.from_pretrained(path, config=config, dtype=dt, local_files_only=True,
-                                                 trust_remote_code=trust_remote_code)
+    try:
+        model = AutoModelForCausalLM.from_pretrained(path, config=config, dtype=dt, local_files_only=True,
+                                                     trust_remote_code=trust_remote_code)
+    except (SafetensorError, OSError, EOFError, pickle.UnpicklingError) as e:
+        names = ", ".join(f.name for f in weight_files(path))
+        raise BadWeights(f"The weights in {path} ({names}) cannot be read: a weight file is damaged or truncated "
+                         f"({type(e).__name__}: {str(e)[:200]}). Copy or download it again.") from None
     model = model.to(dev).eval()
     ad.prepare(model)
     tok = None

@@ -601,11 +601,13 @@ def generate(task: str, tokenizer, target_len: int, seed: int, *, chat_template:
 
 def generate_many(task: str, tokenizer, target_len: int, n: int, seed0: int = 0, *,
                   chat_template: bool | str = "auto",
-                  chat_template_kwargs: Mapping[str, Any] | None = None) -> list[Sample]:
+                  chat_template_kwargs: Mapping[str, Any] | None = None,
+                  each: Callable[[int], None] | None = None) -> list[Sample]:
     """``n`` samples with seeds ``seed0, seed0 + 1, ...``, sized like RULER's datasets.
 
     The haystack size is searched once (on ``seed0``, so the first sample equals ``generate(..., seed0)``); every
     other sample starts from that size and steps down by RULER's increment while it is too long.
+    ``each(k)`` is called after the k-th sample is built (k = 1..n); an exception it raises (a cancel) stops here.
     """
     _check(task, target_len, seed0)
     if isinstance(n, bool) or not isinstance(n, (int, np.integer)) or n < 0:
@@ -616,6 +618,8 @@ def generate_many(task: str, tokenizer, target_len: int, n: int, seed0: int = 0,
                chat_template_kwargs)
     first = _fit(job)
     out = [_sample(job, first, seed0)]
+    if each is not None:
+        each(1)
     floor = job.min_units
     for i in range(1, int(n)):
         seed = int(seed0) + i
@@ -626,13 +630,16 @@ def generate_many(task: str, tokenizer, target_len: int, n: int, seed0: int = 0,
             if ok:
                 break
             size -= job.increment
-            if size < floor:
+            if size < floor:  # the seeds before this one fitted: say which sample does not
+                which = f"sample seed {seed}; seeds {seed0}..{seed - 1} fit"
                 if job.family == "freq_words_extraction":
                     raise _too_short(job, _fwe_minimum(job), "the template, a Zipf text whose top 3 words are "
-                                     "distinct")
+                                     f"distinct, for {which}")
                 raise _too_short(job, len(_try(job, floor, seed).ids) + job.ttg,
-                                 f"the template and {floor} haystack unit(s)")
+                                 f"the template and {floor} haystack unit(s), for {which}")
         out.append(_sample(job, fit, seed))
+        if each is not None:
+            each(len(out))
     return out
 
 

@@ -199,17 +199,21 @@ def cell_key(info, task: str, length: int, setting: _Setting, sample: ruler.Samp
 
 
 # --- running ------------------------------------------------------------------------------------------------------
-def _samples(lm, spec: SweepSpec) -> dict:
-    return _samples_for(lm.tokenizer, spec)
+def _samples(lm, spec: SweepSpec, preparing: Callable[[int, int], None] | None = None) -> dict:
+    return _samples_for(lm.tokenizer, spec, preparing)
 
 
-def _samples_for(tokenizer, spec: SweepSpec) -> dict:
+def _samples_for(tokenizer, spec: SweepSpec, preparing: Callable[[int, int], None] | None = None) -> dict:
+    """The RULER samples of every (task, length); ``preparing(built, total)`` after each prompt."""
     out = {}
     kw = dict(chat_template=spec.chat_template, chat_template_kwargs=dict(spec.chat_template_kwargs) or None)
+    total, built = len(spec.tasks) * len(spec.lengths) * int(spec.n), 0
     for task in spec.tasks:
         for length in spec.lengths:
+            each = None if preparing is None else (lambda k, b=built: preparing(b + k, total))
             out[(task, int(length))] = ruler.generate_many(task, tokenizer, int(length), int(spec.n),
-                                                           int(spec.seed0), **kw)
+                                                           int(spec.seed0), each=each, **kw)
+            built += int(spec.n)
     return out
 
 
@@ -270,7 +274,8 @@ def local_executor(lm):
 
 
 def run_sweep(lm, spec: SweepSpec, store=None, progress: Callable[[int, int], None] | None = None,
-              describe: Callable[[str], None] | None = None, executor=None) -> pd.DataFrame:
+              describe: Callable[[str], None] | None = None, executor=None,
+              preparing: Callable[[int, int], None] | None = None) -> pd.DataFrame:
     """Run (or resume) a sweep; returns one row per (task, length, setting, r, sample).
 
     store: a directory (a ``diskcache.Cache`` is opened there), any mapping-like cache (``get`` and item
@@ -282,12 +287,14 @@ def run_sweep(lm, spec: SweepSpec, store=None, progress: Callable[[int, int], No
     executor: None (``local_executor(lm)``) or a callable as ``local_executor`` returns (``gdnviz.cluster``); only
     this process writes the store, so results come back here first. ``lm`` needs only ``info`` and ``tokenizer``
     when another executor answers.
+    preparing(built, total): called after each RULER prompt is built (before any model call); like progress, it
+    may raise to cancel, so a cancel is honoured while thousands of prompts are built.
     Raises UnknownTask, TaskTooShort, RankOutOfRange, EmptyDocumentSet, BadSegmentLength before running anything.
     """
     if lm.tokenizer is None:
         raise ValueError("the sweep needs the model's tokenizer to build RULER prompts")
     _check_spec(spec, lm.info)
-    samples = _samples(lm, spec)  # raises TaskTooShort before any model call
+    samples = _samples(lm, spec, preparing)  # raises TaskTooShort before any model call
     settings = _settings(spec, lm.info)
     total = sum(len(s) for s in samples.values()) * len(settings)
     execute = executor if executor is not None else local_executor(lm)

@@ -53,6 +53,8 @@ def _poll_seconds() -> float | None:
     v = settings.get("GDNVIZ_POLL_SECONDS")
     return v if v > 0 else None
 
+#: seconds between polls of the sidebar's worker status while nothing runs
+IDLE_POLL_SECONDS = 5.0
 DEMO_DIR = Path(__file__).resolve().parent.parent / "assets" / "demo"
 APP_PATH = Path(__file__).resolve().parent.parent.parent / "app.py"
 #: Widget keys kept when the user moves between pages (Streamlit drops the state of widgets not drawn).
@@ -244,6 +246,35 @@ def _hf_tokenizer(path: str, mtime: float):
     from gdnviz.models.loader import load_tokenizer_for
 
     return load_tokenizer_for(Path(path))
+
+
+@st.cache_resource(show_spinner=False, max_entries=4)
+def _max_token_bytes(path: str, mtime: float) -> int:
+    from gdnviz.documents import max_token_bytes
+
+    return max_token_bytes(_fast_tokenizer(path, mtime))
+
+
+def max_token_bytes(info: dict | None) -> int | None:
+    """``documents.max_token_bytes`` of the model's tokenizer.json (cached), or None without one."""
+    path = (info or {}).get("path")
+    p = Path(path) / "tokenizer.json" if path else None
+    return _max_token_bytes(str(path), p.stat().st_mtime) if p is not None and p.exists() else None
+
+
+def token_count(info: dict | None, tok, text: str) -> int:
+    """len(``documents.tokenize``) of ``text``, computed once per (tokenizer, text) in this session: a rerun does
+    not tokenise a 45 MB upload again."""
+    import hashlib
+
+    from gdnviz.documents import tokenize
+
+    cache = st.session_state.setdefault("_token_counts", {})
+    key = ((info or {}).get("path"), (info or {}).get("fingerprint"),
+           hashlib.sha256(text.encode("utf-8", "surrogatepass")).hexdigest())
+    if key not in cache:
+        cache[key] = len(tokenize(tok, text))
+    return cache[key]
 
 
 def _tokenizer_key(info: dict | None) -> tuple[str, float] | None:
@@ -609,7 +640,9 @@ def sidebar() -> None:
     with st.sidebar:
         active = any(_active(st.session_state.get(k)) for k in ("capture_job", "truncate_job", "sweep_job", "loss_job"))
         ws = ensure_worker().status()
-        poll = (2.0 if _poll_seconds() else None) if (active or ws["state"] in ("starting", "busy")) else None
+        # polled while idle too (more slowly): a worker that died is noticed and restarted without a click
+        busy = active or ws["state"] in ("starting", "busy")
+        poll = (2.0 if busy else IDLE_POLL_SECONDS) if _poll_seconds() else None
         st.fragment(worker_status_line, run_every=poll)()
         runs, bad = store().read_runs()
         st.markdown("**Previous runs**")

@@ -1,0 +1,183 @@
+"""docs/reliability.md, generated: every bad input tried here is refused with its own gdnviz error and a message
+that names the bad value; the store-fuzz and cross-session cases and the tests that cover them.
+
+``test_reliability_table_is_current`` fails when the file differs from what this module generates;
+``python tests/test_reliability_table.py`` rewrites it. Each row is run, not written down: a case whose error or
+message changes fails here first.
+"""
+from __future__ import annotations
+
+import json
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+HERE = Path(__file__).resolve().parent
+sys.path.insert(0, str(HERE))
+sys.path.insert(0, str(HERE.parent))
+
+import tiny_models  # noqa: E402
+from gdnviz import documents as D  # noqa: E402
+from gdnviz import errors as E  # noqa: E402
+
+DOC = HERE.parent / "docs" / "reliability.md"
+
+
+def _checkpoint(root: Path, damage=None) -> Path:
+    out = root / f"ck{len(list(root.iterdir()))}"
+    torch.manual_seed(0)
+    tiny_models.qwen3_5().save_pretrained(out)
+    if damage:
+        damage(out)
+    return out
+
+
+def _cases(root: Path):
+    """(bad input, where it is checked, callable that must raise, expected error type, words the message has)."""
+    from gdnviz.models import inspect_model, load
+    from gdnviz.runner import check_segment_len
+    from gdnviz.truncation import check_rank
+    from gdnviz.probes import ruler
+    from gdnviz.ui.sweeps import parse_lengths
+
+    def cfg(text):
+        return lambda ck: (ck / "config.json").write_text(text)
+
+    def weights(fn):
+        return lambda ck: (ck / "model.safetensors").write_bytes(fn((ck / "model.safetensors").read_bytes()))
+
+    def no_weights(ck):
+        (ck / "model.safetensors").unlink()
+
+    def plain_qwen3(ck):
+        (ck / "config.json").write_text(json.dumps({"model_type": "qwen3", "num_hidden_layers": 2}))
+
+    up = D.decode_upload
+    return [
+        ("upload: a PNG renamed .txt", "documents.decode_upload", lambda: up("a.txt", b"\x89PNG\r\n\x1a\n\x00\x00"),
+         E.NotText, "NUL byte at byte offset 8"),
+        ("upload: Latin-1 text", "documents.decode_upload", lambda: up("a.txt", "café".encode("latin-1")),
+         E.NotText, "byte 0xe9 at byte offset 3"),
+        ("upload: UTF-16 (LE) text", "documents.decode_upload", lambda: up("a.txt", "hi".encode("utf-16")),
+         E.NotText, "iconv -f UTF-16 -t UTF-8"),
+        ("upload: UTF-16 (BE) text", "documents.decode_upload", lambda: up("a.txt", b"\xfe\xff\x00h\x00i"),
+         E.NotText, "UTF-16 big-endian byte-order mark"),
+        ("upload: UTF-32 text", "documents.decode_upload", lambda: up("a.txt", "hi".encode("utf-32")),
+         E.NotText, "iconv -f UTF-32 -t UTF-8"),
+        ("upload: empty file", "documents.decode_upload", lambda: up("a.txt", b""), E.EmptyDocument, "0 bytes"),
+        ("upload: whitespace only", "documents.decode_upload", lambda: up("a.txt", b" \n\t "), E.EmptyDocument,
+         "'a.txt' is empty"),
+        ("upload: 1 MB for a 100-token limit", "documents.check_size", lambda: D.check_size("a.txt", 10 ** 6, 100, 32),
+         E.DocumentTooLong, "at least 31,250 tokens, over the limit of 100"),
+        ("document: over the token limit", "documents.check_length", lambda: D.check_length("a", 5000, 100),
+         E.DocumentTooLong, "5,000 tokens, over the limit of 100"),
+        ("token limit 0", "documents.check_token_limit", lambda: D.check_token_limit(0), E.BadTokenLimit, "got 0"),
+        ("segment length 0", "runner.check_segment_len", lambda: check_segment_len(0), E.BadSegmentLength, "got 0"),
+        ("segment length -64", "runner.check_segment_len", lambda: check_segment_len(-64), E.BadSegmentLength,
+         "got -64"),
+        ("rank 2.5", "truncation.check_rank", lambda: check_rank(2.5, upper=16), E.RankOutOfRange, "got 2.5"),
+        ("rank 0", "truncation.check_rank", lambda: check_rank(0, upper=16), E.RankOutOfRange, "rank 0 is outside"),
+        ("rank 17 of 16", "truncation.check_rank", lambda: check_rank(17, upper=16), E.RankOutOfRange,
+         "rank 17 is outside 1..16"),
+        ("sweep lengths '1024, x'", "ui.sweeps.parse_lengths", lambda: parse_lengths("1024, x"), ValueError, "'x'"),
+        ("sweep lengths '0'", "ui.sweeps.parse_lengths", lambda: parse_lengths("0"), ValueError, "0 is not"),
+        ("RULER task 'needle'", "probes.ruler.generate", lambda: ruler.generate("needle", None, 100, 0),
+         E.UnknownTask, "'needle'"),
+        ("model 'nobody/nothing'", "models.resolve", lambda: inspect_model("nobody/nothing"), E.ModelNotFound,
+         "not in the local Hugging Face cache"),
+        ("model path: a folder without config.json", "models.resolve", lambda: inspect_model(root),
+         E.NotAModelDirectory, "has no config.json"),
+        ("config.json: not JSON", "models.read_raw_config", lambda: inspect_model(_checkpoint(root, cfg("{"))),
+         E.BadConfig, "is not valid JSON"),
+        ("config.json: a list", "models.read_raw_config", lambda: inspect_model(_checkpoint(root, cfg("[]"))),
+         E.BadConfig, "holds a list"),
+        ("config.json: no GDN layers (qwen3)", "models.read_config",
+         lambda: inspect_model(_checkpoint(root, plain_qwen3)), E.NotAGDNModel, "model_type 'qwen3'"),
+        ("checkpoint without weight files", "models.inspect_model",
+         lambda: inspect_model(_checkpoint(root, no_weights)), E.WeightsMissing, "no weight files"),
+        ("safetensors: truncated", "models.load", lambda: load(_checkpoint(root, weights(lambda b: b[:len(b) // 2])),
+                                                              device="cpu", load_tokenizer=False),
+         E.BadWeights, "damaged or truncated"),
+        ("safetensors: garbled header", "models.load",
+         lambda: load(_checkpoint(root, weights(lambda b: b[:8] + b"\x00garbage" + b[16:])), device="cpu",
+                      load_tokenizer=False), E.BadWeights, "damaged or truncated"),
+    ]
+
+
+def _hf_cache_dir() -> str:
+    from gdnviz.models.loader import _hf_cache_dir as where
+
+    return where()
+
+
+def _run_cases(root: Path) -> list[tuple[str, str, str, str]]:
+    rows = []
+    for what, where, fn, etype, words in _cases(root):
+        with pytest.raises(etype) as e:
+            fn()
+        msg = str(e.value).replace(str(root), "<tmp>").replace(_hf_cache_dir(), "<HF cache>")
+        assert words in msg, (what, msg)
+        rows.append((what, where, type(e.value).__name__, msg))
+    return rows
+
+
+def render(rows) -> str:
+    from support import store_fuzz
+    from test_store_fuzz import KINDS
+
+    def cell(s: str) -> str:
+        s = s.replace("|", "\\|").replace("\n", " ")
+        return s if len(s) <= 140 else s[:137] + "…"
+
+    out = ["# Reliability: bad inputs, damaged store entries, sessions",
+           "",
+           "Generated by `tests/test_reliability_table.py` (`python tests/test_reliability_table.py` rewrites it; the "
+           "test fails when this file is not current). Every bad input below was run by that test; the other two tables "
+           "name the tests that run their cases.",
+           "",
+           f"## Bad inputs: {len(rows)} tried, {len(rows)} refused with their own error and a message naming the "
+           "bad value",
+           "",
+           "| bad input | checked in | error | message |", "|---|---|---|---|"]
+    out += [f"| {cell(a)} | `{b}` | `{c}` | {cell(d)} |" for a, b, c, d in rows]
+    n = len(KINDS) * len(store_fuzz.HOW)
+    out += ["",
+            f"## Damaged store entries: {n} cases, every page renders",
+            "",
+            "`tests/test_store_fuzz.py` (marker `slow`) truncates, garbles (14 bytes flipped in the middle) and deletes "
+            "one entry of a real store, for each kind below, and opens all 7 pages (AppTest) with the run picked: "
+            "no page fails, a damaged entry is skipped and named, a damaged capture is recomputed and never shown, "
+            "its zip is not offered without saying why.",
+            "",
+            "| kind of entry | store table | " + " | ".join(store_fuzz.HOW) + " |",
+            "|---|---|" + "---|" * len(store_fuzz.HOW)]
+    out += [f"| {k} | `{area}/` | " + " | ".join("renders" for _ in store_fuzz.HOW) + " |"
+            for k, (area, _p) in KINDS.items()]
+    out += ["",
+            "## Sessions: cross-session leaks 0",
+            "",
+            "- `tests/test_app_pages.py::test_a_new_session_is_shown_no_other_sessions_run` (6 pages): a new session "
+            "is shown no run of another session, and no zip, until it picks one.",
+            "- `tests/test_app_pages.py::test_a_finished_capture_is_this_sessions_run_when_another_session_stored_a_"
+            "newer_one`.",
+            "- `tests/test_browser.py::test_two_sessions_each_see_and_export_only_their_own_run` (Chromium against "
+            "`streamlit run`): two sessions capture at once; each one's heatmap and downloaded zip are its own run, "
+            "a third session sees neither.",
+            ""]
+    return "\n".join(out)
+
+
+def test_reliability_table_is_current(tmp_path):
+    text = render(_run_cases(tmp_path))
+    assert DOC.exists() and DOC.read_text() == text, \
+        "docs/reliability.md is not current: run `python tests/test_reliability_table.py`"
+
+
+if __name__ == "__main__":
+    import tempfile
+
+    with tempfile.TemporaryDirectory() as d:
+        DOC.write_text(render(_run_cases(Path(d))))
+    print(f"wrote {DOC}")
