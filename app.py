@@ -28,6 +28,7 @@ pages = [
     st.Page(common.PAGES["truncate"], title="Truncate & compare", icon=":material/content_cut:",
             url_path="truncate"),
     st.Page(common.PAGES["sweeps"], title="Retrieval sweeps", icon=":material/query_stats:", url_path="sweeps"),
+    st.Page(common.PAGES["scans"], title="Head scans & budgets", icon=":material/troubleshoot:", url_path="scans"),
     st.Page(common.PAGES["budget"], title="Cache budget", icon=":material/memory:", url_path="budget"),
 ]
 pg = st.navigation(pages)

@@ -43,6 +43,7 @@ PAGES = {
     "truncate": "pages/truncate.py",
     "budget": "pages/budget.py",
     "sweeps": "pages/sweeps.py",
+    "scans": "pages/scans.py",
 }
 def _poll_seconds() -> float | None:
     """Seconds between polls of a running job (``$GDNVIZ_POLL_SECONDS``, default 0.5; 0 turns polling off, as the
@@ -57,7 +58,9 @@ PERSISTED = ("model_source", "model_path", "model_hf", "device", "dtype", "sampl
              "max_tokens", "heat_metric", "click_action", "tr_prompt_mode", "tr_task", "tr_target_len", "tr_seed",
              "tr_max_new", "tr_prompt", "tr_loss_docs", "tr_chat", "bud_batch", "bud_state_dtype", "bud_kv_dtype",
              "bud_max_ctx", "head_doc", "sw_tasks", "sw_lengths", "sw_ranks", "sw_n", "sw_batch", "sw_seed0",
-             "sw_max_new", "sw_chat", "sw_heads", "sw_layers")
+             "sw_max_new", "sw_chat", "sw_heads", "sw_layers", "sc_task", "sc_length", "sc_n", "sc_r", "sc_by",
+             "sc_keep", "sc_layers", "sc_limit", "sc_batch", "sc_seed0", "sc_max_new", "bg_max_new", "bg_tasks", "bg_lengths", "bg_n", "bg_tol", "bg_curve",
+             "bg_ladder", "bg_limit")
 
 
 # =============================================================================================================
