@@ -429,7 +429,7 @@ def cmd_budget(args) -> int:
     memo = Path(args.memo) if args.memo else out / "cache"
     lm = _load_for_probe(args)
     kw = dict(tasks=tuple(t for t in args.tasks.split(",") if t), lengths=tuple(_int_list(args.lengths, "lengths")),
-              n=args.n, alpha=args.alpha, ladder=tuple(_int_list(args.ladder, "ladder")), seed0=args.seed0,
+              n=args.n, alpha=args.alpha, ladder=tuple(_int_list(args.ladder, "ladder")) or None, seed0=args.seed0,
               heldout_seed0=args.heldout_seed0, n_heldout=args.n_heldout, state_dtype=args.state_dtype,
               fingerprint=lm.info.fingerprint, **_common_probe(args))
     tolerances = [args.tolerance] + [float(x) for x in args.curve.split(",") if x.strip()] if args.curve else \
@@ -600,7 +600,7 @@ def main(argv=None) -> int:
     sp.add_argument("--lengths", required=True, help="comma-separated target lengths in tokens")
     sp.add_argument("--tolerance", type=float, default=1.0, help="δ, points of score every task may lose")
     sp.add_argument("--alpha", type=float, default=0.05, help="level of the one-sided paired t test")
-    sp.add_argument("--ladder", default="32,12,4,1", help="ranks tried, e.g. 32,12,4,1")
+    sp.add_argument("--ladder", default="", help="ranks tried (default 32,12,4,1 below min(d_k, d_v))")
     sp.add_argument("--n-heldout", type=int, default=None, help="held-out samples (default n; 0 skips the check)")
     sp.add_argument("--heldout-seed0", type=int, default=None, help="first held-out seed (default seed0 + n)")
     sp.add_argument("--state-dtype", default="float32", choices=["float32", "bfloat16", "float16"])

@@ -186,7 +186,8 @@ class ScanJob:
 @dataclass(frozen=True)
 class BudgetJob:
     """A per-head rank budget (``gdnviz.probes.budget.BudgetSpec``) at each of ``tolerances`` (points; the first is
-    the budget, the others add points to the score-vs-memory curve). n_heldout: -1 = n, 0 = no held-out check.
+    the budget, the others add points to the score-vs-memory curve). ladder: () = 32, 12, 4, 1 below
+    min(d_k, d_v). n_heldout: -1 = n, 0 = no held-out check.
     max_prompts: per tolerance."""
 
     kind: ClassVar[str] = "budget"
@@ -196,7 +197,7 @@ class BudgetJob:
     n: int = 20
     tolerances: tuple = (1.0,)
     alpha: float = 0.05
-    ladder: tuple = (32, 12, 4, 1)
+    ladder: tuple = ()
     seed0: int = 0
     n_heldout: int = -1
     segment_len: int = 256
@@ -667,7 +668,7 @@ def run_budget_job(spec: BudgetJob, ctx: JobContext) -> dict:
     for i, tol in enumerate(spec.tolerances):
         bspec = budget.BudgetSpec(
             model=spec.model, tasks=tuple(spec.tasks), lengths=tuple(int(x) for x in spec.lengths), n=int(spec.n),
-            tolerance=float(tol), alpha=float(spec.alpha), ladder=tuple(int(r) for r in spec.ladder),
+            tolerance=float(tol), alpha=float(spec.alpha), ladder=tuple(int(r) for r in spec.ladder) or None,
             seed0=int(spec.seed0), n_heldout=None if spec.n_heldout < 0 else int(spec.n_heldout),
             segment_len=int(spec.segment_len), batch_size=int(spec.batch_size),
             max_new_tokens=int(spec.max_new_tokens) or None, chat_template=spec.chat_template,

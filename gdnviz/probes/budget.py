@@ -61,7 +61,7 @@ VERSION = 1  # of a stored budget result
 class BudgetSpec:
     """What to budget. tasks, lengths: the task set (every (task, length) must pass); n: search samples per (task,
     length), seeds seed0 ..; tolerance: δ in points (> 0); alpha: the test's level; ladder: ranks tried, any
-    order (sorted descending; ranks >= min(d_k, d_v) dropped); heldout_seed0 / n_heldout: the held-out samples
+    order (sorted descending; min(d_k, d_v) dropped; None: 32, 12, 4, 1 below min(d_k, d_v)); heldout_seed0 / n_heldout: the held-out samples
     (None: seed0 + n and n; n_heldout = 0 skips the check); state_dtype: of the memory accounting; max_prompts:
     refuse more answers than this. The rest as ``sweep.SweepSpec``."""
 
@@ -71,7 +71,7 @@ class BudgetSpec:
     n: int = 20
     tolerance: float = 1.0
     alpha: float = 0.05
-    ladder: tuple = DEFAULT_LADDER
+    ladder: tuple | None = None
     seed0: int = 0
     heldout_seed0: int | None = None
     n_heldout: int | None = None
@@ -87,12 +87,13 @@ class BudgetSpec:
     def __post_init__(self):
         for name in ("tasks", "lengths", "ladder"):
             v = getattr(self, name)
-            object.__setattr__(self, name, (v,) if isinstance(v, (str, int)) else tuple(v))
+            if v is not None:
+                object.__setattr__(self, name, (v,) if isinstance(v, (str, int)) else tuple(v))
 
     def to_dict(self) -> dict:
         d = asdict(self)
         for k in ("tasks", "lengths", "ladder"):
-            d[k] = list(d[k])
+            d[k] = None if d[k] is None else list(d[k])
         d["chat_template_kwargs"] = dict(self.chat_template_kwargs)
         return d
 
@@ -176,9 +177,10 @@ def _check(spec: BudgetSpec, info) -> list[int]:
     if spec.state_dtype not in STATE_BYTES:
         raise ValueError(f"state dtype {spec.state_dtype!r}: one of {', '.join(STATE_BYTES)}")
     rmax = min(int(info.d_k), int(info.d_v))
-    ladder = sorted({check_rank(r, " of the ladder", upper=rmax) for r in spec.ladder} - {rmax}, reverse=True)
+    given = [r for r in DEFAULT_LADDER if r < rmax] if spec.ladder is None else spec.ladder
+    ladder = sorted({check_rank(r, " of the ladder", upper=rmax) for r in given} - {rmax}, reverse=True)
     if not ladder:
-        raise ValueError(f"the ladder {list(spec.ladder)} has no rank below {rmax}: give ranks like 32, 12, 4, 1")
+        raise ValueError(f"the ladder {list(given)} has no rank below {rmax}: give ranks like 32, 12, 4, 1")
     return ladder
 
 
@@ -307,6 +309,7 @@ def _result_key(info, spec: BudgetSpec) -> str:
     d = spec.to_dict()
     d.pop("max_prompts")
     d.pop("model")
+    d["ladder"] = _check(spec, info)  # None and the default it stands for are the same search
     return "budget:" + content_hash(dict(v=VERSION, sweep=sweep.VERSION, fp=info.fingerprint, dtype=info.dtype,
                                          spec=d))
 
@@ -431,7 +434,7 @@ def summary(res: BudgetResult, info) -> dict:
         search_seeds=[s.seed0, s.seed0 + s.n - 1],
         test=(f"one-sided paired t bound: mean(budget − untouched) − t(1−α, n−1)·SE ≥ −δ, δ = {s.tolerance} points, "
               f"α = {s.alpha}, SE = std(differences, ddof=1)/√n"),
-        tolerance=s.tolerance, alpha=s.alpha, n=s.n, ladder=list(s.ladder),
+        tolerance=s.tolerance, alpha=s.alpha, n=s.n, ladder=_check(s, info),
         rank_map=[[l, h, r] for (l, h), r in sorted(res.ranks.items())], rmax=res.rmax,
         evaluations=res.evaluations, settings=s.to_dict(), computed=res.computed, seconds=round(res.seconds, 3))
 

@@ -46,6 +46,7 @@ PAGES = {
     "budget": "pages/budget.py",
     "sweeps": "pages/sweeps.py",
     "loss": "pages/loss.py",
+    "scans": "pages/scans.py",
 }
 def _poll_seconds() -> float | None:
     """Seconds between polls of a running job (``$GDNVIZ_POLL_SECONDS``, default 0.5; 0 turns polling off, as the
@@ -63,7 +64,9 @@ PERSISTED = ("model_source", "model_path", "model_hf", "device", "dtype", "sampl
              "tr_max_new", "tr_prompt", "tr_loss_docs", "tr_chat", "bud_batch", "bud_state_dtype", "bud_kv_dtype",
              "bud_max_ctx", "head_doc", "sw_tasks", "sw_lengths", "sw_ranks", "sw_n", "sw_batch", "sw_seed0",
              "sw_max_new", "sw_chat", "sw_heads", "sw_layers", "ls_ranks", "ls_dist", "ls_heads", "ls_layers",
-             "ls_rank_maps")
+             "ls_rank_maps", "sc_task", "sc_length", "sc_n", "sc_r", "sc_by", "sc_keep", "sc_layers", "sc_limit",
+             "sc_batch", "sc_seed0", "sc_max_new", "bg_max_new", "bg_tasks", "bg_lengths", "bg_n", "bg_tol", "bg_curve",
+             "bg_ladder", "bg_limit")
 
 
 # =============================================================================================================

@@ -1,0 +1,135 @@
+"""The Head scans & budgets page's logic (pure: no Streamlit): plans with their wording, the layers worth a head
+scan, result frames for the page, the hand-off of a budget to the Sweeps page.
+
+The page shows every message returned or raised here with ``st.error`` and submits nothing while one is present.
+"""
+from __future__ import annotations
+
+import math
+from types import SimpleNamespace
+
+import pandas as pd
+
+from gdnviz.probes import budget, scan
+
+BY = {"layer": "one layer at a time", "head": "one head at a time"}
+
+
+def model_ns(info: dict) -> SimpleNamespace:
+    """A ModelInfo-like namespace of an inspected model (what the memo keys and validators read)."""
+    return SimpleNamespace(**{**info, "gdn_layers": tuple(info["gdn_layers"]),
+                              "attn_layers": tuple(info.get("attn_layers", ()))})
+
+
+def eta_text(seconds, rate) -> str:
+    if seconds is None:
+        return "time unknown (no rate measured yet for this model, device, task and length)"
+    return f"about {fmt_seconds(seconds)} at the last measured {rate:.2f} s per answer"
+
+
+def fmt_seconds(s: float) -> str:
+    return f"{s:.0f} s" if s < 90 else f"{s / 60:.1f} min" if s < 5400 else f"{s / 3600:.1f} h"
+
+
+def scan_plan_text(plan: dict, n: int) -> str:
+    return (f"{plan['units']} units → {plan['settings']} settings (the baseline included) × {n} samples = "
+            f"**{plan['answers']:,} answers**: {plan['cached']:,} in the memo, **{plan['to_run']:,} to run**, "
+            f"{eta_text(plan['seconds'], plan['seconds_per_answer'])}")
+
+
+def budget_plan_text(plan: dict) -> str:
+    return (f"Sensitivity scans {plan['scan_answers']:,} answers ({plan['scan_cached']:,} in the memo) + the search, "
+            f"at most {plan['search_max']:,} + the held-out check {plan['heldout_answers']:,} "
+            f"({plan['heldout_cached']:,} in the memo): **at most {plan['max_to_run']:,} to run**, "
+            f"{eta_text(plan['seconds'], plan['seconds_per_answer'])}")
+
+
+def over_limit(to_run: int, limit: int, what: str) -> str | None:
+    if to_run <= limit:
+        return None
+    return (f"This {what} would run {to_run:,} answers, over the prompt limit of {limit:,}. Lower n, narrow it to "
+            f"fewer layers, or raise the limit if you mean to run it.")
+
+
+def layers_that_matter(table: pd.DataFrame, min_points: float = 5.0) -> list[int]:
+    """Layers of a layer scan whose |delta| is at least ``min_points`` and at least twice its paired SE (noise
+    below that, seed 000: "differences under about five points are noise" at n = 50)."""
+    out = []
+    for _, x in table.iterrows():
+        se = 0.0 if pd.isna(x["se"]) else float(x["se"])
+        if abs(float(x["delta"])) >= max(min_points, 2 * se):
+            out.append(int(x["layer"]))
+    return sorted(set(out))
+
+
+def ranked_view(table: pd.DataFrame, keep: bool) -> pd.DataFrame:
+    """The ranked table with readable columns (same numbers as scan.csv)."""
+    t = scan.ranked(table, keep)
+    unit = [f"layer {l}" if pd.isna(h) else f"{l}:{h}" for l, h in zip(t["layer"], t["head"])]
+    return pd.DataFrame({"unit": unit, "score (%)": t["score"], "baseline (%)": t["baseline"],
+                         "Δ (points)": t["delta"], "paired SE (points)": t["se"], "n": t["n"], "r": t["r"]})
+
+
+def memory_view(summary: dict) -> pd.DataFrame:
+    rows = [dict(layer=int(x["layer"]), ranks=x["ranks"], full_KiB=x["full_bytes"] / 1024,
+                 budget_KiB=x["budget_bytes"] / 1024) for x in summary["per_layer"]]
+    return pd.DataFrame(rows)
+
+
+def tests_view(summary: dict) -> pd.DataFrame:
+    rows = []
+    for which, key in (("search", "tasks"), ("held-out", "heldout")):
+        for name, x in summary[key].items():
+            rows.append({"samples": which, "task @ length": name, "n": x["n"], "untouched (%)": x["untouched"],
+                         "budget (%)": x["score"], "Δ (points)": x["delta"], "paired SE": x["se"],
+                         "lower bound": x["bound"], f"within δ = {summary['tolerance']:g}": bool(x["passed"])})
+    return pd.DataFrame(rows)
+
+
+def sweeps_line(name: str, summary: dict) -> str:
+    """A Sweeps-page rank-map line for a budget (``gdnviz.ui.sweeps.parse_rank_maps`` reads it back)."""
+    ranks = summary["rank_map"]
+    if not ranks:
+        return ""
+    return f"{name}: " + ", ".join(f"{l}:{h}:{r}" for l, h, r in ranks)
+
+
+def map_name(filename: str) -> str:
+    """A Sweeps-page rank-map name from a file name (letters, digits, '_', '-', '.'; at most 40)."""
+    import re
+
+    stem = filename.rsplit("/", 1)[-1].rsplit(".", 1)[0]
+    return (re.sub(r"[^A-Za-z0-9_.\-]+", "_", stem).strip("_") or "imported")[:40]
+
+
+def budget_name(summary: dict) -> str:
+    return f"budget_d{summary['tolerance']:g}".replace(".", "_")
+
+
+def kib(b) -> str:
+    return f"{b / 1024:,.1f} KiB" if b < 1 << 20 else f"{b / 2 ** 20:,.2f} MiB"
+
+
+def saved_text(summary: dict) -> str:
+    f = summary["state_saved_fraction"]
+    return f"{100 * f:.1f}% less" if math.isfinite(f) else ""
+
+
+def parse_tolerances(text: str) -> list[float]:
+    """'1, 2, 5' → [1.0, 2.0, 5.0] (order kept, repeats dropped); ValueError naming a bad or non-positive entry."""
+    out = []
+    for tok in [t for t in str(text or "").replace(";", ",").split(",") if t.strip()]:
+        try:
+            v = float(tok)
+        except ValueError:
+            raise ValueError(f"Tolerances are numbers of points: {tok.strip()!r} is not one.") from None
+        if not math.isfinite(v) or v <= 0:
+            raise ValueError(f"A tolerance must be > 0 points: {tok.strip()} is not (δ = 0 asks for a budget that "
+                             "provably changes nothing, which no finite n can show).")
+        if v not in out:
+            out.append(v)
+    return out
+
+
+def budget_memory(info: dict, ranks: dict) -> pd.DataFrame:
+    return budget.state_memory(model_ns(info), ranks)

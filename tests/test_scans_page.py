@@ -1,0 +1,119 @@
+"""The Head scans & budgets page (AppTest, jobs run in-process by the real Worker on the tiny checkpoint): the
+plan, bad input refused with its message, a scan and a budget through the worker, the heatmap click, the hand-off
+of a budget to Retrieval sweeps."""
+from __future__ import annotations
+
+import json
+
+import pyarrow as pa
+
+from app_fixtures import tiny_checkpoint  # noqa: F401  (fixture)
+from gdnviz.store import Store
+from test_app_pages import app, charts, chart_titles, env, texts, work  # noqa: F401  (fixtures)
+
+
+def captions(at) -> list[str]:
+    return texts(at, "caption")
+
+
+def scans_page(cache):
+    """The page in a new session: it asks for the model's inspection first (answered from the store)."""
+    at = app("scans")
+    at.run()
+    work(cache)
+    at.run()
+    assert not at.exception, at.exception
+    return at
+
+
+def test_scan_plan_and_bad_input(env, tmp_path):
+    cache = env(tmp_path / "c")
+    at = scans_page(cache)
+    assert any("3 units → 4 settings (the baseline included) × 20 samples = **80 answers**: 0 in the memo, "
+               "**80 to run**, time unknown" in c for c in captions(at)), captions(at)
+    for key, value, message in (("sc_r", 16, "r = 16 keeps every state untouched"),
+                                ("sc_length", 20, "needs a target length of at least"),
+                                ("sc_limit", 10, "over the prompt limit of 10")):
+        old = at.number_input(key=key).value
+        at.number_input(key=key).set_value(value).run()
+        assert any(message in e for e in texts(at, "error")), (key, texts(at, "error"))
+        assert at.button(key="sc_run").proto.disabled
+        at.number_input(key=key).set_value(old).run()
+    assert not texts(at, "error")
+    at.checkbox(key="sc_keep").check().run()
+    at.radio(key="sc_by").set_value("head").run()
+    at.multiselect(key="sc_layers").select(3).run()
+    assert any("4 units → 6 settings (the baseline included) × 20 samples" in c for c in captions(at))
+    # budget bad input
+    at.number_input(key="bg_tol").set_value(0.0).run()
+    assert any("A tolerance must be > 0 points: 0.0 is not" in e for e in texts(at, "error"))
+    assert at.button(key="bg_run").proto.disabled
+    at.number_input(key="bg_tol").set_value(1.0)
+    at.text_input(key="bg_ladder").input("4, 99").run()
+    assert any("rank 99 of the ladder is outside 1..16" in e for e in texts(at, "error"))
+    at.text_input(key="bg_ladder").input("4, 1")
+    at.multiselect(key="bg_tasks").set_value([]).run()
+    assert any("No tasks chosen" in e for e in texts(at, "error"))
+    assert Store(cache).queued_count() == 0
+
+
+def test_scan_and_budget_through_the_worker(env, tmp_path):
+    cache = env(tmp_path / "c")
+    at = scans_page(cache)
+    at.number_input(key="sc_length").set_value(400)
+    at.number_input(key="sc_n").set_value(2)
+    at.number_input(key="sc_r").set_value(2)
+    at.number_input(key="sc_batch").set_value(2)
+    at.number_input(key="sc_max_new").set_value(6).run()
+    assert not texts(at, "error")
+    at.button(key="sc_run").click().run()
+    assert at.session_state["scan_job"] and work(cache) == 1
+    at.run()
+    assert not at.exception, at.exception
+    rec = Store(cache).job(at.session_state["scan_job"])
+    assert rec["status"] == "done", rec.get("error")
+    assert rec["result"]["computed"] == 8
+    ch = [c for c in charts(at) if c.key == "sc_heat"]
+    assert ch and "cell" in list(ch[0].proto.selection_mode)
+    spec = json.loads(ch[0].proto.spec)
+    assert spec["encoding"]["color"]["scale"]["domainMid"] == 0
+    assert "paired SE (points)" in {t["title"] for t in spec["encoding"]["tooltip"]}
+    data = pa.ipc.open_stream(ch[0].proto.datasets[0].data.data).read_all().to_pandas()
+    assert len(data) == 12 and set(data["unit"]) == {"layer 0", "layer 1", "layer 3"}
+    ranked = at.dataframe[0].value
+    assert list(ranked.columns)[:4] == ["unit", "score (%)", "baseline (%)", "Δ (points)"] and len(ranked) == 3
+    # the plan now counts the memo
+    assert any("8 in the memo, **0 to run**" in c for c in captions(at)), captions(at)
+    # a click on the scan heatmap opens that head
+    at.session_state["sc_heat"] = {"selection": {"cell": [{"layer": 1, "head": 2}]}}
+    at.run()
+    assert not at.exception  # on the Head page (its deep link; with no capture yet it says what to run)
+    assert at.query_params["layer"] in (["1"], "1") and at.query_params["head"] in (["2"], "2")
+    assert (at.session_state["layer"], at.session_state["head"]) == (1, 2)
+    # budget
+    at = scans_page(cache)
+    at.multiselect(key="bg_tasks").set_value(["niah_single_1"])
+    at.text_input(key="bg_lengths").input("400")
+    at.number_input(key="bg_n").set_value(2)
+    at.number_input(key="bg_tol").set_value(5.0)
+    at.text_input(key="bg_curve").input("10")
+    at.text_input(key="bg_ladder").input("4, 1")
+    at.number_input(key="bg_max_new").set_value(6).run()
+    assert not texts(at, "error"), texts(at, "error")
+    at.button(key="bg_run").click().run()
+    assert work(cache) == 1
+    at.run()
+    assert not at.exception, at.exception
+    rec = Store(cache).job(at.session_state["budget_job"])
+    assert rec["status"] == "done", rec.get("error")
+    summ = rec["result"]["budgets"][0]
+    labels = [m.label for m in at.metric]
+    assert "Recurrent state, full rank" in labels and "With the δ = 5 budget" in labels
+    assert at.metric[0].value == f"{3 * 4 * 16 * 16 * 4 / 1024:,.1f} KiB"
+    assert "budget_curve" in [c.key for c in charts(at)] or any("score vs recurrent-state memory" in t
+                                                                for t in chart_titles(at))
+    if summ["rank_map"]:
+        at.button(key="bg_to_sweeps").click().run()
+        assert not at.exception
+        assert at.session_state["sw_rank_maps"].startswith("budget_d5: ")
+        assert at.text_area(key="sw_rank_maps").value.startswith("budget_d5: ")

@@ -1,0 +1,34 @@
+"""The Head scans & budgets page's pure logic: tolerances, the layers worth a head scan, the Sweeps hand-off line
+(read back by the Sweeps page's parser), file names as rank-map names."""
+import pandas as pd
+import pytest
+
+from gdnviz.ui import scans as S
+from gdnviz.ui.sweeps import parse_rank_maps
+
+INFO = dict(gdn_layers=[0, 1, 2, 4, 5, 6], num_heads=2, d_k=128, d_v=128)
+
+
+def test_parse_tolerances():
+    assert S.parse_tolerances("1, 2.5; 5, 1") == [1.0, 2.5, 5.0]
+    assert S.parse_tolerances("") == []
+    for text, msg in (("1, x", "'x' is not one"), ("0", "0 is not"), ("-2", "-2 is not")):
+        with pytest.raises(ValueError, match=msg):
+            S.parse_tolerances(text)
+
+
+def test_layers_that_matter_needs_five_points_and_two_ses():
+    t = pd.DataFrame(dict(layer=[0, 1, 2, 5], head=pd.array([None] * 4, dtype="Int64"), r=1, n=10,
+                          score=0.0, baseline=0.0, delta=[-4.0, -6.0, -8.0, -90.0], se=[1.0, 2.0, 5.0, 10.0]))
+    assert S.layers_that_matter(t) == [1, 5]  # 0: under 5 points; 2: under two SEs
+
+
+def test_budget_hand_off_line_is_read_by_the_sweeps_page():
+    summ = dict(rank_map=[[0, 0, 1], [5, 1, 32]], tolerance=1.0)
+    line = S.sweeps_line(S.budget_name(summ), summ)
+    assert line == "budget_d1: 0:0:1, 5:1:32"
+    assert parse_rank_maps(line, INFO) == (("budget_d1", ((0, 0, 1), (5, 1, 32))),)
+    assert S.budget_name(dict(tolerance=2.5)) == "budget_d2_5"
+    assert S.sweeps_line("x", dict(rank_map=[])) == ""
+    assert S.map_name("my budget (v2).json") == "my_budget_v2" and S.map_name("???.json") == "imported"
+    assert parse_rank_maps(f"{S.map_name('a b.json')}: 0:0:4", INFO)[0][0] == "a_b"
