@@ -11,6 +11,7 @@ from gdnviz.ui import common as C
 
 C.ensure_entrypoint()
 from gdnviz.ui import loss as LS  # noqa: E402
+from gdnviz.ui import head_picker as HP  # noqa: E402
 from gdnviz.ui import sweeps as S  # noqa: E402
 
 st.title("Loss vs rank")
@@ -63,52 +64,8 @@ if docs and max(int(d["n_tokens"]) for d in docs) <= dist + 2:
 # 2. heads
 # =============================================================================================================
 st.subheader("2 · Heads cut to each r")
-st.session_state.setdefault("ls_heads", "all")
-c = st.columns([2, 4])
-mode = c[0].selectbox("Heads", list(S.HEAD_MODES), key="ls_heads", format_func=S.HEAD_MODES.get)
-layers, picked = [], C.picked_heads()
-with c[1]:
-    if mode == "layers":
-        layers = st.multiselect("GDN layers", gl, key="ls_layers", help="every head of these layers")
-    elif mode == "picked":
-        st.markdown("Picked: " + (", ".join(C.head_label(*p) for p in picked) or "none yet"))
-        if not picked:
-            st.caption("On the **Heatmap**, set *Clicking a cell* to “adds / removes it in the truncation set” and "
-                       "click cells.")
-    elif mode == "within":
-        st.caption(f"heads whose decay horizon (median over the run's documents) is below L = {L} tokens")
-heads: list = []
-try:
-    heads = S.head_set(mode, info, table, L, layers=layers, picked=picked)
-except (GDNVizError, ValueError) as e:
-    errors.append(str(e))
-else:
-    if not heads:
-        errors.append("No heads in this set: choose another head set (or pick heads / layers).")
-    else:
-        st.caption(f"**{len(heads)} of {len(gl) * H} heads** cut to each r; all other heads and the attention layers "
-                   "stay untouched.")
-
-with st.expander("Per-head rank maps (optional): extra settings with a rank for each head"):
-    st.session_state.setdefault("ls_rank_maps", "")
-
-    def _add_truncate_map():
-        line = S.rank_map_line("truncate_page", st.session_state["tr_rank_map"])
-        cur = st.session_state.get("ls_rank_maps", "").rstrip("\n")
-        st.session_state["ls_rank_maps"] = (cur + "\n" if cur else "") + line
-
-    st.text_area("One map per line: NAME: layer:head:r, layer:head:r, …", key="ls_rank_maps", height=110,
-                 placeholder=f"e.g. early_r1: {gl[0]}:0:1, {gl[0]}:1:1",
-                 help="Each map is one more setting, run on the same documents: the listed heads are cut to their "
-                      "own r at every boundary, every other head stays untouched; paired with the untouched model "
-                      "like the uniform ranks.")
-    st.button("Add the heads and ranks set on Truncate & compare", key="ls_add_tr_map", on_click=_add_truncate_map,
-              disabled=not st.session_state.get("tr_rank_map"), icon=":material/add:")
-rank_maps: tuple = ()
-try:
-    rank_maps = S.parse_rank_maps(st.session_state.get("ls_rank_maps", ""), info)
-except (GDNVizError, ValueError) as e:
-    errors.append(str(e))
+heads = HP.head_set("ls", info, table, L, errors)
+rank_maps = HP.rank_maps("ls", info, errors, "documents")
 
 # =============================================================================================================
 # 3. run
@@ -131,7 +88,7 @@ if go and not errors:
 
     spec = LossJob(model=model_name, device=device, dtype=dtype, documents=tuple(tuple(d) for d in
                                                                                   run["spec"]["documents"]),
-                   ranks=tuple(r for r in ranks if r != rmax), heads="all" if mode == "all" else tuple(heads),
+                   ranks=tuple(r for r in ranks if r != rmax), heads="all" if st.session_state["ls_heads"] == "all" else tuple(heads),
                    rank_maps=rank_maps, segment_len=L, min_distance=dist,
                    fingerprint=str(info.get("fingerprint") or ""))
     st.session_state["loss_job"] = C.submit("loss", spec_to_dict(spec), label="loss vs rank")

@@ -10,6 +10,7 @@ from gdnviz.ui import common as C
 
 C.ensure_entrypoint()
 from gdnviz.probes import ruler  # noqa: E402
+from gdnviz.ui import head_picker as HP  # noqa: E402
 from gdnviz.ui import sweeps as S  # noqa: E402
 
 st.title("Retrieval sweeps")
@@ -99,57 +100,8 @@ if lengths and min(lengths) <= L_default:
 # 2. heads
 # =============================================================================================================
 st.subheader("2 · Heads cut to each r")
-st.session_state.setdefault("sw_heads", "all")
-all_labels = [C.head_label(l, h) for l in gl for h in range(H)]
-c = st.columns([2, 4])
-mode = c[0].selectbox("Heads", list(S.HEAD_MODES), key="sw_heads", format_func=S.HEAD_MODES.get)
-layers, picked = [], C.picked_heads()
-with c[1]:
-    if mode == "layers":
-        layers = st.multiselect("GDN layers", gl, key="sw_layers", help="every head of these layers")
-    elif mode == "picked":
-        st.markdown("Picked: " + (", ".join(C.head_label(*p) for p in picked) or "none yet"))
-        if not picked:
-            st.caption("On the **Heatmap**, set *Clicking a cell* to “adds / removes it in the truncation set” and "
-                       "click cells.")
-    elif mode == "within":
-        st.caption(f"heads whose decay horizon (median over the run's documents) is below L = {L_default} tokens")
-heads: list = []
-try:
-    heads = S.head_set(mode, info, table, L_default, layers=layers, picked=picked)
-except (GDNVizError, ValueError) as e:
-    errors.append(str(e))
-else:
-    if not heads:
-        errors.append("No heads in this set: choose another head set (or pick heads / layers).")
-    else:
-        st.caption(f"**{len(heads)} of {len(gl) * H} heads** cut to each r; all other heads and the attention layers "
-                   "stay untouched.")
-
-with st.expander("Per-head rank maps (optional): extra settings with a rank for each head"):
-    st.session_state.setdefault("sw_rank_maps", "")
-
-    def _add_truncate_map():
-        line = S.rank_map_line("truncate_page", st.session_state["tr_rank_map"])
-        cur = st.session_state.get("sw_rank_maps", "").rstrip("\n")
-        st.session_state["sw_rank_maps"] = (cur + "\n" if cur else "") + line
-
-    st.text_area("One map per line: NAME: layer:head:r, layer:head:r, …", key="sw_rank_maps", height=110,
-                 placeholder=f"e.g. early_r1: {gl[0]}:0:1, {gl[0]}:1:1" + (f", {gl[1]}:0:4" if len(gl) > 1 else ""),
-                 help="Each map is one more setting of the sweep, run on the same samples: the listed heads are cut "
-                      "to their own r at every boundary, every other head stays untouched. Its rows are paired "
-                      "with the untouched model like the uniform ranks.")
-    st.button("Add the heads and ranks set on Truncate & compare", key="sw_add_tr_map", on_click=_add_truncate_map,
-              disabled=not st.session_state.get("tr_rank_map"), icon=":material/add:",
-              help=None if st.session_state.get("tr_rank_map") else "set up heads and ranks on the Truncate & "
-                                                                    "compare page first")
-rank_maps: tuple = ()
-try:
-    rank_maps = S.parse_rank_maps(st.session_state.get("sw_rank_maps", ""), info)
-except (GDNVizError, ValueError) as e:
-    errors.append(str(e))
-if rank_maps:
-    st.caption(f"{len(rank_maps)} rank map(s): " + "; ".join(f"**{name}** ({len(m)} heads)" for name, m in rank_maps))
+heads = HP.head_set("sw", info, table, L_default, errors)
+rank_maps = HP.rank_maps("sw", info, errors, "samples")
 
 # =============================================================================================================
 # 3. run
@@ -174,7 +126,7 @@ if go and not errors:
     spec = SweepJob(
         model=model_name, device=device, dtype=dtype, tasks=tuple(tasks), lengths=tuple(lengths),
         ranks=tuple(r for r in ranks if r != rmax), n=int(st.session_state["sw_n"]), seed0=seed0,
-        heads="all" if mode == "all" else tuple(heads), rank_maps=rank_maps, segment_len=L_default,
+        heads="all" if st.session_state["sw_heads"] == "all" else tuple(heads), rank_maps=rank_maps, segment_len=L_default,
         batch_size=int(st.session_state["sw_batch"]), max_new_tokens=int(st.session_state["sw_max_new"]),
         chat_template=chat, fingerprint=str(info.get("fingerprint") or ""), max_tokens=token_limit)
     st.session_state["sweep_job"] = C.submit("sweep", spec_to_dict(spec), label="retrieval sweep")
