@@ -22,7 +22,7 @@ st.caption("A **scan** runs one RULER task with one layer or one head cut to ran
            "ranks as small as possible with every task within δ points of the untouched model. Every answer is "
            "stored as it finishes and shared with the Retrieval sweeps page.")
 
-run = C.current_run(announce=False)
+run = C.current_run()
 if run is not None:
     info, model_name, device, dtype, L, table, src = C.run_model(run)
 else:
