@@ -12,8 +12,12 @@ instead of 248,320, so the prompts are real RULER prompts; its answers are noise
     python bench/bench_sweep.py --device cpu --model demo --lengths 1024 --n 2 --batch 2   # CPU smoke run
 
 Every prompt of a (task, length) is run untouched and with every GDN head truncated to each ``--ranks`` value, so
-one (task, length) is ``n × (1 + len(ranks))`` prompts. ``prefill_only`` rows time the same prompts and batches with
-one answer token (the prefills), and their share of the sweep's time; the rest is decoding.
+one (task, length) is ``n × (1 + len(ranks))`` prompts. ``ceiling`` rows time the plain batched prefill of the same
+prompts in the same batches (transformers' own forward, left padding and its attention mask, no cache, no logits,
+no gdnviz): the prompts/s a sweep can approach, with the sweep's ratio to it (``sweep_vs_ceiling``: answered
+prompts/s ÷ ceiling prompts/s). ``prefill_only`` rows time the same prompts and batches with one answer token (the
+prefills), and their share of the sweep's time; the rest is decoding. ``--profile N`` prints the top N CUDA ops of
+one batch of the first truncated setting (prefill and decode).
 """
 from __future__ import annotations
 
@@ -25,7 +29,8 @@ import time
 import torch
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-from bench.common import device_name, emit, qwen35_08b_config, random_model, sync  # noqa: E402
+from bench.common import (ceiling_seconds, device_name, emit, qwen35_08b_config, prompt_batches,  # noqa: E402
+                          random_model, sync)
 
 
 def main():
@@ -41,6 +46,9 @@ def main():
     ap.add_argument("--max-new-tokens", type=int, default=None)
     ap.add_argument("--no-prefill-split", action="store_true",
                     help="skip the prefill-only timing (same prompts and batches, one answer token)")
+    ap.add_argument("--single-max", type=int, default=1 << 30,
+                    help="skip the one-at-a-time sweep (and its row comparison) above this length")
+    ap.add_argument("--profile", type=int, default=0, help="print the top N CUDA ops of one truncated batch")
     a = ap.parse_args()
 
     from gdnviz.models import from_model, load
@@ -70,7 +78,10 @@ def main():
     emit(what="warmup", seconds=round(time.perf_counter() - t, 2), **base)
     for length in lengths:
         out = {}
-        for b in (a.batch, 1):
+        c = ceiling_seconds(lm, a.task, length, a.n, a.batch, dev)
+        emit(what="ceiling", length=length, batch=a.batch, prompts=a.n, seconds=round(c, 3),
+             prompts_per_s=round(a.n / c, 3), **base)
+        for b in ((a.batch, 1) if length <= a.single_max else (a.batch,)):
             sync(dev)
             t = time.perf_counter()
             rows = run_sweep(lm, spec(length, a.n, b))
@@ -78,17 +89,46 @@ def main():
             s = time.perf_counter() - t
             out[b] = (rows, s)
             emit(what="sweep", length=length, batch=b, prompts=len(rows), seconds=round(s, 3),
-                 prompts_per_s=round(len(rows) / s, 3), score_mean=round(float(rows["score"].mean()), 2), **base)
+                 prompts_per_s=round(len(rows) / s, 3), score_mean=round(float(rows["score"].mean()), 2),
+                 sweep_vs_ceiling=round(len(rows) / s / (a.n / c), 3), **base)
         rb, sb = out[a.batch]
-        r1, s1 = out[1]
-        same = (rb[["pred", "score"]].reset_index(drop=True) == r1[["pred", "score"]].reset_index(drop=True))
-        emit(what="batched_vs_one_at_a_time", length=length, batch=a.batch, speedup=round(s1 / sb, 2),
-             rows_identical=int(same.all(axis=1).sum()), rows=len(rb), **base)
+        if 1 in out:
+            r1, s1 = out[1]
+            same = (rb[["pred", "score"]].reset_index(drop=True) == r1[["pred", "score"]].reset_index(drop=True))
+            emit(what="batched_vs_one_at_a_time", length=length, batch=a.batch, speedup=round(s1 / sb, 2),
+                 rows_identical=int(same.all(axis=1).sum()), rows=len(rb), **base)
+        if a.profile and length == lengths[0]:
+            profile_batch(lm, a.task, length, a.batch, ranks[0], a.max_new_tokens, a.profile, dev)
         if not a.no_prefill_split:
-            for b in (a.batch, 1):
+            for b in out:
                 p = prefill_seconds(lm, a.task, length, a.n, b, ranks, dev)
                 emit(what="prefill_only", length=length, batch=b, prompts=a.n * (1 + len(ranks)), seconds=round(p, 3),
                      share_of_sweep=round(p / out[b][1], 3), **base)
+
+
+def profile_batch(lm, task: str, length: int, batch: int, rank: int, max_new, top: int, dev) -> None:
+    """The top ``top`` CUDA ops of one batch at every head r = ``rank`` (prefill + decode), and its wall split."""
+    from gdnviz.probes import ruler
+    from gdnviz.probes.batch import batched_greedy
+    from gdnviz.truncation import TruncationSpec
+
+    prompts = prompt_batches(lm, task, length, batch, batch)[0]
+    spec = TruncationSpec.all_heads(lm.info, rank)
+    new = max_new or int(ruler.TASKS[task]["tokens_to_generate"])
+    batched_greedy(lm, prompts, new, spec=spec)
+    for n_new, what in ((1, "prefill"), (new, "prefill+decode")):
+        sync(dev)
+        t = time.perf_counter()
+        batched_greedy(lm, prompts, n_new, spec=spec)
+        sync(dev)
+        emit(what="profile_wall", part=what, length=length, batch=len(prompts), rank=rank,
+             seconds=round(time.perf_counter() - t, 3))
+    from torch.profiler import ProfilerActivity, profile
+
+    with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
+        batched_greedy(lm, prompts, new, spec=spec)
+        sync(dev)
+    print(prof.key_averages().table(sort_by="cuda_time_total", row_limit=top, max_name_column_width=70), flush=True)
 
 
 def prefill_seconds(lm, task: str, length: int, n: int, batch: int, ranks, dev) -> float:

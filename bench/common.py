@@ -134,3 +134,33 @@ def env(name: str, value: str):
             os.environ.pop(name, None)
         else:
             os.environ[name] = old
+
+
+def prompt_batches(lm, task: str, length: int, n: int, batch: int):
+    """The sweep's prompts of (task, length) in ``run_sweep``'s batches (longest first)."""
+    from gdnviz.probes import ruler
+
+    smp = ruler.generate_many(task, lm.tokenizer, length, n, 0, chat_template=None)
+    order = sorted(range(len(smp)), key=lambda i: -smp[i].n_tokens)
+    return [[smp[i].input_ids for i in order[b:b + batch]] for b in range(0, len(order), batch)]
+
+
+def ceiling_seconds(lm, task: str, length: int, n: int, batch: int, dev) -> float:
+    """Seconds of the plain batched prefill of the sweep's prompts in its batches: ``lm.model.model`` (transformers'
+    forward, no gdnviz run) on the left-padded ids with their attention mask, no cache; after one warm-up batch."""
+    from gdnviz.probes.batch import pad_left
+
+    batches = prompt_batches(lm, task, length, n, batch)
+
+    def one(prompts):
+        ids, mask, _ = pad_left(prompts)
+        with torch.inference_mode():
+            lm.model.model(input_ids=ids.to(dev), attention_mask=mask.to(dev), use_cache=False)
+
+    one(batches[0])
+    sync(dev)
+    t = time.perf_counter()
+    for p in batches:
+        one(p)
+    sync(dev)
+    return time.perf_counter() - t

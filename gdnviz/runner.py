@@ -29,8 +29,10 @@ CUDA replay their segment loop from CUDA-graph windows (``gdnviz.gpu.scan_graph`
 
 Left-padded batches (``gdnviz.probes.batch``): ``RunContext.row_starts`` gives each row's number of leading pad
 tokens. Then every pad position is the exact core no-op (g = 0 i.e. alpha = 1, beta = 0, q = k = v = 0), each row's
-positions count from its own first real token, and boundaries fall at each row's own multiples of L: the scan cuts
-at the union of the rows' boundaries and calls ``on_boundary`` once per distinct position with the sub-batch
+positions count from its own first real token, and boundaries fall at each row's own multiples of L. A call of at
+least L tokens is scanned in a layout where every row's boundaries fall on the same columns (``_aligned``: each row's
+tokens shifted, outputs moved back), so each segment is one kernel call for all rows; a shorter call (a decode step)
+cuts at the union of the rows' boundaries. ``on_boundary`` is called once per distinct position with the sub-batch
 ``state[rows]`` of the rows that reached it and their batch indices ``rows``. ``row_starts=None`` (the default) is
 the plain behaviour above.
 """
@@ -125,23 +127,79 @@ def prepare_core_inputs(query, key, num_value_heads: int, ctx: RunContext | None
     return q_hat, k_hat
 
 
-def _row_boundaries(ctx: RunContext, offset: int, end: int) -> dict:
-    """{position: [rows]} of the rows whose own position after local index ``end`` is a positive multiple of L."""
+@dataclass(frozen=True)
+class _Rows:
+    """Where each row of a left-padded batch has real tokens in one layer call: local columns ``[lo[b], hi[b])``.
+    ``starts[b]``: the column of the row's first real token in the run's coordinates, so the row's own position
+    after local index ``c`` is ``offset + c − starts[b]``. Row b takes a boundary at cut ``c`` when
+    ``lo[b] < c ≤ hi[b]`` and that position is a positive multiple of L. ``shift``: per row, how far the aligned
+    layout moved its tokens (``_aligned``; None: the call's own layout)."""
+
+    starts: tuple
+    lo: tuple
+    hi: tuple
+    shift: tuple | None = None
+
+
+def _call_rows(ctx: RunContext, offset: int, T: int) -> _Rows:
+    """The rows as the call gives them (left padding: every row's real tokens end at T)."""
+    return _Rows(tuple(ctx.row_starts), tuple(max(0, s - offset) for s in ctx.row_starts), (T,) * len(ctx.row_starts))
+
+
+def _aligned(rows: _Rows, offset: int, L: int) -> tuple[_Rows, int] | None:
+    """A layout of the call in which every row reaches its boundaries on the same columns (the local columns
+    that are multiples of L): row b's tokens move by ``shift[b]`` ≡ −(start − offset) (mod L), chosen so the layout is as
+    narrow as possible (the widest-needing row at its least shift, every other row as far right as that width
+    allows; leading padding common to all rows drops out). Then the segment loop makes one kernel call per segment
+    for all rows, each on the same token span as the row alone, instead of one call per distinct row phase; the pads
+    stay the core no-op. Returns (the rows in the new layout, the width change Δ: the layout has T + Δ columns), or
+    None when every shift is 0."""
+    need = [(-(s - offset)) % L for s in rows.starts]
+    least = [d - ((d + lo) // L) * L for d, lo in zip(need, rows.lo)]
+    width = max(least)
+    shift = [width - ((width - d) % L) for d in need]
+    if not any(shift):
+        return None
+    return (_Rows(tuple(s + d for s, d in zip(rows.starts, shift)), tuple(lo + d for lo, d in zip(rows.lo, shift)),
+                  tuple(hi + d for hi, d in zip(rows.hi, shift)), tuple(shift)), width)
+
+
+def _relayout(x: torch.Tensor, shift, lo, hi, width: int) -> torch.Tensor:
+    """``x [B, T, ...]`` → ``[B, T', ...]`` with ``y[b, j] = x[b, j − shift[b]]`` on ``[lo[b], hi[b])``, 0 elsewhere."""
+    B, T = x.shape[:2]
+    dev = x.device
+    j = torch.arange(width, device=dev).reshape(1, width)
+    sh = torch.as_tensor(shift, device=dev).reshape(B, 1)
+    keep = (j >= torch.as_tensor(lo, device=dev).reshape(B, 1)) & (j < torch.as_tensor(hi, device=dev).reshape(B, 1))
+    idx = (j - sh).clamp(0, T - 1)
+    tail = (1,) * (x.dim() - 2)
+    y = torch.gather(x, 1, idx.reshape(B, width, *tail).expand(B, width, *x.shape[2:]))
+    return torch.where(keep.reshape(B, width, *tail), y, torch.zeros((), dtype=x.dtype, device=dev))
+
+
+def _row_boundaries(rows: _Rows, offset: int, end: int, L: int) -> dict:
+    """{position: [rows]} of the rows that take a boundary at local cut ``end`` (``_Rows``)."""
     groups: dict = {}
-    for b, start in enumerate(ctx.row_starts):
+    for b, (start, lo, hi) in enumerate(zip(rows.starts, rows.lo, rows.hi)):
         pos = offset + end - start
-        if pos > 0 and pos % ctx.segment_len == 0:
+        if lo < end <= hi and pos > 0 and pos % L == 0:
             groups.setdefault(pos, []).append(b)
     return groups
 
 
-def _mask_pads(ctx: RunContext, offset: int, q_hat, k_hat, v, g, beta):
+def _row_cuts(rows: _Rows, offset: int, T: int, L: int) -> list[int]:
+    """The local cuts in (0, T] where some row takes a boundary."""
+    return sorted({c for start, lo, hi in set(zip(rows.starts, rows.lo, rows.hi))
+                   for c in boundary_cuts(offset - start, T, L) if lo < c <= hi and offset + c - start > 0})
+
+
+def _mask_pads(rows: _Rows, q_hat, k_hat, v, g, beta):
     """Make every left-pad position the exact core no-op: g = 0 (alpha = 1), beta = 0, and q = k = v = 0."""
     B, T = v.shape[:2]
-    if max(ctx.row_starts) <= offset:
+    if max(rows.lo) == 0:
         return q_hat, k_hat, v, g, beta
-    starts = torch.as_tensor(ctx.row_starts, device=v.device).reshape(B, 1)
-    pad = (torch.arange(T, device=v.device).reshape(1, T) + offset) < starts  # [B, T]
+    starts = torch.as_tensor(rows.lo, device=v.device).reshape(B, 1)
+    pad = torch.arange(T, device=v.device).reshape(1, T) < starts  # [B, T]
     p3, p4 = pad[:, :, None], pad[:, :, None, None]
     zero = torch.zeros((), device=v.device)
     return (torch.where(p4, zero, q_hat).to(q_hat.dtype), torch.where(p4, zero, k_hat).to(k_hat.dtype),
@@ -162,21 +220,20 @@ def gdn_scan(ctx: RunContext, layer: int, q_hat, k_hat, v, g, beta, initial_stat
     state = (torch.zeros(B, H, K, V, device=v.device, dtype=torch.float32)
              if initial_state is None else initial_state.float())
     rows_mode = ctx.row_starts is not None
+    rows = None
     if rows_mode:
         if len(ctx.row_starts) != B:
             raise ValueError(f"RunContext.row_starts has {len(ctx.row_starts)} rows, the batch has {B}")
-        q_hat, k_hat, v, g, beta = _mask_pads(ctx, offset, q_hat, k_hat, v, g, beta)
+        rows = _call_rows(ctx, offset, T)
+        q_hat, k_hat, v, g, beta = _mask_pads(rows, q_hat, k_hat, v, g, beta)
     calls = ctx.dispatch
     calls.layer_input(layer, offset, k_hat, g, beta)
     calls.core_input(layer, offset, q_hat, k_hat, v, g, beta)
     ctx.backends.add(kernels.backend_for(v.device))
     q_in = q_hat.to(v.dtype) if v.dtype != torch.float32 else q_hat
     k_in = k_hat.to(v.dtype) if v.dtype != torch.float32 else k_hat
-    if rows_mode:
-        cuts = {c for start in set(ctx.row_starts) for c in boundary_cuts(offset - start, T, ctx.segment_len)
-                if offset + c - start > 0}
-    else:
-        cuts = boundary_cuts(offset, T, ctx.segment_len)
+    L = ctx.segment_len
+    cuts = _row_cuts(rows, offset, T, L) if rows_mode else boundary_cuts(offset, T, L)
     if (not cuts or not calls.acts_at_boundaries()) and kernels.backend_for(v.device) == "fla":
         # nothing happens at any boundary (none in this call, e.g. a decode step between boundaries, or no callback
         # acts at one): one kernel call, what the segment loop would run (pads are the exact no-op; fla's chunk
@@ -198,62 +255,80 @@ def gdn_scan(ctx: RunContext, layer: int, q_hat, k_hat, v, g, beta, initial_stat
         ctx.readouts.add("one-call")
         out, state = kernels.core(q_in, k_in, v, g, beta, state)
         return _finish(ctx, layer, offset, T, out, state, v.dtype)
+    aligned = _aligned(rows, offset, L) if rows_mode and T >= L else None
+    if aligned is None:
+        out, state = _scan(ctx, calls, layer, offset, q_in, k_in, v, g, beta, state, cuts, rows, plan)
+        return _finish(ctx, layer, offset, T, out, state, v.dtype)
+    # a left-padded batch whose rows reach their boundaries at different columns: scan it in the layout where they
+    # all reach them at the same ones (``_aligned``), then move the outputs back
+    ctx.readouts.add("aligned-rows")
+    new, width = aligned
+    Tn = T + width
+    q2, k2, v2, g2, b2 = (_relayout(x, new.shift, new.lo, new.hi, Tn) for x in (q_in, k_in, v, g, beta))
+    o2, state = _scan(ctx, calls, layer, offset, q2, k2, v2, g2, b2, state, _row_cuts(new, offset, Tn, L), new, plan)
+    back = [-d for d in new.shift]
+    out = _relayout(o2, back, rows.lo, rows.hi, T)
+    return _finish(ctx, layer, offset, T, out, state, v.dtype)
+
+
+def _scan(ctx: RunContext, calls: Dispatch, layer: int, offset: int, q_in, k_in, v, g, beta, state, cuts,
+          rows: "_Rows | None", plan):
+    """The segments of one call with the callbacks at ``cuts``: in CUDA-graph windows where ``plan`` (``_graph_plan``)
+    allows and every row (``rows``; None: no batch rows) takes every boundary of a window, the rest in the plain
+    segment loop. Returns (out [B, T, H, V], state)."""
+    T = v.shape[1]
     if plan is not None:
         fn, fn_key, owner = plan
         L = ctx.segment_len
-        if rows_mode:  # windows from the first cut after every row has started, with the rows' period pattern
+        if rows is not None:  # windows from the first cut after every row has started to the last before any ends
             # (starting at a cut keeps the kernel calls exactly the loop's: an extra split would change rounding)
-            begun = max(ctx.row_starts) - offset
-            first = min((c for c in cuts if c >= begun), default=T)
-            starts, spans = scan_graph.plan_windows(offset, T, L, first=first)
-            pattern = scan_graph.row_pattern(ctx.row_starts, offset, first, L) if starts else None
+            first = min((c for c in cuts if c >= max(rows.lo)), default=T)
+            starts, _ = scan_graph.plan_windows(offset, min(rows.hi), L, first=first)
+            if len({(offset - s) % L for s in rows.starts}) > 1:
+                starts = []  # rows off each other's boundary grid: the segment loop (``_aligned`` avoids this)
         else:
-            starts, spans = scan_graph.plan_windows(offset, T, L)
-            pattern = ((L, "all"),)
+            starts, _ = scan_graph.plan_windows(offset, T, L)
         if starts:
             out = torch.empty_like(v)
-            n_win = scan_graph.WINDOW * L
-            head = [sp for sp in spans if sp[1] <= starts[0]]
-            tail = [sp for sp in spans if sp[0] >= starts[-1] + n_win]
-            for a, b in head:
-                o, state = _segment_loop(ctx, layer, offset, q_in, k_in, v, g, beta, state, cuts, a, b)
-                out[:, a:b] = o
+            end = starts[-1] + scan_graph.WINDOW * L
+            o, state = _segment_loop(ctx, layer, offset, q_in, k_in, v, g, beta, state, cuts, rows, 0, starts[0])
+            out[:, :starts[0]] = o
             res = scan_graph.run_windows(q_in, k_in, v, g, beta, state, starts, L, scan_graph.WINDOW, fn, fn_key, out,
-                                         pattern=pattern, eager=ctx.graphs == "eager",
-                                         row_starts=ctx.row_starts if rows_mode else None)
+                                         eager=ctx.graphs == "eager",
+                                         row_starts=None if rows is None else rows.starts)
             if res is not None:
                 ctx.readouts.add("segment-graph")
                 state, n_calls = res
                 calls.graph_boundaries_ran(owner, layer, n_calls)
-                for a, b in tail:
-                    o, state = _segment_loop(ctx, layer, offset, q_in, k_in, v, g, beta, state, cuts, a, b)
-                    out[:, a:b] = o
-                return _finish(ctx, layer, offset, T, out, state, v.dtype)
-            lo = head[-1][1] if head else 0  # no graph: the rest runs the ordinary loop
-            o, state = _segment_loop(ctx, layer, offset, q_in, k_in, v, g, beta, state, cuts, lo, T)
-            out[:, lo:] = o
-            return _finish(ctx, layer, offset, T, out, state, v.dtype)
-    out, state = _segment_loop(ctx, layer, offset, q_in, k_in, v, g, beta, state, cuts, 0, T)
-    return _finish(ctx, layer, offset, T, out, state, v.dtype)
+                o, state = _segment_loop(ctx, layer, offset, q_in, k_in, v, g, beta, state, cuts, rows, end, T)
+                out[:, end:] = o
+                return out, state
+            # no graph: the rest runs the ordinary loop
+            o, state = _segment_loop(ctx, layer, offset, q_in, k_in, v, g, beta, state, cuts, rows, starts[0], T)
+            out[:, starts[0]:] = o
+            return out, state
+    return _segment_loop(ctx, layer, offset, q_in, k_in, v, g, beta, state, cuts, rows, 0, T)
 
 
-def _segment_loop(ctx: RunContext, layer: int, offset: int, q_in, k_in, v, g, beta, state, cuts, lo: int, hi: int):
-    """The plain scan of local tokens [lo, hi): one kernel call per segment, callbacks at every cut in (lo, hi].
-    Returns (out [B, hi - lo, H, V], state)."""
-    rows_mode = ctx.row_starts is not None
+def _segment_loop(ctx: RunContext, layer: int, offset: int, q_in, k_in, v, g, beta, state, cuts, rows, lo: int,
+                  hi: int):
+    """The plain scan of local tokens [lo, hi): one kernel call per segment, callbacks at every cut in (lo, hi]
+    (for the batch rows ``rows`` that take it; None: a plain run). Returns (out [B, hi - lo, H, V], state)."""
     calls = ctx.dispatch
     edges = sorted({c for c in cuts if lo < c <= hi} | {hi})
     outs, start = [], lo
+    if hi <= lo:
+        return v[:, lo:lo], state
     ctx.readouts.add("segment-loop")
     for end in edges:
         if end > start:
             o, state = kernels.core(q_in[:, start:end], k_in[:, start:end], v[:, start:end],
                                     g[:, start:end], beta[:, start:end], state)
             outs.append(o)
-        if rows_mode:
+        if rows is not None:
             if end > 0:
-                for pos, rows in sorted(_row_boundaries(ctx, offset, end).items()):
-                    state = calls.row_boundary(layer, pos, state, torch.tensor(rows, device=state.device))
+                for pos, rs in sorted(_row_boundaries(rows, offset, end, ctx.segment_len).items()):
+                    state = calls.row_boundary(layer, pos, state, torch.tensor(rs, device=state.device))
         elif (offset + end) % ctx.segment_len == 0 and end > 0:
             state = calls.boundary(layer, offset + end, state)
         start = end
@@ -268,8 +343,8 @@ def _graph_plan(ctx: RunContext, calls: Dispatch, layer: int, v):
       ``"noop"``) and fla runs the core: one kernel call over all tokens (the boundaries change nothing);
     - ``(fn, key, owner)``: exactly one callback replaces states here, with a capture-safe boundary function
       ``fn(state, rows) -> state``, and the others do nothing: segments run in CUDA-graph windows
-      (``gdnviz.gpu.scan_graph``; in a left-padded batch once every row has started, with the rows' boundary
-      pattern) on CUDA with fla, or in the same windows without a graph when ``ctx.graphs == "eager"`` (tests);
+      (``gdnviz.gpu.scan_graph``; in a left-padded batch laid out by ``_aligned``, from the first boundary after
+      every row has started to the last before any row ends) on CUDA with fla, or in the same windows without a graph when ``ctx.graphs == "eager"`` (tests);
     - None: the ordinary segment loop (CPU, callbacks without ``graph_boundary``, ``ctx.graphs`` False, ...).
     """
     if not ctx.graphs or not ctx.callbacks:

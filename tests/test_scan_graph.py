@@ -40,28 +40,38 @@ def test_plan_windows_from_a_given_first_index():
     assert scan_graph.plan_windows(5, 100, 4, 16, first=40) == ([], [(0, 100)])
 
 
-@pytest.mark.parametrize("starts,offset,L", [([0, 3, 5, 5], 0, 8), ([2, 9, 17], 4, 8), ([1, 6], 30, 8),
-                                              ([0, 7], 0, 8), ([12, 3, 0, 25], 0, 16)])
-def test_row_pattern_matches_the_loops_cut_positions(starts, offset, L):
-    """The pattern repeated over periods cuts every row exactly where the per-row loop does: the same (local end,
-    row) pairs. (The loop calls the callback once per distinct row position, the pattern once per end; the boundary
-    function treats every state on its own, so grouping does not change results.)"""
-    from gdnviz.runner import RunContext, _row_boundaries
+@pytest.mark.parametrize("starts,offset,T,L", [([0, 3, 5, 5], 0, 40, 8), ([2, 9, 17], 4, 33, 8), ([1, 6], 30, 17, 8),
+                                                ([0, 7], 0, 8, 8), ([12, 3, 0, 25], 0, 90, 16), ([5, 5], 0, 30, 8),
+                                                ([40, 9, 70], 0, 100, 16)])
+def test_aligned_layout_keeps_every_rows_boundaries(starts, offset, T, L):
+    """In the aligned layout every row takes the same boundaries (own positions, in order, the same tokens before
+    each) as in the call's own layout, every cut lies on one grid (local columns that are multiples of L), the layout is no
+    wider than needed, and moving the tokens there and back is the identity on real tokens (zeros at pads)."""
+    from gdnviz.runner import RunContext, _aligned, _call_rows, _relayout, _row_boundaries, _row_cuts
 
-    first = max(0, max(starts) - offset)
-    pat = scan_graph.row_pattern(starts, offset, first, L)
-    assert sum(n for n, _ in pat) == L and all(n > 0 for n, _ in pat)
     ctx = RunContext(segment_len=L, row_starts=starts)
-    want, got, t = [], [], first
-    for end in range(first + 1, first + 3 * L + 1):
-        for pos, rows in _row_boundaries(ctx, offset, end).items():
-            want += [(end, b) for b in rows]
-    for _ in range(3):
-        for n, rows in pat:
-            t += n
-            if rows is not None:
-                got += [(t, b) for b in (range(len(starts)) if rows == "all" else rows)]
-    assert sorted(got) == sorted(want)
+    rows = _call_rows(ctx, offset, T)
+    res = _aligned(rows, offset, L)
+    if res is None:
+        assert len({(offset - s) % L for s in starts}) == 1 and min(rows.lo) == 0
+        return
+    new, width = res
+    Tn = T + width
+
+    def taken(r, n):
+        return {(b, pos) for c in _row_cuts(r, offset, n, L)
+                for pos, bs in _row_boundaries(r, offset, c, L).items() for b in bs}
+
+    assert taken(new, Tn) == taken(rows, T)
+    assert all(c % L == 0 for c in _row_cuts(new, offset, Tn, L))
+    assert min(new.lo) >= 0 and max(new.hi) == Tn and Tn <= T + L - 1
+    assert all(hi - lo == h0 - l0 for lo, hi, l0, h0 in zip(new.lo, new.hi, rows.lo, rows.hi))
+    x = torch.randn(len(starts), T, 2, 3)
+    y = _relayout(x, new.shift, new.lo, new.hi, Tn)
+    back = _relayout(y, [-d for d in new.shift], rows.lo, rows.hi, T)
+    for b, lo in enumerate(rows.lo):
+        assert torch.equal(back[b, lo:], x[b, lo:]) and not back[b, :lo].any()
+        assert not y[b, :new.lo[b]].any() and not y[b, new.hi[b]:].any()
 
 
 @pytest.fixture(scope="module")
@@ -123,8 +133,8 @@ def _batched(lm, prompts, spec, graphs, L):
 
 
 def test_left_padded_batch_windows_equal_the_per_row_loop(demo):
-    """Rows of different lengths reach their boundaries at different positions: windows with the rows' period
-    pattern (after every row has started) == the per-row segment loop, bit for bit, boundary counts included."""
+    """Rows of different lengths reach their boundaries at different positions: in the aligned layout, windows (after
+    every row has started) == the per-row segment loop, bit for bit, boundary counts included."""
     g = torch.Generator().manual_seed(7)
     prompts = [torch.randint(10, 8000, (n,), generator=g).tolist() for n in (2 * 64 + 30, 2 * 64 + 3, 2 * 64 + 17)]
     spec = TruncationSpec.all_heads(demo.info, 2)
@@ -317,14 +327,13 @@ def test_tiling_noise_criterion():
 
 def test_split_scan_needs_fla_on_cuda_and_the_chunk_grid(monkeypatch):
     """The window body splits fla's chunk pass only where slices of one window-wide chunk-local pass are what each
-    piece's own call would compute: fla on CUDA, every piece a multiple of 64 tokens."""
+    segment's own call would compute: fla on CUDA, L a multiple of 64 tokens."""
     from gdnviz.gdn import kernels
 
-    assert not scan_graph.split_scan(torch.device("cpu"), ((256, "all"),))  # the torch bodies: never
+    assert not scan_graph.split_scan(torch.device("cpu"), 256)  # the torch bodies: never
     monkeypatch.setattr(kernels, "backend_for", lambda device: "fla")
-    assert scan_graph.split_scan(torch.device("cpu"), ((256, "all"),))
-    assert scan_graph.split_scan(torch.device("cpu"), ((64, (0,)), (192, None)))
-    assert not scan_graph.split_scan(torch.device("cpu"), ((100, (0,)), (156, None)))  # a piece off the grid
+    assert scan_graph.split_scan(torch.device("cpu"), 256) and scan_graph.split_scan(torch.device("cpu"), 64)
+    assert not scan_graph.split_scan(torch.device("cpu"), 100)  # off the grid
 
 
 @pytest.mark.gpu

@@ -9,12 +9,10 @@ graph, a window of ``W`` segments (fla call + boundary function, ``W`` times) is
 Shapes (as in ``gdnviz.gdn.kernels``): q, k ``[B, T, H, K]`` (unit rows, unscaled), v ``[B, T, H, V]``, g ``[B, T, H]``
 float32, beta ``[B, T, H]``, state ``[B, H, K, V]`` float32.
 
-A window covers ``W`` periods of ``L`` tokens. What happens inside one period is its *pattern*: a tuple of pieces
-``(length, rows)`` — one kernel call over ``length`` tokens, then the boundary function for ``rows`` (``"all"``:
-every row; a tuple of batch rows; None: no boundary). A plain run's windows start at a boundary and the pattern is
-``((L, "all"),)``. In a left-padded batch (``RunContext.row_starts``) rows reach their boundaries at different
-positions, but those positions repeat every L tokens, so once every row has started, every period has the same
-pattern (``row_pattern``): one graph serves every window of every layer of that batch.
+A window covers ``W`` periods of ``L`` tokens, each one kernel call then the boundary function for every row. In a
+left-padded batch (``RunContext.row_starts``) the runner first lays the rows out so that they all reach their
+boundaries on the same columns (``gdnviz.runner._aligned``), so the same windows serve batches: one graph for every
+window of every layer that truncates the same heads to the same ranks.
 
 What is recorded: static input buffers (copied into before each replay), the chunk calls on slices of them — on
 CUDA with fla, when every piece lies on fla's 64-token chunk grid (``split_scan``), the chunk-local half of the
@@ -29,7 +27,7 @@ and also the capture's warm-up (fla's autotuning for these shapes, lazy constant
 later windows replay. A callback's ``graph_boundary`` (``gdnviz.callbacks.BoundaryCallback``) provides such
 functions; truncation's ``TruncateCallback`` does.
 
-Graphs are cached per (device, shapes, dtypes, L, W, pattern, boundary key), a few at a time (``MAX_GRAPHS``,
+Graphs are cached per (device, shapes, dtypes, L, W, boundary key), a few at a time (``MAX_GRAPHS``,
 least recently used dropped): all layers that truncate the same heads to the same ranks share one graph. A capture
 that fails marks its key as not graphable and the caller falls back to the eager loop (logged once per key).
 
@@ -78,34 +76,11 @@ def plan_windows(offset: int, T: int, L: int, W: int = WINDOW, first: int | None
     return starts, eager
 
 
-def row_pattern(row_starts, offset: int, first: int, L: int) -> tuple:
-    """The period pattern of a left-padded batch for windows starting at local index ``first``, once every row has
-    started (``offset + first ≥ max(row_starts)``): row b reaches a boundary ``d_b = (start_b − offset − first) mod
-    L`` tokens into each period (L when 0). Pieces in order of d, each followed by the rows that reach a boundary
-    there, and a last piece without a boundary when no row's boundary ends the period. ``((L, "all"),)`` when every
-    row has its boundaries at the period's end."""
-    if offset + first < max(row_starts):
-        raise ValueError("windows must start after every row's first token")
-    at: dict = {}
-    for b, st in enumerate(row_starts):
-        d = (st - offset - first) % L or L
-        at.setdefault(d, []).append(b)
-    if list(at) == [L]:
-        return ((L, "all"),)
-    pieces, prev = [], 0
-    for d in sorted(at):
-        pieces.append((d - prev, tuple(at[d])))
-        prev = d
-    if prev < L:
-        pieces.append((L - prev, None))
-    return tuple(pieces)
-
-
 class _WindowGraph:
     """Static buffers, the window body and (after ``capture``) its CUDA graph."""
 
-    def __init__(self, proto: dict, L: int, W: int, boundary_fn: Callable, pattern: tuple, split: bool = False):
-        self.L, self.W, self.fn, self.pattern, self.split = L, W, boundary_fn, pattern, split
+    def __init__(self, proto: dict, L: int, W: int, boundary_fn: Callable, split: bool = False):
+        self.L, self.W, self.fn, self.split = L, W, boundary_fn, split
         n = L * W
         self.buf = {name: torch.zeros((t.shape[0], n, *t.shape[2:]), dtype=t.dtype, device=t.device)
                     for name, t in proto.items() if name != "state"}
@@ -113,34 +88,27 @@ class _WindowGraph:
         self.state = torch.zeros(st.shape, dtype=torch.float32, device=st.device)
         v = proto["v"]
         self.out = torch.zeros((v.shape[0], n, *v.shape[2:]), dtype=v.dtype, device=v.device)
-        # the row groups' device index tensors, made before any capture
-        self.rows = [torch.tensor(r, dtype=torch.long, device=v.device) if isinstance(r, tuple) else None
-                     for _, r in pattern]
         self.graph = None
 
     def boundaries_per_window(self, row_starts=None) -> int:
         """Boundary callback calls the eager loop would make in one window: one per distinct row position at each
-        cut, i.e. per period one per distinct row start (``row_starts``; None: a plain run, one per period)."""
+        boundary, i.e. per period one per distinct row start (``row_starts``; None: a plain run, one per period)."""
         return self.W * (1 if row_starts is None else len(set(row_starts)))
 
     def body(self) -> None:
         b = self.buf
         S = self.state
         pre = kernels.intra(b["k"], b["v"], b["g"], b["beta"]) if self.split else None
-        t = 0
-        for _ in range(self.W):
-            for (n, rows), idx in zip(self.pattern, self.rows):
-                sl = slice(t, t + n)
-                if pre is not None:
-                    gc, w, u = pre
-                    o, S = kernels.segment(b["q"][:, sl], b["k"][:, sl], gc[:, sl], w[:, sl], u[:, sl], S)
-                else:
-                    o, S = kernels.core(b["q"][:, sl], b["k"][:, sl], b["v"][:, sl], b["g"][:, sl],
-                                        b["beta"][:, sl], S)
-                self.out[:, sl].copy_(o)
-                if rows is not None:
-                    S = self.fn(S, idx)
-                t += n
+        L = self.L
+        for i in range(self.W):
+            sl = slice(i * L, (i + 1) * L)
+            if pre is not None:
+                gc, w, u = pre
+                o, S = kernels.segment(b["q"][:, sl], b["k"][:, sl], gc[:, sl], w[:, sl], u[:, sl], S)
+            else:
+                o, S = kernels.core(b["q"][:, sl], b["k"][:, sl], b["v"][:, sl], b["g"][:, sl], b["beta"][:, sl], S)
+            self.out[:, sl].copy_(o)
+            S = self.fn(S, None)
         self.state.copy_(S)
 
     def capture(self) -> None:
@@ -175,36 +143,35 @@ class _WindowGraph:
             self.body()
 
 
-def split_scan(device, pattern: tuple) -> bool:
+def split_scan(device, L: int) -> bool:
     """Whether a window body runs fla's chunk-local half once per window (``kernels.intra``) and only the
-    state-dependent half per piece (``kernels.segment``): fla on CUDA and every piece on the 64-token grid (so every
-    piece starts on it); else each piece is one ``kernels.core`` call."""
-    return kernels.backend_for(device) == "fla" and all(n % kernels.FLA_CHUNK == 0 for n, _ in pattern)
+    state-dependent half per segment (``kernels.segment``): fla on CUDA and L on the 64-token chunk grid; else each
+    segment is one ``kernels.core`` call."""
+    return kernels.backend_for(device) == "fla" and L % kernels.FLA_CHUNK == 0
 
 
 def run_windows(q, k, v, g, beta, state, starts: list[int], L: int, W: int, fn: Callable, fn_key,
-                out: torch.Tensor, pattern: tuple | None = None, eager: bool = False, row_starts=None
-                ) -> tuple | None:
+                out: torch.Tensor, eager: bool = False, row_starts=None) -> tuple | None:
     """Run the windows at local ``starts`` (consecutive, from ``plan_windows``) from ``state``.
 
     Writes their outputs into ``out`` ([B, T, H, V]) and returns ``(state after the last window (float32, a new
-    tensor), boundary callback calls the eager loop would have made)``, or None when no graph could be made (the caller then runs these segments
-    eagerly; ``out`` is untouched). ``pattern``: see the module docstring (default: a plain run's).
+    tensor), boundary callback calls the eager loop would have made)``, or None when no graph could be made (the caller
+    then runs these segments eagerly; ``out`` is untouched). ``row_starts``: a batch's rows (all on the same boundary
+    grid), only to count the eager loop's calls.
     """
-    pattern = pattern or ((L, "all"),)
     proto = {"q": q, "k": k, "v": v, "g": g, "beta": beta, "state": state}
-    split = split_scan(v.device, pattern)
+    split = split_scan(v.device, L)
     key = (str(v.device), tuple(q.shape[:1]) + tuple(q.shape[2:]), tuple(v.shape[2:]),
-           q.dtype, k.dtype, v.dtype, g.dtype, beta.dtype, L, W, pattern, fn_key, split)
+           q.dtype, k.dtype, v.dtype, g.dtype, beta.dtype, L, W, fn_key, split)
     fresh = False
     if eager:
-        wg = _WindowGraph(proto, L, W, fn, pattern, split)
+        wg = _WindowGraph(proto, L, W, fn, split)
     elif key in _BROKEN:
         return None
     else:
         wg = _GRAPHS.get(key)
         if wg is None:
-            wg, fresh = _WindowGraph(proto, L, W, fn, pattern, split), True
+            wg, fresh = _WindowGraph(proto, L, W, fn, split), True
         else:
             _GRAPHS.move_to_end(key)
     wg.state.copy_(state)
