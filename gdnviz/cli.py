@@ -3,7 +3,7 @@
     gdnviz inspect MODEL
     gdnviz capture MODEL DOC.txt [DOC2.txt ...] --out runs/ [--segment-len 256] [--device auto] [--dtype auto]
     gdnviz sweep MODEL --tasks niah_single_1,vt --lengths 1024,2048 [--ranks 1,4,12,32,128] [--n 20] --out DIR
-                 [--heads all|L:H,...|layers:0,1] [--batch 8] [--segment-len 256] [--device] [--dtype]
+                 [--heads all|L:H,...|layers:0,1] [--batch N] [--segment-len 256] [--device] [--dtype]
                  [--via-worker [--cache-dir DIR]]
     gdnviz loss MODEL DOC.txt [DOC2.txt ...] [--ranks 1,4,12,32] --out DIR [--heads ...] [--min-distance 512]
                 [--segment-len 256]
@@ -486,7 +486,8 @@ def _probe_args(sp) -> None:
     sp.add_argument("--out", default="gdnviz-out", help="output folder")
     sp.add_argument("--memo", default=None, help="memo directory (default OUT/cache); share one between runs")
     sp.add_argument("--max-prompts", type=int, default=2000, help="refuse more new answers than this")
-    sp.add_argument("--batch", type=int, default=8, help="samples per forward")
+    sp.add_argument("--batch", type=int, default=None,
+                    help="samples per forward (default: from free GPU memory and prompt length; 8 on CPU)")
     sp.add_argument("--max-new-tokens", type=int, default=0, help="0 = RULER's per task")
     sp.add_argument("--chat", choices=["auto", "on", "off"], default="auto", help="wrap prompts in the chat template")
     sp.add_argument("--segment-len", type=int, default=256)
@@ -557,7 +558,8 @@ def main(argv=None) -> int:
     sp.add_argument("--seed0", type=int, default=0)
     sp.add_argument("--heads", default="all", help="all | layer:head,... | layers:0,1")
     sp.add_argument("--rank-map", action="append", help="extra setting NAME=layer:head:r,... (repeatable)")
-    sp.add_argument("--batch", type=int, default=8, help="samples per forward")
+    sp.add_argument("--batch", type=int, default=None,
+                    help="samples per forward (default: from free GPU memory and prompt length; 8 on CPU)")
     sp.add_argument("--max-new-tokens", type=int, default=0, help="0 = RULER's per task")
     sp.add_argument("--chat", choices=["auto", "on", "off"], default="auto", help="wrap prompts in the chat template")
     sp.add_argument("--chat-kwargs", default="", help='JSON for apply_chat_template, e.g. {"enable_thinking": false}')

@@ -146,7 +146,7 @@ class SweepJob:
     heads: Any = "all"
     rank_maps: tuple = ()
     segment_len: int = 256
-    batch_size: int = 8
+    batch_size: int | None = None
     max_new_tokens: int = 0
     chat_template: Any = "auto"
     chat_template_kwargs: tuple = ()
@@ -174,7 +174,7 @@ class ScanJob:
     n: int = 20
     seed0: int = 0
     segment_len: int = 256
-    batch_size: int = 8
+    batch_size: int | None = None
     max_new_tokens: int = 0
     chat_template: Any = "auto"
     max_prompts: int = 2000
@@ -201,7 +201,7 @@ class BudgetJob:
     seed0: int = 0
     n_heldout: int = -1
     segment_len: int = 256
-    batch_size: int = 8
+    batch_size: int | None = None
     max_new_tokens: int = 0
     chat_template: Any = "auto"
     max_prompts: int = 2000
@@ -554,7 +554,7 @@ def sweep_spec_of(spec: SweepJob):
         model=spec.model, tasks=tuple(spec.tasks), lengths=tuple(int(x) for x in spec.lengths),
         ranks=tuple(int(r) for r in spec.ranks) or None, n=int(spec.n), seed0=int(spec.seed0), heads=heads,
         rank_maps=tuple((name, {(int(l), int(h)): int(r) for l, h, r in m}) for name, m in spec.rank_maps),
-        segment_len=int(spec.segment_len), batch_size=int(spec.batch_size),
+        segment_len=int(spec.segment_len), batch_size=_rows(spec.batch_size),
         max_new_tokens=int(spec.max_new_tokens) or None, chat_template=spec.chat_template,
         chat_template_kwargs=tuple(tuple(kv) for kv in spec.chat_template_kwargs),
         fingerprint=spec.fingerprint or None)
@@ -625,7 +625,7 @@ def scan_spec_of(spec: ScanJob):
 
     return ScanSpec(model=spec.model, task=spec.task, length=int(spec.length), r=int(spec.r), by=spec.by,
                     keep=bool(spec.keep), layers=tuple(int(l) for l in spec.layers) or None, n=int(spec.n),
-                    seed0=int(spec.seed0), segment_len=int(spec.segment_len), batch_size=int(spec.batch_size),
+                    seed0=int(spec.seed0), segment_len=int(spec.segment_len), batch_size=_rows(spec.batch_size),
                     max_new_tokens=int(spec.max_new_tokens) or None, chat_template=spec.chat_template,
                     fingerprint=spec.fingerprint or None, max_prompts=int(spec.max_prompts))
 
@@ -670,7 +670,7 @@ def run_budget_job(spec: BudgetJob, ctx: JobContext) -> dict:
             model=spec.model, tasks=tuple(spec.tasks), lengths=tuple(int(x) for x in spec.lengths), n=int(spec.n),
             tolerance=float(tol), alpha=float(spec.alpha), ladder=tuple(int(r) for r in spec.ladder) or None,
             seed0=int(spec.seed0), n_heldout=None if spec.n_heldout < 0 else int(spec.n_heldout),
-            segment_len=int(spec.segment_len), batch_size=int(spec.batch_size),
+            segment_len=int(spec.segment_len), batch_size=_rows(spec.batch_size),
             max_new_tokens=int(spec.max_new_tokens) or None, chat_template=spec.chat_template,
             fingerprint=spec.fingerprint or None, max_prompts=int(spec.max_prompts))
         tag = f"δ = {float(tol):g} ({i + 1}/{len(spec.tolerances)})"
@@ -713,3 +713,8 @@ def load_run_captures(store: Store, run: dict) -> list:
         raise MissingResult(f"the stored capture of {', '.join(repr(m) for m in missing)} is missing or corrupt",
                             missing)
     return caps
+
+
+def _rows(batch_size) -> int | None:
+    """A job's batch size as the sweeps take it: an int, or None (chosen from free memory)."""
+    return None if batch_size is None else int(batch_size)

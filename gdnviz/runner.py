@@ -344,7 +344,8 @@ def _graph_plan(ctx: RunContext, calls: Dispatch, layer: int, v):
     - ``(fn, key, owner)``: exactly one callback replaces states here, with a capture-safe boundary function
       ``fn(state, rows) -> state``, and the others do nothing: segments run in CUDA-graph windows
       (``gdnviz.gpu.scan_graph``; in a left-padded batch laid out by ``_aligned``, from the first boundary after
-      every row has started to the last before any row ends) on CUDA with fla, or in the same windows without a graph when ``ctx.graphs == "eager"`` (tests);
+      every row has started to the last before any row ends) on CUDA with fla, or in the same windows without a
+      graph when ``ctx.graphs == "eager"`` (tests);
     - None: the ordinary segment loop (CPU, callbacks without ``graph_boundary``, ``ctx.graphs`` False, ...).
     """
     if not ctx.graphs or not ctx.callbacks:

@@ -61,8 +61,9 @@ def oom_message(kind: str, spec: dict, e: BaseException) -> str:
                   "the number of new tokens")
     elif kind == "sweep":
         lengths = [int(x) for x in spec.get("lengths") or [0]]
+        size = spec.get("batch_size")
         what = (f"running a retrieval sweep (lengths up to {max(lengths):,} tokens, batch size "
-                f"{spec.get('batch_size')})")
+                f"{'chosen from free memory' if size is None else size})")
         reduce = ("Reduce the batch size (samples per forward) first, then the longest length; the samples "
                   "already finished are stored, so running it again resumes where it stopped")
     elif kind == "loss":

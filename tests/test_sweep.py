@@ -233,3 +233,56 @@ def test_a_cancel_while_the_prompts_are_built_stops_at_once(lm, counted):
     seen.clear()
     sweep.run_sweep(lm, small_spec(lm, n=1, ranks=(16,)), preparing=lambda b, t: seen.append((b, t)))
     assert seen == [(1, 2), (2, 2)]
+
+
+def test_a_batch_that_runs_out_of_memory_is_answered_in_halves(lm, monkeypatch):
+    """Device memory exhausted on a batch of 4 (injected: the real batched_greedy, refused above 1 prompt the first
+    time and above 2 after that): the batch is answered in halves, down to the size that fits, with the rows a
+    batch-1 sweep gives; a single prompt that runs out is an error, not a silent gap."""
+    import torch
+
+    real = sweep.batched_greedy
+    sizes = []
+
+    def tight(lm, prompts, *a, **kw):
+        sizes.append(len(prompts))
+        if len(prompts) > 2:
+            raise torch.OutOfMemoryError("CUDA out of memory (injected)")
+        return real(lm, prompts, *a, **kw)
+
+    spec = small_spec(lm, tasks=("niah_single_1",), n=4, batch_size=4)
+    monkeypatch.setattr(sweep, "batched_greedy", tight)
+    rows = sweep.run_sweep(lm, spec)
+    assert sizes == [4, 2, 2, 4, 2, 2]  # per setting: the batch of 4, then its halves
+    monkeypatch.setattr(sweep, "batched_greedy", real)
+    one = sweep.run_sweep(lm, small_spec(lm, tasks=("niah_single_1",), n=4, batch_size=1))
+    pd.testing.assert_frame_equal(rows, one)
+
+    def none_fit(lm, prompts, *a, **kw):
+        raise torch.OutOfMemoryError("CUDA out of memory (injected)")
+
+    monkeypatch.setattr(sweep, "batched_greedy", none_fit)
+    with pytest.raises(torch.OutOfMemoryError):
+        sweep.run_sweep(lm, small_spec(lm, tasks=("niah_single_1",), n=2, batch_size=2))
+
+
+def test_batch_size_left_open_is_chosen(lm, counted):
+    """batch_size=None: 8 rows per forward on CPU (auto_batch_size); the estimate behind the CUDA choice grows with
+    the prompt length (quadratically once the attention mask dominates) and counts the model's own shapes."""
+    from bench.common import qwen35_08b_config
+    from gdnviz.probes.batch_size import CPU_ROWS, auto_batch_size, row_bytes
+
+    assert auto_batch_size(lm, 1024, 12) == CPU_ROWS == 8
+    sweep.run_sweep(lm, small_spec(lm, tasks=("niah_single_1",), n=10, batch_size=None))
+    assert counted == [8, 2, 8, 2]
+    with pytest.raises(ValueError, match="batch size"):
+        sweep.run_sweep(lm, small_spec(lm, batch_size=0))
+    import torch
+    from transformers import Qwen3_5ForCausalLM
+
+    with torch.device("meta"):
+        big = Qwen3_5ForCausalLM(qwen35_08b_config(vocab_size=8192)).to(torch.bfloat16)
+    b4, b16, b128 = (row_bytes(big, n, 128) for n in (4096, 16384, 131072))
+    assert b4 < b16 < b128 and b128 > 2 * 131072**2  # the T × T mask alone
+    assert 1e8 < b4 < 2e9 and 1e9 < b16 < 8e9
+    assert row_bytes(lm.model, 1024, 12) < b4

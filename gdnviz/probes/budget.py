@@ -77,7 +77,7 @@ class BudgetSpec:
     n_heldout: int | None = None
     state_dtype: str = "float32"
     segment_len: int = runner.DEFAULT_SEGMENT_LEN
-    batch_size: int = 8
+    batch_size: int | None = None
     max_new_tokens: int | None = None
     chat_template: Any = "auto"
     chat_template_kwargs: tuple = ()

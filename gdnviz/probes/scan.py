@@ -68,7 +68,7 @@ class ScanSpec:
     n: int = 20
     seed0: int = 0
     segment_len: int = runner.DEFAULT_SEGMENT_LEN
-    batch_size: int = 8
+    batch_size: int | None = None
     max_new_tokens: int | None = None
     chat_template: Any = "auto"
     chat_template_kwargs: tuple = ()

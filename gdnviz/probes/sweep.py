@@ -24,18 +24,20 @@ from __future__ import annotations
 import hashlib
 import json
 import math
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, replace
 from pathlib import Path
 from typing import Any, Callable, Iterable, Mapping
 
 import numpy as np
 import pandas as pd
+import torch
 
 from gdnviz import runner
 from gdnviz.errors import EmptyDocumentSet, UnknownTask
 from gdnviz.truncation import TruncationSpec, check_rank
 from gdnviz.probes import ruler
 from gdnviz.probes.batch import batched_greedy
+from gdnviz.probes.batch_size import CPU_ROWS, auto_batch_size
 from gdnviz.probes.memo import MemoStore
 from gdnviz.store import content_hash
 
@@ -57,7 +59,9 @@ class SweepSpec:
     when given); tasks: RULER task names; lengths: target lengths in tokens; ranks: r values (None: 1, 4, 12, 32,
     128 clipped to min(d_k, d_v)); the untouched r = min(d_k, d_v) is always added. n: samples per (task, length),
     seeds ``seed0 .. seed0 + n - 1``. heads: "all", "layers:0,1", "L:H,L:H,..." or a tuple of (layer, head).
-    rank_maps: ((name, (((layer, head), r), ...)), ...) extra settings. max_new_tokens: None = RULER's per task.
+    rank_maps: ((name, (((layer, head), r), ...)), ...) extra settings. batch_size: samples per batched forward (None:
+    ``gdnviz.probes.batch_size.auto_batch_size`` per (task, length); 8 when another executor answers).
+    max_new_tokens: None = RULER's per task.
     chat_template / chat_template_kwargs: as ``ruler.generate`` (kwargs as ((key, value), ...)).
     """
 
@@ -70,7 +74,7 @@ class SweepSpec:
     heads: Any = "all"
     rank_maps: tuple = ()
     segment_len: int = runner.DEFAULT_SEGMENT_LEN
-    batch_size: int = 8
+    batch_size: int | None = None
     max_new_tokens: int | None = None
     chat_template: Any = "auto"
     chat_template_kwargs: tuple = ()
@@ -152,8 +156,10 @@ def _check_spec(spec: SweepSpec, info) -> None:
     if isinstance(spec.n, bool) or not isinstance(spec.n, (int, np.integer)) or spec.n < 1:
         raise EmptyDocumentSet(f"the sweep needs at least one sample per cell (n = {spec.n!r})")
     runner.check_segment_len(spec.segment_len)
-    if isinstance(spec.batch_size, bool) or not isinstance(spec.batch_size, int) or spec.batch_size < 1:
-        raise ValueError(f"batch size must be a positive integer, got {spec.batch_size!r}")
+    if spec.batch_size is not None and (isinstance(spec.batch_size, bool) or not isinstance(spec.batch_size, int)
+                                        or spec.batch_size < 1):
+        raise ValueError(f"batch size must be a positive integer (or None: chosen from free memory), got "
+                         f"{spec.batch_size!r}")
     if spec.max_new_tokens is not None and (not isinstance(spec.max_new_tokens, int) or spec.max_new_tokens < 1):
         raise ValueError(f"max_new_tokens must be a positive integer or None, got {spec.max_new_tokens!r}")
     if spec.fingerprint is not None and spec.fingerprint != info.fingerprint:
@@ -256,9 +262,20 @@ class Batch:
 
 
 def answer_batch(lm, b: Batch) -> list[dict]:
-    """The results of one batch on ``lm`` (one dict per sample: score, pred, n_tokens, n_generated)."""
-    gens = batched_greedy(lm, [list(p) for p in b.prompts], b.new_tokens, segment_len=b.segment_len,
-                          spec=b.setting.spec)
+    """The results of one batch on ``lm`` (one dict per sample: score, pred, n_tokens, n_generated). A batch of
+    several samples that runs out of device memory is answered in two halves (recursively)."""
+    try:
+        gens = batched_greedy(lm, [list(p) for p in b.prompts], b.new_tokens, segment_len=b.segment_len,
+                              spec=b.setting.spec)
+    except torch.OutOfMemoryError:
+        if len(b.idx) < 2:
+            raise
+        if torch.cuda.is_available():
+            torch.cuda.empty_cache()
+        h = len(b.idx) // 2
+        return [r for part in (slice(0, h), slice(h, None))
+                for r in answer_batch(lm, replace(b, idx=b.idx[part], prompts=b.prompts[part],
+                                                  answers=b.answers[part], n_tokens=b.n_tokens[part]))]
     return [dict(score=float(ruler.score(b.task, [g.text], [list(a)])), pred=g.text, n_tokens=int(n),
                  n_generated=len(g.tokens)) for g, a, n in zip(gens, b.answers, b.n_tokens)]
 
@@ -271,6 +288,14 @@ def local_executor(lm):
         for b in batches:
             yield b, answer_batch(lm, b)
     return execute
+
+
+def _auto_size(lm, n_tokens: list, new_tokens: int, local: bool) -> int:
+    """Rows per batch when the spec leaves it open: from this device's free memory for the longest prompt (here),
+    ``CPU_ROWS`` (8) when another executor answers (its devices are not known here)."""
+    if not n_tokens or not local:
+        return CPU_ROWS
+    return auto_batch_size(lm, max(n_tokens), new_tokens)
 
 
 def run_sweep(lm, spec: SweepSpec, store=None, progress: Callable[[int, int], None] | None = None,
@@ -322,8 +347,10 @@ def run_sweep(lm, spec: SweepSpec, store=None, progress: Callable[[int, int], No
                     describe(f"{task} · {int(length):,} tokens · {_setting_label(setting, _rmax(lm.info))}: "
                              + (f"{len(todo)} of {len(smp)} samples to generate" if todo else
                                 f"all {len(smp)} samples from the memo"))
-                for b in range(0, len(todo), spec.batch_size):
-                    idx = tuple(todo[b:b + spec.batch_size])
+                size = spec.batch_size or _auto_size(lm, [smp[i].n_tokens for i in todo], _max_new(spec, task),
+                                                     executor is None)
+                for b in range(0, len(todo), size):
+                    idx = tuple(todo[b:b + size])
                     yield Batch(task, int(length), setting, idx, tuple(tuple(smp[i].input_ids) for i in idx),
                                 tuple(tuple(smp[i].answers) for i in idx), tuple(int(smp[i].n_tokens) for i in idx),
                                 _max_new(spec, task), int(spec.segment_len)), keys
