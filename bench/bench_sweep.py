@@ -42,7 +42,7 @@ def main():
     ap.add_argument("--lengths", default="4096,16384")
     ap.add_argument("--ranks", default="4")
     ap.add_argument("--n", type=int, default=16, help="samples per length")
-    ap.add_argument("--batch", type=int, default=8)
+    ap.add_argument("--batch", default="8", help="samples per forward, or 'auto' (gdnviz.probes.batch_size)")
     ap.add_argument("--max-new-tokens", type=int, default=None)
     ap.add_argument("--no-prefill-split", action="store_true",
                     help="skip the prefill-only timing (same prompts and batches, one answer token)")
@@ -67,38 +67,52 @@ def main():
     base = dict(device=device_name(dev), model=a.model, dtype=dtype, task=a.task, ranks=ranks,
                 gdn_layers=len(lm.info.gdn_layers), heads=lm.info.num_heads, kernel_path=lm.info.kernel_path)
 
+    def rows_for(length):
+        if a.batch != "auto":
+            return int(a.batch)
+        from gdnviz.probes import ruler
+        from gdnviz.probes.batch_size import auto_batch_size
+
+        new = a.max_new_tokens or int(ruler.TASKS[a.task]["tokens_to_generate"])
+        return auto_batch_size(lm, length, new)
+
     def spec(length, n, batch):
         return SweepSpec(model=lm.info.name, tasks=(a.task,), lengths=(length,), ranks=ranks, n=n, batch_size=batch,
                          max_new_tokens=a.max_new_tokens, chat_template=None)
 
     t = time.perf_counter()
-    run_sweep(lm, spec(min(lengths), a.batch, a.batch))  # warm-up: compile / autotune at batch B and at batch 1
+    B0 = min(rows_for(min(lengths)), a.n)
+    run_sweep(lm, spec(min(lengths), B0, B0))  # warm-up: compile / autotune at batch B and at batch 1
     run_sweep(lm, spec(min(lengths), 1, 1))
     sync(dev)
     emit(what="warmup", seconds=round(time.perf_counter() - t, 2), **base)
     for length in lengths:
         out = {}
-        c = ceiling_seconds(lm, a.task, length, a.n, a.batch, dev)
-        emit(what="ceiling", length=length, batch=a.batch, prompts=a.n, seconds=round(c, 3),
+        B = rows_for(length)
+        c = ceiling_seconds(lm, a.task, length, a.n, B, dev)
+        emit(what="ceiling", length=length, batch=B, prompts=a.n, seconds=round(c, 3),
              prompts_per_s=round(a.n / c, 3), **base)
-        for b in ((a.batch, 1) if length <= a.single_max else (a.batch,)):
+        for b in ((B, 1) if length <= a.single_max else (B,)):
             sync(dev)
+            if dev.type == "cuda":
+                torch.cuda.reset_peak_memory_stats(dev)
             t = time.perf_counter()
             rows = run_sweep(lm, spec(length, a.n, b))
             sync(dev)
             s = time.perf_counter() - t
+            peak = round(torch.cuda.max_memory_allocated(dev) / 2**30, 2) if dev.type == "cuda" else None
             out[b] = (rows, s)
             emit(what="sweep", length=length, batch=b, prompts=len(rows), seconds=round(s, 3),
                  prompts_per_s=round(len(rows) / s, 3), score_mean=round(float(rows["score"].mean()), 2),
-                 sweep_vs_ceiling=round(len(rows) / s / (a.n / c), 3), **base)
-        rb, sb = out[a.batch]
+                 sweep_vs_ceiling=round(len(rows) / s / (a.n / c), 3), peak_gib=peak, **base)
+        rb, sb = out[B]
         if 1 in out:
             r1, s1 = out[1]
             same = (rb[["pred", "score"]].reset_index(drop=True) == r1[["pred", "score"]].reset_index(drop=True))
-            emit(what="batched_vs_one_at_a_time", length=length, batch=a.batch, speedup=round(s1 / sb, 2),
+            emit(what="batched_vs_one_at_a_time", length=length, batch=B, speedup=round(s1 / sb, 2),
                  rows_identical=int(same.all(axis=1).sum()), rows=len(rb), **base)
         if a.profile and length == lengths[0]:
-            profile_batch(lm, a.task, length, a.batch, ranks[0], a.max_new_tokens, a.profile, dev)
+            profile_batch(lm, a.task, length, B, ranks[0], a.max_new_tokens, a.profile, dev)
         if not a.no_prefill_split:
             for b in out:
                 p = prefill_seconds(lm, a.task, length, a.n, b, ranks, dev)
