@@ -243,3 +243,27 @@ def test_patch_job_in_a_worker_process_is_memoised(tmp_path, tiny_checkpoint):  
     finally:
         p.terminate()
         p.wait(20)
+
+
+# --- the page's logic -------------------------------------------------------------------------------------------
+def test_page_logic_validates_and_builds_the_job(demo):
+    from gdnviz import jobs
+    from gdnviz.ui import patching as UP
+
+    info = demo.info.to_dict()
+    assert UP.check_heads("layers:5", info) == [(5, 0), (5, 1)] and len(UP.check_heads("all", info)) == 12
+    with pytest.raises(LayerNotGDN, match=r"layer 7 \(a full-attention layer\)"):
+        UP.check_heads("7:0", info)
+    UP.check_position(0, 256, "Boundary of B")
+    UP.check_position(512, 256, "Boundary of B")
+    with pytest.raises(ValueError, match="Boundary of B 300 is not a boundary.*L = 256"):
+        UP.check_position(300, 256, "Boundary of B")
+    d = UP.job_dict("demo", "cpu", "float32", info, source="needle", heads="5:1", L=256, boundary=0, from_a=0,
+                    max_new_tokens=16, continuation="", target_len=1024, seed=4)
+    spec = jobs.spec_from_dict(d)
+    assert isinstance(spec, jobs.PatchJob) and spec.task == "niah_single_1" and spec.seed == 4
+    assert spec.fingerprint == demo.info.fingerprint and spec.heads == "5:1"
+    d = UP.job_dict("demo", "cpu", "float32", info, source="texts", heads=" ", L=64, boundary=128, from_a=64,
+                    max_new_tokens=4, continuation="x", prompt_a="a", prompt_b="b")
+    spec = jobs.spec_from_dict(d)
+    assert (spec.task, spec.prompt_a, spec.heads, spec.boundary, spec.source) == ("", "a", "all", 128, 64)
