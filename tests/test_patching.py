@@ -95,7 +95,7 @@ def test_float64_reference_from_the_donor_state_agrees_with_the_fast_path():
     """Tiny Qwen3.5 (float32): layer 1 head 2 of B gets A's state after 32 tokens at B's boundary 48 (L = 16). The
     float64 recurrence over A's own core inputs gives the donor state, and from the donor over B's inputs after
     token 48 the patched run's final state; the unpatched head 1 of that layer follows B's own recurrence. Measured
-    ≈ 1e-7 (float32 cores over ≤ 80 tokens); tolerance 1e-5."""
+    1.6e-7 and 1.3e-7 (float32 cores over ≤ 80 tokens); tolerance 1e-5."""
     lm = from_model(tiny_models.qwen3_5(), "tiny")
     g = torch.Generator().manual_seed(5)
     a, b = torch.randint(0, 97, (64,), generator=g), torch.randint(0, 97, (80,), generator=g)

@@ -7,5 +7,5 @@ from gdnviz.patching.pairs import NeedlePair, continuation_ids, needle_pair, pai
 from gdnviz.patching.spec import PatchSpec, check_boundary, check_patch, last_boundary, resolve_patch_heads
 
 __all__ = ["DonorStates", "NeedlePair", "PatchCallback", "PatchSpec", "VERSION", "check_boundary", "check_patch",
-           "comparison_table", "continuation_ids", "continuation_nll", "last_boundary", "needle_pair", "pair_inputs", "patch_key", "patch_prompts",
-           "resolve_patch_heads", "states_table"]
+           "comparison_table", "continuation_ids", "continuation_nll", "last_boundary", "needle_pair", "pair_inputs",
+           "patch_key", "patch_prompts", "resolve_patch_heads", "states_table"]

@@ -113,6 +113,8 @@ def _compare(lm, a, b, spec: PatchSpec, heads, cont, references, progress) -> di
     rec_b = PatchCallback(info, heads, pos_b)
     g_b = greedy_generate(lm, b, new, segment_len=L, callbacks=[rec_b])
     donor, own = rec_a.seen, rec_b.seen
+    if donor is None or own is None:  # check_patch put both boundaries inside their prompts
+        raise RuntimeError(f"the runs did not reach boundary {pos_a} of A / {pos_b} of B in every chosen layer")
     progress(2, steps, f"B patched at token {pos_b}: generating")
     g_p = greedy_generate(lm, b, new, segment_len=L, callbacks=[PatchCallback(info, heads, pos_b, donor)])
     given = cont is not None
