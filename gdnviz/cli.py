@@ -12,6 +12,8 @@
     gdnviz budget MODEL --tasks T1,T2 --lengths L --n N --tolerance D [--ladder 32,12,4,1] [--curve 2,5]
                   [--out DIR] [--memo DIR] [--max-prompts 2000]
     gdnviz attribute MODEL DOC.txt --layer L --head H [--position P] [--start 0] [--top 4] --out DIR
+    gdnviz patch MODEL (A.txt B.txt | --needle niah_single_1 --length 1024 [--seed0 0] [--n 1]) [--heads all]
+                 [--boundary P] [--source P] [--continuation TEXT] [--max-new-tokens 32] --out DIR [--memo DIR]
 
 ``scan`` (``gdnviz.probes.scan``) writes scan.csv (layer, head, r, n, score, baseline, delta, se; head empty for a
 layer row), heatmap.png and settings.json; ``budget`` (``gdnviz.probes.budget``) writes budget.csv (layer, head, r),
@@ -29,6 +31,12 @@ subsets), loss_documents.csv, figure.png and settings.json and memoises every (d
 ``attribute`` (``gdnviz.attribution``) writes contributions.csv (one row per token: position, token text, norm,
 share along the state's top singular directions) and attribution.json (the singular values, the carried-in term's
 shares, the settings) for one head's state after P tokens (default: the whole document).
+
+``patch`` (``gdnviz.patching``) runs prompt B with the chosen heads' states at one boundary replaced by prompt A's
+and writes comparison.csv (per pair, one row per run A, B, B patched: answer, score, continuation loss and its
+change), states.csv (per pair and patched head, the relative size of the replacement) and patch.json (the full
+results); with ``--needle`` the pairs are RULER needle prompts and their needle-free twins, the boundary defaults to
+the last one before B's question and the continuation to the needle value. Memoised in --memo (default DIR/cache).
 
 ``capture`` writes one ``<doc>.capture.npz`` per document (``gdnviz.capture.CaptureResult.save``) and a
 ``summary.csv`` with every head's statistics (median and min–max over the documents), with a progress bar.
@@ -531,6 +539,74 @@ def cmd_attribute(args) -> int:
     return 0
 
 
+def _patch_pairs(args, lm):
+    """[(name, inputs)] of the command line: the two files, or ``--n`` needle pairs (``patching.pair_inputs``)."""
+    from gdnviz import patching
+    from gdnviz.documents import read_text_file, tokenize
+
+    if args.needle:
+        if args.prompts:
+            raise GDNVizError("give either two prompt files A B or --needle TASK, not both")
+        chat = {"auto": "auto", "on": True, "off": False}[args.chat]
+        return [(f"seed {s}", patching.pair_inputs(patching.needle_pair(lm.tokenizer, args.length, s, args.needle,
+                                                                        chat_template=chat),
+                                                   lm.tokenizer, args.segment_len))
+                for s in range(args.seed0, args.seed0 + args.n)]
+    if len(args.prompts) != 2:
+        raise GDNVizError(f"give two prompt files, A (the donor) and B, or --needle TASK; got {len(args.prompts)}")
+    a, b = (tokenize(lm.tokenizer, read_text_file(f)) for f in args.prompts)
+    return [(f"{Path(args.prompts[0]).name} -> {Path(args.prompts[1]).name}",
+             dict(a_ids=a, b_ids=b, boundary=patching.last_boundary(len(b), args.segment_len), continuation=None,
+                  references=None, meta={}))]
+
+
+def cmd_patch(args) -> int:
+    """comparison.csv, states.csv, patch.json (module docstring)."""
+    import pandas as pd
+
+    from gdnviz import patching
+
+    out = Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)
+    lm = _load_for_probe(args)
+    memo = Path(args.memo) if args.memo else out / "cache"
+    rows, heads, results = [], [], []
+    for name, x in _patch_pairs(args, lm):
+        spec = patching.PatchSpec(heads=args.heads, boundary=args.boundary or x["boundary"], source=args.source,
+                                  segment_len=args.segment_len, max_new_tokens=args.max_new_tokens,
+                                  fingerprint=lm.info.fingerprint)
+        cont = x["continuation"] if args.continuation is None else patching.continuation_ids(lm.tokenizer,
+                                                                                             args.continuation)
+        res = _checked(lambda: patching.patch_prompts(lm, x["a_ids"], x["b_ids"], spec, continuation=cont,
+                                                      references=x["references"], store=memo))
+        res["pair"], res["meta"] = name, x["meta"]
+        results.append(res)
+        t = patching.comparison_table(res)
+        t.insert(0, "pair", name)
+        t.insert(1, "boundary", res["boundary"])
+        t.insert(2, "source", res["source"])
+        for k in ("b_question", "needles"):
+            if k in x["meta"]:
+                t[k] = str(x["meta"][k])
+        rows.append(t)
+        st = patching.states_table(res)
+        st.insert(0, "pair", name)
+        heads.append(st)
+        ans = {k: v["text"] for k, v in res["answers"].items()}
+        print(f"{name}: boundary {res['boundary']} (A {res['source']}), {len(res['heads'])} head(s): "
+              f"A {ans['A']!r} · B {ans['B']!r} · B patched {ans['B patched']!r}"
+              + (f" · Δloss {res['loss']['delta']:+.3f} nats/token" if res["loss"] else "")
+              + (" (memo)" if res["memo_hit"] else ""), file=sys.stderr)
+    table = pd.concat(rows, ignore_index=True)
+    table.to_csv(out / "comparison.csv", index=False)
+    pd.concat(heads, ignore_index=True).to_csv(out / "states.csv", index=False)
+    (out / "patch.json").write_text(json.dumps(dict(model=lm.info.to_dict(), heads=args.heads, results=results),
+                                               indent=2, default=float))
+    summary = table.groupby("run", sort=False)[["score", "loss", "delta_loss"]].mean()
+    print(summary.to_string())
+    return 0
+
+
 def main(argv=None) -> int:
     p = argparse.ArgumentParser(prog="gdnviz", description="Look inside the Gated DeltaNet heads of hybrid LMs.")
     sub = p.add_subparsers(dest="cmd", required=True)
@@ -621,6 +697,27 @@ def main(argv=None) -> int:
     sp.add_argument("--device", default="auto")
     sp.add_argument("--dtype", default="float32", help="the model's dtype (the decomposition is float64 anyway)")
     sp.set_defaults(fn=cmd_attribute)
+    sp = sub.add_parser("patch", parents=[common], help="run prompt B with chosen heads' states patched from A")
+    sp.add_argument("prompts", nargs="*", help="two UTF-8 text files: A (the donor) and B")
+    sp.add_argument("--needle", default="", help="instead of files: RULER needle pairs of this task "
+                                                 "(niah_single_1), A with the needle, B with noise in its place")
+    sp.add_argument("--length", type=_positive_int, default=1024, help="--needle: target length in tokens")
+    sp.add_argument("--seed0", type=int, default=0, help="--needle: first sample seed")
+    sp.add_argument("--n", type=_positive_int, default=1, help="--needle: pairs (seeds seed0..seed0+n-1)")
+    sp.add_argument("--chat", choices=["auto", "on", "off"], default="auto", help="wrap prompts in the chat template")
+    sp.add_argument("--heads", default="all", help="all | layer:head,... | layers:0,1")
+    sp.add_argument("--boundary", type=int, default=0, help="boundary of B (tokens consumed, a multiple of L); "
+                    "default: the last one before B's question (--needle) or before B's end")
+    sp.add_argument("--source", type=int, default=None, help="boundary of A the states come from (default: the same)")
+    sp.add_argument("--continuation", default=None, help="text whose loss after B is measured (default: the needle "
+                    "value with --needle, else B's unpatched answer)")
+    sp.add_argument("--max-new-tokens", type=_positive_int, default=32)
+    sp.add_argument("--segment-len", type=int, default=256)
+    sp.add_argument("--out", required=True, help="output folder")
+    sp.add_argument("--memo", default=None, help="memo directory (default OUT/cache)")
+    sp.add_argument("--device", default="auto")
+    sp.add_argument("--dtype", default="auto")
+    sp.set_defaults(fn=cmd_patch)
     args = p.parse_args(argv)
     try:
         return args.fn(args)

@@ -133,3 +133,8 @@ class PositionOutOfRange(GDNVizError):
 
 class WindowTooLarge(GDNVizError):
     """An attention-map window would need more memory than the stated limit."""
+
+
+# --- patching ------------------------------------------------------------------------------------
+class ModelMismatch(GDNVizError):
+    """States or a spec made with one model were given to another (their model fingerprints differ)."""

@@ -32,10 +32,13 @@ class Generation:
 
 
 def greedy_generate(lm, prompt_ids, max_new_tokens: int = 32, *, segment_len: int = runner.DEFAULT_SEGMENT_LEN,
-                    spec: TruncationSpec | None = None, stop_ids=None) -> Generation:
-    """Greedy decoding of ``prompt_ids`` (list[int] or [T] tensor; batch 1) with ``spec``'s heads truncated."""
+                    spec: TruncationSpec | None = None, stop_ids=None, callbacks=()) -> Generation:
+    """Greedy decoding of ``prompt_ids`` (list[int] or [T] tensor; batch 1) with ``spec``'s heads truncated.
+
+    ``callbacks``: more runner callbacks (``gdnviz.callbacks.BoundaryCallback``, after the truncation) for the
+    prefill and every decode step, e.g. ``gdnviz.patching.PatchCallback``."""
     ids = torch.as_tensor(prompt_ids, dtype=torch.long).reshape(1, -1)
-    callbacks = [TruncateCallback(lm.info, spec)] if spec is not None and len(spec) else []
+    callbacks = ([TruncateCallback(lm.info, spec)] if spec is not None and len(spec) else []) + list(callbacks)
     ctx = runner.RunContext(segment_len=runner.check_segment_len(segment_len), callbacks=callbacks)
     if stop_ids is None:
         stop_ids = model_stop_ids(lm)

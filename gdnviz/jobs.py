@@ -23,6 +23,9 @@ SweepJob               RULER score vs r (``gdnviz.probes.sweep``): rows and seed
                        stopped and a repeated one recomputes nothing
 ScanJob                a head sensitivity scan (``gdnviz.probes.scan``): its table (records), untouched / all-cut
                        scores, plan; answers memoised per sample under the sweep's cell keys (shared with sweeps)
+PatchJob               prompt B with chosen heads' states at one boundary patched from prompt A
+                       (``gdnviz.patching``): the comparison of answers, scores and the continuation loss; the
+                       whole result memoised under ``gdnviz.patching.patch_key``
 BudgetJob              a per-head rank budget (``gdnviz.probes.budget``), optionally for several tolerances: each
                        budget's summary (ranks, scores, held-out check, state bytes) and the score-vs-memory curve
 =====================  ==========================================================================================
@@ -210,7 +213,36 @@ class BudgetJob:
     dtype: str = "auto"
 
 
-SPECS = {c.kind: c for c in (InspectModelJob, CaptureJob, TruncateCompareJob, LossJob, SweepJob, ScanJob, BudgetJob)}
+@dataclass(frozen=True)
+class PatchJob:
+    """State patching (``gdnviz.patching.patch_prompts``): prompts ``prompt_a`` (the donor) and ``prompt_b`` (typed
+    texts), unless ``task`` names a noise-haystack NIAH task: then A is its sample of ``target_len`` tokens with
+    ``seed`` and B the same prompt without the needle (``gdnviz.patching.needle_pair``). heads: "all",
+    "layers:0,1", "L:H,L:H" or ((layer, head), ...). boundary: 0 = the last boundary before B's question (task) or
+    B's end (texts); source: 0 = the same position in A. continuation: text whose loss after B is measured ("" =
+    the needle value (task) or B's unpatched answer). fingerprint: when given, the loaded model must have it."""
+
+    kind: ClassVar[str] = "patch"
+    model: str
+    prompt_a: str = ""
+    prompt_b: str = ""
+    task: str = ""
+    target_len: int = 1024
+    seed: int = 0
+    heads: Any = "all"
+    boundary: int = 0
+    source: int = 0
+    continuation: str = ""
+    max_new_tokens: int = 32
+    segment_len: int = 256
+    chat_template: bool = True
+    fingerprint: str = ""
+    device: str = "auto"
+    dtype: str = "auto"
+
+
+SPECS = {c.kind: c for c in (InspectModelJob, CaptureJob, TruncateCompareJob, LossJob, SweepJob, ScanJob, BudgetJob,
+                             PatchJob)}
 
 
 def _tuplify(x):
@@ -287,7 +319,7 @@ class JobContext:
 def run(spec, ctx: JobContext) -> dict:
     """Execute one job spec; returns its JSON-able result dict."""
     fn = {"inspect": run_inspect, "capture": run_capture, "truncate": run_truncate, "loss": run_loss,
-          "sweep": run_sweep_job, "scan": run_scan_job, "budget": run_budget_job}[spec.kind]
+          "sweep": run_sweep_job, "scan": run_scan_job, "budget": run_budget_job, "patch": run_patch_job}[spec.kind]
     return fn(spec, ctx)
 
 
@@ -683,6 +715,41 @@ def run_budget_job(spec: BudgetJob, ctx: JobContext) -> dict:
     return dict(budgets=out, curve=sweep.records(curve), model=info.to_dict(), model_name=spec.model,
                 rmax=min(info.d_k, info.d_v), computed=memo.puts, seconds=round(time.time() - t0, 3),
                 dtype=info.dtype, device=info.device, kernel_path=info.kernel_path)
+
+
+def run_patch_job(spec: PatchJob, ctx: JobContext) -> dict:
+    from gdnviz import patching
+
+    ctx.progress(0, 1, "loading the model")
+    lm = ctx.model(spec.model, spec.device, spec.dtype)
+    if lm.tokenizer is None:
+        raise GDNVizError(f"{lm.info.path or lm.info.name} has no tokenizer: save the model's tokenizer beside it")
+    L = int(spec.segment_len)
+    if spec.task:
+        ctx.progress(0, 1, f"generating a {spec.task} pair of {spec.target_len} tokens")
+        pair = patching.needle_pair(lm.tokenizer, int(spec.target_len), int(spec.seed), spec.task,
+                                    chat_template="auto" if spec.chat_template else False)
+        x = patching.pair_inputs(pair, lm.tokenizer, L)
+        texts = dict(A=pair.a.prompt, B=pair.b_prompt)
+    else:
+        texts = dict(A=check_text("prompt A", spec.prompt_a), B=check_text("prompt B", spec.prompt_b))
+        a, b = tokenize(lm.tokenizer, texts["A"]), tokenize(lm.tokenizer, texts["B"])
+        x = dict(a_ids=a, b_ids=b, boundary=patching.last_boundary(len(b), L), continuation=None, references=None,
+                 meta={})
+    heads = spec.heads if isinstance(spec.heads, str) else tuple(tuple(int(v) for v in lh) for lh in spec.heads)
+    pspec = patching.PatchSpec(heads=heads, boundary=int(spec.boundary) or x["boundary"],
+                               source=int(spec.source) or None, segment_len=L,
+                               max_new_tokens=int(spec.max_new_tokens), fingerprint=spec.fingerprint or None)
+    cont = (patching.continuation_ids(lm.tokenizer, spec.continuation) if spec.continuation else x["continuation"])
+    res = patching.patch_prompts(lm, x["a_ids"], x["b_ids"], pspec, continuation=cont, references=x["references"],
+                                 store=MemoMapping(ctx.store), progress=ctx.progress)
+    tok = lm.tokenizer
+    res.update(meta=x["meta"], task=spec.task, kernel_path=lm.info.kernel_path,
+               around={k: dict(before=tok.decode(ids[max(0, p - 48):p]), after=tok.decode(ids[p:p + 24]))
+                       for k, ids, p in (("A", x["a_ids"], res["source"]), ("B", x["b_ids"], res["boundary"]))},
+               continuation_text=tok.decode(res["continuation"]["tokens"]),
+               prompt_chars={k: len(v) for k, v in texts.items()})
+    return res
 
 
 # --- reading results back (app side, no torch) -----------------------------------------------------------------

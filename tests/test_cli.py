@@ -177,3 +177,30 @@ def test_loss_writes_both_copy_subsets_and_resumes(tmp_path, capsys):
     assert "RankOutOfRange" in err and "rank 17 is outside 1..16" in err
     assert main([*args[:-2], "--out", str(tmp_path / "x"), "--segment-len", "4096"]) == 2
     assert "DocumentTooShort" in capsys.readouterr().err
+
+
+def test_patch_writes_the_comparison_and_refuses_bad_heads(tmp_path, capsys):
+    """`gdnviz patch demo --needle`: comparison.csv (A, B, B patched per pair) agrees with patch.json, states.csv
+    has one row per patched head, a rerun comes from the memo; a full-attention layer is a message (exit 2)."""
+    import pandas as pd
+
+    from gdnviz.cli import main
+    from gdnviz.patching.compare import COMPARISON_COLUMNS
+
+    base = ["patch", "demo", "--needle", "niah_single_1", "--length", "700", "--seed0", "3", "--segment-len", "128",
+            "--max-new-tokens", "8", "--device", "cpu", "--dtype", "float32", "--out", str(tmp_path / "o")]
+    assert main([*base, "--heads", "layers:5"]) == 0
+    t = pd.read_csv(tmp_path / "o" / "comparison.csv", dtype={"answer": str})
+    assert list(t.columns) == ["pair", "boundary", "source", *COMPARISON_COLUMNS, "b_question", "needles"]
+    assert t["run"].tolist() == ["A", "B", "B patched"] and set(t["pair"]) == {"seed 3"}
+    res = json.loads((tmp_path / "o" / "patch.json").read_text())["results"][0]
+    assert t["answer"].tolist() == [res["answers"][k]["text"] for k in ("A", "B", "B patched")]
+    assert t["delta_loss"].iloc[2] == pytest.approx(res["loss"]["delta"], rel=1e-9)
+    assert t["boundary"].iloc[0] == res["boundary"] == (res["meta"]["b_question"] // 128) * 128
+    s = pd.read_csv(tmp_path / "o" / "states.csv")
+    assert s[["layer", "head"]].values.tolist() == [[5, 0], [5, 1]]
+    assert "(memo)" not in capsys.readouterr().err
+    assert main([*base, "--heads", "layers:5"]) == 0
+    assert "(memo)" in capsys.readouterr().err
+    assert main([*base, "--heads", "3:0,5:1"]) == 2
+    assert "LayerNotGDN: layer 3 (a full-attention layer)" in capsys.readouterr().err

@@ -42,6 +42,7 @@ from gdnviz.probes.memo import MemoStore
 from gdnviz.store import content_hash
 
 __all__ = ["SweepSpec", "Batch", "answer_batch", "local_executor", "DEFAULT_RANKS", "resolve_ranks", "resolve_heads",
+           "parse_heads",
            "run_sweep", "sweep_table", "sweep_figure", "to_csv", "csv_frame", "cell_key", "count_cached", "records",
            "rows_frame", "table_frame", "VERSION"]
 
@@ -119,16 +120,15 @@ def resolve_ranks(ranks: Iterable[int] | None, rmax: int) -> list[int]:
     return sorted({check_rank(r, upper=rmax) for r in ranks} | {rmax})
 
 
-def resolve_heads(heads: Any, info) -> list[tuple[int, int]]:
-    """"all" | "layers:0,1" | "L:H,L:H" | iterable of (layer, head) -> sorted (layer, head) pairs (validated)."""
-    if heads is None or (isinstance(heads, str) and heads.strip().lower() == "all"):
-        return [(l, h) for l in info.gdn_layers for h in range(info.num_heads)]
+def parse_heads(heads: Any, num_heads: int) -> list[tuple[int, int]]:
+    """The head-set forms "layers:0,1" | "L:H,L:H" | iterable of (layer, head) -> sorted distinct (layer, head)
+    pairs, not checked against a model ("all" is :func:`resolve_heads`'); ValueError for a malformed form."""
     if isinstance(heads, str):
         text = heads.strip()
         try:
             if text.lower().startswith("layers:"):
                 layers = [int(x) for x in text[7:].split(",") if x.strip()]
-                pairs = [(l, h) for l in layers for h in range(info.num_heads)]
+                pairs = [(l, h) for l in layers for h in range(num_heads)]
             else:
                 pairs = [tuple(int(y) for y in x.split(":")) for x in text.split(",") if x.strip()]
         except ValueError:
@@ -137,7 +137,14 @@ def resolve_heads(heads: Any, info) -> list[tuple[int, int]]:
         pairs = [tuple(int(y) for y in x) for x in heads]
     if not pairs or any(len(p) != 2 for p in pairs):
         raise ValueError(f"heads {heads!r}: expected 'all', 'layers:0,1' or 'layer:head,layer:head'")
-    pairs = sorted(set(pairs))
+    return sorted(set(pairs))
+
+
+def resolve_heads(heads: Any, info) -> list[tuple[int, int]]:
+    """"all" | "layers:0,1" | "L:H,L:H" | iterable of (layer, head) -> sorted (layer, head) pairs (validated)."""
+    if heads is None or (isinstance(heads, str) and heads.strip().lower() == "all"):
+        return [(l, h) for l in info.gdn_layers for h in range(info.num_heads)]
+    pairs = parse_heads(heads, info.num_heads)
     TruncationSpec.uniform(pairs, 1).validate(info)  # names the first bad layer / head
     return pairs
 

@@ -47,6 +47,7 @@ PAGES = {
     "sweeps": "pages/sweeps.py",
     "loss": "pages/loss.py",
     "scans": "pages/scans.py",
+    "patching": "pages/patching.py",
 }
 def _poll_seconds() -> float | None:
     """Seconds between polls of a running job (``$GDNVIZ_POLL_SECONDS``, default 0.5; 0 turns polling off, as the
