@@ -319,22 +319,26 @@ def _legend_title(metric: str) -> list[str]:
 
 
 def heatmap(df: pd.DataFrame, metric: str, *, selected: tuple | None = None, picked: Iterable = (),
-            title: str | None = None, interactive: bool = True):
+            title: str | None = None, interactive: bool = True, color_domain: tuple | None = None):
     """Layer × head grid coloured by ``value`` (median over documents); min–max in the tooltip. Interactive: click
     selection param ``cell`` (fields layer, head), the open head framed black, the truncation set orange, and a
-    subtitle saying how to use it. ``interactive=False`` is the exported figure: no hints, no frames."""
+    subtitle saying how to use it. ``interactive=False`` is the exported figure: no hints, no frames.
+    ``color_domain`` (lo, hi) fixes the colour scale (two runs side by side on one scale)."""
     label, scale = HEATMAP_METRICS.get(metric, (metric, "linear"))
     fmt = _fmt(metric)
     vals = df["value"].to_numpy(float) if len(df) else np.array([1.0])
     vals = vals[np.isfinite(vals)]
+    if color_domain is not None:
+        vals = np.asarray(color_domain, float)
+    dom = dict(domain=[float(vals.min()), float(vals.max())]) if color_domain is not None else {}
     if scale == "log" and vals.size and vals.min() > 0:
         lo, hi = float(vals.min()), float(vals.max())
         ticks = PS.log_ticks(lo, hi) if hi > lo else [lo]
-        color_scale = alt.Scale(type="log", scheme="viridis")
+        color_scale = alt.Scale(type="log", scheme="viridis", **dom)
         legend = alt.Legend(orient="right", gradientLength=180, titleLimit=0, values=ticks,
                             format=PS.log_format(ticks))
     else:
-        color_scale = alt.Scale(scheme="viridis")
+        color_scale = alt.Scale(scheme="viridis", **dom)
         legend = alt.Legend(orient="right", gradientLength=180, titleLimit=0,
                             format="d" if metric in INTEGER_METRICS else ",.3~g")
     color = alt.Color("value:Q", title=_legend_title(metric), scale=color_scale, legend=legend)

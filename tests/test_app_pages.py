@@ -18,6 +18,7 @@ from streamlit.testing.v1 import AppTest
 
 from app_fixtures import build_not_gdn, short_text, tiny_checkpoint  # noqa: F401  (fixture)
 from gdnviz import jobs
+from gdnviz.plotstyle import human_bytes
 from gdnviz.store import Store, corrupt_memo_entry
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -462,14 +463,17 @@ def test_cache_budget(env, populated):
     metrics = {m.label: m.value for m in at.metric}
     m = run["model"]
     rec = len(m["gdn_layers"]) * m["num_heads"] * m["d_k"] * m["d_v"] * 4
-    assert metrics["Recurrent state"] == f"{rec / 2 ** 20:,.2f} MiB"
+    assert metrics["Recurrent state"] == human_bytes(rec)
     kv_per_tok = len(m["attn_layers"]) * 2 * m["attn_kv_heads"] * m["attn_head_dim"] * 2
-    assert metrics["KV per token"] == f"{kv_per_tok / 2 ** 10:,.2f} KiB"
+    assert metrics["KV per token"] == human_bytes(kv_per_tok)
     assert metrics["KV = recurrent at"] == f"T ≈ {rec / kv_per_tok:,.0f}"
     assert chart_titles(at) == ["Cache memory vs context length"]
     at.number_input(key="bud_batch").set_value(4)
     at.selectbox(key="bud_state_dtype").set_value("bfloat16").run()
-    assert {m.label: m.value for m in at.metric}["Recurrent state"] == f"{4 * rec / 2 / 2 ** 20:,.2f} MiB"
+    assert {m.label: m.value for m in at.metric}["Recurrent state"] == human_bytes(4 * rec / 2)
+    table = [d.value for d in at.dataframe][0]
+    assert all(str(v).endswith(("B", "KiB", "MiB", "GiB", "TiB")) for v in table.drop(columns="T (tokens)").values.ravel())
+    assert not any("0.0000" in str(v) for v in table.values.ravel())
 
 
 # =============================================================================================================
