@@ -164,7 +164,7 @@ def test_heatmap_click_lands_on_that_head(server, page, browser):
     page.wait_for_url(re.compile(r"/head\?layer=1&head=2$"), timeout=60_000)
     wait_for_app(page)
     page.get_by_role("heading", name="Layer 1 · head 2").wait_for()
-    assert page.get_by_test_id("stVegaLiteChart").count() == 5
+    assert page.get_by_test_id("stVegaLiteChart").count() == 6  # spectrum, erank along, energy, α, key cone, spread
     url = page.url
 
     # the same link pasted into a new browser session
