@@ -83,9 +83,10 @@ def overlay_frame(tables: Mapping[str, pd.DataFrame]) -> pd.DataFrame:
                                                                                  "horizon"])
 
 
-def overlay_scatter(df: pd.DataFrame, rho: Mapping[str, str], rank_max: int | None = None):
+def overlay_scatter(df: pd.DataFrame, rho: Mapping[str, str], rank_max: int | None = None, paired: bool = False):
     """Effective rank vs horizon (log–log) of both runs, one colour and shape per run; ``rho`` maps each run to
-    its Spearman ρ text (``figures.rho_text``), shown in the subtitle."""
+    its Spearman ρ text (``figures.rho_text``), shown in the subtitle. ``paired`` (same head grid): a grey segment
+    joins each head's A and B points."""
     runs = list(dict.fromkeys(df["run"]))
     xlo = float(df["horizon"].min()) / 1.25 if len(df) else 0.8
     xhi = float(df["horizon"].max()) * 1.6 if len(df) else 10.0
@@ -105,9 +106,17 @@ def overlay_scatter(df: pd.DataFrame, rho: Mapping[str, str], rank_max: int | No
     lo, hi = max(xlo, ylo), min(xhi, yhi)
     diag = alt.Chart(pd.DataFrame({"x": [lo, hi], "y": [lo, hi]})).mark_line(
         color="#888", strokeDash=[4, 4], clip=True).encode(x=alt.X("x:Q", scale=xs), y=alt.Y("y:Q", scale=ys))
-    sub = ["one point per head (median over its run's documents) · dashed: y = x"] + \
+    layers = [diag, pts]
+    if paired and len(runs) == 2:
+        pair = df.assign(pair=df["layer"].astype(str) + ":" + df["head"].astype(str))
+        seg = alt.Chart(pair).mark_line(color="#bbbbbb", strokeWidth=1).encode(
+            x=alt.X("horizon:Q", scale=xs), y=alt.Y("erank:Q", scale=ys), detail="pair:N",
+            order=alt.Order("run:N"))
+        layers.insert(1, seg)
+    sub = ["one point per head (median over its run's documents) · dashed: y = x"
+           + (" · grey: the same head in A and B" if paired and len(runs) == 2 else "")] + \
           [f"{'AB'[i]}: Spearman ρ = {rho.get(r, 'n/a')}" for i, r in enumerate(runs)]
-    return F.configure(alt.layer(diag, pts).properties(width=480, height=360, title=alt.Title(
+    return F.configure(alt.layer(*layers).properties(width=480, height=360, title=alt.Title(
         "Effective rank vs decay horizon, two runs", subtitle=sub)))
 
 

@@ -179,7 +179,7 @@ def energy_chart(df: pd.DataFrame, share: float = 0.99, marked_r: Iterable[int] 
     xs = alt.Scale(type="log", domain=[1, n], nice=False)
     lines = alt.Chart(df).mark_line(point=alt.OverlayMarkDef(size=12)).encode(
         x=alt.X("r:Q", scale=xs, axis=log_axis(1, n, "rank r kept (directions, log scale)")),
-        y=alt.Y("energy:Q", title="energy kept Σ_{i≤r} σ_i² / Σ σ_i²", scale=alt.Scale(domain=[0, 1]),
+        y=alt.Y("energy:Q", title="energy kept: share of Σσ² in the top r", scale=alt.Scale(domain=[0, 1]),
                 axis=alt.Axis(format="%")),
         color=alt.Color("document:N", title="document", legend=alt.Legend(orient="bottom", columns=2)),
         tooltip=["document", alt.Tooltip("r:Q", title="r"), alt.Tooltip("energy:Q", title="energy kept",
@@ -351,7 +351,8 @@ def heatmap(df: pd.DataFrame, metric: str, *, selected: tuple | None = None, pic
     over = f"median over {n_docs} documents" if n_docs != 1 else "one document"
     sub = (f"{over} · click a cell to open that head · hover for the min–max over documents" if interactive
            else f"{over} (min–max in the CSV)")
-    return _grid(df, color, tooltip, title or label, sub, selected=selected, picked=picked, interactive=interactive)
+    return _grid(df, color, tooltip, title or label[:1].upper() + label[1:], sub, selected=selected, picked=picked,
+                 interactive=interactive)
 
 
 def scan_heatmap_frame(table: pd.DataFrame, gdn_layers: Iterable[int], num_heads: int) -> pd.DataFrame:

@@ -1142,3 +1142,32 @@ def test_compare_runs_with_different_head_grids_says_so(env, three_runs):
     assert warn and "GDN layers [0, 1, 3] vs [0, 1, 2, 4, 5, 6]" in warn[0] and "4 vs 2 heads per layer" in warn[0]
     titles = chart_titles(at)
     assert len(titles) == 3 and not any(t.startswith("B − A") for t in titles)
+
+
+def test_compare_two_stored_sweeps(env, three_runs, tiny_checkpoint):
+    cache, a, b, _ = three_runs
+    env(cache)
+    store = Store(cache)
+    demo = str(ROOT / "gdnviz" / "assets" / "demo")
+    ids = []
+    for model in (str(tiny_checkpoint), demo):  # two models, the same task, length and ranks
+        ids.append(store.submit("sweep", jobs.spec_to_dict(jobs.SweepJob(
+            model=model, tasks=("niah_single_1",), lengths=(300,), ranks=(2,), n=1, max_new_tokens=4,
+            segment_len=64))))
+        work(cache)
+        assert store.job(ids[-1])["status"] == "done", store.job(ids[-1])["error"]
+    at = app("compare", run=a)
+    at.run()
+    at.selectbox(key="cmp_b").set_value(b["run_id"]).run()
+    at.selectbox(key="cmp_sw_a").set_value(ids[0]).run()
+    at.selectbox(key="cmp_sw_b").set_value(ids[1]).run()
+    assert not at.exception
+    from gdnviz.probes import sweep
+
+    ta, tb = (sweep.table_frame(store.job(j)["result"]["table"]) for j in ids)
+    diff = [d.value for d in at.dataframe if "B − A (points)" in d.value.columns][0]
+    common = sorted(set(ta["r"]) & set(tb["r"]))  # r = 2; the untouched r differs (16 vs 128)
+    assert common == [2] and diff["r"].tolist() == common
+    want = tb.set_index("r")["score"] - ta.set_index("r")["score"]
+    assert np.allclose(diff.set_index("r")["B − A (points)"], want.loc[common])
+    assert any("not a paired difference" in m for m in texts(at, "markdown"))

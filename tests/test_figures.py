@@ -275,6 +275,10 @@ def test_compare_difference_mismatch_and_sweeps():
     ov = K.overlay_frame({"A": ta, "B": _table(layers=(0, 3), heads=4)})
     assert set(ov["run"]) == {"A", "B"} and len(ov) == 12 + 8
     F.to_svg(K.overlay_scatter(ov, {"A": "0.90", "B": "n/a"}, 128))
+    two = K.overlay_frame({"A": ta, "B": tb})
+    spec = K.overlay_scatter(two, {"A": "0.9", "B": "0.8"}, 128, paired=True).to_dict()
+    assert any(l["mark"]["type"] == "line" and l["encoding"].get("detail") for l in spec["layer"])
+    assert "grey: the same head in A and B" in spec["title"]["subtitle"][0]
     sa = pd.DataFrame(dict(task=["niah", "niah", "vt"], length=[1024, 1024, 1024], setting="uniform", r=[1, 128, 1],
                            score=[10.0, 100.0, 0.0], n=[20, 20, 20]))
     sb = sa.assign(score=[40.0, 100.0, 5.0]).iloc[:2]

@@ -104,7 +104,8 @@ def scatter(run_a: dict, run_b: dict) -> None:
     rho = {la: F.rho_text(ova["spearman_erank_horizon"], ova["spearman_ci95"]),
            lb: F.rho_text(ovb["spearman_erank_horizon"], ovb["spearman_ci95"])}
     rmax = max(min(int(r["model"]["d_k"]), int(r["model"]["d_v"])) for r in (run_a, run_b))
-    C.chart(K.overlay_scatter(df, rho, rmax), df, "compare_erank_vs_horizon", key="cmp_scatter")
+    paired = K.grid_mismatch(run_a["model"], run_b["model"]) is None
+    C.chart(K.overlay_scatter(df, rho, rmax, paired), df, "compare_erank_vs_horizon", key="cmp_scatter")
 
 
 def sweeps() -> None:
