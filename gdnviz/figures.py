@@ -522,8 +522,9 @@ STATE_RANKS = ("erank", "numerical_rank", "stable_rank", "energy_rank99")
 
 def spread_domain(values, metric: str, rank_max: int | None = None) -> list[float]:
     """x range of one statistic in the per-document spread: the values' range, widened about its centre to at
-    least ``SPREAD_MIN_SPAN`` × max|value| (and ≥ 2 for integer statistics), padded 5%, shifted inside the
-    statistic's natural bounds (ranks and horizons ≥ 0, the mean key norm ≤ 1, the state's ranks ≤ ``rank_max``)."""
+    least ``SPREAD_MIN_SPAN`` × max|value| (and ≥ 2 for integer statistics), shifted inside the statistic's
+    natural bounds (ranks and horizons ≥ 0, the mean key norm ≤ 1, the state's ranks ≤ ``rank_max``), then padded
+    4% on each side."""
     v = np.asarray(values, float)
     v = v[np.isfinite(v)]
     if v.size == 0:
@@ -533,14 +534,13 @@ def spread_domain(values, metric: str, rank_max: int | None = None) -> list[floa
     if hi - lo < need:
         c = (lo + hi) / 2
         lo, hi = c - need / 2, c + need / 2
-    pad = 0.05 * (hi - lo)
-    lo, hi = lo - pad, hi + pad
     top = 1.0 if metric == "mean_key_norm" else float(rank_max) if rank_max and metric in STATE_RANKS else float("inf")
     if lo < 0:
         lo, hi = 0.0, hi - lo
     if hi > top:
         lo, hi = max(0.0, lo - (hi - top)), top
-    return [lo, hi]
+    pad = 0.04 * (hi - lo)  # outside the bounds too: a dot on a bound is drawn whole
+    return [lo - pad, hi + pad]
 
 
 def per_document_chart(df: pd.DataFrame, rank_max: int | None = None):

@@ -421,7 +421,7 @@ def test_head_deep_link_in_a_new_session(env, populated):
 
     nr = spread["vconcat"][list(HEATMAP_METRICS).index("numerical_rank")]
     x = nr["layer"][0]["encoding"]["x"]
-    assert x["axis"]["format"] == "d" and x["scale"]["domain"][1] <= min(run["model"]["d_k"], run["model"]["d_v"])
+    assert x["axis"]["format"] == "d" and x["scale"]["domain"][1] <= 1.01 * min(run["model"]["d_k"], run["model"]["d_v"])
     # the statistics table has median / min / max per statistic
     stats = [d.value for d in at.dataframe if "statistic" in d.value.columns][0]
     assert {"effective rank", "decay horizon (tokens)", "key-covariance erank"} <= set(stats["statistic"])
