@@ -1171,3 +1171,18 @@ def test_compare_two_stored_sweeps(env, three_runs, tiny_checkpoint):
     want = tb.set_index("r")["score"] - ta.set_index("r")["score"]
     assert np.allclose(diff.set_index("r")["B − A (points)"], want.loc[common])
     assert any("not a paired difference" in m for m in texts(at, "markdown"))
+
+
+def test_figure_export_options_survive_page_switches_and_say_when_a_size_is_ignored(env, populated):
+    cache, run = populated
+    env(cache)
+    at = app("overview", run=run)
+    at.run()
+    at.number_input(key="ex_width").set_value(30).run()
+    assert any("A width of 30 px is below 50 px" in c for c in texts(at, "caption"))
+    at.number_input(key="ex_width").set_value(800)
+    at.select_slider(key="ex_scale").set_value(4.0).run()
+    assert not at.exception
+    assert (at.session_state["ex_width"], at.session_state["ex_scale"]) == (800, 4.0)
+    at.switch_page("pages/head.py").run()  # sidebar widgets: the values survive a page switch
+    assert (at.session_state["ex_width"], at.session_state["ex_scale"]) == (800, 4.0)

@@ -21,6 +21,10 @@ def export_options() -> None:
         st.select_slider("PNG scale", SCALES, value=2.0, key="ex_scale", format_func=lambda s: f"{s:g}×",
                          help="device pixels per CSS pixel: 2× ≈ 192 dpi, 4× ≈ 384 dpi (at 96 dpi per CSS px). "
                               "SVG is vector and ignores it.")
+        for what in ("width", "height"):
+            v = int(st.session_state.get(f"ex_{what}") or 0)
+            if 0 < v < 50:
+                st.caption(f":orange[A {what} of {v} px is below 50 px: the figure's own {what} is used.]")
         st.caption("Downloads leave out on-screen hints and selection outlines.")
 
 
