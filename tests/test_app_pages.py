@@ -543,7 +543,7 @@ def test_previous_runs_reopen_and_corrupt_results_are_recomputed(env, tmp_path, 
     assert store.queued_count() == 1
     work(cache)
     at2.run()
-    assert not texts(at2, "warning") and len(charts(at2)) == 3
+    assert not texts(at2, "warning") and len(charts(at2)) == 4  # the overview's four figures
     assert store.memo_has(r2["documents"][0]["key"])
 
 
