@@ -31,6 +31,7 @@ pages = [
     st.Page(common.PAGES["loss"], title="Loss vs rank", icon=":material/trending_up:", url_path="loss"),
     st.Page(common.PAGES["scans"], title="Head scans & budgets", icon=":material/troubleshoot:", url_path="scans"),
     st.Page(common.PAGES["patching"], title="State patching", icon=":material/swap_horiz:", url_path="patching"),
+    st.Page(common.PAGES["compare"], title="Compare two runs", icon=":material/compare:", url_path="compare"),
     st.Page(common.PAGES["budget"], title="Cache budget", icon=":material/memory:", url_path="budget"),
 ]
 pg = st.navigation(pages)

@@ -16,17 +16,21 @@ import altair as alt
 import numpy as np
 import pandas as pd
 
+from gdnviz import plotstyle as PS
+
 #: Metrics offered on the heatmap: column of ``summary.document_set_table`` → (label, colour-scale kind).
 HEATMAP_METRICS = {
     "erank": ("effective rank (directions)", "linear"),
     "numerical_rank": ("numerical rank (σ above the f32 floor)", "linear"),
     "stable_rank": ("stable rank ‖S‖²_F / ‖S‖²₂", "linear"),
+    "energy_rank99": ("smallest r keeping 99% of the energy Σσ²", "linear"),
     "horizon": ("decay horizon 1/(1−ᾱ) (tokens, log scale)", "log"),
     "mean_key_norm": ("key cone: norm of the mean unit key", "linear"),
     "key_cov_erank": ("key-covariance erank inside the horizon", "linear"),
     "decayed_P_erank": ("decayed key covariance P erank (√eig scale)", "linear"),
 }
 SHORT_LABELS = {"erank": "effective rank", "numerical_rank": "numerical rank", "stable_rank": "stable rank",
+                "energy_rank99": "r for 99% energy",
                 "horizon": "horizon (tokens)", "mean_key_norm": "mean key norm", "key_cov_erank": "key-cov erank",
                 "decayed_P_erank": "decayed-P erank"}
 FONT = dict(titleFontSize=13, labelFontSize=11)
@@ -36,14 +40,31 @@ F32_EPS = float(np.finfo(np.float32).eps)
 
 
 def _fmt(metric: str) -> str:
-    return ",.0f" if metric in ("numerical_rank", "horizon") else ".2f"
+    return ",.0f" if metric in ("numerical_rank", "horizon", "energy_rank99") else ".2f"
+
+
+#: Metrics whose values are integers (drawn with integer ticks).
+INTEGER_METRICS = ("numerical_rank", "energy_rank99")
+
+
+def layer_scale(layers: Iterable[int]) -> alt.Scale:
+    """Colour scale for layer identity: the qualitative ``plotstyle.layer_colors`` over the layers present, in
+    order, so that neighbouring layers never share a colour (viridis made layers 0/1 and 4/5 alike)."""
+    dom = sorted({int(x) for x in layers})
+    return alt.Scale(domain=dom, range=PS.layer_colors(len(dom)))
+
+
+def log_axis(lo: float, hi: float, title: str, **kw) -> alt.Axis:
+    """A log axis over ``[lo, hi]`` with ``plotstyle.log_ticks`` and one label notation (``plotstyle.log_format``)."""
+    t = PS.log_ticks(lo, hi)
+    return alt.Axis(values=t, format=PS.log_format(t), title=title, **kw)
 
 
 def configure(chart, autosize: str = "fit-x"):
     """Shared look. autosize "fit-x": the whole chart (axes, legend) fits the width it is given (the page column,
     or the chart's own width in exports) and keeps its height; "pad" for grids and facets, which keep their size."""
     chart = chart.properties(autosize=alt.AutoSizeParams(type=autosize, contains="padding"))
-    return (chart.configure(font=FONT_FAMILY).configure_axis(**FONT).configure_legend(**FONT).configure_title(fontSize=14, anchor="start")
+    return (chart.configure(font=FONT_FAMILY).configure_axis(**FONT).configure_legend(**FONT, labelLimit=320, titleLimit=0).configure_title(fontSize=14, anchor="start")
             .configure_view(strokeWidth=0))
 
 
@@ -136,6 +157,85 @@ def keycone_frame(capture, li: int, head: int) -> tuple[pd.DataFrame, dict]:
     return df, dict(mean_key_norm=mnorm, orth_var_share=share)
 
 
+def energy_frame(captures, names, li: int, head: int, share: float = 0.99) -> pd.DataFrame:
+    """Energy kept by the rank-r truncation of the head's state at each document's end: document, r (1..n),
+    energy = Σ_{i≤r} σ_i² / Σ σ_i² (``spectra.energy_curve``), and per document r_share, the smallest r keeping
+    ``share`` of it (``spectra.rank_for_energy``)."""
+    from gdnviz.analysis import spectra
+
+    rows = []
+    for cap, name in zip(captures, names):
+        sv = cap.sv[-1, li, head].astype(np.float64)
+        cum = spectra.energy_curve(sv)
+        r_need = int(spectra.rank_for_energy(sv, share))
+        rows += [dict(document=name, r=i + 1, energy=float(e), r_share=r_need) for i, e in enumerate(cum)]
+    return pd.DataFrame(rows, columns=["document", "r", "energy", "r_share"])
+
+
+def energy_chart(df: pd.DataFrame, share: float = 0.99, marked_r: Iterable[int] = ()):
+    """Energy kept vs r (log x) per document, the ``share`` line, and each document's smallest r reaching it
+    (dotted rule); ``marked_r`` adds grey ticks at ranks of interest (e.g. seed 000's 1, 4, 12, 32)."""
+    n = int(df["r"].max()) if len(df) else 128
+    xs = alt.Scale(type="log", domain=[1, n], nice=False)
+    lines = alt.Chart(df).mark_line(point=alt.OverlayMarkDef(size=12)).encode(
+        x=alt.X("r:Q", scale=xs, axis=log_axis(1, n, "rank r kept (directions, log scale)")),
+        y=alt.Y("energy:Q", title="energy kept: share of Σσ² in the top r", scale=alt.Scale(domain=[0, 1]),
+                axis=alt.Axis(format="%")),
+        color=alt.Color("document:N", title="document", legend=alt.Legend(orient="bottom", columns=2)),
+        tooltip=["document", alt.Tooltip("r:Q", title="r"), alt.Tooltip("energy:Q", title="energy kept",
+                                                                       format=".4%")])
+    q = pd.DataFrame({"y": [share], "label": [f"{100 * share:g}%"]})
+    qline = alt.Chart(q).mark_rule(color="#888", strokeDash=[4, 3]).encode(y="y:Q")
+    need = df.drop_duplicates("document")
+    rules = alt.Chart(need).mark_rule(strokeDash=[2, 2]).encode(
+        x=alt.X("r_share:Q", scale=xs), color=alt.Color("document:N", legend=None),
+        tooltip=["document", alt.Tooltip("r_share:Q", title=f"smallest r keeping {100 * share:g}%")])
+    layers = [qline, lines, rules]
+    if list(marked_r):
+        m = pd.DataFrame({"r": [int(r) for r in marked_r if 1 <= int(r) <= n]})
+        layers.insert(0, alt.Chart(m).mark_rule(color="#ddd").encode(x=alt.X("r:Q", scale=xs)))
+    med = float(np.median(need["r_share"])) if len(need) else float("nan")
+    sub = [f"dashed: {100 * share:g}% of Σσ² · dotted: each document's smallest r keeping it",
+           f"median over {len(need)} document{'s' if len(need) != 1 else ''}: r = {med:g}"]
+    return configure(alt.layer(*layers).properties(width=480, height=260, title=alt.Title(
+        "Energy kept by rank-r truncation at the document end", subtitle=sub)))
+
+
+def keycone_ceiling_chart(table: pd.DataFrame):
+    """Seed 000 §2, the key cone's ceiling: mean key norm and key-covariance erank (rows) against the state's
+    effective rank and the decay horizon (columns, horizon on a log axis), one point per head (medians over
+    documents), coloured by layer. Long-horizon heads with a narrow cone (norm near 1, key-cov erank of a few)
+    are the ones whose erank plateaus."""
+    cols = ["layer", "head", "erank", "horizon", "mean_key_norm", "key_cov_erank"]
+    df = table[cols].copy()
+    df = df[np.isfinite(df["horizon"]) & (df["horizon"] > 0)]
+    hlo = float(df["horizon"].min()) / 1.25 if len(df) else 1.0
+    hhi = float(df["horizon"].max()) * 1.25 if len(df) else 10.0
+    color = alt.Color("layer:O", title="layer", scale=layer_scale(df["layer"]))
+    tooltip = [alt.Tooltip("layer:O"), alt.Tooltip("head:O"), alt.Tooltip("erank:Q", format=".2f"),
+               alt.Tooltip("horizon:Q", title="horizon (tokens)", format=",.1f"),
+               alt.Tooltip("mean_key_norm:Q", title="mean key norm", format=".3f"),
+               alt.Tooltip("key_cov_erank:Q", title="key-cov erank", format=".2f")]
+    xs = {"erank": alt.X("erank:Q", title="effective rank of the state (directions)",
+                         scale=alt.Scale(zero=True)),
+          "horizon": alt.X("horizon:Q", scale=alt.Scale(type="log", domain=[hlo, hhi], nice=False),
+                           axis=log_axis(hlo, hhi, "decay horizon 1/(1 − ᾱ) (tokens, log scale)"))}
+    ys = {"mean_key_norm": alt.Y("mean_key_norm:Q", title="mean key norm ‖mean unit key‖",
+                                 scale=alt.Scale(domain=[0, 1])),
+          "key_cov_erank": alt.Y("key_cov_erank:Q", title="key-covariance erank (directions)",
+                                 scale=alt.Scale(zero=True))}
+    rows = []
+    for y in ys.values():
+        rows.append(alt.hconcat(*[alt.Chart(df).mark_circle(size=50, opacity=0.85).encode(
+            x=x, y=y, color=color, tooltip=tooltip).properties(width=260, height=200) for x in xs.values()]))
+    n_docs = int(table["n_docs"].max()) if "n_docs" in table and len(table) else 1
+    over = f"median over {n_docs} documents" if n_docs != 1 else "one document"
+    return configure(alt.vconcat(*rows).properties(title=alt.Title(
+        "The key cone's ceiling", subtitle=[f"one point per head ({over})",
+                                           "norm near 1 and a key-cov erank of a few: a narrow cone caps the rank"])),
+        "pad")
+
+
 def per_document_frame(captures, names, li: int, head: int) -> pd.DataFrame:
     """Long frame metric × document of the head's statistics (for the per-document spread)."""
     from gdnviz.summary import head_table
@@ -184,9 +284,9 @@ def _grid(df: pd.DataFrame, color, tooltip: list, title: str, subtitle: str, *, 
     """The layer × head grid of ``heatmap`` and ``scan_heatmap``: ``df`` has layer, head and the colour's fields;
     click selection param ``cell`` (fields layer, head); the open head framed black, the truncation set orange."""
     n_heads = int(df["head"].max()) + 1 if len(df) else 1
-    picked = {tuple(map(int, p)) for p in picked}
+    picked = {tuple(map(int, p)) for p in picked} if interactive else set()
     df = df.copy()
-    sel_t = None if selected is None else (int(selected[0]), int(selected[1]))
+    sel_t = None if selected is None or not interactive else (int(selected[0]), int(selected[1]))
     df["frame"] = ["open head" if (l, h) == sel_t else "truncation set" if (l, h) in picked else "none"
                    for l, h in zip(df["layer"].astype(int), df["head"].astype(int))]
     frames = ["open head", "truncation set", "none"]
@@ -206,27 +306,53 @@ def _grid(df: pd.DataFrame, color, tooltip: list, title: str, subtitle: str, *, 
         chart = chart.add_params(sel)
     chart = chart.properties(
         width=alt.Step(max(18, min(40, 640 // n_heads))), height=alt.Step(26),
-        title=alt.Title(title, subtitle=subtitle), usermeta={"embedOptions": {"renderer": "svg"}})
+        title=alt.Title(title, subtitle=subtitle, limit=0), usermeta={"embedOptions": {"renderer": "svg"}})
     return configure(chart, "pad")
 
 
+def _legend_title(metric: str) -> list[str]:
+    """The colour legend's title in two short lines: the statistic, then its unit (never cut with "…")."""
+    unit = {"horizon": "(tokens, log scale)", "mean_key_norm": "(0 to 1)", "numerical_rank": "(directions)",
+            "energy_rank99": "(directions)"}.get(metric, "(directions)")
+    name = {"horizon": "decay horizon"}.get(metric, SHORT_LABELS.get(metric, metric))
+    return [name, unit]
+
+
 def heatmap(df: pd.DataFrame, metric: str, *, selected: tuple | None = None, picked: Iterable = (),
-            title: str | None = None, interactive: bool = True):
-    """Layer × head grid coloured by ``value`` (median over documents); min–max in the tooltip. Click selection
-    param ``cell`` (fields layer, head); the open head gets a black frame, heads in the truncation set orange."""
+            title: str | None = None, interactive: bool = True, color_domain: tuple | None = None):
+    """Layer × head grid coloured by ``value`` (median over documents); min–max in the tooltip. Interactive: click
+    selection param ``cell`` (fields layer, head), the open head framed black, the truncation set orange, and a
+    subtitle saying how to use it. ``interactive=False`` is the exported figure: no hints, no frames.
+    ``color_domain`` (lo, hi) fixes the colour scale (two runs side by side on one scale)."""
     label, scale = HEATMAP_METRICS.get(metric, (metric, "linear"))
     fmt = _fmt(metric)
-    color_scale = alt.Scale(type="log", scheme="viridis") if scale == "log" else alt.Scale(scheme="viridis")
-    color = alt.Color("value:Q", title=label.split(" (")[0], scale=color_scale,
-                      legend=alt.Legend(orient="right", gradientLength=180))
+    vals = df["value"].to_numpy(float) if len(df) else np.array([1.0])
+    vals = vals[np.isfinite(vals)]
+    if color_domain is not None:
+        vals = np.asarray(color_domain, float)
+    dom = dict(domain=[float(vals.min()), float(vals.max())]) if color_domain is not None else {}
+    if scale == "log" and vals.size and vals.min() > 0:
+        lo, hi = float(vals.min()), float(vals.max())
+        ticks = PS.log_ticks(lo, hi) if hi > lo else [lo]
+        color_scale = alt.Scale(type="log", scheme="viridis", **dom)
+        legend = alt.Legend(orient="right", gradientLength=180, titleLimit=0, values=ticks,
+                            format=PS.log_format(ticks))
+    else:
+        color_scale = alt.Scale(scheme="viridis", **dom)
+        legend = alt.Legend(orient="right", gradientLength=180, titleLimit=0,
+                            format="d" if metric in INTEGER_METRICS else ",.3~g")
+    color = alt.Color("value:Q", title=_legend_title(metric), scale=color_scale, legend=legend)
     tooltip = [alt.Tooltip("layer:O", title="layer"), alt.Tooltip("head:O", title="head"),
                alt.Tooltip("value:Q", title=f"median {label}", format=fmt),
                alt.Tooltip("min:Q", title="min over documents", format=fmt),
                alt.Tooltip("max:Q", title="max over documents", format=fmt),
                alt.Tooltip("n_docs:Q", title="documents")]
-    return _grid(df, color, tooltip, title or f"{label}: median over documents",
-                 "click a cell to open that head · hover for the min–max over documents", selected=selected,
-                 picked=picked, interactive=interactive)
+    n_docs = int(df["n_docs"].max()) if len(df) and "n_docs" in df else 1
+    over = f"median over {n_docs} documents" if n_docs != 1 else "one document"
+    sub = (f"{over} · click a cell to open that head · hover for the min–max over documents" if interactive
+           else f"{over} (min–max in the CSV)")
+    return _grid(df, color, tooltip, title or label[:1].upper() + label[1:], sub, selected=selected, picked=picked,
+                 interactive=interactive)
 
 
 def scan_heatmap_frame(table: pd.DataFrame, gdn_layers: Iterable[int], num_heads: int) -> pd.DataFrame:
@@ -261,8 +387,9 @@ def scan_heatmap(df: pd.DataFrame, *, keep: bool, title: str, selected: tuple | 
                alt.Tooltip("baseline:Q", title="baseline score (%)", format=".1f"),
                alt.Tooltip("n:Q", title="samples n"), alt.Tooltip("r:Q", title="r")]
     n = int(df["n"].max()) if len(df) else 0
-    sub = (f"Δ = mean over the same {n} samples of (score − baseline); red: lower, blue: higher · click a cell to "
-           "open that head · hover for the paired SE")
+    sub = f"Δ = mean over the same {n} samples of (score − baseline); red: lower, blue: higher"
+    if interactive:
+        sub += " · click a cell to open that head · hover for the paired SE"
     return _grid(df, color, tooltip, title, sub, selected=selected, picked=(), interactive=interactive)
 
 
@@ -276,10 +403,13 @@ def spectrum_chart(df: pd.DataFrame, document: str | None = None):
     zeros = int((d["sigma"] <= 0).sum()) if len(d) else 0
     n_max = int(d["index"].max()) if len(d) else 2
     d = d[d["sigma"] > 0]
+    slo, shi = (float(d["sigma"].min()), float(d["sigma"].max())) if len(d) else (1.0, 1.0)
+    flo = float(one["floor"].min()) if len(one) and (one["floor"] > 0).any() else slo
+    slo = min(slo, flo)
     lines = alt.Chart(d).mark_line(point=alt.OverlayMarkDef(size=18)).encode(
         x=alt.X("index:Q", title="singular value index i (descending)",
                 scale=alt.Scale(domain=[1, n_max], nice=False)),
-        y=alt.Y("sigma:Q", title="singular value σ_i (log scale)", scale=alt.Scale(type="log")),
+        y=alt.Y("sigma:Q", scale=alt.Scale(type="log"), axis=log_axis(slo, shi, "singular value σ_i (log scale)")),
         color=alt.Color("document:N", title="document", legend=alt.Legend(orient="bottom", columns=2)),
         tooltip=["document", alt.Tooltip("index:Q", title="i"), alt.Tooltip("sigma:Q", title="σ_i", format=".3e")])
     floor = alt.Chart(one).mark_rule(strokeDash=[6, 3], color="#d62728").encode(
@@ -303,7 +433,7 @@ def spectrum_chart(df: pd.DataFrame, document: str | None = None):
         x="erank:Q", y=alt.value(10),
         text=alt.value(f"erank {float(lab['erank'].iloc[0]):.1f}" if len(lab) else ""))
     title = "Singular spectrum at the document end"
-    sub = ["dashed red: the f32 floor σ_max·128·ε", "grey: numerical rank · green: effective rank"]
+    sub = ([f"one document: “{document}”"] if document is not None else []) + ["dashed red: the f32 floor σ_max·128·ε", "grey: numerical rank · green: effective rank"]
     if zeros:
         sub += [f"{zeros:,} singular value{'s are' if zeros > 1 else ' is'} 0 (below the resolution √ε_f64·σ_max)",
                 "and not drawn on the log axis"]
@@ -335,8 +465,8 @@ def alpha_chart(hist: pd.DataFrame, stats: pd.DataFrame, segment_len: int | None
     if segment_len:
         lo, hi = min(lo, 0.5 / segment_len), max(hi, 2.0 / segment_len)
     bars = alt.Chart(hist).mark_rect(opacity=0.5).encode(
-        x=alt.X("one_minus_alpha_lo:Q", title="1 − α per token (log scale; α = exp(g), the decay)",
-                scale=alt.Scale(type="log", domain=[lo, hi], nice=False)),
+        x=alt.X("one_minus_alpha_lo:Q", scale=alt.Scale(type="log", domain=[lo, hi], nice=False),
+                axis=log_axis(lo, hi, "1 − α per token (log scale; α = exp(g), the decay)")),
         x2="one_minus_alpha_hi:Q",
         y=alt.Y("share:Q", title="share of the document's tokens", stack=None, axis=alt.Axis(format="%")),
         y2="zero:Q",
@@ -361,9 +491,9 @@ def alpha_chart(hist: pd.DataFrame, stats: pd.DataFrame, segment_len: int | None
         "Per-token decay α of this head", subtitle=sub)))
 
 
-def keycone_chart(df: pd.DataFrame, info: dict | None = None):
-    """The head's sampled unit keys in 2-D: cosine with the mean key direction × coordinate along the top
-    principal direction orthogonal to it, coloured by token position."""
+def keycone_chart(df: pd.DataFrame, info: dict | None = None, document: str | None = None):
+    """The head's sampled unit keys of one document (named in the title when given) in 2-D: cosine with the mean
+    key direction × coordinate along the top principal direction orthogonal to it, coloured by token position."""
     info = info or {}
     sub = [f"{len(df)} unit keys sampled evenly along the document",
            f"‖mean key‖ = {info.get('mean_key_norm', float('nan')):.3f} · y holds "
@@ -376,29 +506,86 @@ def keycone_chart(df: pd.DataFrame, info: dict | None = None):
         tooltip=[alt.Tooltip("position:Q", title="token position", format=","),
                  alt.Tooltip("cos_to_mean:Q", title="cos to μ̂", format=".3f"),
                  alt.Tooltip("orth_pc1:Q", title="⊥ PC1", format=".3f")])
+    if document is not None:
+        sub = [f"one document: “{document}”"] + sub
     return configure(ch.properties(width=420, height=300, title=alt.Title("Key cone of this head", subtitle=sub)))
 
 
-def per_document_chart(df: pd.DataFrame):
-    """Each statistic of the head per document (dots) with the median (tick): the document-to-document spread.
-    One row per statistic, each with its own x scale."""
-    dots = alt.Chart().mark_circle(size=70, opacity=0.85).encode(
-        x=alt.X("value:Q", title=None, scale=alt.Scale(zero=False), axis=alt.Axis(format=",.4~g", tickCount=5)),
-        color=alt.Color("document:N", title="document", legend=alt.Legend(orient="bottom", columns=2)),
-        tooltip=["document", alt.Tooltip("label:N", title="statistic"), alt.Tooltip("value:Q", format=",.3f")])
-    tick = alt.Chart().mark_tick(color="black", thickness=2, size=18).encode(
-        x="median(value):Q", tooltip=[alt.Tooltip("median(value):Q", title="median", format=",.3f")])
-    fac = alt.layer(dots, tick, data=df).properties(width=300, height=28).facet(
-        row=alt.Row("label:N", title=None, sort=list(dict.fromkeys(df["label"])),
-                    header=alt.Header(labelAngle=0, labelAlign="left", labelFontSize=11, labelLimit=140))
-    ).resolve_scale(x="independent")
-    return configure(fac.properties(title=alt.Title("Per-document spread of this head",
-                                                     subtitle="dots: documents · black tick: median")), "pad")
+#: The per-document spread draws each statistic on an axis at least this share of its largest |value| wide, so that
+#: document-to-document differences below it (numerical rank 127 vs 128) look as small as they are.
+SPREAD_MIN_SPAN = 0.10
 
 
-def erank_vs_horizon_chart(table: pd.DataFrame, rho: float | None = None, rank_max: int | None = None):
+#: Statistics bounded by min(d_k, d_v) (a rank of the state).
+STATE_RANKS = ("erank", "numerical_rank", "stable_rank", "energy_rank99")
+
+
+def spread_domain(values, metric: str, rank_max: int | None = None) -> list[float]:
+    """x range of one statistic in the per-document spread: the values' range, widened about its centre to at
+    least ``SPREAD_MIN_SPAN`` × max|value| (and ≥ 2 for integer statistics), shifted inside the statistic's
+    natural bounds (ranks and horizons ≥ 0, the mean key norm ≤ 1, the state's ranks ≤ ``rank_max``), then padded
+    4% on each side."""
+    v = np.asarray(values, float)
+    v = v[np.isfinite(v)]
+    if v.size == 0:
+        return [0.0, 1.0]
+    lo, hi = float(v.min()), float(v.max())
+    need = max(SPREAD_MIN_SPAN * float(np.abs(v).max()), 2.0 if metric in INTEGER_METRICS else 1e-6)
+    if hi - lo < need:
+        c = (lo + hi) / 2
+        lo, hi = c - need / 2, c + need / 2
+    top = 1.0 if metric == "mean_key_norm" else float(rank_max) if rank_max and metric in STATE_RANKS else float("inf")
+    if lo < 0:
+        lo, hi = 0.0, hi - lo
+    if hi > top:
+        lo, hi = max(0.0, lo - (hi - top)), top
+    pad = 0.04 * (hi - lo)  # outside the bounds too: a dot on a bound is drawn whole
+    return [lo - pad, hi + pad]
+
+
+def per_document_chart(df: pd.DataFrame, rank_max: int | None = None):
+    """Each statistic of the head per document (dots) with the median over documents (black tick): the
+    document-to-document spread. One row per statistic, each on its own x range (``spread_domain``: never zoomed
+    until noise looks like spread), integer ticks for integer statistics."""
+    rows = []
+    for metric in dict.fromkeys(df["metric"]):
+        d = df[df["metric"] == metric]
+        integer = metric in INTEGER_METRICS
+        dom = spread_domain(d["value"], metric, rank_max)
+        axis = alt.Axis(format="d", tickMinStep=1, tickCount=5, labelFlush=True) if integer else \
+            alt.Axis(format=",.3~g", tickCount=5, labelFlush=True)
+        x = alt.X("value:Q", title=None, scale=alt.Scale(domain=dom, nice=False, zero=False), axis=axis)
+        y = alt.Y("label:N", title=None, axis=alt.Axis(labelLimit=170, ticks=False, domain=False, labelPadding=8))
+        dots = alt.Chart(d).mark_circle(size=70, opacity=0.85).encode(
+            x=x, y=y,
+            color=alt.Color("document:N", title="document", legend=alt.Legend(orient="bottom", columns=2)),
+            tooltip=["document", alt.Tooltip("label:N", title="statistic"), alt.Tooltip("value:Q", format=",.3f")])
+        tick = alt.Chart(d).mark_tick(color="black", thickness=2, size=18).encode(
+            x=alt.X("median(value):Q", scale=alt.Scale(domain=dom, nice=False, zero=False)), y=y,
+            tooltip=[alt.Tooltip("median(value):Q", title="median over documents", format=",.3f")])
+        rows.append(alt.layer(dots, tick).properties(width=300, height=34))
+    n = df["document"].nunique()
+    sub = [f"dots: the {n} documents · black tick: median over documents",
+           f"each axis spans at least {100 * SPREAD_MIN_SPAN:.0f}% of the statistic's value"]
+    return configure(alt.vconcat(*rows, spacing=4).properties(
+        title=alt.Title("Per-document spread of this head", subtitle=sub)), "pad")
+
+
+def rho_text(rho: float | None, ci: Iterable[float] | None = None) -> str:
+    """"ρ = 0.91 (95% CI 0.85–0.95)", "n/a" for a missing ρ; the interval only when both ends are finite."""
+    if rho is None or not np.isfinite(rho):
+        return "n/a"
+    lo, hi = (list(ci) + [float("nan")] * 2)[:2] if ci is not None else (float("nan"), float("nan"))
+    if np.isfinite(lo) and np.isfinite(hi):
+        return f"{rho:.2f} (95% CI {lo:.2f} to {hi:.2f})"
+    return f"{rho:.2f}"
+
+
+def erank_vs_horizon_chart(table: pd.DataFrame, rho: float | None = None, rank_max: int | None = None,
+                           ci: Iterable[float] | None = None):
     """Effective rank vs decay horizon per head (log–log), with the y = x line, the ceiling min(d_k, d_v) and
-    Spearman ρ."""
+    Spearman ρ with its bootstrap interval ``ci`` (``summary.overview``'s ``spearman_ci95``); layers coloured
+    by ``layer_scale``."""
     cols = ["layer", "head", "erank", "horizon"] + [c for c in ("erank_min", "erank_max") if c in table]
     df = table[cols].copy()
     df = df[np.isfinite(df["horizon"]) & (df["erank"] > 0)]
@@ -416,10 +603,10 @@ def erank_vs_horizon_chart(table: pd.DataFrame, rho: float | None = None, rank_m
                     alt.Tooltip("erank_max:Q", title="erank max over documents", format=".2f")]
     xs = alt.Scale(type="log", domain=[xlo, xhi], nice=False)
     ys = alt.Scale(type="log", domain=[ylo, yhi], nice=False)
-    pts = alt.Chart(df).mark_circle(size=60, opacity=0.8).encode(
-        x=alt.X("horizon:Q", title="decay horizon 1/(1 − ᾱ) (tokens, log scale)", scale=xs),
-        y=alt.Y("erank:Q", title="effective rank (directions, log scale)", scale=ys),
-        color=alt.Color("layer:O", title="layer", scale=alt.Scale(scheme="viridis")), tooltip=tooltip)
+    pts = alt.Chart(df).mark_circle(size=60, opacity=0.85).encode(
+        x=alt.X("horizon:Q", scale=xs, axis=log_axis(xlo, xhi, "decay horizon 1/(1 − ᾱ) (tokens, log scale)")),
+        y=alt.Y("erank:Q", scale=ys, axis=log_axis(ylo, yhi, "effective rank (directions, log scale)")),
+        color=alt.Color("layer:O", title="layer", scale=layer_scale(df["layer"])), tooltip=tooltip)
     line = alt.Chart(diag).mark_line(color="#888", strokeDash=[4, 4], clip=True).encode(
         x=alt.X("x:Q", scale=xs), y=alt.Y("y:Q", scale=ys))
     txt = alt.Chart(diag.tail(1)).mark_text(align="left", dx=6, dy=10, color="#888", clip=True).encode(
@@ -430,10 +617,12 @@ def erank_vs_horizon_chart(table: pd.DataFrame, rho: float | None = None, rank_m
         layers += [alt.Chart(cap).mark_rule(color="#bbb").encode(y=alt.Y("y:Q", scale=ys)),
                    alt.Chart(cap).mark_text(align="left", x=4, dy=8, color="#888").encode(
                        y=alt.Y("y:Q", scale=ys), text="label:N")]
-    rho_s = "n/a" if rho is None or not np.isfinite(rho) else f"{rho:.2f}"
+    n_docs = int(table["n_docs"].max()) if "n_docs" in table and len(table) else 1
+    over = f"median over {n_docs} documents" if n_docs != 1 else "one document"
     return configure(alt.layer(*layers).properties(width=440, height=340, title=alt.Title(
         "Effective rank vs decay horizon",
-        subtitle=[f"one point per head (median over documents)", f"Spearman ρ = {rho_s} · dashed: y = x"])))
+        subtitle=[f"one point per head ({over}) · dashed: y = x",
+                  f"Spearman ρ = {rho_text(rho, ci)}, bootstrap over heads"])))
 
 
 def horizon_hist_chart(table: pd.DataFrame, segment_len: int):
@@ -449,8 +638,8 @@ def horizon_hist_chart(table: pd.DataFrame, segment_len: int):
     df = pd.DataFrame(dict(lo=edges[:-1], hi=edges[1:], heads=counts, zero=0,
                            side=np.where(edges[1:] <= segment_len, "forgets within a segment", "longer")))
     bars = alt.Chart(df).mark_rect(stroke="white", strokeWidth=0.5).encode(
-        x=alt.X("lo:Q", title="decay horizon 1/(1 − ᾱ) (tokens, log scale)",
-                scale=alt.Scale(type="log", domain=[float(edges[0]), float(edges[-1])], nice=False)),
+        x=alt.X("lo:Q", scale=alt.Scale(type="log", domain=[float(edges[0]), float(edges[-1])], nice=False),
+                axis=log_axis(float(edges[0]), float(edges[-1]), "decay horizon 1/(1 − ᾱ) (tokens, log scale)")),
         x2="hi:Q", y=alt.Y("heads:Q", title="number of heads", scale=alt.Scale(domainMin=0),
                                  axis=alt.Axis(tickMinStep=1, format="d")), y2="zero:Q",
         color=alt.Color("side:N", title="", scale=alt.Scale(domain=["forgets within a segment", "longer"],
@@ -493,12 +682,16 @@ def forgetting_chart(df: pd.DataFrame, segment_len: int):
 
 def cache_budget_chart(df: pd.DataFrame, crossover: float | None = None):
     """Bytes per cache vs context length (log–log) for the loaded configuration."""
-    d = df[df["bytes"] > 0]
+    d = df[df["bytes"] > 0].copy()
+    d["size"] = [PS.human_bytes(b) for b in d["bytes"]]
+    c0, c1 = float(d["context"].min()), float(d["context"].max())
+    b0, b1 = float(d["bytes"].min()), float(d["bytes"].max())
     lines = alt.Chart(d).mark_line(point=alt.OverlayMarkDef(size=20)).encode(
-        x=alt.X("context:Q", title="context length T (tokens, log scale)",
-                scale=alt.Scale(type="log", domain=[float(d["context"].min()), float(d["context"].max())],
-                                nice=False)),
-        y=alt.Y("GiB:Q", title="cache size (GiB, log scale)", scale=alt.Scale(type="log")),
+        x=alt.X("context:Q", scale=alt.Scale(type="log", domain=[c0, c1], nice=False),
+                axis=log_axis(c0, c1, "context length T (tokens, log scale)")),
+        y=alt.Y("bytes:Q", scale=alt.Scale(type="log"),
+                axis=alt.Axis(title="cache size (log scale)", values=PS.byte_ticks(b0, b1),
+                              labelExpr=PS.BYTES_LABEL_EXPR)),
         color=alt.Color("cache:N", title="cache", sort=["total", "full-attention KV", "GDN recurrent state",
                                                           "GDN conv window"],
                         scale=alt.Scale(domain=["total", "full-attention KV", "GDN recurrent state",
@@ -506,8 +699,7 @@ def cache_budget_chart(df: pd.DataFrame, crossover: float | None = None):
                                         range=["#333333", "#d62728", "#1f77b4", "#9467bd"])),
         strokeDash=alt.condition("datum.cache == 'total'", alt.value([5, 3]), alt.value([1, 0])),
         tooltip=[alt.Tooltip("context:Q", title="T (tokens)", format=","), "cache",
-                 alt.Tooltip("GiB:Q", title="GiB", format=",.4f"), alt.Tooltip("bytes:Q", title="bytes",
-                                                                              format=",.0f")])
+                 alt.Tooltip("size:N", title="size"), alt.Tooltip("bytes:Q", title="bytes", format=",.0f")])
     layers = [lines]
     sub = "recurrent state and conv window are constant in T; full-attention KV grows linearly"
     if crossover and np.isfinite(crossover) and crossover > 0:
@@ -532,8 +724,11 @@ def loss_delta_chart(df: pd.DataFrame):
 
 
 def loss_vs_rank_chart(df: pd.DataFrame):
+    """Δ mean loss vs the rank kept per head; ticks at the ranks measured."""
+    rs = sorted({int(r) for r in df["r"]}) if len(df) else [1]
     ch = alt.Chart(df).mark_line(point=True).encode(
-        x=alt.X("r:Q", title="rank r kept per head (log scale)", scale=alt.Scale(type="log")),
+        x=alt.X("r:Q", title="rank r kept per head (log scale)", scale=alt.Scale(type="log"),
+                axis=alt.Axis(values=rs, format="d")),
         y=alt.Y("delta:Q", title="Δ mean loss vs untouched (nats / token)"),
         tooltip=["r", alt.Tooltip("loss:Q", format=".4f"), alt.Tooltip("delta:Q", format="+.4f")])
     return configure(ch.properties(width=440, height=260, title="Next-token loss vs rank"))
@@ -542,24 +737,38 @@ def loss_vs_rank_chart(df: pd.DataFrame):
 # =============================================================================================================
 # export
 # =============================================================================================================
-def _spec(chart) -> dict:
+def _spec(chart, width: int | None = None, height: int | None = None) -> dict:
+    """The chart's Vega-Lite dict; ``width`` / ``height`` (CSS px) replace a single or layered chart's size
+    (grids, facets and concatenations keep theirs: their cells have fixed steps)."""
     d = chart.to_dict() if hasattr(chart, "to_dict") else dict(chart)
     d.pop("usermeta", None)
+    sized = not any(k in d for k in ("vconcat", "hconcat", "concat", "facet", "repeat"))
+    for key, v in (("width", width), ("height", height)):
+        if v is None:
+            continue
+        v = int(v)
+        if v < 50 or v > 5000:
+            raise ValueError(f"figure {key} must be 50–5000 px; got {v}")
+        if sized and not isinstance(d.get(key), dict):
+            d[key] = v
     return d
 
 
-def to_png(chart, scale: float = 2.0) -> bytes:
-    """PNG bytes of a chart (vl-convert, offline)."""
+def to_png(chart, scale: float = 2.0, width: int | None = None, height: int | None = None) -> bytes:
+    """PNG bytes of a chart (vl-convert, offline): ``width`` × ``height`` CSS px (see ``_spec``) rendered at
+    ``scale`` device pixels per CSS px (2 ≈ 192 dpi at 96 dpi per CSS px). ``scale`` must be in (0, 8]."""
     import vl_convert as vlc
 
-    return vlc.vegalite_to_png(_spec(chart), scale=scale)
+    if not 0 < float(scale) <= 8:
+        raise ValueError(f"PNG scale must be in (0, 8]; got {scale!r}")
+    return vlc.vegalite_to_png(_spec(chart, width, height), scale=float(scale))
 
 
-def to_svg(chart) -> str:
-    """SVG text of a chart (vl-convert, offline)."""
+def to_svg(chart, width: int | None = None, height: int | None = None) -> str:
+    """SVG text of a chart (vl-convert, offline), sized as in ``to_png``."""
     import vl_convert as vlc
 
-    return vlc.vegalite_to_svg(_spec(chart))
+    return vlc.vegalite_to_svg(_spec(chart, width, height))
 
 
 def to_csv(df: pd.DataFrame) -> bytes:

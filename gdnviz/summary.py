@@ -7,6 +7,7 @@ the median with the min–max spread per head.
 - ``numerical_rank``   count of σ > σ_max·128·ε_f32
 - ``stable_rank``      Σσ²/σ_max²
 - ``energy_top{r}``    Σ_{i≤r} σ_i² / Σ σ_i² for r in ENERGY_RANKS
+- ``energy_rank99``    the smallest r with Σ_{i≤r} σ_i² ≥ 0.99 Σ σ_i² (directions keeping 99% of the energy)
 - ``horizon``          1/(1−ᾱ) tokens, ᾱ the mean of α = exp(g) over the document
 - ``forgets_within_segment``  horizon < segment length
 - ``mean_key_norm``, ``key_cov_erank``, ``decayed_P_erank`` (√-eigenvalue scale), ``decayed_P_erank_eig``
@@ -20,13 +21,14 @@ from __future__ import annotations
 import numpy as np
 import pandas as pd
 
-from gdnviz.analysis import spectra, spearman
+from gdnviz.analysis import spearman, spearman_ci, spectra
 
 ENERGY_RANKS = (1, 4, 12, 32)
 METRICS = {
     "erank": "effective rank",
     "numerical_rank": "numerical rank",
     "stable_rank": "stable rank",
+    "energy_rank99": "smallest r keeping 99% of the energy",
     "horizon": "decay horizon (tokens)",
     "mean_key_norm": "key cone: mean unit-key norm",
     "key_cov_erank": "key covariance erank (inside horizon)",
@@ -46,6 +48,7 @@ def head_table(capture) -> pd.DataFrame:
         "erank": spectra.effective_rank(sv).ravel(),
         "numerical_rank": spectra.numerical_rank(sv).ravel(),
         "stable_rank": spectra.stable_rank(sv).ravel(),
+        "energy_rank99": spectra.rank_for_energy(sv, 0.99).ravel(),
         "horizon": np.asarray(kc["horizon"]).ravel(),
         "mean_key_norm": np.asarray(kc["mean_key_norm"]).ravel(),
         "key_cov_erank": np.asarray(kc["key_cov_erank"]).ravel(),
@@ -78,13 +81,15 @@ def document_set_table(captures) -> pd.DataFrame:
 
 def overview(table: pd.DataFrame, segment_len: int) -> dict:
     """Seed 000 §2 headline numbers from a head table: Spearman ρ(erank, horizon), share forgetting within a
-    segment, and erank quantiles."""
+    segment, and erank quantiles. ``spearman_ci95`` is ρ's 95% percentile-bootstrap interval over heads
+    (``analysis.spearman_ci``, 2000 resamples, seed 0)."""
     er = table["erank"].to_numpy(float)
     hz = table["horizon"].to_numpy(float)
     # A head with alpha == 1 exactly has an infinite horizon: it ranks above every finite one (rank-preserving cap).
     hz_rank = np.where(np.isposinf(hz), np.finfo(np.float64).max, hz)
     return dict(
         spearman_erank_horizon=spearman(er, hz_rank),
+        spearman_ci95=list(spearman_ci(er, hz_rank)),
         share_forgetting_within_segment=float(np.mean(hz < segment_len)),
         erank_median=float(np.median(er)), erank_max=float(np.max(er)),
         erank_q25=float(np.quantile(er, 0.25)),

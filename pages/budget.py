@@ -6,6 +6,7 @@ import pandas as pd
 import streamlit as st
 
 from gdnviz import figures as F
+from gdnviz.plotstyle import human_bytes
 from gdnviz.ui import common as C
 
 C.ensure_entrypoint()
@@ -66,14 +67,14 @@ rec = df[df.cache == "GDN recurrent state"]["bytes"].iloc[0]
 conv = df[df.cache == "GDN conv window"]["bytes"].iloc[0]
 per_tok = B * cfg["n_attn"] * 2 * cfg["h_kv"] * cfg["d_h"] * bk
 m = st.columns(4)
-m[0].metric("Recurrent state", f"{rec / 2 ** 20:,.2f} MiB", help="all GDN layers, every T")
-m[1].metric("KV per token", f"{per_tok / 2 ** 10:,.2f} KiB", help="all full-attention layers")
+m[0].metric("Recurrent state", human_bytes(rec), help="all GDN layers, every T")
+m[1].metric("KV per token", human_bytes(per_tok), help="all full-attention layers")
 m[2].metric("KV = recurrent at", "never" if not np.isfinite(cross) else f"T ≈ {cross:,.0f}")
-m[3].metric("Conv windows (separate)", f"{conv / 2 ** 10:,.1f} KiB",
+m[3].metric("Conv windows (separate)", human_bytes(conv),
             help=f"B·|GDN|·(2·H_k·d_k + H_v·d_v)·{cfg['conv_kernel']}·b (the short-convolution cache, constant in T)")
 C.chart(F.cache_budget_chart(df, cross), df, "cache_budget", key="bud_chart")
 pts = [t for t in (4096, 32768, 131072, 1 << 20) if t <= Tmax] or [Tmax]
-tab = F.cache_budget_frame(contexts=pts, **kw).pivot(index="context", columns="cache", values="GiB").reset_index()
-st.dataframe(tab.rename(columns={"context": "T (tokens)"}), hide_index=True, width="stretch",
-             column_config={c: st.column_config.NumberColumn(format="%.4f GiB") for c in tab.columns
-                            if c != "context"})
+tab = F.cache_budget_frame(contexts=pts, **kw).pivot(index="context", columns="cache", values="bytes")
+tab = tab.map(human_bytes).reset_index()
+tab["context"] = [f"{int(t):,}" for t in tab["context"]]
+st.dataframe(tab.rename(columns={"context": "T (tokens)"}), hide_index=True, width="stretch")

@@ -90,7 +90,11 @@ st.markdown(f"### Layer {layer} · head {head}  \n"
             f"segment length {L} · run `{run['run_id']}`</span>", unsafe_allow_html=True)
 
 
-m = st.columns(5)
+nd = len(names)
+st.caption(f"The numbers below are medians over the {nd} document{'s' if nd != 1 else ''} of this run (min–max in "
+           f"the table at the bottom). The spectrum and the key cone show one document, “{doc}”; the other plots "
+           "draw every document.")
+m = st.columns(6)
 m[0].metric("Effective rank", f"{row['erank']:.1f}", help="exp of the entropy of σ/Σσ: directions carrying the norm")
 m[1].metric("Numerical rank", f"{row['numerical_rank']:.0f}", help="σ above σ_max·128·ε_f32")
 m[2].metric("Horizon", f"{row['horizon']:,.0f} tok" if np.isfinite(row["horizon"]) else "∞", help="1/(1 − ᾱ)")
@@ -98,6 +102,8 @@ m[3].metric("Mean key norm", f"{row['mean_key_norm']:.3f}", help="‖mean of the
             "≈ 0 = isotropic")
 m[4].metric("Key-cov erank", f"{row['key_cov_erank']:.1f}", help="effective rank of the covariance of the keys "
             "written inside the horizon")
+m[5].metric("r for 99% energy", f"{row['energy_rank99']:g}", help="smallest r with Σ_{i≤r} σ_i² ≥ 0.99 Σ σ_i² "
+            "(median over documents)")
 if row["horizon"] < L:
     st.caption(f"This head forgets within one segment (horizon {row['horizon']:,.0f} < L = {L} tokens): "
                "truncating it at segment boundaries should change little.")
@@ -112,6 +118,18 @@ with b:
     C.chart(F.erank_along_chart(al, L), al, f"{tag}_erank_along", key="ch_along")
 a, b = st.columns(2)
 with a:
+    en = F.energy_frame(caps, names, li, head)
+    C.chart(F.energy_chart(en, marked_r=(1, 4, 12, 32)), en, f"{tag}_energy_kept", key="ch_energy")
+with b:
+    st.markdown("**Energy kept at seed 000's ranks, per document**")
+    ek = en[en["r"].isin([1, 4, 12, 32])].pivot(index="document", columns="r", values="energy")
+    ek.columns = [f"r = {c}" for c in ek.columns]
+    ek["smallest r keeping 99%"] = en.drop_duplicates("document").set_index("document")["r_share"]
+    st.dataframe(ek.reset_index(), hide_index=True, width="stretch",
+                 column_config={c: st.column_config.NumberColumn(format="percent") for c in ek.columns
+                                if c.startswith("r = ")})
+a, b = st.columns(2)
+with a:
     hist, stats = F.alpha_frame(caps, names, li, head)
     C.chart(F.alpha_chart(hist, stats, L), hist, f"{tag}_alpha", key="ch_alpha")
     st.dataframe(stats.rename(columns={"mean_alpha": "mean α", "one_minus_mean_alpha": "1 − ᾱ",
@@ -124,7 +142,7 @@ with a:
                                 "mean β": st.column_config.NumberColumn(format="%.3f")})
 with b:
     kdf, kinfo = F.keycone_frame(caps[di], li, head)
-    C.chart(F.keycone_chart(kdf, kinfo), kdf, f"{tag}_keycone", key="ch_cone")
+    C.chart(F.keycone_chart(kdf, kinfo, doc), kdf, f"{tag}_keycone", key="ch_cone")
     kc = caps[di].keycone
     st.caption(f"{doc}: mean key norm {kc['mean_key_norm'][li, head]:.3f} · key-covariance erank "
                f"{kc['key_cov_erank'][li, head]:.1f} · decayed-P erank {kc['decayed_P_erank_sqrt'][li, head]:.1f} "
@@ -133,6 +151,7 @@ st.markdown("#### Statistics of this head over the documents")
 STATS = [("erank", "effective rank", "directions carrying the norm, exp(−Σ p log p), p = σ/Σσ"),
          ("numerical_rank", "numerical rank", "σ above σ_max·128·ε_f32 (counts decayed residue)"),
          ("stable_rank", "stable rank", "‖S‖²_F / ‖S‖²₂"),
+         ("energy_rank99", "r for 99% energy", "smallest r with Σ_{i≤r} σ_i² ≥ 0.99 Σ σ_i²"),
          ("horizon", "decay horizon (tokens)", "1/(1 − ᾱ), ᾱ the mean per-token decay"),
          ("mean_key_norm", "mean key norm", "norm of the mean unit key: 1 = all keys parallel"),
          ("key_cov_erank", "key-covariance erank", "covariance of the keys inside the horizon (eig scale)"),
@@ -146,5 +165,5 @@ with a:
                  column_config={c: st.column_config.NumberColumn(format="%.3g") for c in ("median", "min", "max")})
 with b:
     pdf = F.per_document_frame(caps, names, li, head)
-    C.chart(F.per_document_chart(pdf), pdf, f"{tag}_per_document", key="ch_perdoc", fixed_size=True)
+    C.chart(F.per_document_chart(pdf, min(int(model["d_k"]), int(model["d_v"]))), pdf, f"{tag}_per_document", key="ch_perdoc", fixed_size=True)
 C.page_link("heatmap", "Back to the heatmap", icon=":material/grid_on:")

@@ -21,6 +21,7 @@ c1, c2 = st.columns([3, 2])
 c1.radio("Statistic", METRICS, key="heat_metric", horizontal=True,
          format_func=lambda m: {"erank": "effective rank", "numerical_rank": "numerical rank",
                                 "stable_rank": "stable rank", "horizon": "horizon", "mean_key_norm": "key-cone norm",
+                                "energy_rank99": "r for 99% energy",
                                 "key_cov_erank": "key-covariance erank", "decayed_P_erank": "decayed-P erank"}[m])
 c2.radio("Clicking a cell", ["open", "pick"], key="click_action", horizontal=True,
          format_func={"open": "opens that head", "pick": "adds / removes it in the truncation set"}.get)
@@ -35,7 +36,8 @@ if st.session_state.get("layer") in run["model"]["gdn_layers"] and st.session_st
     sel = (st.session_state["layer"], st.session_state["head"])
 df = F.heatmap_frame(table, metric)
 ch = F.heatmap(df, metric, selected=sel, picked=C.picked_heads())
-event = C.chart(ch, df, f"heatmap_{metric}", key="heat", on_select="rerun", selection_mode="cell", fixed_size=True)
+event = C.chart(ch, df, f"heatmap_{metric}", key="heat", on_select="rerun", selection_mode="cell", fixed_size=True,
+                export=F.heatmap(df, metric, interactive=False))
 
 cell = C.parse_cell(event)
 if cell is not None and st.session_state.get("heat_handled") != (cell, metric):

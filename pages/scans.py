@@ -123,7 +123,8 @@ if rec is not None and rec["status"] == "done":
     title = f"{Path(str(res['model_name'])).name}: one {sp['by']} {what} r = {sp['r']}"
     hdf = F.scan_heatmap_frame(tab, gl, H)
     ev = C.chart(F.scan_heatmap(hdf, keep=keep, title=title), hdf, "scan_heatmap", key="sc_heat",
-                 on_select="rerun", selection_mode="cell", fixed_size=True)
+                 on_select="rerun", selection_mode="cell", fixed_size=True,
+                 export=F.scan_heatmap(hdf, keep=keep, title=title, interactive=False))
     cell = C.parse_cell(ev)
     if cell is not None and st.session_state.get("sc_heat_handled") != cell:
         st.session_state["sc_heat_handled"] = cell

@@ -12,12 +12,14 @@ import time
 import zipfile
 from pathlib import Path
 
+import numpy as np
 import pyarrow as pa
 import pytest
 from streamlit.testing.v1 import AppTest
 
 from app_fixtures import build_not_gdn, short_text, tiny_checkpoint  # noqa: F401  (fixture)
 from gdnviz import jobs
+from gdnviz.plotstyle import human_bytes
 from gdnviz.store import Store, corrupt_memo_entry
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -355,9 +357,13 @@ def test_heatmap_metrics_tooltips_and_click(env, populated):
     at.radio(key="heat_metric").set_value("horizon").run()
     spec = json.loads(charts(at)[0].proto.spec)
     assert spec["encoding"]["color"]["scale"]["type"] == "log"
-    for m in ("numerical_rank", "stable_rank", "mean_key_norm", "key_cov_erank", "decayed_P_erank"):
+    for m in ("numerical_rank", "stable_rank", "energy_rank99", "mean_key_norm", "key_cov_erank",
+              "decayed_P_erank"):
         at.radio(key="heat_metric").set_value(m).run()
         assert not at.exception and charts(at)
+    spec = json.loads(charts(at)[0].proto.spec)
+    assert "…" not in json.dumps(spec["encoding"]["color"]["title"], ensure_ascii=False)
+    assert {"heat_png", "heat_svg", "heat_csv"} <= {b.key for b in at.get("download_button")}
 
     # a click opens that head, with a deep link
     at.session_state["heat"] = {"selection": {"cell": [{"layer": 1, "head": 2}]}}
@@ -396,11 +402,26 @@ def test_head_deep_link_in_a_new_session(env, populated):
     assert any("Layer 3 · head 1" in m for m in texts(at, "markdown"))
     assert any(run["run_id"] in m for m in texts(at, "markdown"))
     assert chart_titles(at) == ["Singular spectrum at the document end", "Effective rank along the document",
+                                "Energy kept by rank-r truncation at the document end",
                                 "Per-token decay α of this head", "Key cone of this head",
                                 "Per-document spread of this head"]
-    assert len(at.get("download_button")) >= 3 * 5
+    assert len(at.get("download_button")) >= 3 * 6
     metrics = {m.label: m.value for m in at.metric}
-    assert {"Effective rank", "Numerical rank", "Horizon", "Mean key norm", "Key-cov erank"} <= set(metrics)
+    assert {"Effective rank", "Numerical rank", "Horizon", "Mean key norm", "Key-cov erank",
+            "r for 99% energy"} <= set(metrics)
+    # which numbers are medians and which plots show one document
+    assert any("medians over the 2 documents" in c and "show one document, “alpha”" in c for c in texts(at, "caption"))
+    import json
+
+    specs = {json.loads(c.proto.spec)["title"]["text"]: json.loads(c.proto.spec) for c in charts(at)}
+    for t in ("Singular spectrum at the document end", "Key cone of this head"):
+        assert specs[t]["title"]["subtitle"][0] == "one document: “alpha”"
+    spread = specs["Per-document spread of this head"]
+    from gdnviz.figures import HEATMAP_METRICS
+
+    nr = spread["vconcat"][list(HEATMAP_METRICS).index("numerical_rank")]
+    x = nr["layer"][0]["encoding"]["x"]
+    assert x["axis"]["format"] == "d" and x["scale"]["domain"][1] <= 1.01 * min(run["model"]["d_k"], run["model"]["d_v"])
     # the statistics table has median / min / max per statistic
     stats = [d.value for d in at.dataframe if "statistic" in d.value.columns][0]
     assert {"effective rank", "decay horizon (tokens)", "key-covariance erank"} <= set(stats["statistic"])
@@ -442,9 +463,15 @@ def test_overview_figures(env, populated):
     at.run()
     assert not at.exception
     assert chart_titles(at) == ["Effective rank vs decay horizon", "Decay horizons of all GDN heads",
-                                "Heads forgetting within a segment, per layer"]
+                                "Heads forgetting within a segment, per layer", "The key cone's ceiling"]
     labels = [m.label for m in at.metric]
     assert "Spearman ρ" in labels and "Forget within L" in labels
+    from gdnviz.summary import document_set_table, overview
+
+    table = document_set_table(jobs.load_run_captures(Store(cache), run))
+    lo, hi = overview(table, int(run["segment_len"]))["spearman_ci95"]
+    rho_metric = [m for m in at.metric if m.label == "Spearman ρ"][0]
+    assert rho_metric.proto.delta == f"95% CI {lo:.2f} to {hi:.2f}"
     import json
 
     evh = json.loads(charts(at)[0].proto.spec)
@@ -462,14 +489,17 @@ def test_cache_budget(env, populated):
     metrics = {m.label: m.value for m in at.metric}
     m = run["model"]
     rec = len(m["gdn_layers"]) * m["num_heads"] * m["d_k"] * m["d_v"] * 4
-    assert metrics["Recurrent state"] == f"{rec / 2 ** 20:,.2f} MiB"
+    assert metrics["Recurrent state"] == human_bytes(rec)
     kv_per_tok = len(m["attn_layers"]) * 2 * m["attn_kv_heads"] * m["attn_head_dim"] * 2
-    assert metrics["KV per token"] == f"{kv_per_tok / 2 ** 10:,.2f} KiB"
+    assert metrics["KV per token"] == human_bytes(kv_per_tok)
     assert metrics["KV = recurrent at"] == f"T ≈ {rec / kv_per_tok:,.0f}"
     assert chart_titles(at) == ["Cache memory vs context length"]
     at.number_input(key="bud_batch").set_value(4)
     at.selectbox(key="bud_state_dtype").set_value("bfloat16").run()
-    assert {m.label: m.value for m in at.metric}["Recurrent state"] == f"{4 * rec / 2 / 2 ** 20:,.2f} MiB"
+    assert {m.label: m.value for m in at.metric}["Recurrent state"] == human_bytes(4 * rec / 2)
+    table = [d.value for d in at.dataframe][0]
+    assert all(str(v).endswith(("B", "KiB", "MiB", "GiB", "TiB")) for v in table.drop(columns="T (tokens)").values.ravel())
+    assert not any("0.0000" in str(v) for v in table.values.ravel())
 
 
 # =============================================================================================================
@@ -513,7 +543,7 @@ def test_previous_runs_reopen_and_corrupt_results_are_recomputed(env, tmp_path, 
     assert store.queued_count() == 1
     work(cache)
     at2.run()
-    assert not texts(at2, "warning") and len(charts(at2)) == 3
+    assert not texts(at2, "warning") and len(charts(at2)) == 4  # the overview's four figures
     assert store.memo_has(r2["documents"][0]["key"])
 
 
@@ -526,7 +556,9 @@ def test_run_zip(env, populated):
     names = set(z.namelist())
     assert {"settings.json", "tables/heads.csv", "figures/heatmap_erank.png", "figures/heatmap_erank.svg",
             "data/heatmap_erank.csv", "figures/erank_vs_horizon.png", "figures/L1H2_spectrum.svg",
-            "figures/L1H2_keycone.png"} <= names
+            "figures/L1H2_keycone.png", "figures/keycone_ceiling.svg", "figures/L1H2_energy_kept.png",
+            "figures/heatmap_energy_rank99.svg"} <= names
+    assert "click a cell" not in z.read("figures/heatmap_erank.svg").decode()
     assert z.read("figures/heatmap_horizon.png")[:4] == b"\x89PNG"
 
 
@@ -1041,3 +1073,116 @@ def test_an_upload_is_tokenised_once_and_one_too_large_is_refused_before_decodin
     assert any("'big.txt' is 1,000,001 bytes" in e and "over the limit of 100 tokens" in e for e in errs), errs
     assert not any("UTF-8" in e for e in errs)
     assert "big.txt" not in [d["name"] for d in at.session_state["user_docs"]]
+
+
+# =============================================================================================================
+# Compare two runs
+# =============================================================================================================
+@pytest.fixture(scope="module")
+def three_runs(tmp_path_factory, tiny_checkpoint):
+    """One cache: the tiny model on two document sets (A, B) and the demo model (another head grid)."""
+    d = tmp_path_factory.mktemp("three")
+    a = capture(d, tiny_checkpoint, (("alpha", short_text(300, 0)), ("beta", short_text(260, 3))))
+    b = capture(d, tiny_checkpoint, (("gamma", short_text(280, 5)),))
+    demo = str(ROOT / "gdnviz" / "assets" / "demo")
+    c = capture(d, demo, (("delta", short_text(200, 7)),))
+    return d, a, b, c
+
+
+def test_compare_needs_two_runs(env, populated):
+    cache, run = populated
+    env(cache)
+    at = app("compare", run=run)
+    at.run()
+    assert not at.exception and not charts(at)
+    assert any("Two runs are needed" in m for m in texts(at, "info"))
+
+
+def test_compare_two_runs_side_by_side_with_the_difference(env, three_runs):
+    import json
+
+    from gdnviz.summary import document_set_table
+
+    cache, a, b, _ = three_runs
+    env(cache)
+    at = app("compare", run=a)
+    at.run()
+    assert not at.exception
+    # A is this session's run; B is not chosen for the user (never another session's run unless picked)
+    assert at.selectbox(key="cmp_a").value == a["run_id"] and at.selectbox(key="cmp_b").value is None
+    assert not charts(at) and any("Pick two runs" in i for i in texts(at, "info"))
+    at.selectbox(key="cmp_b").set_value(b["run_id"]).run()
+    assert not at.exception
+    titles = chart_titles(at)
+    assert len(titles) == 4 and titles[0].startswith("A: ") and titles[1].startswith("B: ")
+    assert titles[2].startswith("B − A: ") and titles[3] == "Effective rank vs decay horizon, two runs"
+    sa, sb = (json.loads(c.proto.spec) for c in charts(at)[:2])
+    assert sa["encoding"]["color"]["scale"]["domain"] == sb["encoding"]["color"]["scale"]["domain"]
+    d = pa.ipc.open_stream(charts(at)[2].proto.datasets[0].data.data).read_all().to_pandas()
+    ta = document_set_table(jobs.load_run_captures(Store(cache), a))
+    tb = document_set_table(jobs.load_run_captures(Store(cache), b))
+    want = tb.set_index(["layer", "head"])["erank"] - ta.set_index(["layer", "head"])["erank"]
+    got = d.set_index(["layer", "head"])["value"]
+    assert np.allclose(got.sort_index().to_numpy(), want.sort_index().to_numpy())
+    at.radio(key="cmp_metric").set_value("energy_rank99").run()
+    assert not at.exception and len(charts(at)) == 4
+    assert {"cmp_heat_d_png", "cmp_heat_d_svg", "cmp_scatter_csv"} <= {x.key for x in at.get("download_button")}
+    at.selectbox(key="cmp_b").set_value(a["run_id"]).run()
+    assert any("the same run" in w for w in texts(at, "warning"))
+
+
+def test_compare_runs_with_different_head_grids_says_so(env, three_runs):
+    cache, a, _, c = three_runs
+    env(cache)
+    at = app("compare", run=a)
+    at.run()
+    at.selectbox(key="cmp_b").set_value(c["run_id"]).run()
+    assert not at.exception
+    warn = [w for w in texts(at, "warning") if "different head grids" in w]
+    assert warn and "GDN layers [0, 1, 3] vs [0, 1, 2, 4, 5, 6]" in warn[0] and "4 vs 2 heads per layer" in warn[0]
+    titles = chart_titles(at)
+    assert len(titles) == 3 and not any(t.startswith("B − A") for t in titles)
+
+
+def test_compare_two_stored_sweeps(env, three_runs, tiny_checkpoint):
+    cache, a, b, _ = three_runs
+    env(cache)
+    store = Store(cache)
+    demo = str(ROOT / "gdnviz" / "assets" / "demo")
+    ids = []
+    for model in (str(tiny_checkpoint), demo):  # two models, the same task, length and ranks
+        ids.append(store.submit("sweep", jobs.spec_to_dict(jobs.SweepJob(
+            model=model, tasks=("niah_single_1",), lengths=(300,), ranks=(2,), n=1, max_new_tokens=4,
+            segment_len=64))))
+        work(cache)
+        assert store.job(ids[-1])["status"] == "done", store.job(ids[-1])["error"]
+    at = app("compare", run=a)
+    at.run()
+    at.selectbox(key="cmp_b").set_value(b["run_id"]).run()
+    at.selectbox(key="cmp_sw_a").set_value(ids[0]).run()
+    at.selectbox(key="cmp_sw_b").set_value(ids[1]).run()
+    assert not at.exception
+    from gdnviz.probes import sweep
+
+    ta, tb = (sweep.table_frame(store.job(j)["result"]["table"]) for j in ids)
+    diff = [d.value for d in at.dataframe if "B − A (points)" in d.value.columns][0]
+    common = sorted(set(ta["r"]) & set(tb["r"]))  # r = 2; the untouched r differs (16 vs 128)
+    assert common == [2] and diff["r"].tolist() == common
+    want = tb.set_index("r")["score"] - ta.set_index("r")["score"]
+    assert np.allclose(diff.set_index("r")["B − A (points)"], want.loc[common])
+    assert any("not a paired difference" in m for m in texts(at, "markdown"))
+
+
+def test_figure_export_options_survive_page_switches_and_say_when_a_size_is_ignored(env, populated):
+    cache, run = populated
+    env(cache)
+    at = app("overview", run=run)
+    at.run()
+    at.number_input(key="ex_width").set_value(30).run()
+    assert any("A width of 30 px is below 50 px" in c for c in texts(at, "caption"))
+    at.number_input(key="ex_width").set_value(800)
+    at.select_slider(key="ex_scale").set_value(4.0).run()
+    assert not at.exception
+    assert (at.session_state["ex_width"], at.session_state["ex_scale"]) == (800, 4.0)
+    at.switch_page("pages/head.py").run()  # sidebar widgets: the values survive a page switch
+    assert (at.session_state["ex_width"], at.session_state["ex_scale"]) == (800, 4.0)

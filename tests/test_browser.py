@@ -164,7 +164,7 @@ def test_heatmap_click_lands_on_that_head(server, page, browser):
     page.wait_for_url(re.compile(r"/head\?layer=1&head=2$"), timeout=60_000)
     wait_for_app(page)
     page.get_by_role("heading", name="Layer 1 · head 2").wait_for()
-    assert page.get_by_test_id("stVegaLiteChart").count() == 5
+    assert page.get_by_test_id("stVegaLiteChart").count() == 6  # spectrum, erank along, energy, α, key cone, spread
     url = page.url
 
     # the same link pasted into a new browser session
@@ -217,6 +217,14 @@ def test_png_download(server, page, tmp_path):
     assert data[:8] == b"\x89PNG\r\n\x1a\n" and data[12:16] == b"IHDR"
     w, h = struct.unpack(">II", data[16:24])
     assert w > 200 and h > 100 and len(data) > 5_000
+    # the exported figure carries no on-screen hint (the chart on the page does)
+    assert page.get_by_text("click a cell to open that head").count() >= 1
+    with page.expect_download(timeout=120_000) as d:
+        page.get_by_test_id("stDownloadButton").get_by_role("button", name="SVG").first.click()
+    svg = (tmp_path / "h.svg")
+    d.value.save_as(svg)
+    text = svg.read_text()
+    assert "Effective rank (directions)" in text and "click a cell" not in text and "…" not in text
 
 
 def test_binary_upload_is_refused_with_a_message(server, page, tmp_path):

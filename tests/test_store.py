@@ -228,7 +228,7 @@ def test_figure_builders_export_png_svg_and_zip(tmp_path):
     rng = np.random.default_rng(0)
     table = pd.DataFrame([dict(layer=l, head=h, erank=rng.uniform(1, 10), horizon=10 ** rng.uniform(0, 4),
                                numerical_rank=16, stable_rank=2.0, mean_key_norm=0.5, key_cov_erank=3.0,
-                               decayed_P_erank=3.0) for l in (0, 1, 3) for h in range(4)])
+                               decayed_P_erank=3.0, energy_rank99=8.0) for l in (0, 1, 3) for h in range(4)])
     for m in F.HEATMAP_METRICS:
         table[f"{m}_min"], table[f"{m}_max"] = table[m] * 0.9, table[m] * 1.1
     table["n_docs"] = 2

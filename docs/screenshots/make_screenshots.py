@@ -5,7 +5,8 @@
 Without ``--model`` it builds a small random Qwen3.5-architecture checkpoint (9 GDN layers x 8 heads of 32x32,
 decays spread from a few tokens to thousands, the tests' byte-level BPE tokenizer) in a temporary folder: the
 pictures then show the app, not a trained model's science. Pass ``--model demo`` once the bundled demo model is
-installed. Each PNG is palette-quantised to stay a few hundred KB.
+installed. ``--only compare`` captures two pairs of sample documents and shoots only the Compare two runs page.
+Each PNG is palette-quantised to stay a few hundred KB.
 """
 from __future__ import annotations
 
@@ -75,8 +76,9 @@ def main() -> int:
     ap.add_argument("--out", default=str(ROOT / "docs" / "screenshots"))
     ap.add_argument("--head", default=None,
                     help="LAYER,HEAD for the Head page (default 5,1 with --model demo: its longest-lived head; else 4,3)")
-    ap.add_argument("--only", choices=["sweeps"], default=None,
-                    help="only the Retrieval sweeps page (no capture; a tiny sweep on the inspected model)")
+    ap.add_argument("--only", choices=["sweeps", "compare"], default=None,
+                    help="only the Retrieval sweeps page (no capture; a tiny sweep on the inspected model), or only "
+                         "Compare two runs (two captures of the model, two sample documents each)")
     args = ap.parse_args()
     args.head = [int(x) for x in (args.head or ("5,1" if args.model == "demo" else "4,3")).split(",")]
     out = Path(args.out)
@@ -131,8 +133,34 @@ def main() -> int:
                 page.get_by_text("Score per task, length and r").wait_for(timeout=1_800_000)
                 shot("sweeps", 1900)
 
+            def compare(n_runs: int):  # n_runs more captures (two samples each) through the server's worker
+                from gdnviz import jobs
+                from gdnviz.documents import sample_documents
+                from gdnviz.store import Store
+
+                store = Store(tmp / "cache")
+                docs = sample_documents()
+                for i in range(n_runs):
+                    pair = tuple((d.name, d.text) for d in docs[2 * i:2 * i + 2])
+                    jid = store.submit("capture", jobs.spec_to_dict(jobs.CaptureJob(model=model, documents=pair)))
+                    rec = store.wait(jid, timeout=1800)
+                    assert rec["status"] == "done", rec.get("error")
+                page.goto(base + "/compare")
+                idle()
+                sel = page.get_by_test_id("stMain").get_by_test_id("stSelectbox")
+                for i, option in ((0, 1), (1, 0)):  # A: the older run, B: the newest
+                    sel.nth(i).click()
+                    page.get_by_role("option").nth(option).click()
+                    idle()
+                page.mouse.move(1400, 50)
+                shot("compare", 2100)
+
             page.goto(base + "/")
             page.get_by_text("Heads per GDN layer").wait_for()
+            if args.only == "compare":
+                compare(2)
+                b.close()
+                return 0
             if args.only == "sweeps":
                 sweeps()
                 b.close()
@@ -167,6 +195,7 @@ def main() -> int:
             sweeps()
             page.goto(base + "/budget")
             shot("budget", 1150)
+            compare(1)
             b.close()
     finally:
         server.terminate()

@@ -10,7 +10,7 @@ run on the tensor's device). :func:`singular_values` alone returns the type it i
 * :mod:`.aggregate` -- Spearman ρ, median/min/max over documents, tidy ``(layer, head)`` tables.
 """
 
-from .aggregate import across_documents, head_frame, rankdata_average, spearman
+from .aggregate import across_documents, head_frame, rankdata_average, spearman, spearman_ci
 from .horizons import alpha_histogram, decay_horizon, horizon_from_alpha, mean_alpha, share_forgetting_within
 from .keycone import (
     DecayedKeyCovariance,
@@ -30,6 +30,7 @@ from .spectra import (
     energy_top_r,
     numerical_rank,
     numerical_rank_threshold,
+    rank_for_energy,
     singular_values,
     stable_rank,
 )
@@ -38,6 +39,7 @@ __all__ = [
     "RANK_TOL_FACTOR",
     "numerical_rank_threshold",
     "numerical_rank",
+    "rank_for_energy",
     "effective_rank",
     "stable_rank",
     "energy_top_r",
@@ -58,6 +60,7 @@ __all__ = [
     "DecayedKeyCovariance",
     "keycone_summary",
     "spearman",
+    "spearman_ci",
     "rankdata_average",
     "across_documents",
     "head_frame",

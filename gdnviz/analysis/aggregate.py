@@ -13,7 +13,11 @@ import pandas as pd
 
 from .spectra import _as_f64, _is_torch
 
-__all__ = ["rankdata_average", "spearman", "across_documents", "head_frame"]
+__all__ = ["rankdata_average", "spearman", "spearman_ci", "across_documents", "head_frame"]
+
+#: Bootstrap of :func:`spearman_ci`: resamples and the seed of its generator (fixed: the interval is reproducible).
+BOOT_RESAMPLES = 2000
+BOOT_SEED = 0
 
 
 def rankdata_average(a: Any) -> np.ndarray:
@@ -59,6 +63,56 @@ def spearman(x: Any, y: Any) -> float:
     if den == 0:
         return float("nan")
     return float(np.clip(np.dot(ra, rb) / den, -1.0, 1.0))
+
+
+def _rank_rows(m: np.ndarray) -> np.ndarray:
+    """:func:`rankdata_average` of every row of ``m [B, n]`` at once."""
+    B, n = m.shape
+    order = np.argsort(m, axis=1, kind="stable")
+    srt = np.take_along_axis(m, order, axis=1)
+    pos = np.broadcast_to(np.arange(n), (B, n))
+    diff = srt[:, 1:] != srt[:, :-1]
+    first = np.concatenate([np.ones((B, 1), bool), diff], axis=1)
+    last = np.concatenate([diff, np.ones((B, 1), bool)], axis=1)
+    start = np.maximum.accumulate(np.where(first, pos, 0), axis=1)
+    end = np.minimum.accumulate(np.where(last, pos, n)[:, ::-1], axis=1)[:, ::-1]
+    ranks = np.empty((B, n), np.float64)
+    np.put_along_axis(ranks, order, (start + end) / 2.0 + 1.0, axis=1)
+    return ranks
+
+
+def spearman_ci(x: Any, y: Any, level: float = 0.95, n_boot: int = BOOT_RESAMPLES,
+                seed: int = BOOT_SEED) -> tuple[float, float]:
+    """Percentile-bootstrap confidence interval of :func:`spearman` over the pairs (heads).
+
+    The kept pairs (both finite) are resampled with replacement ``n_boot`` times, the indices drawn as
+    ``np.random.default_rng(seed).integers(0, n, size=(n_boot, n))``; ρ of each resample (ties get average
+    ranks; a constant resample gives NaN and is left out) and the ``(1 − level)/2`` and ``(1 + level)/2``
+    quantiles of those ρ (``np.quantile``, linear interpolation) are the interval. Returns ``(lo, hi)``; NaNs with
+    fewer than 3 kept pairs. ``level`` must be in ``(0, 1)``.
+    """
+    if not 0.0 < float(level) < 1.0:
+        raise ValueError(f"level must be in (0, 1); got {level!r}")
+    a, b = _as_f64(x).ravel(), _as_f64(y).ravel()
+    if a.size != b.size:
+        raise ValueError(f"x and y must have the same number of elements; got {a.size} and {b.size}")
+    keep = np.isfinite(a) & np.isfinite(b)
+    a, b = a[keep], b[keep]
+    n = a.size
+    if n < 3:
+        return float("nan"), float("nan")
+    idx = np.random.default_rng(seed).integers(0, n, size=(int(n_boot), n))
+    ra, rb = _rank_rows(a[idx]), _rank_rows(b[idx])
+    ra -= ra.mean(1, keepdims=True)
+    rb -= rb.mean(1, keepdims=True)
+    den = np.sqrt((ra * ra).sum(1) * (rb * rb).sum(1))
+    with np.errstate(invalid="ignore", divide="ignore"):
+        rhos = np.clip((ra * rb).sum(1) / den, -1.0, 1.0)
+    rhos = rhos[np.isfinite(rhos) & (den > 0)]
+    if rhos.size == 0:
+        return float("nan"), float("nan")
+    lo, hi = np.quantile(rhos, [(1 - level) / 2, (1 + level) / 2])
+    return float(lo), float(hi)
 
 
 def across_documents(values: Any) -> dict[str, np.ndarray]:

@@ -16,8 +16,10 @@ Definitions (seed 000, to the letter):
 * effective rank: ``exp(-Σ_i p_i log p_i)`` with ``p_i = σ_i / Σ_j σ_j`` (natural log, ``0 log 0 = 0``).
 * stable rank: ``Σ σ_i² / σ_max² = ‖S‖_F² / ‖S‖_2²``.
 * energy in the top ``r``: ``Σ_{i≤r} σ_i² / Σ_i σ_i²`` over the ``r`` largest ``σ``.
+* rank for an energy share ``q`` (e.g. 0.99): the smallest ``r ≥ 1`` with ``Σ_{i≤r} σ_i² ≥ q · Σ_i σ_i²``.
 
-Zero spectra (``σ = 0``, the all-zero state) get: numerical rank 0, effective rank 0, stable rank 0, energy 1.
+Zero spectra (``σ = 0``, the all-zero state) get: numerical rank 0, effective rank 0, stable rank 0, energy 1,
+rank for any energy share 0.
 """
 
 from __future__ import annotations
@@ -36,6 +38,7 @@ __all__ = [
     "stable_rank",
     "energy_top_r",
     "energy_curve",
+    "rank_for_energy",
     "effective_rank_from_eigenvalues",
     "singular_values",
 ]
@@ -189,6 +192,25 @@ def energy_top_r(sv: Any, r: Any) -> np.ndarray:
     cum_b = np.broadcast_to(cum0, shape + (n + 1,))
     idx = np.broadcast_to(np.minimum(ri, n), shape)[..., None]
     return _out(np.take_along_axis(cum_b, idx, axis=-1)[..., 0])
+
+
+def rank_for_energy(sv: Any, share: float = 0.99) -> np.ndarray:
+    """Smallest ``r`` whose top-``r`` truncation keeps ``share`` of the energy: ``min{r : Σ_{i≤r} σ_i² ≥
+    share · Σ_i σ_i²}`` over the ``σ`` sorted descending.
+
+    Args: ``sv [..., n]``; ``share`` in ``(0, 1]``. Returns ``[...]`` float64 integers in ``1..n`` (0 for a zero
+    spectrum). Raises ``ValueError`` for a share outside ``(0, 1]``. The comparison carries a relative slack of
+    ``1e-12`` so that ``share = 1`` gives the count of non-zero σ despite rounding in the cumulative sum.
+    """
+    q = float(share)
+    if not 0.0 < q <= 1.0:
+        raise ValueError(f"share must be in (0, 1]; got {share!r}")
+    s = -np.sort(-_spectrum(sv), axis=-1)
+    e = s * s
+    cum = np.cumsum(e, axis=-1)
+    total = cum[..., -1:]
+    r = 1 + np.sum(cum < q * total * (1.0 - 1e-12), axis=-1)
+    return _out(np.where(total[..., 0] == 0, 0, r).astype(np.float64))
 
 
 def effective_rank_from_eigenvalues(lam: Any, scale: str = "sqrt") -> np.ndarray:

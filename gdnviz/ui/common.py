@@ -48,6 +48,7 @@ PAGES = {
     "loss": "pages/loss.py",
     "scans": "pages/scans.py",
     "patching": "pages/patching.py",
+    "compare": "pages/compare.py",
 }
 def _poll_seconds() -> float | None:
     """Seconds between polls of a running job (``$GDNVIZ_POLL_SECONDS``, default 0.5; 0 turns polling off, as the
@@ -424,6 +425,19 @@ def _run_table(cache_dir: str, run_id: str, keys: tuple) -> pd.DataFrame:
     return document_set_table(_load_captures(cache_dir, run_id, keys))
 
 
+@st.cache_data(show_spinner=False, max_entries=8)
+def _run_overview(cache_dir: str, run_id: str, keys: tuple, segment_len: int) -> dict:
+    from gdnviz.summary import overview
+
+    return overview(_run_table(cache_dir, run_id, keys), segment_len)
+
+
+def run_overview(run: dict) -> dict:
+    """``summary.overview`` of the run's head table (memoised: its bootstrap interval takes a few hundred ms)."""
+    return _run_overview(str(store().dir), run["run_id"], tuple(d["key"] for d in run["documents"]),
+                         int(run["segment_len"]))
+
+
 def run_model(run: dict) -> tuple:
     """What a page that runs the model of ``run`` needs: (info, model name, device, dtype, segment length L, head
     table or None, a phrase naming the model for the page)."""
@@ -530,9 +544,12 @@ def show_error(message: str, what_next: str | None = None) -> None:
 
 
 def chart(ch, df: pd.DataFrame | None, name: str, key: str, *, on_select=None, selection_mode=None,
-          downloads: bool = True, fixed_size: bool = False):
-    """Draw an Altair chart with PNG / SVG / CSV download buttons under it; returns the selection event."""
+          downloads: bool = True, fixed_size: bool = False, export=None):
+    """Draw an Altair chart with PNG / SVG / CSV download buttons under it; returns the selection event. The
+    downloads are ``export`` (the figure without on-screen hints, e.g. ``heatmap(..., interactive=False)``) or
+    else ``ch``, at the sidebar's export size and scale (``gdnviz.ui.export``)."""
     from gdnviz import figures
+    from gdnviz.ui.export import export_kwargs
 
     kw = {}
     if on_select is not None:
@@ -542,10 +559,13 @@ def chart(ch, df: pd.DataFrame | None, name: str, key: str, *, on_select=None, s
         kw["width"] = "content"
     ev = st.altair_chart(ch, key=key, theme=None, **kw)
     if downloads:
+        out = ch if export is None else export
+        ex = export_kwargs()
+        size = dict(width=ex["width"], height=ex["height"])
         with st.container(horizontal=True, gap="small"):
-            st.download_button("PNG", data=lambda: figures.to_png(ch), file_name=f"{name}.png", mime="image/png",
-                               on_click="ignore", key=f"{key}_png", icon=":material/image:")
-            st.download_button("SVG", data=lambda: figures.to_svg(ch), file_name=f"{name}.svg",
+            st.download_button("PNG", data=lambda: figures.to_png(out, ex["scale"], **size), file_name=f"{name}.png",
+                               mime="image/png", on_click="ignore", key=f"{key}_png", icon=":material/image:")
+            st.download_button("SVG", data=lambda: figures.to_svg(out, **size), file_name=f"{name}.svg",
                                mime="image/svg+xml", on_click="ignore", key=f"{key}_svg", icon=":material/draw:")
             if df is not None:
                 st.download_button("CSV", data=figures.to_csv(df), file_name=f"{name}.csv", mime="text/csv",
@@ -648,6 +668,9 @@ def sidebar() -> None:
         busy = active or ws["state"] in ("starting", "busy")
         poll = (2.0 if busy else IDLE_POLL_SECONDS) if _poll_seconds() else None
         st.fragment(worker_status_line, run_every=poll)()
+        from gdnviz.ui.export import export_options
+
+        export_options()
         runs, bad = store().read_runs()
         st.markdown("**Previous runs**")
         unreadable_runs_warning(bad)
@@ -698,20 +721,23 @@ def run_zip_bytes(run: dict, layer: int | None = None, head: int | None = None) 
     """Figures (PNG + SVG), their CSV, the head table and the settings of a run, as one zip; with ``layer`` and
     ``head`` also that head's figures."""
     from gdnviz import figures as F
-    from gdnviz.summary import document_set_table, overview
+    from gdnviz.summary import document_set_table
 
     caps = _load_captures(str(store().dir), run["run_id"], tuple(d["key"] for d in run["documents"]))
     names = [d["name"] for d in run["documents"]]
     table = document_set_table(caps)
     L = int(run["segment_len"])
-    ov = overview(table, L)
+    ov = run_overview(run)
     figs = {}
     for m in F.HEATMAP_METRICS:
         df = F.heatmap_frame(table, m)
         figs[f"heatmap_{m}"] = (F.heatmap(df, m, interactive=False), df)
     rmax = min(int(run["model"]["d_k"]), int(run["model"]["d_v"]))
-    figs["erank_vs_horizon"] = (F.erank_vs_horizon_chart(table, ov["spearman_erank_horizon"], rmax),
+    figs["erank_vs_horizon"] = (F.erank_vs_horizon_chart(table, ov["spearman_erank_horizon"], rmax,
+                                                         ov["spearman_ci95"]),
                                 table[["layer", "head", "erank", "horizon"]])
+    figs["keycone_ceiling"] = (F.keycone_ceiling_chart(table),
+                               table[["layer", "head", "erank", "horizon", "mean_key_norm", "key_cov_erank"]])
     figs["horizon_histogram"] = (F.horizon_hist_chart(table, L), table[["layer", "head", "horizon"]])
     fl = F.forgetting_by_layer_frame(table, L)
     figs["forgetting_by_layer"] = (F.forgetting_chart(fl, L), fl)
@@ -721,13 +747,17 @@ def run_zip_bytes(run: dict, layer: int | None = None, head: int | None = None) 
         tag = f"L{layer}H{head}"
         sp = F.spectrum_frame(caps, names, li, head)
         figs[f"{tag}_spectrum"] = (F.spectrum_chart(sp, names[0]), sp)
+        en = F.energy_frame(caps, names, li, head)
+        figs[f"{tag}_energy_kept"] = (F.energy_chart(en), en)
         al = F.erank_along_frame(caps, names, li, head)
         figs[f"{tag}_erank_along"] = (F.erank_along_chart(al, L), al)
         hist, stats = F.alpha_frame(caps, names, li, head)
         figs[f"{tag}_alpha"] = (F.alpha_chart(hist, stats, L), hist)
         kdf, kinfo = F.keycone_frame(caps[0], li, head)
-        figs[f"{tag}_keycone"] = (F.keycone_chart(kdf, kinfo), kdf)
+        figs[f"{tag}_keycone"] = (F.keycone_chart(kdf, kinfo, names[0]), kdf)
     settings = {k: v for k, v in run.items() if k != "spec"}
     settings["spec"] = {k: v for k, v in run["spec"].items() if k != "documents"}
     settings["overview"] = ov
-    return F.run_zip(figs, settings, {"heads": table})
+    from gdnviz.ui.export import export_kwargs
+
+    return F.run_zip(figs, settings, {"heads": table}, png_scale=export_kwargs()["scale"])
