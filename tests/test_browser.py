@@ -131,7 +131,7 @@ def test_deep_link_on_a_fresh_server(server, page):
     page.get_by_text("No capture yet.").wait_for()
     nav = page.get_by_test_id("stSidebarNav")
     for title in ("Model & documents", "Heatmap", "Head", "Overview figures", "Truncate & compare", "Retrieval sweeps",
-                  "Loss vs rank", "Head scans & budgets", "State patching", "Cache budget"):
+                  "Loss vs rank", "Head scans & budgets", "State patching", "Compare two runs", "Cache budget"):
         assert nav.get_by_text(title, exact=True).count() == 1
     assert page.get_by_text("Worker", exact=False).count() >= 1
 
