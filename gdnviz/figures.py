@@ -190,6 +190,9 @@ def _grid(df: pd.DataFrame, color, tooltip: list, title: str, subtitle: str, *, 
     df["frame"] = ["open head" if (l, h) == sel_t else "truncation set" if (l, h) in picked else "none"
                    for l, h in zip(df["layer"].astype(int), df["head"].astype(int))]
     frames = ["open head", "truncation set", "none"]
+    # framed cells drawn last: a cell drawn after a framed neighbour would cover half of its frame
+    df = df.iloc[np.argsort(df["frame"].map({"none": 0, "truncation set": 1, "open head": 2}).to_numpy(),
+                            kind="stable")]
     enc = dict(
         x=alt.X("head:O", title="value head", axis=alt.Axis(labelAngle=0)),
         y=alt.Y("layer:O", title="layer (model index)", sort="ascending"),
@@ -211,9 +214,10 @@ def _grid(df: pd.DataFrame, color, tooltip: list, title: str, subtitle: str, *, 
 
 
 def heatmap(df: pd.DataFrame, metric: str, *, selected: tuple | None = None, picked: Iterable = (),
-            title: str | None = None, interactive: bool = True):
+            title: str | None = None, interactive: bool = True, subtitle: str | None = None):
     """Layer × head grid coloured by ``value`` (median over documents); min–max in the tooltip. Click selection
-    param ``cell`` (fields layer, head); the open head gets a black frame, heads in the truncation set orange."""
+    param ``cell`` (fields layer, head); the open head gets a black frame, heads in the truncation set orange.
+    ``subtitle``: what a click does (default: it opens the head)."""
     label, scale = HEATMAP_METRICS.get(metric, (metric, "linear"))
     fmt = _fmt(metric)
     color_scale = alt.Scale(type="log", scheme="viridis") if scale == "log" else alt.Scale(scheme="viridis")
@@ -225,7 +229,7 @@ def heatmap(df: pd.DataFrame, metric: str, *, selected: tuple | None = None, pic
                alt.Tooltip("max:Q", title="max over documents", format=fmt),
                alt.Tooltip("n_docs:Q", title="documents")]
     return _grid(df, color, tooltip, title or f"{label}: median over documents",
-                 "click a cell to open that head · hover for the min–max over documents", selected=selected,
+                 subtitle or "click a cell to open that head · hover for the min–max over documents", selected=selected,
                  picked=picked, interactive=interactive)
 
 

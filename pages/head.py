@@ -5,8 +5,8 @@ import numpy as np
 import pandas as pd
 import streamlit as st
 
-from gdnviz import figures as F
 from gdnviz.ui import common as C
+from gdnviz.ui import run_figures as RF
 
 C.ensure_entrypoint()
 
@@ -81,7 +81,6 @@ if caps is None:
     st.stop()
 li = gl.index(layer)
 doc = st.session_state["head_doc"]
-di = names.index(doc)
 row = table[(table["layer"] == layer) & (table["head"] == head)].iloc[0]
 L = int(run["segment_len"])
 
@@ -103,32 +102,30 @@ if row["horizon"] < L:
                "truncating it at segment boundaries should change little.")
 
 tag = f"L{layer}H{head}"
+figs = RF.head(str(C.store().dir), run["run_id"], tuple(d["key"] for d in run["documents"]), tuple(names), li, head,
+               doc, L)
 a, b = st.columns(2)
 with a:
-    sp = F.spectrum_frame(caps, names, li, head)
-    C.chart(F.spectrum_chart(sp, doc), sp[sp.document == doc], f"{tag}_spectrum", key="ch_spectrum")
+    C.chart(*figs["spectrum"], f"{tag}_spectrum", key="ch_spectrum")
 with b:
-    al = F.erank_along_frame(caps, names, li, head)
-    C.chart(F.erank_along_chart(al, L), al, f"{tag}_erank_along", key="ch_along")
+    C.chart(*figs["erank_along"], f"{tag}_erank_along", key="ch_along")
 a, b = st.columns(2)
 with a:
-    hist, stats = F.alpha_frame(caps, names, li, head)
-    C.chart(F.alpha_chart(hist, stats, L), hist, f"{tag}_alpha", key="ch_alpha")
-    st.dataframe(stats.rename(columns={"mean_alpha": "mean α", "one_minus_mean_alpha": "1 − ᾱ",
-                                       "horizon": "horizon (tokens)", "mean_beta": "mean β",
-                                       "n_tokens": "tokens"}),
+    C.chart(*figs["alpha"], f"{tag}_alpha", key="ch_alpha")
+    st.dataframe(figs["alpha_stats"].rename(columns={"mean_alpha": "mean α", "one_minus_mean_alpha": "1 − ᾱ",
+                                                     "horizon": "horizon (tokens)", "mean_beta": "mean β",
+                                                     "n_tokens": "tokens"}),
                  hide_index=True, width="stretch",
                  column_config={"mean α": st.column_config.NumberColumn(format="%.6f"),
                                 "1 − ᾱ": st.column_config.NumberColumn(format="%.2e"),
                                 "horizon (tokens)": st.column_config.NumberColumn(format="%.1f"),
                                 "mean β": st.column_config.NumberColumn(format="%.3f")})
 with b:
-    kdf, kinfo = F.keycone_frame(caps[di], li, head)
-    C.chart(F.keycone_chart(kdf, kinfo), kdf, f"{tag}_keycone", key="ch_cone")
-    kc = caps[di].keycone
-    st.caption(f"{doc}: mean key norm {kc['mean_key_norm'][li, head]:.3f} · key-covariance erank "
-               f"{kc['key_cov_erank'][li, head]:.1f} · decayed-P erank {kc['decayed_P_erank_sqrt'][li, head]:.1f} "
-               f"(√eig) / {kc['decayed_P_erank_eig'][li, head]:.1f} (eig)")
+    C.chart(*figs["keycone"], f"{tag}_keycone", key="ch_cone")
+    kc = figs["keycone_doc"]
+    st.caption(f"{doc}: mean key norm {kc['mean_key_norm']:.3f} · key-covariance erank "
+               f"{kc['key_cov_erank']:.1f} · decayed-P erank {kc['decayed_P_erank_sqrt']:.1f} "
+               f"(√eig) / {kc['decayed_P_erank_eig']:.1f} (eig)")
 st.markdown("#### Statistics of this head over the documents")
 STATS = [("erank", "effective rank", "directions carrying the norm, exp(−Σ p log p), p = σ/Σσ"),
          ("numerical_rank", "numerical rank", "σ above σ_max·128·ε_f32 (counts decayed residue)"),
@@ -145,6 +142,5 @@ with a:
     st.dataframe(stat_df, hide_index=True, width="stretch",
                  column_config={c: st.column_config.NumberColumn(format="%.3g") for c in ("median", "min", "max")})
 with b:
-    pdf = F.per_document_frame(caps, names, li, head)
-    C.chart(F.per_document_chart(pdf), pdf, f"{tag}_per_document", key="ch_perdoc", fixed_size=True)
+    C.chart(*figs["per_document"], f"{tag}_per_document", key="ch_perdoc", fixed_size=True)
 C.page_link("heatmap", "Back to the heatmap", icon=":material/grid_on:")

@@ -384,6 +384,58 @@ def test_heatmap_pick_mode_builds_the_truncation_set(env, populated):
     assert any("1 of 12 heads" in c for c in texts(at, "caption"))
 
 
+def _heatmap_spec_and_data(at):
+    import json
+
+    ch = charts(at)[0]
+    return json.loads(ch.proto.spec), pa.ipc.open_stream(ch.proto.datasets[0].data.data).read_all().to_pandas()
+
+
+def test_heatmap_pick_mode_says_what_a_click_does_and_draws_frames_on_top(env, populated):
+    cache, run = populated
+    env(cache)
+    at = app("heatmap", run=run)
+    at.run()
+    spec, _ = _heatmap_spec_and_data(at)
+    assert spec["title"]["subtitle"].startswith("click a cell to open that head")
+    at.radio(key="click_action").set_value("pick").run()
+    for cell in ({"layer": 0, "head": 1}, {"layer": 0, "head": 2}, {"layer": 1, "head": 1}):
+        at.session_state["heat"] = {"selection": {"cell": [cell]}}
+        at.run()
+    spec, data = _heatmap_spec_and_data(at)
+    assert "open that head" not in spec["title"]["subtitle"]
+    assert spec["title"]["subtitle"].startswith("click a cell to add it to / remove it from the truncation set")
+    # the framed cells are drawn after every unframed one: no neighbour drawn later covers half of a frame
+    framed = (data["frame"] != "none").to_numpy()
+    assert framed.sum() == 3 and framed[-3:].all()
+    assert any("Truncation set** (3 heads)" in m for m in texts(at, "markdown"))
+    # switching the statistic does not count the last click again
+    at.radio(key="heat_metric").set_value("horizon").run()
+    assert at.session_state["picked_heads"] == [[0, 1], [0, 2], [1, 1]]
+
+
+def test_head_page_figures_are_built_once_per_head(env, populated, monkeypatch):
+    """A head seen before is drawn from the cache: no figure of it is rebuilt (and another head is)."""
+    from gdnviz import figures
+
+    cache, run = populated
+    env(cache)
+    built = []
+    orig = figures.spectrum_chart
+    monkeypatch.setattr(figures, "spectrum_chart", lambda *a, **k: built.append(1) or orig(*a, **k))
+    at = app("head", run=run, layer=3, head=3)
+    at.run()
+    n = len(built)
+    at.switch_page("pages/heatmap.py").run()
+    at.switch_page("pages/head.py").run()
+    assert not at.exception and any("Layer 3 · head 3" in m for m in texts(at, "markdown"))
+    assert len(built) == n
+    at.query_params["layer"], at.query_params["head"] = "3", "0"
+    at.run()
+    assert any("Layer 3 · head 0" in m for m in texts(at, "markdown")) and len(built) == n + 1
+    assert chart_titles(at)[0] == "Singular spectrum at the document end"
+
+
 # =============================================================================================================
 # Head
 # =============================================================================================================

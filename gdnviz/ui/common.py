@@ -528,27 +528,33 @@ def show_error(message: str, what_next: str | None = None) -> None:
     st.error(message + (f"\n\n{what_next}" if what_next else ""), icon=":material/error:")
 
 
-def chart(ch, df: pd.DataFrame | None, name: str, key: str, *, on_select=None, selection_mode=None,
+def chart(ch, df: pd.DataFrame | bytes | None, name: str, key: str, *, on_select=None, selection_mode=None,
           downloads: bool = True, fixed_size: bool = False):
-    """Draw an Altair chart with PNG / SVG / CSV download buttons under it; returns the selection event."""
+    """Draw a chart (an Altair chart, or its ``specs.spec`` dict) with PNG / SVG / CSV download buttons under it;
+    ``df``: the chart's data for the CSV (a frame, or its CSV bytes). Returns the selection event. The PNG, SVG and
+    CSV are made only when their button is clicked."""
     from gdnviz import figures
+    from gdnviz.ui import specs
 
+    spec = specs.spec(ch)
     kw = {}
     if on_select is not None:
         kw = dict(on_select=on_select, selection_mode=selection_mode)
     # theme=None and the chart's own size: what is on screen is exactly what the PNG / SVG downloads contain
     if fixed_size:  # grids and facets keep their own size (cells of a fixed step)
         kw["width"] = "content"
-    ev = st.altair_chart(ch, key=key, theme=None, **kw)
+    ev = st.vega_lite_chart(spec=specs.for_page(spec), key=key, theme=None, **kw)
     if downloads:
         with st.container(horizontal=True, gap="small"):
-            st.download_button("PNG", data=lambda: figures.to_png(ch), file_name=f"{name}.png", mime="image/png",
+            st.download_button("PNG", data=lambda: figures.to_png(spec), file_name=f"{name}.png", mime="image/png",
                                on_click="ignore", key=f"{key}_png", icon=":material/image:")
-            st.download_button("SVG", data=lambda: figures.to_svg(ch), file_name=f"{name}.svg",
+            st.download_button("SVG", data=lambda: figures.to_svg(spec), file_name=f"{name}.svg",
                                mime="image/svg+xml", on_click="ignore", key=f"{key}_svg", icon=":material/draw:")
             if df is not None:
-                st.download_button("CSV", data=figures.to_csv(df), file_name=f"{name}.csv", mime="text/csv",
-                                   on_click="ignore", key=f"{key}_csv", icon=":material/table:")
+                csv = df if isinstance(df, bytes) else None
+                st.download_button("CSV", data=(lambda: csv) if csv is not None else (lambda: figures.to_csv(df)),
+                                   file_name=f"{name}.csv", mime="text/csv", on_click="ignore", key=f"{key}_csv",
+                                   icon=":material/table:")
     return ev
 
 

@@ -1,0 +1,67 @@
+"""The figures of a run as Vega-Lite specs (``specs.spec``) with their CSV, built once and cached for the server.
+
+A cache entry is keyed by the store directory, the run id and the memo keys of the run's documents (which name
+their content), plus the figure's own arguments (head, document, metric, the highlighted cells): it is a pure
+function of those, so sessions share it safely, and a run whose results change gets new keys. Revisiting a head
+or a statistic costs a cache lookup instead of rebuilding and serialising its charts.
+"""
+from __future__ import annotations
+
+import streamlit as st
+
+from gdnviz import figures as F
+from gdnviz.ui import specs
+
+
+def _captures(cache_dir: str, run_id: str, keys: tuple):
+    from gdnviz.ui.common import _load_captures
+
+    return _load_captures(cache_dir, run_id, keys)
+
+
+def _table(cache_dir: str, run_id: str, keys: tuple):
+    from gdnviz.ui.common import _run_table
+
+    return _run_table(cache_dir, run_id, keys)
+
+
+@st.cache_data(show_spinner=False, max_entries=512)
+def heatmap(cache_dir: str, run_id: str, keys: tuple, metric: str, selected: tuple | None, picked: tuple,
+            pick_mode: bool) -> tuple[dict, bytes]:
+    """(spec, CSV) of the heatmap of ``metric``; ``selected`` framed black, ``picked`` orange; the subtitle says
+    what a click does (open the head, or add / remove it in the truncation set when ``pick_mode``)."""
+    df = F.heatmap_frame(_table(cache_dir, run_id, keys), metric)
+    sub = ("click a cell to add it to / remove it from the truncation set" if pick_mode
+           else "click a cell to open that head") + " · hover for the min–max over documents"
+    with specs.fast_build():
+        ch = F.heatmap(df, metric, selected=selected, picked=picked, subtitle=sub)
+    return specs.spec(ch), F.to_csv(df)
+
+
+@st.cache_data(show_spinner=False, max_entries=256)
+def head(cache_dir: str, run_id: str, keys: tuple, names: tuple, li: int, head: int, doc: str,
+         segment_len: int) -> dict:
+    """Everything the Head page draws for GDN layer position ``li`` (index into the model's GDN layers), value head
+    ``head`` and the document ``doc`` of ``names``: {"spectrum" | "erank_along" | "alpha" | "keycone" |
+    "per_document": (spec, CSV)} plus "alpha_stats" (per-document ᾱ, horizon, β̄) and "keycone_doc" (the
+    document's key-cone numbers)."""
+    caps = _captures(cache_dir, run_id, keys)
+    names = list(names)
+    di = names.index(doc)
+    out = {}
+    with specs.fast_build():
+        sp = F.spectrum_frame(caps, names, li, head)
+        out["spectrum"] = (specs.spec(F.spectrum_chart(sp, doc)), F.to_csv(sp[sp.document == doc]))
+        al = F.erank_along_frame(caps, names, li, head)
+        out["erank_along"] = (specs.spec(F.erank_along_chart(al, segment_len)), F.to_csv(al))
+        hist, stats = F.alpha_frame(caps, names, li, head)
+        out["alpha"] = (specs.spec(F.alpha_chart(hist, stats, segment_len)), F.to_csv(hist))
+        kdf, kinfo = F.keycone_frame(caps[di], li, head)
+        out["keycone"] = (specs.spec(F.keycone_chart(kdf, kinfo)), F.to_csv(kdf))
+        pdf = F.per_document_frame(caps, names, li, head)
+        out["per_document"] = (specs.spec(F.per_document_chart(pdf)), F.to_csv(pdf))
+    kc = caps[di].keycone
+    out["alpha_stats"] = stats
+    out["keycone_doc"] = {k: float(kc[k][li, head]) for k in ("mean_key_norm", "key_cov_erank",
+                                                               "decayed_P_erank_sqrt", "decayed_P_erank_eig")}
+    return out
