@@ -400,9 +400,11 @@ def per_document_chart(df: pd.DataFrame):
                                                      subtitle="dots: documents · black tick: median")), "pad")
 
 
-def erank_vs_horizon_chart(table: pd.DataFrame, rho: float | None = None, rank_max: int | None = None):
-    """Effective rank vs decay horizon per head (log–log), with the y = x line, the ceiling min(d_k, d_v) and
-    Spearman ρ."""
+def erank_vs_horizon_chart(table: pd.DataFrame, rho: float | None = None, rank_max: int | None = None,
+                           interactive: bool = False):
+    """Effective rank vs decay horizon per head (log–log), with the y = x line, the ceiling min(d_k, d_v), each
+    head's min–max effective rank over documents (vertical bars, when the table has them) and Spearman ρ.
+    ``interactive``: a click selects a point (selection param ``head``, fields layer, head)."""
     cols = ["layer", "head", "erank", "horizon"] + [c for c in ("erank_min", "erank_max") if c in table]
     df = table[cols].copy()
     df = df[np.isfinite(df["horizon"]) & (df["erank"] > 0)]
@@ -424,11 +426,19 @@ def erank_vs_horizon_chart(table: pd.DataFrame, rho: float | None = None, rank_m
         x=alt.X("horizon:Q", title="decay horizon 1/(1 − ᾱ) (tokens, log scale)", scale=xs),
         y=alt.Y("erank:Q", title="effective rank (directions, log scale)", scale=ys),
         color=alt.Color("layer:O", title="layer", scale=alt.Scale(scheme="viridis")), tooltip=tooltip)
+    if interactive:
+        pts = pts.add_params(alt.selection_point(name="head", fields=["layer", "head"], on="click",
+                                                 clear="dblclick", toggle=False))
     line = alt.Chart(diag).mark_line(color="#888", strokeDash=[4, 4], clip=True).encode(
         x=alt.X("x:Q", scale=xs), y=alt.Y("y:Q", scale=ys))
     txt = alt.Chart(diag.tail(1)).mark_text(align="left", dx=6, dy=10, color="#888", clip=True).encode(
         x=alt.X("x:Q", scale=xs), y=alt.Y("y:Q", scale=ys), text=alt.value("y = x"))
-    layers = [line, txt, pts]
+    layers = [line, txt]
+    if "erank_min" in df:
+        layers.append(alt.Chart(df).mark_rule(opacity=0.45).encode(
+            x=alt.X("horizon:Q", scale=xs), y=alt.Y("erank_min:Q", scale=ys), y2="erank_max:Q",
+            color=alt.Color("layer:O", scale=alt.Scale(scheme="viridis"), legend=None), tooltip=tooltip))
+    layers.append(pts)
     if rank_max:
         cap = pd.DataFrame({"y": [float(rank_max)], "label": [f"min(d_k, d_v) = {rank_max}"]})
         layers += [alt.Chart(cap).mark_rule(color="#bbb").encode(y=alt.Y("y:Q", scale=ys)),
@@ -437,7 +447,9 @@ def erank_vs_horizon_chart(table: pd.DataFrame, rho: float | None = None, rank_m
     rho_s = "n/a" if rho is None or not np.isfinite(rho) else f"{rho:.2f}"
     return configure(alt.layer(*layers).properties(width=440, height=340, title=alt.Title(
         "Effective rank vs decay horizon",
-        subtitle=[f"one point per head (median over documents)", f"Spearman ρ = {rho_s} · dashed: y = x"])))
+        subtitle=[f"one point per head (median over documents)"
+                  + (", bar: its min–max over documents" if "erank_min" in df else ""),
+                  f"Spearman ρ = {rho_s} · dashed: y = x"])))
 
 
 def horizon_hist_chart(table: pd.DataFrame, segment_len: int):

@@ -17,29 +17,18 @@ run, table = got
 
 METRICS = list(F.HEATMAP_METRICS)
 st.session_state.setdefault("heat_metric", "erank")
-st.session_state.setdefault("click_action", "open")
 metric = st.session_state["heat_metric"]
 
 # a click is handled before anything is drawn: opening a head switches page at once, and a pick is drawn in this run
-cell = C.parse_cell(st.session_state.get("heat"))
-if cell is not None and st.session_state.get("heat_handled") != cell:
-    st.session_state["heat_handled"] = cell
-    layer, head = cell
-    if st.session_state.get("click_action") == "pick":
-        C.toggle_pick(layer, head)
-    else:
-        st.session_state["layer"], st.session_state["head"] = layer, head
-        st.switch_page(C.PAGES["head"], query_params={"layer": str(layer), "head": str(head)})
-elif cell is None:
-    st.session_state.pop("heat_handled", None)
+C.click_opens_or_picks("heat", "cell")
 
 c1, c2 = st.columns([3, 2])
 c1.radio("Statistic", METRICS, key="heat_metric", horizontal=True,
          format_func=lambda m: {"erank": "effective rank", "numerical_rank": "numerical rank",
                                 "stable_rank": "stable rank", "horizon": "horizon", "mean_key_norm": "key-cone norm",
                                 "key_cov_erank": "key-covariance erank", "decayed_P_erank": "decayed-P erank"}[m])
-c2.radio("Clicking a cell", ["open", "pick"], key="click_action", horizontal=True,
-         format_func={"open": "opens that head", "pick": "adds / removes it in the truncation set"}.get)
+with c2:
+    C.click_action_radio()
 n_docs = len(run["documents"])
 st.caption(f"{F.HEATMAP_METRICS[metric][0]} of each head's state at the document end, median over {n_docs} "
            f"document{'s' if n_docs != 1 else ''} (min–max in the tooltip) · GDN layers only "
@@ -62,7 +51,7 @@ if picked:
             st.session_state["picked_heads"] = []
             st.rerun()
 else:
-    st.caption("Switch *Clicking a cell* to “adds / removes it in the truncation set” to collect heads for "
+    st.caption("Switch *Clicking a head* to “adds / removes it in the truncation set” to collect heads for "
                "**Truncate & compare**.")
 
 with st.expander("Table of all heads (median, min, max over documents)"):

@@ -192,7 +192,7 @@ def test_truncation_shows_both_answers(server, page):
     page.goto(base + "/truncate")
     wait_for_app(page)
     pick_run(page, 0)
-    page.locator("input[aria-label='Length (tokens)']").fill("600")
+    page.locator("input[aria-label='Target length (tokens)']").fill("600")
     page.keyboard.press("Enter")
     wait_for_app(page)
     page.locator("input[aria-label=\"New tokens (0 = the task's own)\"]").fill("8")

@@ -65,3 +65,12 @@ def head(cache_dir: str, run_id: str, keys: tuple, names: tuple, li: int, head: 
     out["keycone_doc"] = {k: float(kc[k][li, head]) for k in ("mean_key_norm", "key_cov_erank",
                                                                "decayed_P_erank_sqrt", "decayed_P_erank_eig")}
     return out
+
+
+@st.cache_data(show_spinner=False, max_entries=64)
+def erank_vs_horizon(cache_dir: str, run_id: str, keys: tuple, rho: float, rank_max: int) -> tuple[dict, bytes]:
+    """(spec, CSV) of the Overview's effective rank vs horizon scatter, its points clickable (param ``head``)."""
+    table = _table(cache_dir, run_id, keys)
+    with specs.fast_build():
+        ch = F.erank_vs_horizon_chart(table, rho, rank_max, interactive=True)
+    return specs.spec(ch), F.to_csv(table[["layer", "head", "erank", "erank_min", "erank_max", "horizon"]])
