@@ -214,10 +214,10 @@ def _grid(df: pd.DataFrame, color, tooltip: list, title: str, subtitle: str, *, 
 
 
 def heatmap(df: pd.DataFrame, metric: str, *, selected: tuple | None = None, picked: Iterable = (),
-            title: str | None = None, interactive: bool = True, subtitle: str | None = None):
+            title: str | None = None, interactive: bool = True, subtitle: str | list | None = None):
     """Layer × head grid coloured by ``value`` (median over documents); min–max in the tooltip. Click selection
     param ``cell`` (fields layer, head); the open head gets a black frame, heads in the truncation set orange.
-    ``subtitle``: what a click does (default: it opens the head)."""
+    ``subtitle``: what a click does, one line or a list of lines (default: it opens the head)."""
     label, scale = HEATMAP_METRICS.get(metric, (metric, "linear"))
     fmt = _fmt(metric)
     color_scale = alt.Scale(type="log", scheme="viridis") if scale == "log" else alt.Scale(scheme="viridis")
@@ -447,9 +447,9 @@ def erank_vs_horizon_chart(table: pd.DataFrame, rho: float | None = None, rank_m
     rho_s = "n/a" if rho is None or not np.isfinite(rho) else f"{rho:.2f}"
     return configure(alt.layer(*layers).properties(width=440, height=340, title=alt.Title(
         "Effective rank vs decay horizon",
-        subtitle=[f"one point per head (median over documents)"
-                  + (", bar: its min–max over documents" if "erank_min" in df else ""),
-                  f"Spearman ρ = {rho_s} · dashed: y = x"])))
+        subtitle=["one point per head (median over documents)"]
+        + (["bar: the head's min–max over documents"] if "erank_min" in df else [])
+        + [f"Spearman ρ = {rho_s} · dashed: y = x"])))
 
 
 def horizon_hist_chart(table: pd.DataFrame, segment_len: int):
