@@ -161,6 +161,9 @@ def _measure(browser, base: str, run: dict) -> dict:
                 page, "(n) => [...document.querySelectorAll(\"[data-testid='stMain'] p\")].some(p => "
                       "p.textContent.startsWith('Truncation set (' + n + ' head'))", i + 1))
             wait_for_app(page)
+        # the set's buttons show their whole label (no element of the link clips its text)
+        link = page.get_by_role("link", name="Truncate these heads")
+        assert link.evaluate("a => [a, ...a.querySelectorAll('*')].every(e => e.scrollWidth <= e.clientWidth + 1)")
     finally:
         ctx.close()
     return {k: dict(median_ms=statistics.median(v), all_ms=v) for k, v in out.items()}
