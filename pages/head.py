@@ -102,27 +102,26 @@ if row["horizon"] < L:
                "truncating it at segment boundaries should change little.")
 
 tag = f"L{layer}H{head}"
-figs = RF.head(str(C.store().dir), run["run_id"], tuple(d["key"] for d in run["documents"]), tuple(names), li, head,
-               doc, L)
+args = (str(C.store().dir), run["run_id"], tuple(d["key"] for d in run["documents"]), tuple(names), li, head, doc, L)
 a, b = st.columns(2)
 with a:
-    C.chart(*figs["spectrum"], f"{tag}_spectrum", key="ch_spectrum")
+    C.chart(*RF.head_figure(*args, "spectrum"), f"{tag}_spectrum", key="ch_spectrum")
 with b:
-    C.chart(*figs["erank_along"], f"{tag}_erank_along", key="ch_along")
+    C.chart(*RF.head_figure(*args, "erank_along"), f"{tag}_erank_along", key="ch_along")
 a, b = st.columns(2)
 with a:
-    C.chart(*figs["alpha"], f"{tag}_alpha", key="ch_alpha")
-    st.dataframe(figs["alpha_stats"].rename(columns={"mean_alpha": "mean α", "one_minus_mean_alpha": "1 − ᾱ",
-                                                     "horizon": "horizon (tokens)", "mean_beta": "mean β",
-                                                     "n_tokens": "tokens"}),
+    spec, csv, stats = RF.head_figure(*args, "alpha")
+    C.chart(spec, csv, f"{tag}_alpha", key="ch_alpha")
+    st.dataframe(stats.rename(columns={"mean_alpha": "mean α", "one_minus_mean_alpha": "1 − ᾱ",
+                                       "horizon": "horizon (tokens)", "mean_beta": "mean β", "n_tokens": "tokens"}),
                  hide_index=True, width="stretch",
                  column_config={"mean α": st.column_config.NumberColumn(format="%.6f"),
                                 "1 − ᾱ": st.column_config.NumberColumn(format="%.2e"),
                                 "horizon (tokens)": st.column_config.NumberColumn(format="%.1f"),
                                 "mean β": st.column_config.NumberColumn(format="%.3f")})
 with b:
-    C.chart(*figs["keycone"], f"{tag}_keycone", key="ch_cone")
-    kc = figs["keycone_doc"]
+    spec, csv, kc = RF.head_figure(*args, "keycone")
+    C.chart(spec, csv, f"{tag}_keycone", key="ch_cone")
     st.caption(f"{doc}: mean key norm {kc['mean_key_norm']:.3f} · key-covariance erank "
                f"{kc['key_cov_erank']:.1f} · decayed-P erank {kc['decayed_P_erank_sqrt']:.1f} "
                f"(√eig) / {kc['decayed_P_erank_eig']:.1f} (eig)")
@@ -142,5 +141,5 @@ with a:
     st.dataframe(stat_df, hide_index=True, width="stretch",
                  column_config={c: st.column_config.NumberColumn(format="%.3g") for c in ("median", "min", "max")})
 with b:
-    C.chart(*figs["per_document"], f"{tag}_per_document", key="ch_perdoc", fixed_size=True)
+    C.chart(*RF.head_figure(*args, "per_document"), f"{tag}_per_document", key="ch_perdoc", fixed_size=True)
 C.page_link("heatmap", "Back to the heatmap", icon=":material/grid_on:")

@@ -38,33 +38,38 @@ def heatmap(cache_dir: str, run_id: str, keys: tuple, metric: str, selected: tup
     return specs.spec(ch), F.to_csv(df)
 
 
-@st.cache_data(show_spinner=False, max_entries=256)
-def head(cache_dir: str, run_id: str, keys: tuple, names: tuple, li: int, head: int, doc: str,
-         segment_len: int) -> dict:
-    """Everything the Head page draws for GDN layer position ``li`` (index into the model's GDN layers), value head
-    ``head`` and the document ``doc`` of ``names``: {"spectrum" | "erank_along" | "alpha" | "keycone" |
-    "per_document": (spec, CSV)} plus "alpha_stats" (per-document ᾱ, horizon, β̄) and "keycone_doc" (the
-    document's key-cone numbers)."""
+HEAD_FIGURES = ("spectrum", "erank_along", "alpha", "keycone", "per_document")
+
+
+@st.cache_data(show_spinner=False, max_entries=1024)
+def head_figure(cache_dir: str, run_id: str, keys: tuple, names: tuple, li: int, head: int, doc: str,
+                segment_len: int, which: str) -> tuple:
+    """One figure of the Head page for GDN layer position ``li`` (index into the model's GDN layers), value head
+    ``head`` and the document ``doc`` of ``names``: ``which`` in HEAD_FIGURES → (spec, CSV); "alpha" → (spec, CSV,
+    per-document ᾱ / horizon / β̄ frame); "keycone" → (spec, CSV, the document's key-cone numbers). One figure per
+    call, so that the page draws each chart as soon as it is built."""
     caps = _captures(cache_dir, run_id, keys)
     names = list(names)
-    di = names.index(doc)
-    out = {}
     with specs.fast_build():
-        sp = F.spectrum_frame(caps, names, li, head)
-        out["spectrum"] = (specs.spec(F.spectrum_chart(sp, doc)), F.to_csv(sp[sp.document == doc]))
-        al = F.erank_along_frame(caps, names, li, head)
-        out["erank_along"] = (specs.spec(F.erank_along_chart(al, segment_len)), F.to_csv(al))
-        hist, stats = F.alpha_frame(caps, names, li, head)
-        out["alpha"] = (specs.spec(F.alpha_chart(hist, stats, segment_len)), F.to_csv(hist))
-        kdf, kinfo = F.keycone_frame(caps[di], li, head)
-        out["keycone"] = (specs.spec(F.keycone_chart(kdf, kinfo)), F.to_csv(kdf))
-        pdf = F.per_document_frame(caps, names, li, head)
-        out["per_document"] = (specs.spec(F.per_document_chart(pdf)), F.to_csv(pdf))
-    kc = caps[di].keycone
-    out["alpha_stats"] = stats
-    out["keycone_doc"] = {k: float(kc[k][li, head]) for k in ("mean_key_norm", "key_cov_erank",
-                                                               "decayed_P_erank_sqrt", "decayed_P_erank_eig")}
-    return out
+        if which == "spectrum":
+            sp = F.spectrum_frame(caps, names, li, head)
+            return specs.spec(F.spectrum_chart(sp, doc)), F.to_csv(sp[sp.document == doc])
+        if which == "erank_along":
+            al = F.erank_along_frame(caps, names, li, head)
+            return specs.spec(F.erank_along_chart(al, segment_len)), F.to_csv(al)
+        if which == "alpha":
+            hist, stats = F.alpha_frame(caps, names, li, head)
+            return specs.spec(F.alpha_chart(hist, stats, segment_len)), F.to_csv(hist), stats
+        if which == "keycone":
+            cap = caps[names.index(doc)]
+            kdf, kinfo = F.keycone_frame(cap, li, head)
+            kc = {k: float(cap.keycone[k][li, head]) for k in ("mean_key_norm", "key_cov_erank",
+                                                                "decayed_P_erank_sqrt", "decayed_P_erank_eig")}
+            return specs.spec(F.keycone_chart(kdf, kinfo)), F.to_csv(kdf), kc
+        if which == "per_document":
+            pdf = F.per_document_frame(caps, names, li, head)
+            return specs.spec(F.per_document_chart(pdf)), F.to_csv(pdf)
+    raise ValueError(f"no Head page figure {which!r}: one of {HEAD_FIGURES}")
 
 
 @st.cache_data(show_spinner=False, max_entries=64)
