@@ -290,6 +290,9 @@ def _grid(df: pd.DataFrame, color, tooltip: list, title: str, subtitle: str, *, 
     df["frame"] = ["open head" if (l, h) == sel_t else "truncation set" if (l, h) in picked else "none"
                    for l, h in zip(df["layer"].astype(int), df["head"].astype(int))]
     frames = ["open head", "truncation set", "none"]
+    # framed cells drawn last: a cell drawn after a framed neighbour would cover half of its frame
+    df = df.iloc[np.argsort(df["frame"].map({"none": 0, "truncation set": 1, "open head": 2}).to_numpy(),
+                            kind="stable")]
     enc = dict(
         x=alt.X("head:O", title="value head", axis=alt.Axis(labelAngle=0)),
         y=alt.Y("layer:O", title="layer (model index)", sort="ascending"),
@@ -319,11 +322,13 @@ def _legend_title(metric: str) -> list[str]:
 
 
 def heatmap(df: pd.DataFrame, metric: str, *, selected: tuple | None = None, picked: Iterable = (),
-            title: str | None = None, interactive: bool = True, color_domain: tuple | None = None):
+            title: str | None = None, interactive: bool = True, color_domain: tuple | None = None,
+            subtitle: str | list | None = None):
     """Layer × head grid coloured by ``value`` (median over documents); min–max in the tooltip. Interactive: click
     selection param ``cell`` (fields layer, head), the open head framed black, the truncation set orange, and a
-    subtitle saying how to use it. ``interactive=False`` is the exported figure: no hints, no frames.
-    ``color_domain`` (lo, hi) fixes the colour scale (two runs side by side on one scale)."""
+    subtitle saying how to use it (``subtitle``: one line or a list of lines; default: a click opens the head).
+    ``interactive=False`` is the exported figure: no hints, no frames. ``color_domain`` (lo, hi) fixes the colour
+    scale (two runs side by side on one scale)."""
     label, scale = HEATMAP_METRICS.get(metric, (metric, "linear"))
     fmt = _fmt(metric)
     vals = df["value"].to_numpy(float) if len(df) else np.array([1.0])
@@ -349,8 +354,12 @@ def heatmap(df: pd.DataFrame, metric: str, *, selected: tuple | None = None, pic
                alt.Tooltip("n_docs:Q", title="documents")]
     n_docs = int(df["n_docs"].max()) if len(df) and "n_docs" in df else 1
     over = f"median over {n_docs} documents" if n_docs != 1 else "one document"
-    sub = (f"{over} · click a cell to open that head · hover for the min–max over documents" if interactive
-           else f"{over} (min–max in the CSV)")
+    if not interactive:
+        sub = f"{over} (min–max in the CSV)"
+    elif subtitle is not None:
+        sub = [over] + ([subtitle] if isinstance(subtitle, str) else list(subtitle))
+    else:
+        sub = [over, "click a cell to open that head · hover for the min–max over documents"]
     return _grid(df, color, tooltip, title or label[:1].upper() + label[1:], sub, selected=selected, picked=picked,
                  interactive=interactive)
 
@@ -582,10 +591,11 @@ def rho_text(rho: float | None, ci: Iterable[float] | None = None) -> str:
 
 
 def erank_vs_horizon_chart(table: pd.DataFrame, rho: float | None = None, rank_max: int | None = None,
-                           ci: Iterable[float] | None = None):
-    """Effective rank vs decay horizon per head (log–log), with the y = x line, the ceiling min(d_k, d_v) and
-    Spearman ρ with its bootstrap interval ``ci`` (``summary.overview``'s ``spearman_ci95``); layers coloured
-    by ``layer_scale``."""
+                           ci: Iterable[float] | None = None, interactive: bool = False):
+    """Effective rank vs decay horizon per head (log–log), with the y = x line, the ceiling min(d_k, d_v), each
+    head's min–max effective rank over documents (vertical bars, when the table has them) and Spearman ρ with its
+    bootstrap interval ``ci`` (``summary.overview``'s ``spearman_ci95``); layers coloured by ``layer_scale``.
+    ``interactive``: a click selects a point (selection param ``head``, fields layer, head)."""
     cols = ["layer", "head", "erank", "horizon"] + [c for c in ("erank_min", "erank_max") if c in table]
     df = table[cols].copy()
     df = df[np.isfinite(df["horizon"]) & (df["erank"] > 0)]
@@ -607,11 +617,19 @@ def erank_vs_horizon_chart(table: pd.DataFrame, rho: float | None = None, rank_m
         x=alt.X("horizon:Q", scale=xs, axis=log_axis(xlo, xhi, "decay horizon 1/(1 − ᾱ) (tokens, log scale)")),
         y=alt.Y("erank:Q", scale=ys, axis=log_axis(ylo, yhi, "effective rank (directions, log scale)")),
         color=alt.Color("layer:O", title="layer", scale=layer_scale(df["layer"])), tooltip=tooltip)
+    if interactive:
+        pts = pts.add_params(alt.selection_point(name="head", fields=["layer", "head"], on="click",
+                                                 clear="dblclick", toggle=False))
     line = alt.Chart(diag).mark_line(color="#888", strokeDash=[4, 4], clip=True).encode(
         x=alt.X("x:Q", scale=xs), y=alt.Y("y:Q", scale=ys))
     txt = alt.Chart(diag.tail(1)).mark_text(align="left", dx=6, dy=10, color="#888", clip=True).encode(
         x=alt.X("x:Q", scale=xs), y=alt.Y("y:Q", scale=ys), text=alt.value("y = x"))
-    layers = [line, txt, pts]
+    layers = [line, txt]
+    if "erank_min" in df:
+        layers.append(alt.Chart(df).mark_rule(opacity=0.45).encode(
+            x=alt.X("horizon:Q", scale=xs), y=alt.Y("erank_min:Q", scale=ys), y2="erank_max:Q",
+            color=alt.Color("layer:O", scale=alt.Scale(scheme="viridis"), legend=None), tooltip=tooltip))
+    layers.append(pts)
     if rank_max:
         cap = pd.DataFrame({"y": [float(rank_max)], "label": [f"min(d_k, d_v) = {rank_max}"]})
         layers += [alt.Chart(cap).mark_rule(color="#bbb").encode(y=alt.Y("y:Q", scale=ys)),
@@ -621,8 +639,9 @@ def erank_vs_horizon_chart(table: pd.DataFrame, rho: float | None = None, rank_m
     over = f"median over {n_docs} documents" if n_docs != 1 else "one document"
     return configure(alt.layer(*layers).properties(width=440, height=340, title=alt.Title(
         "Effective rank vs decay horizon",
-        subtitle=[f"one point per head ({over}) · dashed: y = x",
-                  f"Spearman ρ = {rho_text(rho, ci)}, bootstrap over heads"])))
+        subtitle=[f"one point per head ({over}) · dashed: y = x"]
+        + (["bar: the head's min–max over documents"] if "erank_min" in df else [])
+        + [f"Spearman ρ = {rho_text(rho, ci)}, bootstrap over heads"])))
 
 
 def horizon_hist_chart(table: pd.DataFrame, segment_len: int):

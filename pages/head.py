@@ -5,8 +5,8 @@ import numpy as np
 import pandas as pd
 import streamlit as st
 
-from gdnviz import figures as F
 from gdnviz.ui import common as C
+from gdnviz.ui import run_figures as RF
 
 C.ensure_entrypoint()
 
@@ -81,7 +81,6 @@ if caps is None:
     st.stop()
 li = gl.index(layer)
 doc = st.session_state["head_doc"]
-di = names.index(doc)
 row = table[(table["layer"] == layer) & (table["head"] == head)].iloc[0]
 L = int(run["segment_len"])
 
@@ -109,44 +108,38 @@ if row["horizon"] < L:
                "truncating it at segment boundaries should change little.")
 
 tag = f"L{layer}H{head}"
+args = (str(C.store().dir), run["run_id"], tuple(d["key"] for d in run["documents"]), tuple(names), li, head, doc, L)
 a, b = st.columns(2)
 with a:
-    sp = F.spectrum_frame(caps, names, li, head)
-    C.chart(F.spectrum_chart(sp, doc), sp[sp.document == doc], f"{tag}_spectrum", key="ch_spectrum")
+    C.chart(*RF.head_figure(*args, "spectrum"), f"{tag}_spectrum", key="ch_spectrum")
 with b:
-    al = F.erank_along_frame(caps, names, li, head)
-    C.chart(F.erank_along_chart(al, L), al, f"{tag}_erank_along", key="ch_along")
+    C.chart(*RF.head_figure(*args, "erank_along"), f"{tag}_erank_along", key="ch_along")
 a, b = st.columns(2)
 with a:
-    en = F.energy_frame(caps, names, li, head)
-    C.chart(F.energy_chart(en, marked_r=(1, 4, 12, 32)), en, f"{tag}_energy_kept", key="ch_energy")
+    spec, csv, ek = RF.head_figure(*args, "energy")
+    C.chart(spec, csv, f"{tag}_energy_kept", key="ch_energy")
 with b:
     st.markdown("**Energy kept at seed 000's ranks, per document**")
-    ek = en[en["r"].isin([1, 4, 12, 32])].pivot(index="document", columns="r", values="energy")
-    ek.columns = [f"r = {c}" for c in ek.columns]
-    ek["smallest r keeping 99%"] = en.drop_duplicates("document").set_index("document")["r_share"]
-    st.dataframe(ek.reset_index(), hide_index=True, width="stretch",
+    st.dataframe(ek, hide_index=True, width="stretch",
                  column_config={c: st.column_config.NumberColumn(format="percent") for c in ek.columns
                                 if c.startswith("r = ")})
 a, b = st.columns(2)
 with a:
-    hist, stats = F.alpha_frame(caps, names, li, head)
-    C.chart(F.alpha_chart(hist, stats, L), hist, f"{tag}_alpha", key="ch_alpha")
+    spec, csv, stats = RF.head_figure(*args, "alpha")
+    C.chart(spec, csv, f"{tag}_alpha", key="ch_alpha")
     st.dataframe(stats.rename(columns={"mean_alpha": "mean α", "one_minus_mean_alpha": "1 − ᾱ",
-                                       "horizon": "horizon (tokens)", "mean_beta": "mean β",
-                                       "n_tokens": "tokens"}),
+                                       "horizon": "horizon (tokens)", "mean_beta": "mean β", "n_tokens": "tokens"}),
                  hide_index=True, width="stretch",
                  column_config={"mean α": st.column_config.NumberColumn(format="%.6f"),
                                 "1 − ᾱ": st.column_config.NumberColumn(format="%.2e"),
                                 "horizon (tokens)": st.column_config.NumberColumn(format="%.1f"),
                                 "mean β": st.column_config.NumberColumn(format="%.3f")})
 with b:
-    kdf, kinfo = F.keycone_frame(caps[di], li, head)
-    C.chart(F.keycone_chart(kdf, kinfo, doc), kdf, f"{tag}_keycone", key="ch_cone")
-    kc = caps[di].keycone
-    st.caption(f"{doc}: mean key norm {kc['mean_key_norm'][li, head]:.3f} · key-covariance erank "
-               f"{kc['key_cov_erank'][li, head]:.1f} · decayed-P erank {kc['decayed_P_erank_sqrt'][li, head]:.1f} "
-               f"(√eig) / {kc['decayed_P_erank_eig'][li, head]:.1f} (eig)")
+    spec, csv, kc = RF.head_figure(*args, "keycone")
+    C.chart(spec, csv, f"{tag}_keycone", key="ch_cone")
+    st.caption(f"{doc}: mean key norm {kc['mean_key_norm']:.3f} · key-covariance erank "
+               f"{kc['key_cov_erank']:.1f} · decayed-P erank {kc['decayed_P_erank_sqrt']:.1f} "
+               f"(√eig) / {kc['decayed_P_erank_eig']:.1f} (eig)")
 st.markdown("#### Statistics of this head over the documents")
 STATS = [("erank", "effective rank", "directions carrying the norm, exp(−Σ p log p), p = σ/Σσ"),
          ("numerical_rank", "numerical rank", "σ above σ_max·128·ε_f32 (counts decayed residue)"),
@@ -164,6 +157,6 @@ with a:
     st.dataframe(stat_df, hide_index=True, width="stretch",
                  column_config={c: st.column_config.NumberColumn(format="%.3g") for c in ("median", "min", "max")})
 with b:
-    pdf = F.per_document_frame(caps, names, li, head)
-    C.chart(F.per_document_chart(pdf, min(int(model["d_k"]), int(model["d_v"]))), pdf, f"{tag}_per_document", key="ch_perdoc", fixed_size=True)
+    C.chart(*RF.head_figure(*args, "per_document", min(int(model["d_k"]), int(model["d_v"]))), f"{tag}_per_document",
+            key="ch_perdoc", fixed_size=True)
 C.page_link("heatmap", "Back to the heatmap", icon=":material/grid_on:")

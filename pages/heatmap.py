@@ -5,6 +5,7 @@ import streamlit as st
 
 from gdnviz import figures as F
 from gdnviz.ui import common as C
+from gdnviz.ui import run_figures as RF
 
 C.ensure_entrypoint()
 
@@ -16,16 +17,19 @@ run, table = got
 
 METRICS = list(F.HEATMAP_METRICS)
 st.session_state.setdefault("heat_metric", "erank")
-st.session_state.setdefault("click_action", "open")
+metric = st.session_state["heat_metric"]
+
+# a click is handled before anything is drawn: opening a head switches page at once, and a pick is drawn in this run
+C.click_opens_or_picks("heat", "cell")
+
 c1, c2 = st.columns([3, 2])
 c1.radio("Statistic", METRICS, key="heat_metric", horizontal=True,
          format_func=lambda m: {"erank": "effective rank", "numerical_rank": "numerical rank",
                                 "stable_rank": "stable rank", "horizon": "horizon", "mean_key_norm": "key-cone norm",
                                 "energy_rank99": "r for 99% energy",
                                 "key_cov_erank": "key-covariance erank", "decayed_P_erank": "decayed-P erank"}[m])
-c2.radio("Clicking a cell", ["open", "pick"], key="click_action", horizontal=True,
-         format_func={"open": "opens that head", "pick": "adds / removes it in the truncation set"}.get)
-metric = st.session_state["heat_metric"]
+with c2:
+    C.click_action_radio()
 n_docs = len(run["documents"])
 st.caption(f"{F.HEATMAP_METRICS[metric][0]} of each head's state at the document end, median over {n_docs} "
            f"document{'s' if n_docs != 1 else ''} (min–max in the tooltip) · GDN layers only "
@@ -33,40 +37,28 @@ st.caption(f"{F.HEATMAP_METRICS[metric][0]} of each head's state at the document
 
 sel = None
 if st.session_state.get("layer") in run["model"]["gdn_layers"] and st.session_state.get("head") is not None:
-    sel = (st.session_state["layer"], st.session_state["head"])
-df = F.heatmap_frame(table, metric)
-ch = F.heatmap(df, metric, selected=sel, picked=C.picked_heads())
-event = C.chart(ch, df, f"heatmap_{metric}", key="heat", on_select="rerun", selection_mode="cell", fixed_size=True,
-                export=F.heatmap(df, metric, interactive=False))
-
-cell = C.parse_cell(event)
-if cell is not None and st.session_state.get("heat_handled") != (cell, metric):
-    st.session_state["heat_handled"] = (cell, metric)
-    layer, head = cell
-    if st.session_state.get("click_action") == "pick":
-        C.toggle_pick(layer, head)
-        st.rerun()
-    st.session_state["layer"], st.session_state["head"] = layer, head
-    st.switch_page(C.PAGES["head"], query_params={"layer": str(layer), "head": str(head)})
-elif cell is None:
-    st.session_state.pop("heat_handled", None)
+    sel = (int(st.session_state["layer"]), int(st.session_state["head"]))
+keys = tuple(d["key"] for d in run["documents"])
+spec, csv = RF.heatmap(str(C.store().dir), run["run_id"], keys, metric, sel, tuple(C.picked_heads()),
+                       st.session_state.get("click_action") == "pick")
+C.chart(spec, csv, f"heatmap_{metric}", key="heat", on_select="rerun", selection_mode="cell", fixed_size=True,
+        export=lambda: F.heatmap(F.heatmap_frame(table, metric), metric, interactive=False))
 
 picked = C.picked_heads()
 if picked:
-    st.markdown(f"**Truncation set** ({len(picked)} heads): " + ", ".join(C.head_label(*p) for p in picked))
-    b1, b2, _ = st.columns([1, 1, 4])
-    with b1:
+    st.markdown(f"**Truncation set** ({len(picked)} head{'s' if len(picked) != 1 else ''}): " + ", ".join(C.head_label(*p) for p in picked))
+    with st.container(horizontal=True, gap="small"):
         C.page_link("truncate", "Truncate these heads", icon=":material/content_cut:")
-    if b2.button("Clear the set", key="clear_picked"):
-        st.session_state["picked_heads"] = []
-        st.rerun()
+        if st.button("Clear the set", key="clear_picked"):
+            st.session_state["picked_heads"] = []
+            st.rerun()
 else:
-    st.caption("Switch *Clicking a cell* to “adds / removes it in the truncation set” to collect heads for "
+    st.caption("Switch *Clicking a head* to “adds / removes it in the truncation set” to collect heads for "
                "**Truncate & compare**.")
 
 with st.expander("Table of all heads (median, min, max over documents)"):
     cols = ["layer", "head"] + [c for m in METRICS for c in (m, f"{m}_min", f"{m}_max")] + \
            ["forgets_within_segment", "n_docs"]
     st.dataframe(table[cols], hide_index=True, width="stretch")
-    st.download_button("CSV", data=F.to_csv(table), file_name=f"heads_{run['run_id']}.csv", mime="text/csv",
+    st.download_button("CSV", data=lambda: F.to_csv(table), file_name=f"heads_{run['run_id']}.csv", mime="text/csv",
                        on_click="ignore", key="heads_csv")

@@ -1,4 +1,5 @@
-"""Overview figures: erank vs horizon, the horizon histogram, and the share of heads forgetting within a segment."""
+"""Overview figures: erank vs horizon (a click on a point opens its head, or picks it), the horizon histogram, and the
+share of heads forgetting within a segment."""
 from __future__ import annotations
 
 import numpy as np
@@ -6,6 +7,7 @@ import streamlit as st
 
 from gdnviz import figures as F
 from gdnviz.ui import common as C
+from gdnviz.ui import run_figures as RF
 
 C.ensure_entrypoint()
 
@@ -14,6 +16,7 @@ got = C.require_run()
 if got is None:
     st.stop()
 run, table = got
+C.click_opens_or_picks("ov_evh", "head")
 L = int(run["segment_len"])
 ov = C.run_overview(run)
 n_docs = len(run["documents"])
@@ -38,9 +41,15 @@ m[4].metric("Max erank", f"{ov['erank_max']:.1f}")
 
 a, b = st.columns(2)
 with a:
-    d = table[["layer", "head", "erank", "erank_min", "erank_max", "horizon"]]
     rmax = min(int(run["model"]["d_k"]), int(run["model"]["d_v"]))
-    C.chart(F.erank_vs_horizon_chart(table, rho, rmax, ov["spearman_ci95"]), d, "erank_vs_horizon", key="ov_evh")
+    spec, csv = RF.erank_vs_horizon(str(C.store().dir), run["run_id"], tuple(d["key"] for d in run["documents"]),
+                                    float(rho), rmax, tuple(float(x) for x in ov["spearman_ci95"]))
+    C.click_action_radio()
+    C.chart(spec, csv, "erank_vs_horizon", key="ov_evh", on_select="rerun", selection_mode="head")
+    picked = C.picked_heads()
+    if picked:
+        st.caption(f"Truncation set ({len(picked)} head{'s' if len(picked) != 1 else ''}): "
+                   + ", ".join(C.head_label(*p) for p in picked))
 with b:
     C.chart(F.horizon_hist_chart(table, L), table[["layer", "head", "horizon"]], "horizon_histogram", key="ov_hist")
 fl = F.forgetting_by_layer_frame(table, L)

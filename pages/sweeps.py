@@ -1,6 +1,7 @@
 """Sweeps: RULER retrieval score vs the rank r kept in chosen heads, tasks x lengths x r x samples, in the worker."""
 from __future__ import annotations
 
+from datetime import datetime
 from pathlib import Path
 
 import streamlit as st
@@ -47,8 +48,10 @@ for k, v in (("sw_n", 20), ("sw_batch", 8), ("sw_seed0", 0), ("sw_max_new", 0), 
 st.multiselect("RULER tasks", list(ruler.TASK_NAMES), key="sw_tasks",
                format_func=lambda t: f"{t}: {ruler.TASKS[t]['description']}")
 c = st.columns([2, 2, 1, 1])
-c[0].text_input("Lengths (tokens, comma-separated)", key="sw_lengths",
-                help="target length of each sample: prompt + answer tokens, as RULER sizes its samples")
+c[0].text_input("Target lengths (tokens, comma-separated)", key="sw_lengths",
+                help="targets, as RULER sizes its samples: each sample is the largest whose prompt plus the task's "
+                     "answer budget (128 tokens for niah, 30 for vt, 120 for cwe, 50 for fwe) fits in the target, so "
+                     "its prompt is shorter than the target")
 c[1].text_input("Ranks r (comma-separated)", key="sw_ranks",
                 help=f"directions kept per chosen head, each in 1..{rmax}; r = {rmax} (untouched) always runs as "
                      "the baseline of the paired differences")
@@ -120,7 +123,8 @@ running = C.job_active(st.session_state.get("sweep_job"))
 go = st.button("Run the sweep", type="primary", key="sw_run", icon=":material/play_arrow:",
                disabled=bool(errors) or running, help="one sweep at a time: cancel the running one first" if running
                else None)
-if go and not errors:
+form_spec = None
+if not errors:
     from gdnviz.jobs import SweepJob, spec_to_dict
 
     spec = SweepJob(
@@ -129,7 +133,10 @@ if go and not errors:
         heads="all" if st.session_state["sw_heads"] == "all" else tuple(heads), rank_maps=rank_maps, segment_len=L_default,
         batch_size=int(st.session_state["sw_batch"]), max_new_tokens=int(st.session_state["sw_max_new"]),
         chat_template=chat, fingerprint=str(info.get("fingerprint") or ""), max_tokens=token_limit)
-    st.session_state["sweep_job"] = C.submit("sweep", spec_to_dict(spec), label="retrieval sweep")
+    form_spec = spec_to_dict(spec)
+if go and form_spec is not None:
+    st.session_state["sweep_job"] = C.submit("sweep", form_spec, label="retrieval sweep")
+    st.session_state.setdefault("sw_submitted", []).append(st.session_state["sweep_job"])
     st.rerun()  # redraw from the top: the sidebar's worker status and the Run button see the new job
 
 prev = S.previous_sweeps(C.store())
@@ -164,8 +171,16 @@ if rec is not None and rec["status"] == "done":
     tab = sweep.table_frame(res["table"])
     rows = sweep.rows_frame(res["rows"])
     spec = res["settings"]
-    st.markdown(f"**{res['n_results']:,} answers** ({res['computed']:,} generated now, {res['reused']:,} read from "
-                f"the store) · {res['n_heads']} heads cut · L = {spec['segment_len']} · {res['dtype']} on "
+    C.stale_result_note(C.settings_differ(rec["spec"], form_spec, {
+        "model": "model", "tasks": "tasks", "lengths": "target lengths", "ranks": "ranks", "n": "samples n",
+        "seed0": "first seed", "heads": "heads", "rank_maps": "rank maps", "segment_len": "segment length",
+        "max_new_tokens": "new tokens", "chat_template": "chat template"}), "sweep")
+    # "generated now" only for a sweep this session ran; a reopened one says when its answers were generated
+    ran_here = rec["id"] in st.session_state.get("sw_submitted", [])
+    when = "now" if ran_here else "when it ran" + (
+        f" ({datetime.fromtimestamp(rec['finished']).strftime('%Y-%m-%d %H:%M')})" if rec.get("finished") else "")
+    st.markdown(f"**{res['n_results']:,} answers** ({res['computed']:,} generated {when}, {res['reused']:,} read "
+                f"from the store) · {res['n_heads']} heads cut · L = {spec['segment_len']} · {res['dtype']} on "
                 f"{res['device']} · {res['kernel_path']} kernels")
     st.markdown("**Score per task, length and r** — RULER string match (%), and in brackets the change vs the "
                 "untouched model ± its paired standard error over the same samples (points)")

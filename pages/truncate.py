@@ -133,12 +133,19 @@ if st.session_state["tr_prompt_mode"] == "ruler":
     c = st.columns([3, 1, 1, 1])
     c[0].selectbox("Task", list(ruler.TASK_NAMES), key="tr_task",
                    format_func=lambda t: f"{t}: {ruler.TASKS[t]['description']}")
-    c[1].number_input("Length (tokens)", min_value=64, max_value=1 << 20, step=256, key="tr_target_len",
-                      help="prompt + answer tokens, as RULER sizes its samples")
+    c[1].number_input("Target length (tokens)", min_value=64, max_value=1 << 20, step=256, key="tr_target_len",
+                      help="a target, as RULER sizes its samples: the largest sample whose prompt plus the task's "
+                           "answer budget fits in it")
     c[2].number_input("Seed", min_value=0, step=1, key="tr_seed")
     c[3].checkbox("Chat template", key="tr_chat", help="wrap the task as one user message when the tokenizer has "
                                                        "a chat template (instruction-tuned models)")
-    prompt_tokens = int(st.session_state["tr_target_len"])
+    ttg = int(ruler.TASKS[st.session_state["tr_task"]]["tokens_to_generate"])
+    tl = int(st.session_state["tr_target_len"])
+    st.caption(f"The length is a target: RULER builds the largest {st.session_state['tr_task']} sample whose prompt "
+               f"plus the task's {ttg} answer tokens fit in {tl:,} tokens, so the prompt has at most "
+               f"{max(tl - ttg, 0):,} tokens (the haystack grows in whole pieces, so usually a little fewer). The "
+               "real count is shown with the result.")
+    prompt_tokens = max(tl - ttg, 0)
 else:
     st.text_area("Prompt", key="tr_prompt", height=140, placeholder="Type a prompt; the model continues it.")
     tok = C.fast_tokenizer(info)
@@ -165,9 +172,10 @@ st.subheader("3 · Run")
 typed_empty = st.session_state["tr_prompt_mode"] == "typed" and not st.session_state["tr_prompt"].strip()
 go = st.button("Run untouched and truncated", type="primary", key="tr_run", icon=":material/play_arrow:",
                disabled=bool(spec_error) or not ranks)
-if go and typed_empty:
-    C.show_error("The prompt is empty: type a prompt, or use a generated retrieval sample.")
-elif go:
+
+
+def _form_spec() -> dict:
+    """The job spec the form's settings make now."""
     from gdnviz.jobs import TruncateCompareJob, spec_to_dict
 
     loss_docs = ()
@@ -182,15 +190,31 @@ elif go:
         target_len=int(st.session_state["tr_target_len"]), seed=int(st.session_state["tr_seed"]),
         max_new_tokens=int(st.session_state["tr_max_new"]) or (0 if ruler_mode else 32),
         loss_documents=loss_docs, chat_template=bool(st.session_state["tr_chat"]))
-    st.session_state["truncate_job"] = C.submit("truncate", spec_to_dict(spec), label="truncate & compare")
+    return spec_to_dict(spec)
+
+
+try:
+    form_spec = _form_spec() if ranks and not spec_error else None
+except (GDNVizError, ValueError):  # the job refuses these settings: it says why when Run is clicked
+    form_spec = None
+if go and typed_empty:
+    C.show_error("The prompt is empty: type a prompt, or use a generated retrieval sample.")
+elif go:
+    st.session_state["truncate_job"] = C.submit("truncate", form_spec, label="truncate & compare")
     st.rerun()  # redraw from the top: the sidebar's worker status sees the new job
 
 rec = C.job_panel("truncate_job", "Truncate & compare")
 if rec is not None and rec["status"] == "done":
     res = rec["result"]
+    C.stale_result_note(C.settings_differ(rec["spec"], form_spec, {
+        "ranks": "heads or ranks", "prompt": "prompt", "task": "task", "target_len": "target length",
+        "seed": "seed", "max_new_tokens": "new tokens", "loss_documents": "loss documents",
+        "chat_template": "chat template", "model": "model", "segment_len": "segment length"}), "comparison")
     rs = sorted({r for _, _, r in res["ranks"]})
+    tgt = rec["spec"].get("target_len") if rec["spec"].get("task") else None
     st.markdown(f"**{res['n_heads']} heads truncated** (r = {', '.join(map(str, rs))}) · {res['prompt_tokens']:,} "
-                f"prompt tokens, {res['boundaries_in_prompt']} boundar{'y' if res['boundaries_in_prompt'] == 1 else 'ies'}"
+                "prompt tokens" + (f" (target length {int(tgt):,})" if tgt else "")
+                + f", {res['boundaries_in_prompt']} boundar{'y' if res['boundaries_in_prompt'] == 1 else 'ies'}"
                 f" inside the prompt · up to {res['max_new_tokens']} new tokens · {res['kernel_path']} kernels"
                 + T.readout_note(res.get("readouts", {}).get("truncated"))
                 + (" · reopened from the store" if res.get("memo_hit") else ""))

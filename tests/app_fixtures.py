@@ -12,21 +12,27 @@ sys.path.insert(0, str(HERE))
 sys.path.insert(0, str(HERE.parent))
 
 
-def build_checkpoint(root: str | os.PathLike) -> Path:
-    """``root/tiny-qwen3_5``: config.json + model.safetensors + tokenizer files; returns the folder."""
+def build_checkpoint(root: str | os.PathLike, *, many_heads: bool = False) -> Path:
+    """``root/tiny-qwen3_5``: config.json + model.safetensors + tokenizer files; returns the folder. With
+    ``many_heads``, ``root/many-heads-qwen3_5``: 32 layers (24 GDN layers × 12 value heads = 288 heads, d_k = d_v =
+    128, every 4th layer full attention), untrained: the size of a real model's head grid, for UI timings."""
     import torch
 
     import tiny_models
     import tokenizers_for_tests
 
     root = Path(root)
-    out = root / "tiny-qwen3_5"
+    out = root / ("many-heads-qwen3_5" if many_heads else "tiny-qwen3_5")
     if (out / "config.json").exists() and (out / "tokenizer.json").exists():
         return out
     plain, _chat = tokenizers_for_tests.build(root / "tok", vocab_size=1200)
     tok = tokenizers_for_tests.load(_chat)
     torch.set_num_threads(min(2, os.cpu_count() or 1))
-    m = tiny_models.qwen3_5(vocab=len(tok) + 16)
+    kw = {}
+    if many_heads:
+        kw = dict(layers=(("linear_attention",) * 3 + ("full_attention",)) * 8, k_heads=6, v_heads=12, dk=128,
+                  dv=128)
+    m = tiny_models.qwen3_5(vocab=len(tok) + 16, **kw)
     m.save_pretrained(out)
     tok.save_pretrained(out)
     return out

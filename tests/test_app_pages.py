@@ -390,6 +390,58 @@ def test_heatmap_pick_mode_builds_the_truncation_set(env, populated):
     assert any("1 of 12 heads" in c for c in texts(at, "caption"))
 
 
+def _heatmap_spec_and_data(at):
+    import json
+
+    ch = charts(at)[0]
+    return json.loads(ch.proto.spec), pa.ipc.open_stream(ch.proto.datasets[0].data.data).read_all().to_pandas()
+
+
+def test_heatmap_pick_mode_says_what_a_click_does_and_draws_frames_on_top(env, populated):
+    cache, run = populated
+    env(cache)
+    at = app("heatmap", run=run)
+    at.run()
+    spec, _ = _heatmap_spec_and_data(at)
+    assert spec["title"]["subtitle"][0] == "click a cell to open that head"
+    at.radio(key="click_action").set_value("pick").run()
+    for cell in ({"layer": 0, "head": 1}, {"layer": 0, "head": 2}, {"layer": 1, "head": 1}):
+        at.session_state["heat"] = {"selection": {"cell": [cell]}}
+        at.run()
+    spec, data = _heatmap_spec_and_data(at)
+    assert "open that head" not in " ".join(spec["title"]["subtitle"])
+    assert spec["title"]["subtitle"][0] == "click a cell to add it to / remove it from the truncation set"
+    # the framed cells are drawn after every unframed one: no neighbour drawn later covers half of a frame
+    framed = (data["frame"] != "none").to_numpy()
+    assert framed.sum() == 3 and framed[-3:].all()
+    assert any("Truncation set** (3 heads)" in m for m in texts(at, "markdown"))
+    # switching the statistic does not count the last click again
+    at.radio(key="heat_metric").set_value("horizon").run()
+    assert at.session_state["picked_heads"] == [[0, 1], [0, 2], [1, 1]]
+
+
+def test_head_page_figures_are_built_once_per_head(env, populated, monkeypatch):
+    """A head seen before is drawn from the cache: no figure of it is rebuilt (and another head is)."""
+    from gdnviz import figures
+
+    cache, run = populated
+    env(cache)
+    built = []
+    orig = figures.spectrum_chart
+    monkeypatch.setattr(figures, "spectrum_chart", lambda *a, **k: built.append(1) or orig(*a, **k))
+    at = app("head", run=run, layer=3, head=3)
+    at.run()
+    n = len(built)
+    at.switch_page("pages/heatmap.py").run()
+    at.switch_page("pages/head.py").run()
+    assert not at.exception and any("Layer 3 · head 3" in m for m in texts(at, "markdown"))
+    assert len(built) == n
+    at.query_params["layer"], at.query_params["head"] = "3", "0"
+    at.run()
+    assert any("Layer 3 · head 0" in m for m in texts(at, "markdown")) and len(built) == n + 1
+    assert chart_titles(at)[0] == "Singular spectrum at the document end"
+
+
 # =============================================================================================================
 # Head
 # =============================================================================================================
@@ -478,6 +530,30 @@ def test_overview_figures(env, populated):
     assert any(l.get("mark", {}).get("strokeDash") for l in evh["layer"])  # the y = x line
     assert evh["layer"][2]["encoding"]["x"]["scale"]["type"] == "log"
     assert any(l.get("mark", {}).get("type") == "rule" for l in evh["layer"])  # the min(d_k, d_v) ceiling
+
+
+def test_overview_scatter_opens_or_picks_the_clicked_head_and_shows_its_spread(env, populated):
+    import json
+
+    cache, run = populated
+    env(cache)
+    at = app("overview", run=run)
+    at.run()
+    ch = charts(at)[0]
+    assert ch.key == "ov_evh" and list(ch.proto.selection_mode) == ["head"]
+    spec = json.loads(ch.proto.spec)
+    bars = [l for l in spec["layer"] if l["encoding"].get("y2", {}).get("field") == "erank_max"]
+    assert len(bars) == 1 and bars[0]["encoding"]["y"]["field"] == "erank_min"
+    assert "min–max over documents" in " ".join(spec["title"]["subtitle"])
+    at.radio(key="click_action").set_value("pick").run()
+    at.session_state["ov_evh"] = {"selection": {"head": [{"layer": 3, "head": 2}]}}
+    at.run()
+    assert not at.exception and at.session_state["picked_heads"] == [[3, 2]]
+    assert any("Truncation set (1 head): L3·H2" in c for c in texts(at, "caption"))
+    at.radio(key="click_action").set_value("open").run()
+    at.session_state["ov_evh"] = {"selection": {"head": [{"layer": 1, "head": 0}]}}
+    at.run()
+    assert not at.exception and any("Layer 1 · head 0" in m for m in texts(at, "markdown"))
 
 
 def test_cache_budget(env, populated):
@@ -607,6 +683,36 @@ def test_truncate_and_compare_runs(env, populated):
     labels = [m.label for m in at.metric]
     assert labels.count("RULER score (string match, %)") == 2 and "Truncated (nats / token)" in labels
     assert chart_titles(at) == ["Loss change along the document"]
+
+
+def test_truncate_settings_survive_leaving_the_page_and_a_changed_form_says_the_result_is_older(env, populated):
+    cache, run = populated
+    env(cache)
+    at = app("truncate", run=run)
+    at.run()
+    at.selectbox(key="tr_g0_mode").set_value("layers").run()
+    at.multiselect(key="tr_g0_layers").set_value([1])
+    at.number_input(key="tr_g0_r").set_value(2).run()
+    at.button(key="tr_add_group").click().run()
+    at.number_input(key="tr_g1_r").set_value(3)
+    at.number_input(key="tr_target_len").set_value(400)
+    at.number_input(key="tr_max_new").set_value(4).run()
+    # the target length is called a target, with the prompt's bound under it
+    assert any("The length is a target" in c and "at most 272 tokens" in c for c in texts(at, "caption"))
+    at.switch_page("pages/heatmap.py").run()
+    at.switch_page("pages/truncate.py").run()
+    assert not at.exception
+    assert at.session_state["tr_groups"] == [0, 1]
+    assert at.selectbox(key="tr_g0_mode").value == "layers" and at.multiselect(key="tr_g0_layers").value == [1]
+    assert at.number_input(key="tr_g0_r").value == 2 and at.number_input(key="tr_g1_r").value == 3
+    at.button(key="tr_run").click().run()
+    work(cache)
+    at.run()
+    md = " ".join(texts(at, "markdown"))
+    assert "prompt tokens (target length 400)" in md
+    assert not [w for w in texts(at, "warning") if "other settings than the form" in w]
+    at.number_input(key="tr_g1_r").set_value(5).run()
+    assert [w for w in texts(at, "warning") if "other settings than the form" in w and "heads or ranks" in w]
 
 
 def test_truncate_loss_box_unticked_computes_no_loss(env, populated):
@@ -900,6 +1006,22 @@ def test_sweeps_run_through_the_worker_shows_the_table_and_figure(env, populated
     assert res2["computed"] == 2 and res2["reused"] == 4
     assert [r for r in res2["table"] if r["setting"] == "uniform"] == res["table"]
     assert any("2 generated now, 4 read from the store" in m for m in texts(at2, "markdown"))
+    # the form (rank maps included) is kept when the session leaves the page and comes back
+    at2.switch_page("pages/heatmap.py").run()
+    at2.switch_page("pages/sweeps.py").run()
+    assert at2.text_area(key="sw_rank_maps").value == "one_head: 3:1:1" and at2.text_input(key="sw_ranks").value == "2"
+    assert not [w for w in texts(at2, "warning") if "other settings than the form" in w]
+    # a sweep reopened from the store in another session does not claim its answers were generated now, and a
+    # form that differs from it says so
+    at3 = app("sweeps", run=run)
+    at3.run()
+    at3.multiselect(key="sw_tasks").set_value(["niah_single_1"])
+    at3.text_input(key="sw_lengths").input("500")
+    at3.text_input(key="sw_ranks").input("2").run()
+    at3.selectbox(key="sw_prev").set_value(jid2).run()
+    md = " ".join(texts(at3, "markdown"))
+    assert "generated now" not in md and "2 generated when it ran" in md
+    assert [w for w in texts(at3, "warning") if "other settings than the form" in w and "target lengths" in w], (texts(at3, "warning"), texts(at3, "error"))
     maps = at2.dataframe[1].value
     assert list(maps.columns) == ["task", "length (tokens)", "untouched", "one_head", "n"]
     assert maps["n"].tolist() == [2]
@@ -914,6 +1036,9 @@ def test_sweeps_run_through_the_worker_shows_the_table_and_figure(env, populated
     assert at3.session_state["sweep_job"] == jid and not at3.exception
     assert list(at3.dataframe[0].value.columns) == ["task", "length (tokens)", "r = 2", "r = 16 (untouched)", "n"]
     assert len(at3.dataframe) == 2  # no rank-map table for the first sweep (the other frame is the long table)
+    at3.multiselect(key="sw_tasks").set_value(["niah_single_1"])
+    at3.text_input(key="sw_lengths").input("500")
+    at3.text_input(key="sw_ranks").input("2").run()
     at3.selectbox(key="sw_prev").set_value(jid2).run()
     assert at3.session_state["sweep_job"] == jid2
     assert list(at3.dataframe[1].value.columns)[3] == "one_head"

@@ -17,6 +17,7 @@ import subprocess
 import sys
 import time
 import urllib.request
+from contextlib import contextmanager
 from pathlib import Path
 
 import pytest
@@ -41,12 +42,11 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
-@pytest.fixture(scope="module")
-def server(tmp_path_factory, tiny_checkpoint):
-    cache = tmp_path_factory.mktemp("browser_cache")
+@contextmanager
+def streamlit_server(cache: Path, default_model: str):
+    """``streamlit run app.py`` on a free port of 127.0.0.1 with ``cache`` as its store; yields its base URL."""
     port = _free_port()
-    env = dict(os.environ, GDNVIZ_DEFAULT_MODEL=str(tiny_checkpoint), GDNVIZ_CACHE_DIR=str(cache),
-               PYTHONPATH=str(ROOT))
+    env = dict(os.environ, GDNVIZ_DEFAULT_MODEL=default_model, GDNVIZ_CACHE_DIR=str(cache), PYTHONPATH=str(ROOT))
     for k in ("GDNVIZ_NO_WORKER", "GDNVIZ_TEST_OOM", "GDNVIZ_TEST_CRASH", "GDNVIZ_TEST_JOB_DELAY",
               "GDNVIZ_POLL_SECONDS"):
         env.pop(k, None)
@@ -66,13 +66,22 @@ def server(tmp_path_factory, tiny_checkpoint):
         if proc.poll() is not None or time.time() - t0 > 120:
             raise RuntimeError(f"streamlit did not start: {(cache / 'streamlit.log').read_text()[-3000:]}")
         time.sleep(0.3)
-    yield base, cache
-    proc.terminate()
     try:
-        proc.wait(20)
-    except subprocess.TimeoutExpired:
-        proc.kill()
-    log.close()
+        yield base
+    finally:
+        proc.terminate()
+        try:
+            proc.wait(20)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+        log.close()
+
+
+@pytest.fixture(scope="module")
+def server(tmp_path_factory, tiny_checkpoint):
+    cache = tmp_path_factory.mktemp("browser_cache")
+    with streamlit_server(cache, str(tiny_checkpoint)) as base:
+        yield base, cache
 
 
 @pytest.fixture(scope="module")
@@ -183,7 +192,7 @@ def test_truncation_shows_both_answers(server, page):
     page.goto(base + "/truncate")
     wait_for_app(page)
     pick_run(page, 0)
-    page.locator("input[aria-label='Length (tokens)']").fill("600")
+    page.locator("input[aria-label='Target length (tokens)']").fill("600")
     page.keyboard.press("Enter")
     wait_for_app(page)
     page.locator("input[aria-label=\"New tokens (0 = the task's own)\"]").fill("8")

@@ -24,6 +24,7 @@ loss_job            id of the loss-vs-rank job of this session (the Loss vs rank
 from __future__ import annotations
 
 import os
+import re
 import threading
 import time
 from datetime import datetime
@@ -65,8 +66,8 @@ PERSISTED = ("model_source", "model_path", "model_hf", "device", "dtype", "sampl
              "max_tokens", "heat_metric", "click_action", "tr_prompt_mode", "tr_task", "tr_target_len", "tr_seed",
              "tr_max_new", "tr_prompt", "tr_loss_docs", "tr_chat", "bud_batch", "bud_state_dtype", "bud_kv_dtype",
              "bud_max_ctx", "head_doc", "sw_tasks", "sw_lengths", "sw_ranks", "sw_n", "sw_batch", "sw_seed0",
-             "sw_max_new", "sw_chat", "sw_heads", "sw_layers", "ls_ranks", "ls_dist", "ls_heads", "ls_layers",
-             "ls_rank_maps", "sc_task", "sc_length", "sc_n", "sc_r", "sc_by", "sc_keep", "sc_layers", "sc_limit",
+             "sw_max_new", "sw_chat", "sw_heads", "sw_layers", "sw_rank_maps", "ls_ranks", "ls_dist", "ls_heads",
+             "ls_layers", "ls_rank_maps", "sc_task", "sc_length", "sc_n", "sc_r", "sc_by", "sc_keep", "sc_layers", "sc_limit",
              "sc_batch", "sc_seed0", "sc_max_new", "bg_max_new", "bg_tasks", "bg_lengths", "bg_n", "bg_tol", "bg_curve",
              "bg_ladder", "bg_limit")
 
@@ -126,11 +127,17 @@ def ensure_entrypoint() -> None:
     st.stop()
 
 
+#: Widget keys made per group on Truncate & compare (``tr_g<id>_<field>``), kept like ``PERSISTED`` (not its buttons).
+PERSISTED_GROUP_KEY = re.compile(r"tr_g\d+_(mode|r|heads|layers|filter|lo|hi)")
+
+
 def persist_widgets() -> None:
     """Re-assign persisted widget keys so their values survive page switches (call before ``pg.run()``)."""
     for k in PERSISTED:
         if k in st.session_state:
             st.session_state[k] = st.session_state[k]
+    for k in [k for k in st.session_state if isinstance(k, str) and PERSISTED_GROUP_KEY.fullmatch(k)]:
+        st.session_state[k] = st.session_state[k]
 
 
 # =============================================================================================================
@@ -492,6 +499,34 @@ def head_label(layer: int, head: int) -> str:
     return f"L{int(layer)}·H{int(head)}"
 
 
+def click_opens_or_picks(state_key: str, param: str) -> None:
+    """Handle a click on a chart of heads (selection param ``param`` with fields layer, head, drawn under the key
+    ``state_key``) before the page draws anything: in pick mode ("click_action" = "pick") the head is added to /
+    removed from the truncation set and the page goes on; otherwise the Head page opens on it. A selection is
+    handled once (it stays the chart's value until another click)."""
+    cell = parse_cell(st.session_state.get(state_key), param)
+    handled = f"{state_key}_handled"
+    if cell is None:
+        st.session_state.pop(handled, None)
+        return
+    if st.session_state.get(handled) == cell:
+        return
+    st.session_state[handled] = cell
+    layer, head = cell
+    if st.session_state.get("click_action") == "pick":
+        toggle_pick(layer, head)
+        return
+    st.session_state["layer"], st.session_state["head"] = layer, head
+    st.switch_page(PAGES["head"], query_params={"layer": str(layer), "head": str(head)})
+
+
+def click_action_radio() -> None:
+    """The "Clicking a cell / point" choice (session key "click_action", shared by the Heatmap and Overview)."""
+    st.session_state.setdefault("click_action", "open")
+    st.radio("Clicking a head", ["open", "pick"], key="click_action", horizontal=True,
+             format_func={"open": "opens that head", "pick": "adds / removes it in the truncation set"}.get)
+
+
 def parse_head_label(s: str) -> tuple[int, int]:
     a, b = s.replace("L", "").split("·H")
     return int(a), int(b)
@@ -508,15 +543,16 @@ def toggle_pick(layer: int, head: int) -> None:
     st.session_state["picked_heads"] = [list(x) for x in sorted(cur)]
 
 
-def parse_cell(state) -> tuple[int, int] | None:
-    """(layer, head) of the clicked heatmap cell from a chart's selection state (a dict in AppTest)."""
+def parse_cell(state, param: str = "cell") -> tuple[int, int] | None:
+    """(layer, head) of the clicked heatmap cell (or point of selection param ``param``) from a chart's selection
+    state (a dict in AppTest)."""
     if not state:
         return None
     try:
         sel = state["selection"]
     except (KeyError, TypeError):
         return None
-    pts = sel.get("cell") if hasattr(sel, "get") else None
+    pts = sel.get(param) if hasattr(sel, "get") else None
     if not pts:
         return None
     p = pts[0] if isinstance(pts, (list, tuple)) else pts
@@ -543,34 +579,64 @@ def show_error(message: str, what_next: str | None = None) -> None:
     st.error(message + (f"\n\n{what_next}" if what_next else ""), icon=":material/error:")
 
 
-def chart(ch, df: pd.DataFrame | None, name: str, key: str, *, on_select=None, selection_mode=None,
+def chart(ch, df: pd.DataFrame | bytes | None, name: str, key: str, *, on_select=None, selection_mode=None,
           downloads: bool = True, fixed_size: bool = False, export=None):
-    """Draw an Altair chart with PNG / SVG / CSV download buttons under it; returns the selection event. The
-    downloads are ``export`` (the figure without on-screen hints, e.g. ``heatmap(..., interactive=False)``) or
-    else ``ch``, at the sidebar's export size and scale (``gdnviz.ui.export``)."""
+    """Draw a chart (an Altair chart, or its ``specs.spec`` dict) with PNG / SVG / CSV download buttons under it;
+    ``df``: the chart's data for the CSV (a frame, or its CSV bytes). Returns the selection event. The downloads are
+    ``export`` (the figure without on-screen hints, e.g. ``heatmap(..., interactive=False)``, or a function that builds
+    it when a download is clicked) or else ``ch``, at the
+    sidebar's export size and scale (``gdnviz.ui.export``); the PNG, SVG and CSV are made only when their button is
+    clicked."""
     from gdnviz import figures
+    from gdnviz.ui import specs
     from gdnviz.ui.export import export_kwargs
 
+    spec = specs.spec(ch)
     kw = {}
     if on_select is not None:
         kw = dict(on_select=on_select, selection_mode=selection_mode)
     # theme=None and the chart's own size: what is on screen is exactly what the PNG / SVG downloads contain
     if fixed_size:  # grids and facets keep their own size (cells of a fixed step)
         kw["width"] = "content"
-    ev = st.altair_chart(ch, key=key, theme=None, **kw)
+    ev = st.vega_lite_chart(spec=specs.for_page(spec), key=key, theme=None, **kw)
     if downloads:
-        out = ch if export is None else export
+        def out():
+            return spec if export is None else specs.spec(export() if callable(export) else export)
+
         ex = export_kwargs()
         size = dict(width=ex["width"], height=ex["height"])
         with st.container(horizontal=True, gap="small"):
-            st.download_button("PNG", data=lambda: figures.to_png(out, ex["scale"], **size), file_name=f"{name}.png",
+            st.download_button("PNG", data=lambda: figures.to_png(out(), ex["scale"], **size), file_name=f"{name}.png",
                                mime="image/png", on_click="ignore", key=f"{key}_png", icon=":material/image:")
-            st.download_button("SVG", data=lambda: figures.to_svg(out, **size), file_name=f"{name}.svg",
+            st.download_button("SVG", data=lambda: figures.to_svg(out(), **size), file_name=f"{name}.svg",
                                mime="image/svg+xml", on_click="ignore", key=f"{key}_svg", icon=":material/draw:")
             if df is not None:
-                st.download_button("CSV", data=figures.to_csv(df), file_name=f"{name}.csv", mime="text/csv",
-                                   on_click="ignore", key=f"{key}_csv", icon=":material/table:")
+                csv = df if isinstance(df, bytes) else None
+                st.download_button("CSV", data=(lambda: csv) if csv is not None else (lambda: figures.to_csv(df)),
+                                   file_name=f"{name}.csv", mime="text/csv", on_click="ignore", key=f"{key}_csv",
+                                   icon=":material/table:")
     return ev
+
+
+def settings_differ(shown: dict, form: dict | None, labels: dict[str, str]) -> list[str]:
+    """Labels of the job settings (the fields named in ``labels``) in which the spec of a shown result differs from
+    the spec the page's form would submit now (``form``; None: the form cannot build one, so nothing is said)."""
+    if form is None:
+        return []
+    import json
+
+    def norm(v):
+        return json.loads(json.dumps(v, default=str))
+
+    return [lab for k, lab in labels.items() if norm(shown.get(k)) != norm(form.get(k))]
+
+
+def stale_result_note(differ: list[str], what: str) -> None:
+    """Say that the result shown below was run with other settings than the form's (``differ``: their labels)."""
+    if differ:
+        st.warning(f"The {what} below was run with other settings than the form shows now ({', '.join(differ)} "
+                   "changed): it is not the result of these settings. Run it again to get theirs.",
+                   icon=":material/history:")
 
 
 def _fmt_secs(s: float) -> str:

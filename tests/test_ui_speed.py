@@ -1,0 +1,181 @@
+"""How fast the app answers a click on results already computed, in headless Debian Chromium against a real
+``streamlit run app.py``: the bundled demo model (12 GDN heads) and an untrained 288-head checkpoint (24 GDN layers ×
+12 heads, ``app_fixtures.build_checkpoint(many_heads=True)``), three documents each, captured before the server
+starts.
+
+Each time is measured in the page, from the click event (a capture-phase listener on ``document``) to the element
+being present (polled every animation frame): "useful" = the first thing that answers the click (the head's
+title, the new truncation set, the redrawn heatmap), "whole" = every chart of the page drawn, no stale element and
+the script finished. Medians of several clicks are printed and written to ``<tmp>/ui_speed.json``; they are
+reported, never asserted (docs/ui-speed.md has the numbers). What is asserted is that each click did what it says.
+"""
+from __future__ import annotations
+
+import json
+import re
+import statistics
+
+import pytest
+
+from app_fixtures import build_checkpoint, short_text
+from test_browser import SLOW, pick_run, streamlit_server, wait_for_app
+
+pytestmark = pytest.mark.browser
+REPEATS = 5
+CLICK_CLOCK = """
+window.__t0 = null;
+document.addEventListener('click', () => { window.__t0 = performance.now(); }, true);
+"""
+# charts of the current run: not stale, each drawn by vega-embed
+CHARTS_DRAWN = """(n) => {
+  const app = document.querySelector("[data-testid='stApp']");
+  if (!app || app.getAttribute('data-test-script-state') !== 'notRunning') return false;
+  if (document.querySelector("[data-testid='stMain'] [data-stale='true']")) return false;
+  const cs = [...document.querySelectorAll("[data-testid='stMain'] [data-testid='stVegaLiteChart']")];
+  return cs.length >= n && cs.every(c => c.querySelector('svg.marks, canvas.marks'));
+}"""
+
+
+def _since_click(page, predicate: str, arg=None, timeout: float = 60_000) -> float:
+    """ms from the last click to ``predicate(arg)`` being true (checked every animation frame)."""
+    js = f"""(arg) => {{ if (window.__t0 === null) return false; const ok = ({predicate})(arg);
+                        return ok ? Math.max(performance.now() - window.__t0, 0.001) : false; }}"""
+    return float(page.wait_for_function(js, arg=arg, polling="raf", timeout=timeout).json_value())
+
+
+def _arm(page) -> None:
+    page.evaluate("window.__t0 = null")
+
+
+def _heading(text: str) -> str:
+    return ("() => [...document.querySelectorAll(\"[data-testid='stMain'] h3\")].some(h => "
+            "!h.closest(\"[data-stale='true']\") && h.textContent.trim().startsWith(" + json.dumps(text) + "))")
+
+
+@pytest.fixture(scope="module")
+def served(tmp_path_factory):
+    """A server (default model: the demo) whose store holds a demo run and a 288-head run, three documents each."""
+    from gdnviz import jobs
+    from gdnviz.store import Store
+    from gdnviz.worker import Worker
+
+    root = tmp_path_factory.mktemp("ui_speed")
+    cache = root / "cache"
+    store = Store(cache)
+    docs = tuple((f"doc{i}", short_text(300, i)) for i in range(3))
+    many = build_checkpoint(root / "ck", many_heads=True)
+    runs = {}
+    for name, model in (("demo", "demo"), ("288 heads", str(many))):
+        jid = store.submit("capture", jobs.spec_to_dict(jobs.CaptureJob(model=model, documents=docs,
+                                                                         segment_len=256)))
+        Worker(store).run_pending()
+        rec = store.job(jid)
+        assert rec["status"] == "done", rec.get("error")
+        runs[name] = store.run(rec["result"]["run_id"])
+    with streamlit_server(cache, "demo") as base:
+        yield base, runs, root
+
+
+@pytest.fixture(scope="module")
+def browser():
+    from test_browser import ARGS, CHROMIUM
+    from playwright.sync_api import sync_playwright
+
+    pw = sync_playwright().start()
+    b = pw.chromium.launch(executable_path=CHROMIUM, args=ARGS, headless=True)
+    yield b
+    b.close()
+    pw.stop()
+
+
+def _open_run(browser, base: str, run: dict):
+    ctx = browser.new_context(viewport={"width": 1400, "height": 1600})
+    page = ctx.new_page()
+    page.set_default_timeout(60_000)
+    page.add_init_script(CLICK_CLOCK)
+    page.goto(base + "/heatmap")
+    wait_for_app(page, SLOW)
+    page.get_by_test_id("stSidebar").get_by_test_id("stSelectbox").click()
+    page.get_by_role("option").filter(has_text=re.compile(re.escape(
+        str(run["model_name"]).rstrip("/").split("/")[-1]))).first.click()
+    wait_for_app(page)
+    page.mouse.move(1300, 1500)
+    assert page.get_by_text(run["run_id"]).count() >= 1
+    return ctx, page
+
+
+def _cell(page, layer: int, head: int):
+    return page.get_by_test_id("stVegaLiteChart").first.locator(
+        f"path[aria-label^='value head: {head}; layer (model index): {layer};']")
+
+
+def _measure(browser, base: str, run: dict) -> dict:
+    gl, H = list(run["model"]["gdn_layers"]), int(run["model"]["num_heads"])
+    grid = [(layer, head) for layer in gl for head in range(H)]
+    heads = [grid[(7 * i + 1) % len(grid)] for i in range(REPEATS)]  # distinct heads (7 is prime to 12 and 288)
+    assert len(set(heads)) == REPEATS
+    out: dict[str, list[float]] = {}
+
+    def rec(k, v):
+        out.setdefault(k, []).append(round(v, 1))
+
+    ctx, page = _open_run(browser, base, run)
+    try:
+        for visit in ("first", "again"):
+            for layer, head in heads:
+                cell = _cell(page, layer, head)
+                cell.wait_for()
+                _arm(page)
+                cell.click()
+                rec(f"heatmap cell → head title ({visit} visit)", _since_click(page, _heading(f"Layer {layer} · head {head}")))
+                rec(f"heatmap cell → whole head page ({visit} visit)", _since_click(page, CHARTS_DRAWN, 5))
+                assert page.url.endswith(f"/head?layer={layer}&head={head}")
+                _arm(page)
+                page.get_by_role("link", name="Back to the heatmap").click()
+                rec("head page → heatmap drawn", _since_click(page, CHARTS_DRAWN, 1))
+        # the head page's layer select
+        cell = _cell(page, *heads[0])
+        cell.click()
+        wait_for_app(page)
+        for i in range(REPEATS):
+            layer = gl[(i + 2) % len(gl)] if gl[(i + 2) % len(gl)] != heads[0][0] else gl[(i + 3) % len(gl)]
+            page.get_by_test_id("stSelectbox").filter(has_text="Layer").first.click()
+            _arm(page)
+            page.get_by_role("option", name=str(layer), exact=True).click()
+            rec("head page layer select → head title", _since_click(page, _heading(f"Layer {layer} · head")))
+            rec("head page layer select → whole page", _since_click(page, CHARTS_DRAWN, 5))
+            heads[0] = (layer, heads[0][1])
+        page.get_by_role("link", name="Back to the heatmap").click()
+        wait_for_app(page)
+        # the statistic and pick mode
+        for i, m in enumerate(["horizon", "stable rank", "effective rank", "numerical rank", "key-cone norm"][:REPEATS]):
+            _arm(page)
+            page.get_by_text(m, exact=True).click()
+            rec("heatmap statistic → heatmap drawn", _since_click(page, CHARTS_DRAWN, 1))
+        page.get_by_text("adds / removes it in the truncation set", exact=True).click()
+        wait_for_app(page)
+        for i, (layer, head) in enumerate(heads):
+            _arm(page)
+            _cell(page, layer, head).click()
+            rec("pick-mode click → truncation set shown", _since_click(
+                page, "(n) => [...document.querySelectorAll(\"[data-testid='stMain'] p\")].some(p => "
+                      "p.textContent.startsWith('Truncation set (' + n + ' head'))", i + 1))
+            wait_for_app(page)
+        # the set's buttons show their whole label (no element of the link clips its text)
+        link = page.get_by_role("link", name="Truncate these heads")
+        assert link.evaluate("a => [a, ...a.querySelectorAll('*')].every(e => e.scrollWidth <= e.clientWidth + 1)")
+    finally:
+        ctx.close()
+    return {k: dict(median_ms=statistics.median(v), all_ms=v) for k, v in out.items()}
+
+
+def test_click_to_screen_times(served, browser):
+    base, runs, root = served
+    res = {name: dict(run_id=run["run_id"], heads=len(run["model"]["gdn_layers"]) * int(run["model"]["num_heads"]),
+                      times=_measure(browser, base, run)) for name, run in runs.items()}
+    (root / "ui_speed.json").write_text(json.dumps(res, indent=2))
+    print(f"\nclick → screen, median of {REPEATS} (ms); all times in {root / 'ui_speed.json'}")
+    for name, r in res.items():
+        print(f"  {name} ({r['heads']} heads, {r['run_id']}):")
+        for k, v in r["times"].items():
+            print(f"    {k:55s} {v['median_ms']:8.0f}")
