@@ -357,9 +357,9 @@ def heatmap(df: pd.DataFrame, metric: str, *, selected: tuple | None = None, pic
     if not interactive:
         sub = f"{over} (min–max in the CSV)"
     elif subtitle is not None:
-        sub = [over] + ([subtitle] if isinstance(subtitle, str) else list(subtitle))
+        sub = ([subtitle] if isinstance(subtitle, str) else list(subtitle)) + [over]
     else:
-        sub = [over, "click a cell to open that head · hover for the min–max over documents"]
+        sub = ["click a cell to open that head", "hover for the min–max over documents", over]
     return _grid(df, color, tooltip, title or label[:1].upper() + label[1:], sub, selected=selected, picked=picked,
                  interactive=interactive)
 
