@@ -49,7 +49,7 @@ fp = str(info.get("fingerprint") or "")
 st.subheader("1 · Sensitivity scan")
 for k, v in (("sc_task", "niah_single_1"), ("sc_length", max(4 * L, 1024)), ("sc_n", 20), ("sc_r", 1),
              ("sc_by", "layer"), ("sc_keep", False), ("sc_layers", []), ("sc_limit", scan.DEFAULT_MAX_PROMPTS),
-             ("sc_batch", 8), ("sc_seed0", 0), ("sc_max_new", 0)):
+             ("sc_batch", None), ("sc_seed0", 0), ("sc_max_new", 0)):
     st.session_state.setdefault(k, v)
 c = st.columns([3, 2, 1, 1, 1])
 c[0].selectbox("RULER task", list(ruler.TASK_NAMES), key="sc_task",
@@ -57,7 +57,9 @@ c[0].selectbox("RULER task", list(ruler.TASK_NAMES), key="sc_task",
 c[1].number_input("Length (tokens)", min_value=1, step=256, key="sc_length")
 c[2].number_input("Samples n", min_value=1, max_value=10_000, key="sc_n")
 c[3].number_input("r", min_value=1, max_value=rmax, key="sc_r", help=f"the rank a cut head keeps, 1..{rmax - 1}")
-c[4].number_input("Batch", min_value=1, max_value=512, key="sc_batch", help="samples per forward pass")
+c[4].number_input("Batch", min_value=1, max_value=512, key="sc_batch", placeholder="auto",
+                  help="samples per forward pass; empty (auto): from the GPU's free memory and the prompt length "
+                       "(8 on CPU)")
 c = st.columns([2, 2, 3, 1])
 c[0].radio("Units", list(S.BY), key="sc_by", format_func=S.BY.get, horizontal=False)
 c[1].checkbox("Keep-one", key="sc_keep", help=f"every GDN head cut to r except the unit, kept whole; the baseline is "
@@ -76,7 +78,7 @@ sspec = scan.ScanSpec(model=model_name, task=st.session_state["sc_task"], length
                       keep=bool(st.session_state["sc_keep"]),
                       layers=tuple(int(x) for x in st.session_state["sc_layers"]) or None,
                       n=int(st.session_state["sc_n"]), seed0=int(st.session_state["sc_seed0"]), segment_len=L,
-                      batch_size=int(st.session_state["sc_batch"]), fingerprint=fp or None,
+                      batch_size=C.batch_value(st.session_state["sc_batch"]), fingerprint=fp or None,
                       max_new_tokens=int(st.session_state["sc_max_new"]) or None,
                       max_prompts=int(st.session_state["sc_limit"]))
 plan = None

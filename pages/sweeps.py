@@ -43,7 +43,7 @@ st.subheader("1 · Tasks, lengths, ranks")
 st.session_state.setdefault("sw_tasks", list(S.DEFAULT_TASKS))
 st.session_state.setdefault("sw_lengths", ", ".join(str(x) for x in (4 * L_default, 16 * L_default)))
 st.session_state.setdefault("sw_ranks", S.default_ranks_text(rmax))
-for k, v in (("sw_n", 20), ("sw_batch", 8), ("sw_seed0", 0), ("sw_max_new", 0), ("sw_chat", True)):
+for k, v in (("sw_n", 20), ("sw_batch", None), ("sw_seed0", 0), ("sw_max_new", 0), ("sw_chat", True)):
     st.session_state.setdefault(k, v)
 st.multiselect("RULER tasks", list(ruler.TASK_NAMES), key="sw_tasks",
                format_func=lambda t: f"{t}: {ruler.TASKS[t]['description']}")
@@ -57,8 +57,9 @@ c[1].text_input("Ranks r (comma-separated)", key="sw_ranks",
                      "the baseline of the paired differences")
 c[2].number_input("Samples n", min_value=1, max_value=10_000, step=1, key="sw_n",
                   help="samples per task and length (seeds first seed … first seed + n − 1)")
-c[3].number_input("Batch size", min_value=1, max_value=512, step=1, key="sw_batch",
-                  help="samples answered per forward pass on the GPU; lower it if the GPU runs out of memory")
+c[3].number_input("Batch size", min_value=1, max_value=512, step=1, key="sw_batch", placeholder="auto",
+                  help="samples answered per forward pass; empty (auto): chosen from the GPU's free memory and the "
+                       "prompt length (8 on CPU); a batch that runs out of memory is answered in halves")
 with st.expander("More settings"):
     c = st.columns(3)
     c[0].number_input("First seed", min_value=0, step=1, key="sw_seed0")
@@ -116,7 +117,7 @@ if tasks and lengths and ranks:
     st.caption(f"{len(tasks)} task(s) × {len(lengths)} length(s) × ({len(ranks)} ranks "
                f"({', '.join(map(str, ranks))} = untouched)" + (f" + {len(rank_maps)} rank map(s)" if rank_maps
                                                                 else "") +
-               f") × {n} samples = **{total:,} answers**, {int(st.session_state['sw_batch'])} per forward pass")
+               f") × {n} samples = **{total:,} answers**, " + C.batch_phrase(st.session_state["sw_batch"]))
 for e in errors:
     C.show_error(e)
 running = C.job_active(st.session_state.get("sweep_job"))
@@ -131,7 +132,7 @@ if not errors:
         model=model_name, device=device, dtype=dtype, tasks=tuple(tasks), lengths=tuple(lengths),
         ranks=tuple(r for r in ranks if r != rmax), n=int(st.session_state["sw_n"]), seed0=seed0,
         heads="all" if st.session_state["sw_heads"] == "all" else tuple(heads), rank_maps=rank_maps, segment_len=L_default,
-        batch_size=int(st.session_state["sw_batch"]), max_new_tokens=int(st.session_state["sw_max_new"]),
+        batch_size=C.batch_value(st.session_state["sw_batch"]), max_new_tokens=int(st.session_state["sw_max_new"]),
         chat_template=chat, fingerprint=str(info.get("fingerprint") or ""), max_tokens=token_limit)
     form_spec = spec_to_dict(spec)
 if go and form_spec is not None:

@@ -955,10 +955,13 @@ def test_sweeps_run_through_the_worker_shows_the_table_and_figure(env, populated
     at.multiselect(key="sw_tasks").set_value(["niah_single_1"])
     at.text_input(key="sw_lengths").input("400")
     at.text_input(key="sw_ranks").input("2")
-    at.number_input(key="sw_n").set_value(2)
+    at.number_input(key="sw_n").set_value(2).run()
+    assert at.number_input(key="sw_batch").value is None  # empty: chosen from free memory
+    assert any("batch size chosen from free memory" in c for c in texts(at, "caption"))
     at.number_input(key="sw_batch").set_value(2)
     at.number_input(key="sw_max_new").set_value(6).run()
     assert not texts(at, "error")
+    assert any("2 per forward pass" in c for c in texts(at, "caption"))
     at.button(key="sw_run").click().run()
     jid = at.session_state["sweep_job"]
     assert at.button(key="sw_run").proto.disabled  # one sweep at a time

@@ -827,3 +827,13 @@ def run_zip_bytes(run: dict, layer: int | None = None, head: int | None = None) 
     from gdnviz.ui.export import export_kwargs
 
     return F.run_zip(figs, settings, {"heads": table}, png_scale=export_kwargs()["scale"])
+
+
+def batch_value(v) -> int | None:
+    """A page's batch-size field as the sweeps take it: empty → None (chosen from free memory), else the int."""
+    return None if v is None else int(v)
+
+
+def batch_phrase(v) -> str:
+    """How a run's batch size reads on a page: "8 per forward pass" or "batch size chosen from free memory"."""
+    return "batch size chosen from free memory" if v is None else f"{int(v)} per forward pass"
