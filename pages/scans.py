@@ -265,6 +265,10 @@ if brec is not None and brec["status"] == "done":
     if b[2].button("Use this rank map on Retrieval sweeps", key="bg_to_sweeps", on_click=_to_sweeps,
                    disabled=not line, icon=":material/query_stats:"):
         st.switch_page(C.PAGES["sweeps"])
+    budget_ranks = {(int(l), int(h)): int(r) for l, h, r in summ["rank_map"]}
+    if b[3].button("Open it on Truncate & compare", key="bg_to_truncate", on_click=C.send_rank_map_to_truncate,
+                   args=(budget_ranks,), disabled=not budget_ranks, icon=":material/content_cut:"):
+        st.switch_page(C.PAGES["truncate"])
 
 with st.expander("Import a rank map (JSON)"):
     up = st.file_uploader("rank_map.json", type=["json"], key="bg_import")
@@ -286,3 +290,6 @@ with st.expander("Import a rank map (JSON)"):
             if st.button("Use it on Retrieval sweeps", key="bg_imp_sweeps", on_click=_imp_to_sweeps,
                          disabled=not ranks):
                 st.switch_page(C.PAGES["sweeps"])
+            if st.button("Open it on Truncate & compare", key="bg_imp_truncate", on_click=C.send_rank_map_to_truncate,
+                         args=(dict(ranks),), disabled=not ranks):
+                st.switch_page(C.PAGES["truncate"])

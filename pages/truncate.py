@@ -74,6 +74,11 @@ for i, gid in enumerate(st.session_state["tr_groups"]):
                 if not g["heads"]:
                     st.caption("No heads picked yet: on the **Heatmap**, set *Clicking a cell* to “adds / removes "
                                "it in the truncation set” and click cells, or add heads here.")
+            elif mode == "heads":
+                kl = f"tr_g{gid}_list"
+                st.multiselect("Heads", all_labels, key=kl, help="a list of its own (the heatmap's truncation "
+                               "set is the other mode); a rank budget sent here fills one group per rank")
+                g["heads"] = [list(C.parse_head_label(s)) for s in st.session_state[kl]]
             elif mode == "layers":
                 g["layers"] = st.multiselect("GDN layers", gl, key=f"tr_g{gid}_layers",
                                              help="every head of these layers")

@@ -117,3 +117,11 @@ def test_scan_and_budget_through_the_worker(env, tmp_path):
         assert not at.exception
         assert at.session_state["sw_rank_maps"].startswith("budget_d5: ")
         assert at.text_area(key="sw_rank_maps").value.startswith("budget_d5: ")
+        # the same rank map opened on Truncate & compare: one head list per rank, the same per-head ranks
+        at.switch_page("pages/scans.py").run()
+        at.button(key="bg_to_truncate").click().run()
+        assert not at.exception, at.exception
+        want = {f"{l}:{h}": r for l, h, r in summ["rank_map"]}
+        assert at.session_state["tr_rank_map"] == want
+        assert len(at.session_state["tr_groups"]) == len(set(want.values()))
+        assert all(at.session_state[f"tr_g{g}_mode"] == "heads" for g in at.session_state["tr_groups"])

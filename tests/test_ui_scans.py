@@ -32,3 +32,17 @@ def test_budget_hand_off_line_is_read_by_the_sweeps_page():
     assert S.sweeps_line("x", dict(rank_map=[])) == ""
     assert S.map_name("my budget (v2).json") == "my_budget_v2" and S.map_name("???.json") == "imported"
     assert parse_rank_maps(f"{S.map_name('a b.json')}: 0:0:4", INFO)[0][0] == "a_b"
+
+
+def test_a_rank_map_becomes_truncate_groups_and_back():
+    """groups_from_rank_map: one "heads" group per rank, increasing; resolve() gives the same per-head ranks."""
+    from gdnviz.ui.truncation import groups_from_rank_map, resolve
+
+    info = dict(gdn_layers=[0, 1, 2, 4, 5, 6], num_heads=2, d_k=128, d_v=128)
+    ranks = {(5, 1): 32, (0, 0): 1, (2, 1): 1, (6, 0): 4}
+    groups = groups_from_rank_map(ranks)
+    assert [g["r"] for g in groups] == [1, 4, 32] and all(g["mode"] == "heads" for g in groups)
+    assert groups[0]["heads"] == [[0, 0], [2, 1]]
+    got, counts = resolve(groups, info)
+    assert got == ranks and counts == [2, 1, 1]
+    assert groups_from_rank_map({}) == []

@@ -128,7 +128,7 @@ def ensure_entrypoint() -> None:
 
 
 #: Widget keys made per group on Truncate & compare (``tr_g<id>_<field>``), kept like ``PERSISTED`` (not its buttons).
-PERSISTED_GROUP_KEY = re.compile(r"tr_g\d+_(mode|r|heads|layers|filter|lo|hi)")
+PERSISTED_GROUP_KEY = re.compile(r"tr_g\d+_(mode|r|heads|list|layers|filter|lo|hi)")
 
 
 def persist_widgets() -> None:
@@ -837,3 +837,18 @@ def batch_value(v) -> int | None:
 def batch_phrase(v) -> str:
     """How a run's batch size reads on a page: "8 per forward pass" or "batch size chosen from free memory"."""
     return "batch size chosen from free memory" if v is None else f"{int(v)} per forward pass"
+
+
+def send_rank_map_to_truncate(ranks: dict) -> None:
+    """Replace Truncate & compare's groups by a per-head rank map (``truncation.groups_from_rank_map``: one head
+    list per rank). Call from a button's ``on_click``; then ``st.switch_page(PAGES["truncate"])``."""
+    from gdnviz.ui.truncation import groups_from_rank_map
+
+    for k in [k for k in st.session_state if isinstance(k, str) and PERSISTED_GROUP_KEY.fullmatch(k)]:
+        del st.session_state[k]
+    groups = groups_from_rank_map(ranks)
+    st.session_state["tr_groups"] = list(range(len(groups))) or [0]
+    for gid, g in enumerate(groups):
+        st.session_state[f"tr_g{gid}_mode"] = "heads"
+        st.session_state[f"tr_g{gid}_list"] = [head_label(l, h) for l, h in g["heads"]]
+        st.session_state[f"tr_g{gid}_r"] = float(g["r"])

@@ -1,7 +1,9 @@
 """Turn the Truncate & compare page's head groups into a truncation spec (pure: no Streamlit).
 
 A group is ``{"mode": ..., "r": rank, ...}`` (r as typed: an int, or a whole float from a number field) with mode
-``"picked"`` (``heads``: [[layer, head], ...]), ``"layers"`` (``layers``: [layer, ...]),
+``"picked"`` (``heads``: [[layer, head], ...], kept in step with the heatmap's truncation set), ``"heads"``
+(``heads``: a list of its own, e.g. one rank of a rank budget: ``groups_from_rank_map``), ``"layers"`` (``layers``:
+[layer, ...]),
 ``"horizon"`` (``filter``: "within" | "beyond" | "range", ``lo``, ``hi`` in tokens; needs a head table) or
 ``"all"``. Later groups override earlier ones for a head in both.
 """
@@ -9,6 +11,7 @@ from __future__ import annotations
 
 MODES = {
     "picked": "heads picked on the heatmap",
+    "heads": "a list of heads",
     "layers": "whole layers",
     "horizon": "a horizon filter",
     "all": "all GDN heads",
@@ -28,7 +31,7 @@ def group_heads(group: dict, info: dict, table=None, segment_len: int | None = N
         return [(l, h) for l in gl for h in range(H)]
     if mode == "layers":
         return [(int(l), h) for l in group.get("layers", []) for h in range(H)]
-    if mode == "picked":
+    if mode in ("picked", "heads"):
         return [(int(l), int(h)) for l, h in group.get("heads", [])]
     if mode == "horizon":
         if table is None:
@@ -65,6 +68,15 @@ def resolve(groups: list, info: dict, table=None, segment_len: int | None = None
                          d_k=int(info["d_k"]), d_v=int(info["d_v"]))
     TruncationSpec.from_dict(ranks).validate(ns)
     return ranks, counts
+
+
+def groups_from_rank_map(ranks: dict) -> list[dict]:
+    """A per-head rank map ``{(layer, head): r}`` (a rank budget, an imported rank_map.json) as groups: one
+    ``"heads"`` group per distinct r, in increasing r; ``resolve`` gives the map back."""
+    by_r: dict = {}
+    for (l, h), r in sorted(ranks.items()):
+        by_r.setdefault(int(r), []).append([int(l), int(h)])
+    return [dict(mode="heads", heads=heads, r=r) for r, heads in sorted(by_r.items())]
 
 
 _READOUT_WORDS = {"segment-graph": "CUDA-graph windows", "segment-loop": "segment loop",
