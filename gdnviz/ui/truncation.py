@@ -79,8 +79,8 @@ def groups_from_rank_map(ranks: dict) -> list[dict]:
     return [dict(mode="heads", heads=heads, r=r) for r, heads in sorted(by_r.items())]
 
 
-_READOUT_WORDS = {"segment-graph": "CUDA-graph windows", "aligned-rows": "batch rows on one boundary grid", "segment-loop": "segment loop",
-                  "one-call": "one kernel call where no boundary falls", "one-pass": "one pass",
+_READOUT_WORDS = {"segment-graph": "CUDA-graph windows", "aligned-rows": "batch rows on one boundary grid",
+                  "segment-loop": "segment loop", "one-call": "one kernel call where no boundary falls", "one-pass": "one pass",
                   "decode-graph": "decode steps replayed from a CUDA graph"}
 
 
