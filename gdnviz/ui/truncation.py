@@ -80,8 +80,8 @@ def groups_from_rank_map(ranks: dict) -> list[dict]:
 
 
 _READOUT_WORDS = {"segment-graph": "CUDA-graph windows", "aligned-rows": "batch rows on one boundary grid",
-                  "segment-loop": "segment loop", "one-call": "one kernel call where no boundary falls", "one-pass": "one pass",
-                  "decode-graph": "decode steps replayed from a CUDA graph"}
+                  "segment-loop": "segment loop", "one-call": "one kernel call where no boundary falls",
+                  "one-pass": "one pass", "decode-graph": "decode steps replayed from a CUDA graph"}
 
 
 def readout_note(readouts) -> str:
