@@ -10,7 +10,7 @@ import torch
 from gdnviz import jobs
 from gdnviz.attribution import HeadInputs, decompose
 from gdnviz.attribution.holds import beyond_segment, rewrite_rates, what_it_holds
-from gdnviz.errors import BadSegmentLength, ModelMismatch, PositionOutOfRange
+from gdnviz.errors import BadSegmentLength, LayerNotGDN, ModelMismatch, PositionOutOfRange
 from gdnviz.gdn import reference
 from gdnviz.store import Store
 
@@ -146,6 +146,13 @@ def test_holds_job_on_the_demo_model_end_to_end(tmp_path, one_thread):
     for b, r in zip(res["rewrite"]["boundaries"], res["rewrite"]["rates"]):
         nb, na = norms[pos.index(b)], norms[pos.index(b - 64)]
         assert r >= abs(nb - na) / na - 1e-5
+    from gdnviz.ui import holds_charts as HC  # the page's charts of this result are valid Vega-Lite
+
+    for ch in (HC.along_chart(res), HC.directions_chart(res), HC.rewrite_chart(res)):
+        ch.to_dict(validate=True)
+    df = HC.contributions_frame(res)
+    np.testing.assert_allclose(df[[f"share_{i}" for i in range(1, 5)]].sum(), res["sigma"], rtol=1e-9)
+    assert HC.top_tokens(res, 5)["norm"].tolist() == sorted(res["norms"], reverse=True)[:5]
     again = jobs.run(spec, jobs.JobContext(store))
     assert again["memo_hit"] and again["norms"] == res["norms"]
     assert jobs.holds_key(spec.doc_key, 5, 1, T, 4, 64) == res["memo_key"]
@@ -156,6 +163,9 @@ def test_holds_job_refuses_bad_input_before_the_decomposition(tmp_path, one_thre
     run, spec = holds_spec(store, position=10 ** 6)
     with pytest.raises(PositionOutOfRange, match="1000000 is outside the document"):
         jobs.run(spec, jobs.JobContext(store))
+    attn = run["model"]["attn_layers"][0]
+    with pytest.raises(LayerNotGDN, match=f"layer {attn} .a full-attention layer."):
+        jobs.run(holds_spec(store, layer=attn)[1], jobs.JobContext(store))
     _, other = holds_spec(store, document=("vault", TEXT + " More."))
     with pytest.raises(ModelMismatch, match="not the document the run captured"):
         jobs.run(other, jobs.JobContext(store))
