@@ -95,8 +95,9 @@ def draw(res: dict, key: str) -> None:
     else:
         m[2].metric(f"From beyond {L} tokens", "none", help=f"p = {res['position']} ≤ L: every token is recent")
     C.chart(*RF.holds_figure(cache, key, "along"), f"{tag}_contributions", key="ch_holds_along")
-    st.markdown("**The document as the state holds it** (background: ‖c_t‖ over the largest; red bar: one segment "
-                "before p; hover a token for its index and norm)")
+    st.markdown(f"**The text before p as the state holds it** (background: ‖c_t‖ on a log scale, darkest = the "
+                f"largest, blank = 1/{10 ** HC.DECADES:,} of it or less; red bar: one segment before p; hover a token "
+                "for its index and norm)")
     st.html(HC.highlighted_html(res))
     st.markdown("**Tokens contributing most** (largest ‖c_t‖_F)")
     st.dataframe(HC.top_tokens(res, 12), hide_index=True, width="stretch", column_config={

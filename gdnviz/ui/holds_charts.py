@@ -54,9 +54,13 @@ def top_tokens(res: dict, n: int = 12, direction: int | None = None) -> pd.DataF
     return out[keep].reset_index(drop=True)
 
 
-def highlighted_html(res: dict, max_tokens: int = 1500) -> str:
-    """The last ``max_tokens`` tokens before the state's position as HTML, each token's background opacity its
-    ‖c_t‖ over the largest in the document (linear), a bar at ``position − L``; hover: index and norm."""
+DECADES = 3  # the text's colour scale: opacity 1 at the largest ‖c_t‖, 0 at 10^-DECADES of it (log)
+
+
+def highlighted_html(res: dict, max_tokens: int = 600) -> str:
+    """The last ``max_tokens`` tokens before the state's position as HTML, each token's background opacity
+    ``1 + log10(‖c_t‖ / max_s ‖c_s‖) / DECADES`` clipped to [0, 1] (contributions fall off exponentially with
+    age), a red bar at ``position − L``; hover: index and norm."""
     n = int(res["position"])
     norms = np.asarray(res["norms"])
     top = float(norms.max()) if len(norms) and norms.max() > 0 else 1.0
@@ -66,12 +70,14 @@ def highlighted_html(res: dict, max_tokens: int = 1500) -> str:
         if t == cut:
             parts.append("<span title='one segment (L tokens) before the boundary' style='border-left:3px solid "
                          "#d62728;margin:0 2px'></span>")
-        a = norms[t] / top
-        tok = html.escape(res["tokens"][t]).replace("\n", "↵<br>")
-        parts.append(f"<span title='token {t} · ‖c‖ = {norms[t]:.3g}' style='background:rgba(31,119,180,{a:.3f})'>"
+        a = min(1.0, max(0.0, 1 + np.log10(norms[t] / top) / DECADES)) if norms[t] > 0 else 0.0
+        tok = html.escape(res["tokens"][t]).replace("\n", "↵\n")
+        parts.append(f"<span title='token {t} · ‖c‖ = {norms[t]:.3g}' style='background:rgba(255,140,0,{0.85 * a:.3f})'>"
                      f"{tok}</span>")
-    return ("<div style='font-family:monospace;font-size:0.85em;line-height:1.6;max-height:260px;overflow-y:auto;"
-            "white-space:pre-wrap;border:1px solid #ddd;padding:6px'>" + "".join(parts) + "</div>")
+    # column-reverse: the box opens scrolled to its end, the tokens just before p
+    return ("<div style='display:flex;flex-direction:column-reverse;max-height:380px;overflow-y:auto;"
+            "border:1px solid #ddd;padding:6px'><div style='font-family:monospace;font-size:0.85em;line-height:1.6;"
+            "white-space:pre-wrap'>" + "".join(parts) + "</div></div>")
 
 
 def _blocked(df: pd.DataFrame, col: str) -> pd.DataFrame:
@@ -84,14 +90,14 @@ def _blocked(df: pd.DataFrame, col: str) -> pd.DataFrame:
 
 
 def along_chart(res: dict):
-    """‖c_t‖_F of every token along the document (log y; zero norms left out), older-than-L tokens grey, with the
-    cutoff position − L marked."""
+    """‖c_t‖_F of every token along the document (one dot per token, log y; zero norms left out), older-than-L
+    tokens grey, with the cutoff position − L marked."""
     df = contributions_frame(res)
     df = _blocked(df[df["norm"] > 0], "norm").assign(
         age=lambda d: np.where(d["older_than_L"], "older than one segment", "within the last segment"))
     L, p = int(res["segment_len"]), int(res["position"])
-    bars = alt.Chart(df).mark_bar(width=1.5 if len(df) > 400 else 3).encode(
-        x=alt.X("position:Q", title="token index (0-based)", scale=alt.Scale(domain=[0, p])),
+    bars = alt.Chart(df).mark_circle(size=10 if len(df) > 400 else 24, opacity=0.8).encode(
+        x=alt.X("position:Q", title="token index (0-based)", scale=alt.Scale(domain=[0, p], nice=False)),
         y=alt.Y("norm:Q", title="‖c_t‖_F (log scale)", scale=alt.Scale(type="log")),
         color=alt.Color("age:N", title=None, scale=alt.Scale(domain=["older than one segment", "within the last segment"],
                                                               range=["#9e9e9e", "#1f77b4"]),
@@ -145,7 +151,8 @@ def rewrite_chart(res: dict):
     df = rewrite_frame(res)
     L = int(res["segment_len"])
     line = alt.Chart(df).mark_line(point=True).encode(
-        x=alt.X("boundary:Q", title="boundary b (tokens consumed)"),
+        x=alt.X("boundary:Q", title="boundary b (tokens consumed)",
+                scale=alt.Scale(domain=[0, max(int(res["T"]), int(res["position"]))], nice=False)),
         y=alt.Y("rate:Q", title="‖S_b − S_(b−L)‖_F / ‖S_(b−L)‖_F", scale=alt.Scale(zero=True)),
         tooltip=[alt.Tooltip("boundary:Q", title="b", format=","), alt.Tooltip("rate:Q", title="rate", format=".3f")])
     rule = alt.Chart(pd.DataFrame({"x": [int(res["position"])]})).mark_rule(color="#d62728", strokeDash=[4, 3]
