@@ -58,7 +58,13 @@ def section(run: dict, layer: int, head: int, default_doc: str) -> None:
     p = spec["position"]
     what = f"layer {layer} head {head}, “{doc}”, the state after {p:,} of {T:,} tokens"
     s = C.store()
-    if not s.memo_has(key):
+    res = None
+    if s.memo_has(key):
+        try:
+            res = _result(str(s.dir), key)
+        except KeyError:  # the entry failed its checksum (the store deleted it): compute it again
+            res = None
+    if res is None:
         jobs = st.session_state.setdefault("holds_jobs", {})
         st.session_state["holds_job_now"] = jobs.get(key)
         rec = C.job_panel("holds_job_now", TITLE)
@@ -71,7 +77,7 @@ def section(run: dict, layer: int, head: int, default_doc: str) -> None:
             jobs[key] = C.submit("holds", spec, label=f"{TITLE}: L{layer}·H{head} at {p:,}")
             st.rerun()
         return
-    draw(_result(str(s.dir), key), key)
+    draw(res, key)
 
 
 def draw(res: dict, key: str) -> None:
