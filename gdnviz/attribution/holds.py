@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import torch
 
-from gdnviz.attribution.contributions import Contributions
+from gdnviz.attribution.contributions import Contributions, decompose
 from gdnviz.attribution.inputs import HeadInputs
 from gdnviz.errors import PositionOutOfRange
 from gdnviz.gdn import reference
@@ -78,8 +78,6 @@ def what_it_holds(inp: HeadInputs, position: int, segment_len: int, top: int = 4
     ``beyond`` (:func:`beyond_segment`); ``rewrite`` (``boundaries``, ``rates`` of :func:`rewrite_rates` over all
     of ``inp``). Raises PositionOutOfRange, BadSegmentLength.
     """
-    from gdnviz.attribution.contributions import decompose
-
     L = check_segment_len(segment_len)
     c = decompose(inp, position)
     top = max(1, min(int(top), min(c.state.shape)))
