@@ -26,6 +26,9 @@ ScanJob                a head sensitivity scan (``gdnviz.probes.scan``): its tab
 PatchJob               prompt B with chosen heads' states at one boundary patched from prompt A
                        (``gdnviz.patching``): the comparison of answers, scores and the continuation loss; the
                        whole result memoised under ``gdnviz.patching.patch_key``
+HoldsJob               what one head's state holds at one position of a run's document
+                       (``gdnviz.attribution.holds.what_it_holds``): per-token norms and shares, the part from
+                       beyond one segment, the rewrite rate along the document; memoised under ``holds_key``
 BudgetJob              a per-head rank budget (``gdnviz.probes.budget``), optionally for several tolerances: each
                        budget's summary (ranks, scores, held-out check, state bytes) and the score-vs-memory curve
 =====================  ==========================================================================================
@@ -53,6 +56,7 @@ from gdnviz.store import Store, content_hash
 VERSIONS = {
     "capture": "capture-v1/jobs-1",
     "truncate": "truncate-compare-v3",
+    "holds": "holds-v1",
 }
 
 
@@ -241,8 +245,28 @@ class PatchJob:
     dtype: str = "auto"
 
 
+@dataclass(frozen=True)
+class HoldsJob:
+    """What ``(layer, head)``'s state holds after ``position`` tokens (1..T) of ``document`` ((name, text)) of a
+    run: ``doc_key`` is the run's capture key of that document, which the job recomputes from the loaded model and
+    the tokens (ModelMismatch when they differ, so a changed checkpoint or text is refused). ``top``: singular
+    directions reported."""
+
+    kind: ClassVar[str] = "holds"
+    model: str
+    document: tuple
+    doc_key: str
+    layer: int
+    head: int
+    position: int
+    top: int = 4
+    segment_len: int = 256
+    device: str = "auto"
+    dtype: str = "auto"
+
+
 SPECS = {c.kind: c for c in (InspectModelJob, CaptureJob, TruncateCompareJob, LossJob, SweepJob, ScanJob, BudgetJob,
-                             PatchJob)}
+                             PatchJob, HoldsJob)}
 
 
 def _tuplify(x):
@@ -282,6 +306,14 @@ def capture_key(fingerprint: str, ids, segment_len: int, dtype: str, device_type
                      [ids])
 
 
+def holds_key(doc_key: str, layer: int, head: int, position: int, top: int, segment_len: int) -> str:
+    """Memo key of a HoldsJob's result: the document's capture key (model fingerprint, tokens, L, dtype, device
+    type) and the head, position and number of directions. The app computes it without the model."""
+    return cache_key("holds", doc_key.split(":", 1)[-1], dict(layer=int(layer), head=int(head),
+                                                              position=int(position), top=int(top),
+                                                              L=int(segment_len)))
+
+
 def run_id_for(fingerprint: str, doc_keys, segment_len: int, dtype: str, device_type: str) -> str:
     return "run-" + content_hash(dict(fp=fingerprint, docs=list(doc_keys), L=segment_len, dtype=dtype,
                                       device=device_type))[:16]
@@ -319,7 +351,8 @@ class JobContext:
 def run(spec, ctx: JobContext) -> dict:
     """Execute one job spec; returns its JSON-able result dict."""
     fn = {"inspect": run_inspect, "capture": run_capture, "truncate": run_truncate, "loss": run_loss,
-          "sweep": run_sweep_job, "scan": run_scan_job, "budget": run_budget_job, "patch": run_patch_job}[spec.kind]
+          "sweep": run_sweep_job, "scan": run_scan_job, "budget": run_budget_job, "patch": run_patch_job,
+          "holds": run_holds_job}[spec.kind]
     return fn(spec, ctx)
 
 
@@ -750,6 +783,42 @@ def run_patch_job(spec: PatchJob, ctx: JobContext) -> dict:
                continuation_text=tok.decode(res["continuation"]["tokens"]),
                prompt_chars={k: len(v) for k, v in texts.items()})
     return res
+
+
+def run_holds_job(spec: HoldsJob, ctx: JobContext) -> dict:
+    from gdnviz.attribution.holds import what_it_holds
+    from gdnviz.attribution.inputs import check_head, check_position, head_inputs
+    from gdnviz.errors import ModelMismatch
+    from gdnviz.probes.memo import MemoStore
+
+    L = int(spec.segment_len)
+    key = holds_key(spec.doc_key, spec.layer, spec.head, spec.position, spec.top, L)
+    memo = MemoStore(MemoMapping(ctx.store))
+    hit = memo.get(key)
+    if hit is not None:
+        return dict(hit, memo_hit=True)
+    ctx.progress(0, 3, "loading the model")
+    lm = ctx.model(spec.model, spec.device, spec.dtype)
+    info = lm.info
+    (name, ids), = _tokenize_docs(lm, [tuple(spec.document)], None)
+    got = capture_key(info.fingerprint, ids, L, info.dtype, info.device.split(":")[0])
+    if got != spec.doc_key:
+        raise ModelMismatch(f"'{name}' with {info.name} ({info.dtype} on {info.device}) is not the document the run "
+                            "captured: the checkpoint or the text changed since. Capture the document set again.")
+    check_head(info, int(spec.layer), int(spec.head))
+    check_position(int(spec.position), len(ids))
+    ctx.progress(1, 3, f"running the model over '{name}' ({len(ids):,} tokens) for layer {spec.layer} head "
+                       f"{spec.head}'s q, k, v, g, β")
+    inp = head_inputs(lm, ids, int(spec.layer), int(spec.head), len(ids), segment_len=L)
+    ctx.progress(2, 3, f"decomposing the state after {int(spec.position):,} tokens (float64)")
+    res = what_it_holds(inp, int(spec.position), L, int(spec.top))
+    tok = lm.tokenizer
+    res.update(document=name, layer=int(spec.layer), head=int(spec.head), tokens=[tok.decode([i]) for i in ids],
+               model=info.name, fingerprint=info.fingerprint, dtype=info.dtype, device=info.device,
+               doc_key=spec.doc_key, memo_key=key, version=VERSIONS["holds"])
+    memo.set(key, res)
+    ctx.progress(3, 3, "done")
+    return dict(res, memo_hit=False)
 
 
 # --- reading results back (app side, no torch) -----------------------------------------------------------------

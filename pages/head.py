@@ -6,6 +6,7 @@ import pandas as pd
 import streamlit as st
 
 from gdnviz.ui import common as C
+from gdnviz.ui import holds as HS
 from gdnviz.ui import run_figures as RF
 
 C.ensure_entrypoint()
@@ -159,4 +160,5 @@ with a:
 with b:
     C.chart(*RF.head_figure(*args, "per_document", min(int(model["d_k"]), int(model["d_v"]))), f"{tag}_per_document",
             key="ch_perdoc", fixed_size=True)
+HS.section(run, layer, head, doc)
 C.page_link("heatmap", "Back to the heatmap", icon=":material/grid_on:")

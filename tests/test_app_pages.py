@@ -1314,3 +1314,39 @@ def test_figure_export_options_survive_page_switches_and_say_when_a_size_is_igno
     assert (at.session_state["ex_width"], at.session_state["ex_scale"]) == (800, 4.0)
     at.switch_page("pages/head.py").run()  # sidebar widgets: the values survive a page switch
     assert (at.session_state["ex_width"], at.session_state["ex_scale"]) == (800, 4.0)
+
+
+def test_head_page_what_this_state_holds_computes_in_the_worker_and_refuses_bad_positions(env, populated):
+    """Not computed → Compute → the worker's job → numbers, figures and the top tokens; a position outside the
+    document gets the library's message; another head or position never shows this result."""
+    cache, run = populated
+    env(cache)
+    at = app("head", run=run, layer=2, head=1)
+    at.run()
+    assert not at.exception
+    T = run["documents"][0]["n_tokens"]
+    assert any("Not computed yet" in i and f"after {T:,} of {T:,} tokens" in i for i in texts(at, "info"))
+    at.button(key="holds_compute").click().run()
+    assert any("What this state holds" in p for p in progress(at)) or any("queued" in p for p in progress(at))
+    assert work(cache) == 1
+    at.run()
+    assert not at.exception
+    titles = chart_titles(at)
+    assert {"Contributions along the document", "Which tokens fill each top singular direction",
+            "Rewrite rate between boundaries"} <= set(titles)
+    metrics = {m.label: m.value for m in at.metric}
+    assert "%" in metrics["From beyond 64 tokens"] and float(metrics["‖S_old‖ / ‖S‖"]) >= 0
+    top = at.dataframe[-1].value
+    assert list(top["rank"]) == list(range(1, 13)) and (top["norm"].diff().dropna() <= 0).all()
+    # the same head at another position: not computed, nothing of the other result shown
+    at.number_input(key="holds_pos").set_value(128).run()
+    assert any("Not computed yet" in i and "after 128 of" in i for i in texts(at, "info"))
+    assert "Rewrite rate between boundaries" not in chart_titles(at)
+    at.number_input(key="holds_pos").set_value(10 ** 6).run()
+    at.button(key="holds_compute").click().run()
+    work(cache)
+    at.run()
+    errs = texts(at, "error")
+    assert any("position 1000000 is outside the document" in e and f"1..{T}" in e for e in errs), errs
+    at.number_input(key="holds_pos").set_value(0).run()  # back: the stored result, without recomputing
+    assert "Rewrite rate between boundaries" in chart_titles(at) and work(cache) == 0

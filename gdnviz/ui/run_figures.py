@@ -90,3 +90,27 @@ def erank_vs_horizon(cache_dir: str, run_id: str, keys: tuple, rho: float, rank_
     with specs.fast_build():
         ch = F.erank_vs_horizon_chart(table, rho, rank_max, ci or None, interactive=True)
     return specs.spec(ch), F.to_csv(table[["layer", "head", "erank", "erank_min", "erank_max", "horizon"]])
+
+
+HOLDS_FIGURES = ("along", "directions", "rewrite")
+
+
+@st.cache_data(show_spinner=False, max_entries=64)
+def holds_figure(cache_dir: str, memo_key: str, which: str) -> tuple[dict, bytes]:
+    """(spec, CSV) of one figure of a stored HoldsJob result (``memo_key``: ``gdnviz.jobs.holds_key``, which names
+    the model, the tokens and the request, so the entry is a pure function of it); ``which`` in HOLDS_FIGURES.
+    KeyError when the result is not in the memo (nothing is cached then)."""
+    from gdnviz.ui import holds_charts as HC
+    from gdnviz.ui.common import _store
+
+    res = _store(cache_dir).memo_get_json(memo_key)
+    if res is None:
+        raise KeyError(f"no stored result under {memo_key}")
+    with specs.fast_build():
+        if which == "along":
+            return specs.spec(HC.along_chart(res)), F.to_csv(HC.contributions_frame(res))
+        if which == "directions":
+            return specs.spec(HC.directions_chart(res)), F.to_csv(HC.contributions_frame(res))
+        if which == "rewrite":
+            return specs.spec(HC.rewrite_chart(res)), F.to_csv(HC.rewrite_frame(res))
+    raise ValueError(f"no holds figure {which!r}: one of {HOLDS_FIGURES}")
