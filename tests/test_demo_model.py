@@ -54,3 +54,67 @@ def test_demo_answers_held_out_prompts_and_rank_1_breaks_them(demo, task):
     assert cut <= 34.0, (task, cut, preds)  # measured: niah_single_1 0, vt 20 (of 100)
     kept, preds = score(16)
     assert kept == 100.0, (task, preds)
+
+
+def _train_script():
+    """scripts/demo/train.py as a module (its top level imports only the standard library)."""
+    import importlib.util
+
+    path = Path(__file__).resolve().parents[1] / "scripts" / "demo" / "train.py"
+    spec = importlib.util.spec_from_file_location("demo_train", path)
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+    return mod
+
+
+def _count_by_formula(cfg) -> tuple[int, int]:
+    """(parameters, vector parameters) of a Qwen3.5 text model with tied embeddings, from its config alone:
+    GDN layer = in_proj_qkv + in_proj_z + in_proj_a/b + depthwise conv + dt_bias + A_log + gated norm + out_proj;
+    attention layer = gated q_proj (2x) + k/v_proj + o_proj + q/k norms; each layer 2 RMSNorms + SwiGLU MLP."""
+    h, ff, V = cfg.hidden_size, cfg.intermediate_size, cfg.vocab_size
+    hk, hv, dk, dv = cfg.linear_num_key_heads, cfg.linear_num_value_heads, cfg.linear_key_head_dim, \
+        cfg.linear_value_head_dim
+    conv = 2 * hk * dk + hv * dv
+    gdn_mat = h * conv + h * hv * dv + 2 * h * hv + conv * cfg.linear_conv_kernel_dim + hv * dv * h
+    gdn_vec = 2 * hv + dv
+    nh, kv, hd = cfg.num_attention_heads, cfg.num_key_value_heads, cfg.head_dim
+    att_mat, att_vec = h * nh * hd * 2 + 2 * h * kv * hd + nh * hd * h, 2 * hd
+    n_gdn = cfg.layer_types.count("linear_attention")
+    n_att = cfg.layer_types.count("full_attention")
+    mats = n_gdn * (gdn_mat + 3 * h * ff) + n_att * (att_mat + 3 * h * ff) + V * h
+    vecs = n_gdn * (gdn_vec + 2 * h) + n_att * (att_vec + 2 * h) + h
+    return mats + vecs, vecs
+
+
+def test_v3_preset_shape_on_meta_device():
+    """The v3 preset (issue 33): >= 32 GDN heads of 128 x 128, 2-3 full-attention layers, <= 32 MB shipped (bf16
+    matrices, fp32 vectors); train.model_size agrees with a count from the config's shapes."""
+    train = _train_script()
+    cfg = train.make_config("v3", 8192, {"bos": 1, "eos": 2, "pad": 0})
+    size = train.model_size(cfg)
+    assert cfg.linear_key_head_dim == cfg.linear_value_head_dim == 128
+    assert size["gdn_heads"] >= 32 and 2 <= len(size["attn_layers"]) <= 3
+    n, vecs = _count_by_formula(cfg)
+    assert size["params"] == n
+    assert size["ship_bytes"] == 2 * (n - vecs) + 4 * vecs <= 32 * 10**6
+    v2 = train.make_config("full", 8192, {"bos": 1, "eos": 2, "pad": 0})
+    assert train.model_size(v2)["params"] == _count_by_formula(v2)[0] == 9_336_088  # the shipped v2 (MODEL_CARD.md)
+
+
+def test_v3_gate_init_spreads_horizons():
+    """--gate-init spread: the 32 heads' horizons at a = 0 are log-spaced over [2, 4096] and head j of GDN layer l
+    has the (j * 8 + l)-th shortest, so every layer has a head in each quarter of the range."""
+    import numpy as np
+    import torch
+    from transformers import Qwen3_5ForCausalLM
+
+    train = _train_script()
+    cfg = train.make_config("v3", 512, {"bos": 1, "eos": 2, "pad": 0})
+    torch.manual_seed(0)
+    model = Qwen3_5ForCausalLM(cfg)
+    train.init_gdn_gates_spread(model, 2.0, 4096.0)
+    got = np.array([[1.0 / (1.0 - np.exp(-np.exp(la.A_log.detach().double().numpy())
+                                              * np.log1p(np.exp(la.dt_bias.detach().double().numpy()))))]
+                    for la in (l.linear_attn for l in model.model.layers if hasattr(l, "linear_attn"))])[:, 0]
+    want = np.geomspace(2.0, 4096.0, 32).reshape(4, 8).T  # [layer, head]
+    np.testing.assert_allclose(got, want, rtol=1e-4)

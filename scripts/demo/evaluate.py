@@ -7,12 +7,15 @@
   EOS, at most the task's ``tokens_to_generate``); ruler.py's scorer.
 - Held-out perplexity: next-token loss on the held-out corpus documents (never trained on), windows of
   ``--ppl-window`` tokens, plus bits per byte.
+- ``--no-attention``: the same RULER cells again with every full-attention layer's output zeroed at every position
+  (forward hooks on ``self_attn``; the residual stream skips those layers): what the GDN heads answer alone.
 - ``--seed000``: seed 000's measurements on this model: per-head effective rank / horizon / key cone on held-out
   documents of ``--seed000-len`` tokens (``gdnviz.capture`` + ``gdnviz.summary``), loss vs rank
   (``gdnviz.probes.loss_sweep``), and RULER answers with every GDN head truncated to rank r; also the
   seconds one 4K capture takes on this machine.
 
-Writes ``--out-json`` and ``--out-md`` (a markdown block for MODEL_CARD.md).
+Writes ``--out-json`` and ``--out-md``: the model card's tables (RULER, attention zeroed, perplexity, loss and
+answers vs rank, per-head statistics) as one markdown block; the card's text around them is written by hand.
 
     python scripts/demo/evaluate.py --model gdnviz/assets/demo --n 20 --seed000 --device cpu
 """
@@ -35,13 +38,15 @@ def parse_args(argv=None):
     ap.add_argument("--model", default=str(ROOT / "gdnviz" / "assets" / "demo"))
     ap.add_argument("--device", default="auto")
     ap.add_argument("--dtype", default="auto")
-    ap.add_argument("--tasks", default="niah_single_1,niah_multikey_2,vt,cwe,fwe")
+    ap.add_argument("--tasks", default="niah_single_1,niah_multikey_2,niah_multikey_3,vt,cwe,fwe")
     ap.add_argument("--lens", default="2048,4096")
     ap.add_argument("--n", type=int, default=20, help="prompts per task x length")
     ap.add_argument("--seed0", type=int, default=1_000_000)
     ap.add_argument("--heldout", default="out/demo/corpus/heldout.jsonl.gz")
     ap.add_argument("--ppl-window", type=int, default=1024)
     ap.add_argument("--ppl-max-windows", type=int, default=64)
+    ap.add_argument("--no-attention", action="store_true",
+                    help="also score every RULER cell with the attention layers' outputs zeroed (see docstring)")
     ap.add_argument("--seed000", action="store_true", help="also run seed 000's measurements (see docstring)")
     ap.add_argument("--seed000-docs", type=int, default=4)
     ap.add_argument("--seed000-len", type=int, default=4096)
@@ -109,6 +114,25 @@ def ruler_cells(lm, tasks, lens, n, seed0, segment_len, spec=None, log=None) -> 
     return scores, rows
 
 
+class AttentionZeroed:
+    """Context manager: every full-attention layer's ``self_attn`` output is zeroed (all positions, every forward
+    call, prefill and decoding) while inside; the hooks are removed on exit."""
+
+    def __init__(self, model):
+        self.mods = [l.self_attn for l in model.model.layers if getattr(l, "self_attn", None) is not None]
+        self.handles = []
+
+    def __enter__(self):
+        hook = lambda m, args, out: (out[0] * 0.0,) + tuple(out[1:])  # noqa: E731
+        self.handles = [m.register_forward_hook(hook) for m in self.mods]
+        return self
+
+    def __exit__(self, *exc):
+        for h in self.handles:
+            h.remove()
+        self.handles = []
+
+
 def spec_name(spec) -> str:
     rs = sorted({r for _, r in spec.ranks})
     return f"all GDN heads rank {rs[0]}" if len(rs) == 1 else "mixed ranks"
@@ -161,6 +185,14 @@ def markdown(res: dict) -> str:
              "|---|" + "---|" * len(lens)]
     for task, cells in res["ruler"].items():
         lines.append(f"| {task} | " + " | ".join(f"{cells.get(str(L), float('nan')):.1f}" for L in lens) + " |")
+    if res.get("ruler_no_attention"):
+        lines += ["", "The same cells with every full-attention layer's output zeroed (what the GDN heads answer "
+                      "alone):", "",
+                  "| task | " + " | ".join(f"{L // 1024}K" if L % 1024 == 0 else str(L) for L in lens) + " |",
+                  "|---|" + "---|" * len(lens)]
+        for task, cells in res["ruler_no_attention"].items():
+            lines.append(f"| {task} | " + " | ".join(f"{cells.get(str(L), float('nan')):.1f}" for L in lens)
+                         + " |")
     if res.get("heldout"):
         h = res["heldout"]
         lines += ["", f"Held-out perplexity: {h['ppl']:.2f} per token ({h['bits_per_byte']:.3f} bits/byte) on "
@@ -190,6 +222,13 @@ def markdown(res: dict) -> str:
             lines.append(f"| {r} | {row['loss']:.4f} | {row['delta']:+.4f} | "
                          + " | ".join(f"{v[str(max(lens))]:.1f}" if isinstance(v, dict) else f"{v:.1f}"
                                       for v in cells.values()) + " |")
+        lines += ["", f"Per head (median over the {s['docs']} documents; effective rank at the document end; "
+                      "horizon = 1/(1 − mean α) in tokens):", "",
+                  "| layer:head | erank | numerical rank | horizon | mean key norm | key-cov erank |",
+                  "|---|---:|---:|---:|---:|---:|"]
+        for h in s["heads"]:
+            lines.append(f"| {h['layer']}:{h['head']} | {h['erank']:.1f} | {h['numerical_rank']:g} | "
+                         f"{h['horizon']:.1f} | {h['mean_key_norm']:.2f} | {h['key_cov_erank']:.1f} |")
     return "\n".join(lines) + "\n"
 
 
@@ -221,6 +260,11 @@ def main(argv=None) -> int:
         held = []
         log(f"no held-out text at {a.heldout}: perplexity skipped")
     res["ruler"], rows = ruler_cells(lm, a.tasks, a.lens, a.n, a.seed0, a.segment_len, log=log)
+    if a.no_attention:
+        with AttentionZeroed(lm.model):
+            res["ruler_no_attention"], rows_na = ruler_cells(lm, a.tasks, a.lens, a.n, a.seed0, a.segment_len,
+                                                             log=lambda m: log(m + "  [attention zeroed]"))
+        rows += [dict(r, attention="zeroed") for r in rows_na]
     if a.seed000:
         if len(held) < a.seed000_len:
             log("seed 000 measurements need held-out text: skipped")

@@ -1,7 +1,9 @@
 #!/usr/bin/env bash
 # One H200 device call of demo training (scripts/demo/README.md §4), optionally with the GPU test suite running
-# beside it. Usage (device tool, timeout_s 600, carry ["out/demo_carry", ".whl"]):
+# beside it. Usage (device tool, timeout_s 600, carry ["out/demo_carry"], plus ".whl" with --tests):
 #   [TOTAL_STEPS=N] bash scripts/demo/h200_call.sh MINUTES [--resume] [--tests] [train.py args...]
+# TOTAL_STEPS: planned steps, default 2300 (v2's); 'auto' = planned from a throughput benchmark over --plan-minutes
+# (v3's), which a resumed run replaces with its checkpoint's plan.
 # --resume continues from out/demo_carry/resume (the previous call's returned run folder, copied there).
 # --tests runs `pytest -m gpu` (fla from the carried wheels) in the background during training; its log is
 # $OUT/gpu_tests.log. Training itself never imports fla (transformers' PyTorch GDN kernels).

@@ -18,9 +18,12 @@ Recipe (after shared/probes/demo_calibration2.py, which learned single-needle re
   tokens per step stay fixed, so early steps carry many short samples (dense answer signal) and are cheap.
 - GDN decay gates initialised Mamba-style (``--gate-init mamba``: horizons ~1-1000 tokens at init) and the
   full-attention layers' output zeroed with probability ``--attn-drop`` (0.5) per layer and step, so that the GDN
-  heads learn to carry retrieval too. Run 2 (shipped as demo v1) had neither: it answered every task through its
-  two attention layers while 11 of its 12 GDN heads kept a horizon of ~1 token (alpha ~ 1e-5 from transformers'
-  init, where the decay gradient vanishes), so cutting the GDN state changed no answer.
+  heads learn to carry retrieval too (v2). Run 2 (shipped as demo v1) had neither: it answered every task through
+  its two attention layers while 11 of its 12 GDN heads kept a horizon of ~1 token (alpha ~ 1e-5 from
+  transformers' init, where the decay gradient vanishes), so cutting the GDN state changed no answer.
+  ``--preset v3`` (32 GDN heads) instead spreads the heads' initial horizons over 2-4096 tokens (``--gate-init
+  spread``) and zeroes attention per packed sample with a chance by task (``--attn-drop-mode sample``): its
+  recipe is ``RECIPES["v3"]``, argued in scripts/demo/README.md.
 - AdamW(0.9, 0.95), wd 0.01, lr 1e-3, linear warm-up, linear decay to 0.1x over the last ``--decay-frac``;
   bf16 autocast; grad clip 1.0; fixed seed. transformers' own PyTorch GDN kernels (fla is never used).
 - Data of step s is a pure function of (seed, s): DataLoader workers build whole batches, so resuming at step s
@@ -60,16 +63,34 @@ HERE = Path(__file__).resolve().parent
 ROOT = HERE.parents[1]
 
 PRESETS = {
-    # ~9.3M parameters with an 8K vocabulary: 18.7 MB in bf16
+    # demo v2 (shipped): ~9.3M parameters with an 8K vocabulary, 18.7 MB in bf16; 12 GDN heads (6 layers x 2)
     "full": dict(hidden_size=256, intermediate_size=768, num_hidden_layers=8, num_attention_heads=4,
                  num_key_value_heads=2, head_dim=64, linear_num_key_heads=2, linear_num_value_heads=2),
+    # demo v3: 13.8M parameters, 27.7 MB in bf16; 32 GDN heads (8 layers x 4, at 0-2, 4-6, 8, 9), attention at 3, 7
+    "v3": dict(hidden_size=256, intermediate_size=768, num_hidden_layers=10, num_attention_heads=4,
+               num_key_value_heads=2, head_dim=64, linear_num_key_heads=4, linear_num_value_heads=4),
     # CPU smoke test: same layer pattern and GDN head size, narrower and shallower
     "smoke": dict(hidden_size=128, intermediate_size=384, num_hidden_layers=4, num_attention_heads=2,
                   num_key_value_heads=1, head_dim=64, linear_num_key_heads=1, linear_num_value_heads=1),
 }
-TASK_WEIGHTS = {"niah_single_1": 0.30, "niah_multikey_2": 0.25, "niah_multikey_3": 0.05, "vt": 0.18, "cwe": 0.11,
-                "fwe": 0.11}
-TASK_IDS = {t: i + 1 for i, t in enumerate(TASK_WEIGHTS)}  # answer-mask values (0: not an answer token)
+# Per preset, the defaults of the recipe arguments it was (or is to be) trained with; the command line overrides
+# them. v2 ("full") and the smoke model use the plain argument defaults. v3's choices are argued, and marked as
+# guesses to check, in scripts/demo/README.md ("v3 recipe").
+RECIPES = {
+    "full": {}, "smoke": {},
+    "v3": dict(task_weights="niah_single_1:0.12,niah_multikey_2:0.26,niah_multikey_3:0.16,vt:0.14,cwe:0.18,"
+                            "fwe:0.14",
+               attn_drop_mode="sample",
+               attn_drop_by_task="niah_single_1:0.75,vt:0.75,niah_multikey_2:0.1,niah_multikey_3:0.1,cwe:0.25,"
+                                 "fwe:0.5,text:0.5",
+               gate_init="spread", horizons="2:4096"),
+}
+RECIPE_DEFAULTS = dict(task_weights="niah_single_1:0.30,niah_multikey_2:0.25,niah_multikey_3:0.05,vt:0.18,"
+                                    "cwe:0.11,fwe:0.11",
+                       attn_drop=0.5, attn_drop_mode="layer", attn_drop_by_task="", gate_init="mamba",
+                       horizons="2:4096")
+TASKS = ("niah_single_1", "niah_multikey_2", "niah_multikey_3", "vt", "cwe", "fwe")
+TASK_IDS = {t: i + 1 for i, t in enumerate(TASKS)}  # answer-mask values (0: not an answer token)
 EVAL_TASKS = ("niah_single_1", "niah_multikey_2", "niah_multikey_3", "vt", "cwe", "fwe")
 EVAL_SEED0 = 500_000  # in-training eval seeds; evaluate.py uses 1_000_000+; training draws 62-bit random seeds
 SHARD_BYTES = 15 * 2 ** 20
@@ -86,6 +107,8 @@ def parse_args(argv=None):
                     help="continue from the checkpoint in DIR (default: --out)")
     ap.add_argument("--export", default=None, help="write the Hugging Face model directory here at the end")
     ap.add_argument("--export-only", action="store_true", help="only export the checkpoint (needs --export)")
+    ap.add_argument("--describe", action="store_true",
+                    help="print the preset's size (parameters, shipped bytes, GDN heads) and recipe, then exit")
     ap.add_argument("--smoke", action="store_true", help="CPU smoke test: small model, 1K rows, frequent evals")
     ap.add_argument("--preset", choices=sorted(PRESETS), default=None)
     ap.add_argument("--minutes", type=float, default=8.0, help="wall-clock budget of this run's training loop")
@@ -100,16 +123,28 @@ def parse_args(argv=None):
                          "capped at --max-len); default 0:200,0.5:1024,0.7:2048,0.85:4096 (smoke 0:200,0.6:1024)")
     ap.add_argument("--long-frac", type=float, default=0.15, help="share of samples at the current max length")
     ap.add_argument("--text-frac", type=float, default=0.15, help="chance that a segment is corpus text")
-    ap.add_argument("--gate-init", choices=["mamba", "hf"], default="mamba",
+    ap.add_argument("--task-weights", default=None,
+                    help="'task:w,...' share of each task among task samples (default: the preset's recipe)")
+    ap.add_argument("--gate-init", choices=["mamba", "spread", "hf"], default=None,
                     help="GDN decay init: 'mamba' = dt log-uniform in [1e-3, 0.1] (dt_bias = softplus^-1(dt)), "
-                         "A uniform in [1, 16]: horizons ~1..1000 tokens; 'hf' = transformers' init (dt_bias 1, "
-                         "A in [0.01, 16]: most heads start with alpha ~ 1e-5 and stayed there in run 1)")
-    ap.add_argument("--attn-drop", type=float, default=0.5,
-                    help="chance per step and full-attention layer that the layer's attention output is zeroed "
+                         "A uniform in [1, 16]: horizons ~1..1000 tokens; 'spread' = every head a horizon of its "
+                         "own, log-spaced over --horizons, each layer spanning the whole range (see "
+                         "init_gdn_gates_spread); 'hf' = transformers' init (dt_bias 1, A in [0.01, 16]: most "
+                         "heads start with alpha ~ 1e-5 and stayed there in run 1)")
+    ap.add_argument("--horizons", default=None, help="'lo:hi' tokens, the horizon range of --gate-init spread")
+    ap.add_argument("--attn-drop", type=float, default=None,
+                    help="modes 'layer'/'all': chance per step (and layer) that attention output is zeroed "
                          "(stochastic depth on attention only), so that the GDN heads learn to carry retrieval")
-    ap.add_argument("--attn-drop-mode", choices=["layer", "all"], default="layer",
-                    help="'layer': each attention layer dropped independently; 'all': every attention layer "
-                         "dropped together (GDN-only steps with chance --attn-drop, full-model steps otherwise)")
+    ap.add_argument("--attn-drop-mode", choices=["layer", "all", "sample"], default=None,
+                    help="'layer': each attention layer dropped independently per step; 'all': every attention "
+                         "layer dropped together (GDN-only steps with chance --attn-drop); 'sample': every "
+                         "attention layer's output zeroed on the tokens of one packed sample, with the chance "
+                         "--attn-drop-by-task gives its task (or 'text')")
+    ap.add_argument("--attn-drop-by-task", default=None,
+                    help="mode 'sample': 'task:p,...,text:p', the chance that a sample's tokens get no attention")
+    ap.add_argument("--plan-minutes", type=float, default=None,
+                    help="with --total-steps auto: the training-loop minutes to plan the steps for, summed over "
+                         "all the calls the run will take (default: --minutes, one call)")
     ap.add_argument("--lr", type=float, default=1e-3)
     ap.add_argument("--warmup", type=int, default=None, help="default 200 (smoke 5)")
     ap.add_argument("--decay-frac", type=float, default=0.25)
@@ -131,7 +166,19 @@ def parse_args(argv=None):
     ap.add_argument("--log-every", type=int, default=10)
     a = ap.parse_args(argv)
     sm = a.smoke
-    dflt = dict(preset="smoke" if sm else "full", total_steps="40" if sm else "auto",
+    if a.preset is None:
+        a.preset = "smoke" if sm else "full"
+    for k, v in {**RECIPE_DEFAULTS, **RECIPES[a.preset]}.items():
+        if getattr(a, k) is None:
+            setattr(a, k, v)
+    a.task_weights = parse_shares(a.task_weights, TASKS, "--task-weights")
+    a.attn_drop_by_task = parse_shares(a.attn_drop_by_task, TASKS + ("text",), "--attn-drop-by-task")
+    if a.attn_drop_mode == "sample" and not a.attn_drop_by_task:
+        raise SystemExit("--attn-drop-mode sample needs --attn-drop-by-task 'task:p,...'")
+    lo, hi = (float(x) for x in str(a.horizons).split(":"))
+    if not 1.0 < lo < hi:
+        raise SystemExit(f"--horizons {a.horizons!r}: need 1 < lo < hi (tokens)")
+    dflt = dict( total_steps="40" if sm else "auto",
                 tokens_per_step=2048 if sm else 65536,
                 max_len=1024 if sm else 4096, warmup=5 if sm else 200, eval_every=25 if sm else 100,
                 eval_n=2 if sm else 16, eval_lens="1024" if sm else "1024,2048,4096")
@@ -147,6 +194,28 @@ def parse_args(argv=None):
     if a.resume == "__out__" or (a.export_only and not a.resume):
         a.resume = a.out
     return a
+
+
+def parse_shares(text, names, flag: str) -> dict[str, float]:
+    """'name:x,...' -> {name: x}; a clear SystemExit on an unknown name or a value outside [0, 1]."""
+    if isinstance(text, dict):
+        return text
+    out = {}
+    for item in (x for x in str(text).split(",") if x.strip()):
+        name, _, val = item.partition(":")
+        if name not in names:
+            raise SystemExit(f"{flag}: unknown name {name!r} (known: {', '.join(names)})")
+        try:
+            out[name] = float(val)
+        except ValueError:
+            raise SystemExit(f"{flag}: {item!r} is not name:number") from None
+        if not 0.0 <= out[name] <= 1.0:
+            raise SystemExit(f"{flag}: {item!r} is outside [0, 1]")
+    return out
+
+
+def attention_dropping(a) -> bool:
+    return a.attn_drop_mode == "sample" or a.attn_drop > 0
 
 
 # --- schedules ----------------------------------------------------------------------------------------------------
@@ -202,7 +271,9 @@ def tokenize_stream(tk, docs: list[str], bos: int, eos: int):
 
 
 class Batches:
-    """Map-style dataset: item ``step`` is the whole batch of that step (inputs, targets, answer mask, stats)."""
+    """Map-style dataset: item ``step`` is the whole batch of that step: inputs, targets, answer mask (task id per
+    target token, 0 elsewhere), attention-drop mask (1 where every attention layer's output is to be zeroed at that
+    input token; all 0 unless ``--attn-drop-mode sample``), stats."""
 
     def __init__(self, a, tok_file: str, text_file: str, ids: dict):
         self.a, self.tok_file, self.text_file, self.ids = a, tok_file, text_file, ids
@@ -220,7 +291,7 @@ class Batches:
         self.encode = lambda t: tk.encode(t, add_special_tokens=False).ids
         self.sampler = synth.Sampler(self.encode)
         self.text = np.load(self.text_file, mmap_mode="r")
-        self.min_tok = {t: self.sampler.min_tokens(t) for t in TASK_WEIGHTS}
+        self.min_tok = {t: self.sampler.min_tokens(t) for t in TASKS}
         self.min_tok_cwe_big = self.sampler.min_tokens("cwe", 4096)
         self._ready = True
 
@@ -237,8 +308,12 @@ class Batches:
         cur, T, B = shape_at(int(step), a)
         X = np.zeros((B, T + 1), dtype=np.int64)
         M = np.zeros((B, T + 1), dtype=np.int8)
-        st = {"text": 0, "task": 0, "answer": 0, "samples": 0}
-        tasks, weights = list(TASK_WEIGHTS), list(TASK_WEIGHTS.values())
+        D = np.zeros((B, T + 1), dtype=np.int8)
+        # the drop draws have their own stream, so the data of a step does not depend on the drop mode
+        drop_rng = random.Random(a.seed * 1_000_033 + int(step)) if a.attn_drop_mode == "sample" else None
+        st = {"text": 0, "task": 0, "answer": 0, "samples": 0, "attn_dropped": 0}
+        tasks = [t for t in TASKS if a.task_weights.get(t, 0.0) > 0]
+        weights = [a.task_weights[t] for t in tasks]
         for b in range(B):
             pos = 0
             while pos < T + 1:
@@ -248,7 +323,7 @@ class Batches:
                     hi = min(cur, rem)
                     ok = [(t, w) for t, w in zip(tasks, weights) if self.min_tok[t] <= hi]
                     if ok:
-                        task = rng.choices([t for t, _ in ok], [w for _, w in ok])[0]
+                        task = kind = rng.choices([t for t, _ in ok], [w for _, w in ok])[0]
                         lo = self.min_tok[task]
                         L = hi if rng.random() < a.long_frac else rng.randint(lo, hi)
                         if task == "cwe" and 3072 < L < self.min_tok_cwe_big:
@@ -267,11 +342,15 @@ class Batches:
                     off = rng.randrange(0, len(self.text) - L - 1)
                     X[b, pos:pos + L] = self.text[off:off + L]
                     st["text"] += L
-                    pos += L
+                    kind = "text"
                 else:
-                    pos += len(seg)
-        X, M = torch.from_numpy(X), torch.from_numpy(M)
-        return X[:, :-1].contiguous(), X[:, 1:].contiguous(), M[:, 1:].contiguous(), st
+                    L = len(seg)
+                if drop_rng is not None and drop_rng.random() < a.attn_drop_by_task.get(kind, 0.0):
+                    D[b, pos:pos + L] = 1
+                    st["attn_dropped"] += L
+                pos += L
+        X, M, D = torch.from_numpy(X), torch.from_numpy(M), torch.from_numpy(D)
+        return X[:, :-1].contiguous(), X[:, 1:].contiguous(), M[:, 1:].contiguous(), D[:, :-1].contiguous(), st
 
 
 class StepSampler:
@@ -307,6 +386,22 @@ def make_config(preset: str, vocab: int, ids: dict):
                              linear_conv_kernel_dim=4, tie_word_embeddings=True, max_position_embeddings=32768,
                              layer_types=layer_types, bos_token_id=ids["bos"], eos_token_id=ids["eos"],
                              pad_token_id=ids["pad"], **p)
+
+
+def model_size(cfg) -> dict:
+    """Parameter count, bytes as shipped (bf16 matrices, fp32 vectors; the tied head counted once) and GDN heads
+    of a config, from a model built on the meta device (no memory, no weights)."""
+    import torch
+    from transformers import Qwen3_5ForCausalLM
+
+    with torch.device("meta"):
+        m = Qwen3_5ForCausalLM(cfg)
+    ps = list(m.parameters())
+    return {"params": sum(p.numel() for p in ps),
+            "ship_bytes": sum(p.numel() * (2 if p.dim() >= 2 else 4) for p in ps),
+            "gdn_heads": cfg.linear_num_value_heads * cfg.layer_types.count("linear_attention"),
+            "gdn_layers": [i for i, t in enumerate(cfg.layer_types) if t == "linear_attention"],
+            "attn_layers": [i for i, t in enumerate(cfg.layer_types) if t == "full_attention"]}
 
 
 def ship_dtype(t):
@@ -376,6 +471,27 @@ def init_gdn_gates(model, dt_min: float = 1e-3, dt_max: float = 0.1) -> None:
             la.A_log.copy_(torch.empty(n).uniform_(1.0, 16.0).log().to(la.A_log))
 
 
+def init_gdn_gates_spread(model, h_lo: float, h_hi: float) -> None:
+    """Every GDN head gets a decay horizon of its own at a = 0 (seeded by the caller's torch.manual_seed for A).
+
+    The N heads' horizons h = 1 / (1 - alpha) are log-spaced over [h_lo, h_hi]; head j of GDN layer l (L layers)
+    gets the (j * L + l)-th shortest, so every layer has one head in each of the H equal slices of the range (a
+    short one, ..., a long one) and within a slice deeper layers are longer. alpha = exp(g), g = -A * softplus(
+    a + dt_bias): A is drawn uniform in [1, 16] as in the mamba init and dt_bias = softplus^-1(-log(alpha) / A)."""
+    import torch
+
+    layers = [l.linear_attn for l in model.model.layers if getattr(l, "linear_attn", None) is not None]
+    L, H = len(layers), layers[0].dt_bias.numel()
+    hs = torch.logspace(math.log10(h_lo), math.log10(h_hi), L * H, dtype=torch.float64)
+    with torch.no_grad():
+        for l, la in enumerate(layers):
+            h = hs[torch.arange(H) * L + l]
+            A = torch.empty(H, dtype=torch.float64).uniform_(1.0, 16.0)
+            dt = -torch.log1p(-1.0 / h) / A
+            la.dt_bias.copy_((dt + torch.log(-torch.expm1(-dt))).to(la.dt_bias))
+            la.A_log.copy_(A.log().to(la.A_log))
+
+
 def gate_horizons(model) -> list:
     """Per GDN layer, per head: 1 / (1 - alpha) at a = 0 (alpha = exp(-exp(A_log) softplus(dt_bias))), tokens."""
     import torch
@@ -392,11 +508,14 @@ def gate_horizons(model) -> list:
 
 class AttentionDrop:
     """Forward hooks that zero chosen full-attention layers' attention output (the residual stream then skips
-    them). ``set(mask)`` chooses the layers for the next forward; ``set(None)`` switches all off."""
+    them). ``set(layers, tokens)`` chooses the layers for the next forward and, optionally, the tokens: ``tokens``
+    [B, T] (nonzero = zero the output at that position; None = at every position); ``set(None)`` switches all
+    off."""
 
     def __init__(self, model):
         self.layers = [i for i, l in enumerate(model.model.layers) if getattr(l, "self_attn", None) is not None]
         self.active: set = set()
+        self.keep = None
         for i in self.layers:
             model.model.layers[i].self_attn.register_forward_hook(self._hook(i))
 
@@ -404,11 +523,13 @@ class AttentionDrop:
         def hook(module, args, out):
             if i not in self.active:
                 return None
-            return (out[0] * 0.0,) + tuple(out[1:])
+            keep = 0.0 if self.keep is None else self.keep.to(out[0].dtype)
+            return (out[0] * keep,) + tuple(out[1:])
         return hook
 
-    def set(self, layers) -> None:
+    def set(self, layers, tokens=None) -> None:
         self.active = set(layers or ())
+        self.keep = None if tokens is None else (tokens == 0)[..., None]
 
     def draw(self, rng, p: float, mode: str = "layer") -> list:
         """Attention layers to zero this step: each with chance ``p`` (``mode="layer"``), or all of them together
@@ -681,6 +802,12 @@ def main(argv=None) -> int:
                 "device": torch.cuda.get_device_name(0) if dev.type == "cuda" else "cpu"}
 
     cfg = make_config(a.preset, len(hf_tok), ids)
+    size = model_size(cfg)
+    if a.describe:
+        print(json.dumps({"event": "describe", "preset": a.preset, "vocab": len(hf_tok), **size,
+                          "ship_MB": round(size["ship_bytes"] / 1e6, 2),
+                          "recipe": {k: getattr(a, k) for k in RECIPE_DEFAULTS}}), flush=True)
+        return 0
 
     drop = {}
 
@@ -689,6 +816,8 @@ def main(argv=None) -> int:
         m = Qwen3_5ForCausalLM(cfg)
         if a.gate_init == "mamba":
             init_gdn_gates(m)
+        elif a.gate_init == "spread":
+            init_gdn_gates_spread(m, *(float(x) for x in a.horizons.split(":")))
         m = m.to(dev)
         o = torch.optim.AdamW(m.parameters(), lr=a.lr, betas=(0.9, 0.95), weight_decay=a.weight_decay)
         drop["hooks"] = AttentionDrop(m)
@@ -747,7 +876,8 @@ def main(argv=None) -> int:
         model, opt = fresh()  # the benchmark's updates are thrown away: training starts from the seeded init
         print(json.dumps({"event": "benchmark", "sec_per_step": bench, "tokens_per_step": a.tokens_per_step,
                           "bench_s": round(time.time() - t0, 1)}), flush=True)
-    print(json.dumps({"event": "start", "params": n_params, "preset": a.preset, "vocab": len(hf_tok),
+    print(json.dumps({"event": "start", "params": n_params, "ship_bytes": size["ship_bytes"],
+                      "gdn_heads": size["gdn_heads"], "preset": a.preset, "vocab": len(hf_tok),
                       "layer_types": cfg.layer_types,
                       "train_text_tokens": int(np.load(text_file, mmap_mode="r").shape[0]),
                       "heldout_tokens": int(heldout_ids.shape[0]), "tokenize_s": tokenize_s,
@@ -766,7 +896,7 @@ def main(argv=None) -> int:
         mt = 65536 if dev.type == "cuda" else 8192
         drop["hooks"].set(None)
         r = eval_teacher_forced(model, evalset, hf_tok, dev, ids, max_tokens=mt)
-        if a.attn_drop > 0:  # the same prompts with every attention layer zeroed: what the GDN heads carry alone
+        if attention_dropping(a):  # the same prompts with every attention layer zeroed: what the GDN heads carry alone
             drop["hooks"].set(drop["hooks"].layers)
             r["tf_no_attention"] = eval_teacher_forced(model, evalset, hf_tok, dev, ids, max_tokens=mt)["tf"]
             drop["hooks"].set(None)
@@ -792,7 +922,8 @@ def main(argv=None) -> int:
     t_ckpt = time.time()
     step = start_step
     stop_reason = "minutes"
-    acc = {"loss": 0.0, "tok": 0.0, "ans": 0.0, "n": 0, "text": 0, "task": 0, "answer": 0, "samples": 0}
+    acc = {"loss": 0.0, "tok": 0.0, "ans": 0.0, "n": 0, "text": 0, "task": 0, "answer": 0, "samples": 0,
+           "attn_dropped": 0}
     t_log = time.time()
     task_sum = torch.zeros(len(TASK_IDS) + 1, device=dev)
     task_cnt = torch.zeros(len(TASK_IDS) + 1, device=dev)
@@ -800,7 +931,7 @@ def main(argv=None) -> int:
         r0 = run_eval(0)
     if a.total_steps == "auto":
         eval_s = r0["eval_s"] if start_step == 0 else 10.0
-        budget = a.minutes * 60 - 10 - (time.time() - t_run)
+        budget = (a.plan_minutes or a.minutes) * 60 - 10 - (time.time() - t_run)
         a.total_steps = plan_total_steps(a, bench, eval_s, budget)
         print(json.dumps({"event": "plan", "total_steps": a.total_steps, "budget_s": round(budget),
                           "eval_s": eval_s, "tokens": a.total_steps * a.tokens_per_step}), flush=True)
@@ -812,7 +943,7 @@ def main(argv=None) -> int:
     loader = torch.utils.data.DataLoader(ds, batch_size=None, sampler=StepSampler(start_step, end_step),
                                          num_workers=workers, prefetch_factor=4 if workers else None,
                                          pin_memory=dev.type == "cuda", persistent_workers=False)
-    for x, y, m, st in loader:
+    for x, y, m, d, st in loader:
         if step >= a.total_steps:
             stop_reason = "done"
             break
@@ -822,9 +953,11 @@ def main(argv=None) -> int:
         for g in opt.param_groups:
             g["lr"] = lr_at(step, a)
         x, y, m = x.to(dev, non_blocking=True), y.to(dev, non_blocking=True), m.to(dev, non_blocking=True)
-        dropped = drop["hooks"].draw(random.Random(a.seed * 7919 + step), a.attn_drop,
-                                      a.attn_drop_mode) if a.attn_drop > 0 else []
-        drop["hooks"].set(dropped)
+        if a.attn_drop_mode == "sample":
+            drop["hooks"].set(drop["hooks"].layers, d.to(dev, non_blocking=True))
+        else:
+            drop["hooks"].set(drop["hooks"].draw(random.Random(a.seed * 7919 + step), a.attn_drop,
+                                                 a.attn_drop_mode) if a.attn_drop > 0 else [])
         with torch.autocast(dev.type, dtype=torch.bfloat16, enabled=dev.type == "cuda"):
             logits = model(input_ids=x, use_cache=False).logits
         drop["hooks"].set(None)
@@ -854,7 +987,7 @@ def main(argv=None) -> int:
         acc["tok"] += tok_loss.item()
         acc["ans"] += ans_loss.item()
         acc["n"] += 1
-        for k in ("text", "task", "answer", "samples"):
+        for k in ("text", "task", "answer", "samples", "attn_dropped"):
             acc[k] += st[k]
         train_s += time.time() - ts
         if step % a.log_every == 0 or step == start_step + 1:
@@ -866,6 +999,7 @@ def main(argv=None) -> int:
                    "answer_loss": round(acc["ans"] / n, 4), "grad_norm": round(float(gn), 3), "max_len": cur,
                    "row_len": T, "rows": B, "text_share": round(acc["text"] / max(1, acc["text"] + acc["task"]), 3),
                    "samples_per_step": round(acc["samples"] / n, 1),
+                   "attn_dropped_share": round(acc["attn_dropped"] / max(1, acc["text"] + acc["task"]), 3),
                    "answer_loss_by_task": {t: round(float(task_sum[i] / task_cnt[i]), 3)
                                            for t, i in TASK_IDS.items() if task_cnt[i] > 0},
                    "tok_per_s": round(n * T * B / max(dt, 1e-9)), "elapsed_s": round(time.time() - t_run, 1)}
