@@ -20,7 +20,7 @@ import time
 import torch
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-from bench.common import ceiling_seconds, device_name, emit, qwen35_08b_config, random_model, sync  # noqa: E402
+from bench.common import ceiling_seconds, device_name, retrieval_model, emit, sync  # noqa: E402
 
 
 def main():
@@ -37,17 +37,11 @@ def main():
     ap.add_argument("--max-new-tokens", type=int, default=None)
     a = ap.parse_args()
 
-    from gdnviz.models import from_model, load
     from gdnviz.probes.scan import ScanSpec, run_scan
 
     dev = torch.device(a.device)
     dtype = "bfloat16" if dev.type == "cuda" else "float32"
-    demo = load("demo", device=str(dev), dtype=dtype)
-    if a.model == "demo":
-        lm = demo
-    else:
-        model = random_model(qwen35_08b_config(vocab_size=len(demo.tokenizer)), dev, getattr(torch, dtype))
-        lm = from_model(model, "qwen3.5-0.8b-shape-random", tokenizer=demo.tokenizer)
+    lm = retrieval_model(a.model, dev, dtype)
     lengths = [int(x) for x in a.lengths.split(",") if x]
     layers = tuple(int(x) for x in a.layers.split(",") if x) or None
     base = dict(device=device_name(dev), model=a.model, dtype=dtype, task=a.task, r=a.r, by=a.by,

@@ -29,8 +29,8 @@ import time
 import torch
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-from bench.common import (ceiling_seconds, device_name, emit, qwen35_08b_config, prompt_batches,  # noqa: E402
-                          random_model, sync)
+from bench.common import (ceiling_seconds, retrieval_model, device_name, emit, prompt_batches,  # noqa: E402
+                          sync)
 
 
 def main():
@@ -51,17 +51,11 @@ def main():
     ap.add_argument("--profile", type=int, default=0, help="print the top N CUDA ops of one truncated batch")
     a = ap.parse_args()
 
-    from gdnviz.models import from_model, load
     from gdnviz.probes.sweep import SweepSpec, run_sweep
 
     dev = torch.device(a.device)
     dtype = a.dtype or ("bfloat16" if dev.type == "cuda" else "float32")
-    demo = load("demo", device=str(dev), dtype=dtype)
-    if a.model == "demo":
-        lm = demo
-    else:
-        model = random_model(qwen35_08b_config(vocab_size=len(demo.tokenizer)), dev, getattr(torch, dtype))
-        lm = from_model(model, "qwen3.5-0.8b-shape-random", tokenizer=demo.tokenizer)
+    lm = retrieval_model(a.model, dev, dtype)
     lengths = [int(x) for x in a.lengths.split(",") if x]
     ranks = tuple(int(x) for x in a.ranks.split(",") if x)
     base = dict(device=device_name(dev), model=a.model, dtype=dtype, task=a.task, ranks=ranks,

@@ -136,6 +136,19 @@ def env(name: str, value: str):
             os.environ[name] = old
 
 
+def retrieval_model(name: str, device, dtype: str):
+    """The model of the retrieval benchmarks: ``"demo"`` (the bundled demo model and its tokenizer) or ``"0.8b"``
+    (a random-initialised Qwen3.5-0.8B shape with the demo tokenizer's 8,192-token vocabulary, so the prompts are
+    real RULER prompts), as a ``gdnviz.models.LoadedModel`` on ``device`` in ``dtype``."""
+    from gdnviz.models import from_model, load
+
+    demo = load("demo", device=str(device), dtype=dtype)
+    if name == "demo":
+        return demo
+    model = random_model(qwen35_08b_config(vocab_size=len(demo.tokenizer)), torch.device(device), getattr(torch, dtype))
+    return from_model(model, "qwen3.5-0.8b-shape-random", tokenizer=demo.tokenizer)
+
+
 def prompt_batches(lm, task: str, length: int, n: int, batch: int):
     """The sweep's prompts of (task, length) in ``run_sweep``'s batches (longest first)."""
     from gdnviz.probes import ruler
