@@ -5,7 +5,9 @@ CUDA ops (with input shapes) of the decode steps.
 
 Rows: ``ceiling`` (transformers' forward on the same left-padded batch, no cache), ``prefill`` (gdnviz's batched
 prefill, one answer token) and ``greedy`` (prefill + ``--new`` answer tokens) per setting; ``decode_ms_per_step`` =
-(greedy − prefill) / (new − 1). Then the profiler table of one truncated greedy run's decode, grouped by input shape.
+(greedy − prefill) / (new − 1). Then profiler tables of untouched decode steps alone (after a prefill), grouped by
+input shape: eager static steps (every kernel under the aten op that launched it) and the same steps replayed from
+the CUDA graph.
 """
 from __future__ import annotations
 
@@ -67,13 +69,30 @@ def main():
              decode_ms_per_step=round(1000 * (g - p) / (a.new - 1), 3), **base)
     from torch.profiler import ProfilerActivity, profile
 
-    spec = TruncationSpec.all_heads(lm.info, a.rank)
-    with profile(activities=[ProfilerActivity.CUDA], record_shapes=True) as prof:
-        batched_greedy(lm, prompts, a.new, spec=spec, stop_ids=set())
-        sync(dev)
-    print(prof.key_averages(group_by_input_shape=True).table(sort_by="cuda_time_total", row_limit=a.top,
-                                                             max_name_column_width=60, max_shapes_column_width=90))
+    from gdnviz.probes.batch import batched_forward
+    from gdnviz.static_decode import StaticDecoder
 
+    # the decode steps alone: untouched, eager static steps (graph=False, so every kernel is attributed to the aten
+    # op that launched it), then the same steps replayed from the graph (the kernels a sweep's decode really runs)
+    for graph in (False, True):
+        out, ctx, mask, _ = batched_forward(lm, prompts, use_cache=True, logits_positions="last", keep_hidden=False)
+        dec = StaticDecoder(lm, ctx, out.cache, a.new, attention_mask=mask, positions=mask.sum(-1), graph=graph)
+        del out
+        nxt = [0] * len(prompts)
+        for _ in range(4):  # warm-up, and the graph's capture
+            dec.step(nxt)
+        sync(dev)
+        steps = a.new - 4
+        with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA], record_shapes=True) as prof:
+            t = time.perf_counter()
+            for _ in range(steps):
+                dec.step(nxt)
+            sync(dev)
+            ms = 1000 * (time.perf_counter() - t) / steps
+        emit(what="decode_profile", graph=graph, replays=dec.replays, reason=dec.reason,
+             ms_per_step_profiled=round(ms, 3), steps=steps, **base)
+        print(prof.key_averages(group_by_input_shape=True).table(
+            sort_by="device_time_total", row_limit=a.top, max_name_column_width=60, max_shapes_column_width=110))
 
 if __name__ == "__main__":
     main()
