@@ -1,0 +1,59 @@
+"""AppTest of the Head page's "Exact attention map" section (gdnviz/ui/attnmap.py): Not computed → Compute → the
+worker's AttnMapJob → the two heatmaps and the top-key tables; another request never shows this result; bad
+windows get the library's message; going back shows the stored result without recomputing."""
+import json
+
+from app_fixtures import tiny_checkpoint  # noqa: F401  (fixture)
+from test_app_pages import app, chart_titles, env, populated, texts, work  # noqa: F401  (fixtures, helpers)
+from gdnviz.store import Store
+
+GDN_TITLE, SOFT_TITLE = "GDN layer 3 head 1: exact map", "Attention layer 2 (mean over its heads): softmax weights"
+
+
+def test_head_page_exact_attention_map_computes_in_the_worker_and_refuses_bad_windows(env, populated):
+    cache, run = populated
+    env(cache)
+    at = app("head", run=run, layer=3, head=1)
+    at.run()
+    assert not at.exception
+    T = run["documents"][0]["n_tokens"]
+    end = (T // 64) * 64
+    start = max(0, end - 256)
+    assert (at.number_input(key="am_start").value, at.number_input(key="am_end").value) == (start, end)
+    assert at.selectbox(key="am_attn_layer").value == 2 and at.selectbox(key="am_attn_head").options == [
+        "mean over heads", "head 0", "head 1", "head 2", "head 3"]
+    assert any("Not computed yet" in i and f"queries {start:,}..{end - 1:,}" in i for i in texts(at, "info"))
+    at.button(key="am_compute").click().run()
+    jid = at.session_state["am_job_now"]
+    assert Store(cache).job(jid)["kind"] == "attnmap"
+    assert work(cache) >= 1
+    assert Store(cache).job(jid)["status"] == "done", Store(cache).job(jid)["error"]
+    at.run()
+    assert not at.exception
+    assert {GDN_TITLE, SOFT_TITLE} <= set(chart_titles(at))
+    specs = {json.loads(c.proto.spec)["title"]["text"]: json.loads(c.proto.spec) for c in at.get("vega_lite_chart")
+             if isinstance(json.loads(c.proto.spec).get("title"), dict)}
+    for t in (GDN_TITLE, SOFT_TITLE):  # the same axes
+        assert specs[t]["encoding"]["x"]["scale"]["domain"] == [0, end]
+        assert specs[t]["encoding"]["y"]["scale"]["domain"] == [start, end]
+    gdn_top, soft_top = at.dataframe[-2].value, at.dataframe[-1].value
+    assert list(gdn_top["rank"]) == list(range(1, 11)) and (gdn_top["weight"].abs().diff().dropna() <= 0).all()
+    assert (soft_top["weight"].diff().dropna() <= 0).all() and (soft_top["key"] <= end - 1).all()
+    assert any(f"Query t = {end - 1:,}" in m for m in texts(at, "markdown"))
+    at.number_input(key="am_row").set_value(start + 5).run()
+    assert any(f"Query t = {start + 5:,}" in m for m in texts(at, "markdown"))
+    assert (at.dataframe[-2].value["key"] <= start + 5).all()
+    # another softmax head: not computed, nothing of this result shown
+    at.selectbox(key="am_attn_head").set_value(1).run()
+    assert any("Not computed yet" in i and "softmax of layer 2 (head 1)" in i for i in texts(at, "info"))
+    assert GDN_TITLE not in chart_titles(at)
+    # a window outside the document: the library's message
+    at.selectbox(key="am_attn_head").set_value("mean over heads").run()
+    at.number_input(key="am_end").set_value(10 ** 6).run()
+    at.button(key="am_compute").click().run()
+    work(cache)
+    at.run()
+    errs = texts(at, "error")
+    assert any("window" in e and "1000000) is outside the document" in e and f"<= {T}" in e for e in errs), errs
+    at.number_input(key="am_end").set_value(end).run()  # back: the stored result, without recomputing
+    assert GDN_TITLE in chart_titles(at) and work(cache) == 0
