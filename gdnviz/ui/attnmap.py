@@ -157,27 +157,27 @@ def draw(gdn, soft, gkey: str, skey: str | None) -> None:
     tag = f"L{meta['layer']}H{meta['head']}_q{start}-{end - 1}"
     st.caption(f"“{meta['document']}” · queries {start:,}..{end - 1:,} over keys 0..{end - 1:,} of {meta['T']:,} tokens "
                f"· {meta['dtype']} run on {meta['device']}, map {meta['map_dtype']} on {meta['map_device']}")
-    sub_g = ["w_t,s = β_s q_tᵀ A_t⋯A_s+1 k_s: signed, unnormalised (rows need not sum to 1)",
-             "colour: red > 0, blue < 0, symmetric log scale; blank: s > t (causal)"]
+    sub_g = ["w_t,s = β_s q_tᵀ A_t⋯A_s+1 k_s: signed, unnormalised",
+             "red > 0, blue < 0 (symmetric log colour); blank: s > t"]
     cols = st.columns(2)
     picked = None
     with cols[0]:
         spec, df, ex = figure(cache, gkey, "gdn", f"GDN layer {meta['layer']} head {meta['head']}: exact map",
                               tuple(sub_g))
         ev = C.chart(spec, df, f"{tag}_gdn_map", key="ch_am_gdn", on_select="rerun", selection_mode="row",
-                     export=ex, fixed_size=True)
+                     export=ex)
         picked = _clicked(ev) or picked
     if soft is not None:
         p, sm = soft
-        who = "mean over its heads" if sm["head"] is None else f"head {sm['head']}"
-        sub_s = ["softmax(q_t·k_s/√d) of the layer's own post-RoPE q, k: a probability, rows sum to 1",
-                 "colour: log scale, 10⁻⁴ and below the darkest; blank: s > t (causal)"]
+        who = "mean over heads" if sm["head"] is None else f"head {sm['head']}"
+        sub_s = ["softmax_s(q_t·k_s/√d), the layer's post-RoPE q, k: rows sum to 1",
+                 "log colour, 10⁻⁴ and below darkest; blank: s > t"]
         with cols[1]:
-            spec, df, ex = figure(cache, skey, "softmax", f"Attention layer {sm['layer']} ({who}): softmax weights",
+            spec, df, ex = figure(cache, skey, "softmax", f"Softmax: attention layer {sm['layer']}, {who}",
                                   tuple(sub_s))
             ev = C.chart(spec, df, f"L{sm['layer']}{'mean' if sm['head'] is None else 'H' + str(sm['head'])}_q{start}-"
                                    f"{end - 1}_softmax", key="ch_am_soft", on_select="rerun", selection_mode="row",
-                         export=ex, fixed_size=True)
+                         export=ex)
             picked = _clicked(ev) or picked
     if st.session_state.get("am_row_for") != gkey:
         st.session_state.update(am_row_for=gkey, am_row=end - 1)
@@ -185,27 +185,31 @@ def draw(gdn, soft, gkey: str, skey: str | None) -> None:
         st.session_state["am_click"] = picked
         if picked is not None and start <= picked < end:
             st.session_state["am_row"] = int(picked)
-    t = st.number_input("Query position t for the top keys (or click a row of a map)", min_value=start,
-                        max_value=end - 1, key="am_row")
-    t = int(t)
-    b, a = AC.context(tokens, t, 12, 0)
-    st.markdown(f"**Query t = {t:,}**: …{_esc(b)}**[{_esc(tokens[t])}]**")
-    cfg = {"key": "key position s", "tokens_back": "t − s",
+    c = st.columns([1, 3])
+    t = int(c[0].number_input("Query position t (or click a row of a map)", min_value=start, max_value=end - 1,
+                              key="am_row", help="the top keys of this query in both maps, below"))
+    b, _ = AC.context(tokens, t, 16, 0)
+    c[1].html(f"<div style='padding-top:1.9em'><b>Query t = {t:,}</b>: <span style='font-family:monospace'>…"
+              f"{_esc(b)}<mark>{_esc(tokens[t])}</mark></span></div>")
+    cfg = {"rank": st.column_config.NumberColumn("#", width="small"), "key": "key s", "tokens_back": "t − s",
+           "context": st.column_config.TextColumn("key in context", width="medium"),
            "weight": st.column_config.NumberColumn("w_t,s", format="%.4g"),
            "share": st.column_config.NumberColumn("share of Σ|w|", format="percent")}
     cols = st.columns(2)
     with cols[0]:
         st.markdown("**GDN map: top keys** (largest |w_t,s|)")
-        st.dataframe(AC.top_keys(w, start, tokens, t), hide_index=True, width="stretch", column_config=cfg)
+        st.dataframe(AC.top_keys(w, start, tokens, t).drop(columns="token"), hide_index=True, width="stretch", column_config=cfg)
     if soft is not None:
         with cols[1]:
             st.markdown("**Softmax: top keys** (largest probability)")
-            st.dataframe(AC.top_keys(p, start, tokens, t), hide_index=True, width="stretch",
+            st.dataframe(AC.top_keys(p, start, tokens, t).drop(columns="token"), hide_index=True, width="stretch",
                          column_config={**cfg, "weight": st.column_config.NumberColumn("p_t,s", format="%.4g")})
 
 
 def _esc(s: str) -> str:
-    return s.replace("\n", "↵ ").replace("*", "\\*").replace("_", "\\_").replace("[", "\\[").replace("]", "\\]")
+    import html
+
+    return html.escape(s).replace("\n", "↵ ")
 
 
 def _clicked(ev) -> int | None:

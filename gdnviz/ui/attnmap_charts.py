@@ -85,7 +85,6 @@ def heatmap(w: np.ndarray, start: int, kind: str, title: str, subtitle: list[str
                                             gradientLength=220))
     else:
         raise ValueError(f"kind must be 'gdn' or 'softmax'; got {kind!r}")
-    where = "query t" if br == 1 else "queries q0..q1−1"
     tips = [alt.Tooltip("t:Q", title="query position t"), alt.Tooltip("s:Q", title="key position s"),
             alt.Tooltip("weight:Q", title="weight", format=".4g")]
     if br > 1 or bc > 1:
@@ -101,8 +100,7 @@ def heatmap(w: np.ndarray, start: int, kind: str, title: str, subtitle: list[str
         ch = ch.add_params(sel).encode(opacity=alt.condition(sel, alt.value(1.0), alt.value(0.35)))
     sub = list(subtitle)
     if br > 1 or bc > 1:
-        sub.append(f"display: blocks of {br} queries × {bc} keys, each the entry with the largest |w| ({where}); "
-                   "the CSV has every entry")
+        sub.append(f"shown: blocks of {br} queries × {bc} keys, each its largest |w| (the CSV has all)")
     return configure(ch.properties(width=WIDTH, height=HEIGHT, title=alt.Title(title, subtitle=sub)))
 
 
@@ -112,7 +110,8 @@ def context(tokens: list[str], s: int, before: int = 6, after: int = 3) -> tuple
 
 def top_keys(w: np.ndarray, start: int, tokens: list[str], t: int, n: int = 10) -> pd.DataFrame:
     """The ``n`` keys of query position ``t`` with the largest |w_{t,s}| (s ≤ t), with their text in context:
-    ``rank``, ``key`` (position s), ``tokens_back`` (t − s), ``before``, ``token``, ``after``, ``weight``, and
+    ``rank``, ``key`` (position s), ``tokens_back`` (t − s), ``token``, ``context`` (``before[token]after``,
+    newlines as ↵), ``weight``, and
     ``share`` (|w| over Σ_s |w_{t,s}|: the fraction of the row's absolute weight). ValueError for a ``t`` outside
     the window."""
     rows, end = w.shape
@@ -122,7 +121,8 @@ def top_keys(w: np.ndarray, start: int, tokens: list[str], t: int, n: int = 10) 
     order = np.argsort(-np.abs(row), kind="stable")[:n]
     tot = float(np.abs(row).sum())
     ctx = [context(tokens, int(s)) for s in order]
+    toks = [tokens[int(s)] for s in order]
     return pd.DataFrame({"rank": np.arange(1, len(order) + 1), "key": order, "tokens_back": t - order,
-                         "before": [c[0] for c in ctx], "token": [tokens[int(s)] for s in order],
-                         "after": [c[1] for c in ctx], "weight": row[order],
+                         "token": toks, "context": [f"{b}[{x}]{a}".replace("\n", "↵") for (b, a), x in zip(ctx, toks)],
+                         "weight": row[order],
                          "share": np.abs(row[order]) / tot if tot > 0 else 0.0})
