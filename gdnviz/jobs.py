@@ -879,7 +879,9 @@ def run_holds_job(spec: HoldsJob, ctx: JobContext) -> dict:
                        f"{spec.head}'s q, k, v, g, β")
     inp = head_inputs(lm, ids, int(spec.layer), int(spec.head), len(ids), segment_len=L)
     ctx.progress(2, 3, f"decomposing the state after {int(spec.position):,} tokens (float64)")
-    res = what_it_holds(inp, int(spec.position), L, int(spec.top))
+    from gdnviz.attribution.exact_map import fast_path
+
+    res = what_it_holds(inp, int(spec.position), L, int(spec.top), *fast_path(lm))
     tok = lm.tokenizer
     res.update(document=name, layer=int(spec.layer), head=int(spec.head), tokens=[tok.decode([i]) for i in ids],
                model=info.name, fingerprint=info.fingerprint, dtype=info.dtype, device=info.device,

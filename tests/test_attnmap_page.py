@@ -1,10 +1,13 @@
 """AppTest of the Head page's "Exact attention map" section (gdnviz/ui/attnmap.py): Not computed → Compute → the
 worker's AttnMapJob → the two heatmaps and the top-key tables; another request never shows this result; bad
-windows get the library's message; going back shows the stored result without recomputing."""
+windows get the library's message; going back shows the stored result without recomputing; a model without a
+full-attention layer gets the GDN map alone."""
 import json
 
-from app_fixtures import tiny_checkpoint  # noqa: F401  (fixture)
-from test_app_pages import app, chart_titles, env, populated, texts, work  # noqa: F401  (fixtures, helpers)
+import pytest
+
+from app_fixtures import short_text, tiny_checkpoint  # noqa: F401  (fixture)
+from test_app_pages import app, capture, chart_titles, env, populated, texts, work  # noqa: F401  (fixtures, helpers)
 from gdnviz.store import Store
 
 GDN_TITLE, SOFT_TITLE = "GDN layer 3 head 1: exact map", "Softmax: attention layer 2, mean over heads"
@@ -57,3 +60,35 @@ def test_head_page_exact_attention_map_computes_in_the_worker_and_refuses_bad_wi
     assert any("window" in e and "1000000) is outside the document" in e and f"<= {T}" in e for e in errs), errs
     at.number_input(key="am_end").set_value(end).run()  # back: the stored result, without recomputing
     assert GDN_TITLE in chart_titles(at) and work(cache) == 0
+
+
+@pytest.fixture(scope="module")
+def all_gdn_checkpoint(tmp_path_factory):
+    """A tiny Qwen3.5 checkpoint whose three layers are all Gated DeltaNet (no softmax attention to compare with)."""
+    import tiny_models
+    import tokenizers_for_tests
+
+    root = tmp_path_factory.mktemp("all_gdn")
+    _, chat = tokenizers_for_tests.build(root / "tok", vocab_size=1200)
+    tok = tokenizers_for_tests.load(chat)
+    out = root / "all-gdn-qwen3_5"
+    tiny_models.qwen3_5(vocab=len(tok) + 16, layers=("linear_attention",) * 3).save_pretrained(out)
+    tok.save_pretrained(out)
+    return out
+
+
+def test_a_model_without_full_attention_shows_only_the_gdn_map(env, tmp_path, all_gdn_checkpoint):
+    cache = env(tmp_path / "c")
+    run = capture(cache, all_gdn_checkpoint, (("alpha", short_text(200, 0)),))
+    at = app("head", run=run, layer=1, head=0)
+    at.run()
+    assert not at.exception
+    assert any("no full-attention layer" in c for c in texts(at, "caption"))
+    assert "am_attn_layer" not in [s.key for s in at.selectbox]
+    at.button(key="am_compute").click().run()
+    assert work(cache) >= 1
+    at.run()
+    assert not at.exception
+    titles = chart_titles(at)
+    assert "GDN layer 1 head 0: exact map" in titles and not any(t.startswith("Softmax") for t in titles)
+    assert list(at.dataframe[-1].value["rank"]) == list(range(1, 11))

@@ -77,7 +77,8 @@ def heatmap(w: np.ndarray, start: int, kind: str, title: str, subtitle: list[str
         color = alt.Color("weight:Q", title=["w_t,s", "(signed, unnormalised)"],
                           scale=alt.Scale(type="symlog", constant=m / 1000, domain=[-m, m], domainMid=0,
                                           scheme="redblue", reverse=True),
-                          legend=alt.Legend(orient="right", format=".2g", gradientLength=220))
+                          legend=alt.Legend(orient="right", format=".1e", gradientLength=220,
+                                            values=[-m, -m / 10, -m / 100, 0, m / 100, m / 10, m]))
     elif kind == "softmax":
         color = alt.Color("weight:Q", title=["softmax weight", "(probability)"],
                           scale=alt.Scale(type="log", domain=[1e-4, 1], clamp=True, scheme="viridis"),
