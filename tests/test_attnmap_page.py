@@ -36,9 +36,11 @@ def test_head_page_exact_attention_map_computes_in_the_worker_and_refuses_bad_wi
     assert {GDN_TITLE, SOFT_TITLE} <= set(chart_titles(at))
     specs = {json.loads(c.proto.spec)["title"]["text"]: json.loads(c.proto.spec) for c in at.get("vega_lite_chart")
              if isinstance(json.loads(c.proto.spec).get("title"), dict)}
-    for t in (GDN_TITLE, SOFT_TITLE):  # the same axes
-        assert specs[t]["encoding"]["x"]["scale"]["domain"] == [0, end]
-        assert specs[t]["encoding"]["y"]["scale"]["domain"] == [start, end]
+    for t in (GDN_TITLE, SOFT_TITLE):  # the same axes; the picked query (the last one) marked on both
+        cells, rule = specs[t]["layer"]
+        assert cells["encoding"]["x"]["scale"]["domain"] == [0, end]
+        assert cells["encoding"]["y"]["scale"]["domain"] == [start, end]
+        assert rule["encoding"]["y"]["datum"] == end - 1
     gdn_top, soft_top = at.dataframe[-2].value, at.dataframe[-1].value
     assert list(gdn_top["rank"]) == list(range(1, 11)) and (gdn_top["weight"].abs().diff().dropna() <= 0).all()
     assert (soft_top["weight"].diff().dropna() <= 0).all() and (soft_top["key"] <= end - 1).all()
@@ -46,6 +48,10 @@ def test_head_page_exact_attention_map_computes_in_the_worker_and_refuses_bad_wi
     at.number_input(key="am_row").set_value(start + 5).run()
     assert not at.exception
     assert (at.dataframe[-2].value["key"] <= start + 5).all() and (at.dataframe[-1].value["key"] <= start + 5).all()
+    shown = [json.loads(c.proto.spec) for c in at.get("vega_lite_chart")]
+    rules = [x["layer"][1]["encoding"]["y"]["datum"] for x in shown
+             if isinstance(x.get("title"), dict) and x["title"]["text"] in (GDN_TITLE, SOFT_TITLE)]
+    assert rules == [start + 5, start + 5]
     # another softmax head: not computed, nothing of this result shown
     at.selectbox(key="am_attn_head").set_value(1).run()
     assert any("Not computed yet" in i and "softmax of layer 2 (head 1)" in i for i in texts(at, "info"))
@@ -59,6 +65,7 @@ def test_head_page_exact_attention_map_computes_in_the_worker_and_refuses_bad_wi
     errs = texts(at, "error")
     assert any("window" in e and "1000000) is outside the document" in e and f"<= {T}" in e for e in errs), errs
     at.number_input(key="am_end").set_value(end).run()  # back: the stored result, without recomputing
+    assert not at.exception, [e.proto for e in at.exception]
     assert GDN_TITLE in chart_titles(at) and work(cache) == 0
 
 

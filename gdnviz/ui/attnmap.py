@@ -14,6 +14,7 @@ import streamlit as st
 from gdnviz.ui import common as C
 
 TITLE = "Exact attention map"
+SHOWN = ("key", "tokens_back", "context", "weight", "share")  # the top-key table's columns on the page
 DEFAULT_WINDOW = 256
 MEAN = "mean over heads"
 
@@ -159,14 +160,21 @@ def draw(gdn, soft, gkey: str, skey: str | None) -> None:
                f"· {meta['dtype']} run on {meta['device']}, map {meta['map_dtype']} on {meta['map_device']}")
     sub_g = ["w_t,s = β_s q_tᵀ A_t⋯A_s+1 k_s: signed, unnormalised",
              "red > 0, blue < 0 (symmetric log colour); blank: s > t"]
+    # a new result starts at its last query; so does a return to one (a widget not drawn in a run loses its state)
+    if st.session_state.get("am_row_for") != gkey or "am_row" not in st.session_state:
+        st.session_state.update(am_row_for=gkey, am_row=end - 1)
+    picked = None  # a query picked by a new click on either map (each map's selection persists across reruns)
+    for which in ("gdn", "soft"):
+        picked = _new_click(which, st.session_state.get(f"ch_am_{which}"), picked)
+    if picked is not None and start <= picked < end:
+        st.session_state["am_row"] = int(picked)
+    t = int(st.session_state["am_row"])
     cols = st.columns(2)
-    picked = None
     with cols[0]:
         spec, df, ex = figure(cache, gkey, "gdn", f"GDN layer {meta['layer']} head {meta['head']}: exact map",
                               tuple(sub_g))
-        ev = C.chart(spec, df, f"{tag}_gdn_map", key="ch_am_gdn", on_select="rerun", selection_mode="row",
-                     export=ex)
-        picked = _clicked(ev) or picked
+        C.chart(AC.with_query(spec, t), df, f"{tag}_gdn_map", key="ch_am_gdn", on_select="rerun",
+                selection_mode="row", export=ex)
     if soft is not None:
         p, sm = soft
         who = "mean over heads" if sm["head"] is None else f"head {sm['head']}"
@@ -175,16 +183,9 @@ def draw(gdn, soft, gkey: str, skey: str | None) -> None:
         with cols[1]:
             spec, df, ex = figure(cache, skey, "softmax", f"Softmax: attention layer {sm['layer']}, {who}",
                                   tuple(sub_s))
-            ev = C.chart(spec, df, f"L{sm['layer']}{'mean' if sm['head'] is None else 'H' + str(sm['head'])}_q{start}-"
+            C.chart(AC.with_query(spec, t), df, f"L{sm['layer']}{'mean' if sm['head'] is None else 'H' + str(sm['head'])}_q{start}-"
                                    f"{end - 1}_softmax", key="ch_am_soft", on_select="rerun", selection_mode="row",
                          export=ex)
-            picked = _clicked(ev) or picked
-    if st.session_state.get("am_row_for") != gkey:
-        st.session_state.update(am_row_for=gkey, am_row=end - 1)
-    if picked != st.session_state.get("am_click"):  # a new click (a selection persists across reruns)
-        st.session_state["am_click"] = picked
-        if picked is not None and start <= picked < end:
-            st.session_state["am_row"] = int(picked)
     c = st.columns([1, 3])
     t = int(c[0].number_input("Query position t (or click a row of a map)", min_value=start, max_value=end - 1,
                               key="am_row", help="the top keys of this query in both maps, below"))
@@ -198,11 +199,12 @@ def draw(gdn, soft, gkey: str, skey: str | None) -> None:
     cols = st.columns(2)
     with cols[0]:
         st.markdown("**GDN map: top keys** (largest |w_t,s|)")
-        st.dataframe(AC.top_keys(w, start, tokens, t).drop(columns="token"), hide_index=True, width="stretch", column_config=cfg)
+        st.dataframe(AC.top_keys(w, start, tokens, t), hide_index=True, width="stretch", column_config=cfg,
+                     column_order=SHOWN)
     if soft is not None:
         with cols[1]:
             st.markdown("**Softmax: top keys** (largest probability)")
-            st.dataframe(AC.top_keys(p, start, tokens, t).drop(columns="token"), hide_index=True, width="stretch",
+            st.dataframe(AC.top_keys(p, start, tokens, t), hide_index=True, width="stretch", column_order=SHOWN,
                          column_config={**cfg, "weight": st.column_config.NumberColumn("p_t,s", format="%.4g")})
 
 
@@ -210,6 +212,16 @@ def _esc(s: str) -> str:
     import html
 
     return html.escape(s).replace("\n", "↵ ")
+
+
+def _new_click(which: str, ev, picked: int | None) -> int | None:
+    """The query a click on map ``which`` selected if it differs from that map's previous selection, else
+    ``picked``."""
+    q, k = _clicked(ev), f"am_click_{which}"
+    if q != st.session_state.get(k):
+        st.session_state[k] = q
+        return q if q is not None else picked
+    return picked
 
 
 def _clicked(ev) -> int | None:

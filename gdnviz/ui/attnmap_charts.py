@@ -67,7 +67,8 @@ def heatmap(w: np.ndarray, start: int, kind: str, title: str, subtitle: list[str
 
     kind "gdn": diverging red (positive) / blue (negative) colour centred at 0, symmetric-log scale (three decades
     below the largest |w|); kind "softmax": sequential, log scale from 10⁻⁴ (smaller probabilities get its colour).
-    ``interactive``: a click on a cell selects its query block (the selection ``row``, field ``q0``)."""
+    ``interactive``: a click on a cell selects its query block (the selection ``row``, field ``q0``), and an orange
+    rule marks the picked query (:func:`with_query` sets it; drawn at the window's last query until then)."""
     n, end = w.shape
     df = blocks(w, start)
     br, bc = block_sizes(n, end)
@@ -96,13 +97,27 @@ def heatmap(w: np.ndarray, start: int, kind: str, title: str, subtitle: list[str
         y=alt.Y("q0:Q", title="query position t (token index)", scale=alt.Scale(domain=[start, start + n],
                                                                                  nice=False, reverse=True)),
         y2="q1:Q", color=color, tooltip=tips)
-    if interactive:
-        sel = alt.selection_point(name="row", fields=["q0"], on="click", clear="dblclick")
-        ch = ch.add_params(sel).encode(opacity=alt.condition(sel, alt.value(1.0), alt.value(0.35)))
     sub = list(subtitle)
     if br > 1 or bc > 1:
         sub.append(f"shown: blocks of {br} queries × {bc} keys, each its largest |w| (the CSV has all)")
+    if interactive:
+        ch = ch.add_params(alt.selection_point(name="row", fields=["q0"], on="click", clear="dblclick"))
+        rule = alt.Chart(alt.Data(values=[{}])).mark_rule(color="#ff7f0e", strokeWidth=1.5).encode(
+            y=alt.Y(datum=start + n - 1)).properties(name=QUERY_RULE)
+        sub.append("orange: the query t of the tables below (click a cell for another)")
+        ch = alt.layer(ch, rule)
     return configure(ch.properties(width=WIDTH, height=HEIGHT, title=alt.Title(title, subtitle=sub)))
+
+
+QUERY_RULE = "query_rule"
+
+
+def with_query(spec: dict, t: int) -> dict:
+    """``spec`` (an interactive :func:`heatmap` as a Vega-Lite dict) with its query rule at ``t``; a copy of the
+    few dicts on the way, the datasets shared."""
+    layers = [dict(lay, encoding={**lay["encoding"], "y": {**lay["encoding"]["y"], "datum": int(t)}})
+              if lay.get("name") == QUERY_RULE else lay for lay in spec["layer"]]
+    return {**spec, "layer": layers}
 
 
 def context(tokens: list[str], s: int, before: int = 6, after: int = 3) -> tuple[str, str]:
