@@ -91,7 +91,9 @@ def heatmap(w: np.ndarray, start: int, kind: str, title: str, subtitle: list[str
             alt.Tooltip("weight:Q", title="weight", format=".4g")]
     if br > 1 or bc > 1:
         tips += [alt.Tooltip("q0:Q", title="block: first query"), alt.Tooltip("k0:Q", title="block: first key")]
-    ch = alt.Chart(df).mark_rect().encode(
+    # the block ends are computed in the browser: fewer columns to send (up to MAX_ROWS × MAX_COLS cells)
+    ch = alt.Chart(df.drop(columns=["q1", "k1"])).transform_calculate(
+        q1=f"min(datum.q0 + {br}, {start + n})", k1=f"min(datum.k0 + {bc}, {end})").mark_rect().encode(
         x=alt.X("k0:Q", title="key position s (token index)", scale=alt.Scale(domain=[0, end], nice=False)),
         x2="k1:Q",
         y=alt.Y("q0:Q", title="query position t (token index)", scale=alt.Scale(domain=[start, start + n],
