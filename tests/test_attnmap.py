@@ -9,7 +9,8 @@ import torch
 from gdnviz import jobs
 from gdnviz.attribution import decompose, head_inputs, weights
 from gdnviz.attribution.softmax_map import softmax_weights, weights_from_qk
-from gdnviz.errors import HeadOutOfRange, LayerNotAttention, LayerNotGDN, ModelMismatch, PositionOutOfRange, WindowTooLarge
+from gdnviz.errors import (HeadOutOfRange, LayerNotAttention, LayerNotGDN, ModelMismatch, PositionOutOfRange,
+                           WindowTooLarge)
 from gdnviz.store import Store
 
 
@@ -47,7 +48,8 @@ def test_softmax_weights_are_transformers_eager_attention(demo, ids):
 
 def test_weights_from_qk_is_a_per_head_softmax_with_grouped_keys():
     g = torch.Generator().manual_seed(1)
-    q, k = torch.randn(9, 4, 3, generator=g, dtype=torch.float64), torch.randn(9, 2, 3, generator=g, dtype=torch.float64)
+    q = torch.randn(9, 4, 3, generator=g, dtype=torch.float64)
+    k = torch.randn(9, 2, 3, generator=g, dtype=torch.float64)
     p = weights_from_qk(q, k, 0.5, 3, 9)
     for h in range(4):
         for i, t in enumerate(range(3, 9)):
@@ -57,7 +59,8 @@ def test_weights_from_qk_is_a_per_head_softmax_with_grouped_keys():
 
 
 def test_softmax_weights_refuse_bad_layers_and_heads(demo, ids):
-    with pytest.raises(LayerNotAttention, match=r"layer 5 \(a Gated DeltaNet layer\) is not a full-attention layer.*\[3, 7\]"):
+    with pytest.raises(LayerNotAttention,
+                       match=r"layer 5 \(a Gated DeltaNet layer\) is not a full-attention layer.*\[3, 7\]"):
         softmax_weights(demo, ids, 5, 0, 10)
     with pytest.raises(HeadOutOfRange, match=r"attention head 4 is out of range: layer 3 has query heads 0..3"):
         softmax_weights(demo, ids, 3, 0, 10, head=4)

@@ -56,6 +56,11 @@ def test_head_page_exact_attention_map_computes_in_the_worker_and_refuses_bad_wi
     at.selectbox(key="am_attn_head").set_value(1).run()
     assert any("Not computed yet" in i and "softmax of layer 2 (head 1)" in i for i in texts(at, "info"))
     assert GDN_TITLE not in chart_titles(at)
+    # no softmax layer: the GDN map alone, from the memo (nothing to compute)
+    at.selectbox(key="am_attn_layer").set_value("none (GDN map only)").run()
+    assert GDN_TITLE in chart_titles(at) and not any(t.startswith("Softmax") for t in chart_titles(at))
+    assert work(cache) == 0
+    at.selectbox(key="am_attn_layer").set_value(2).run()
     # a window outside the document: the library's message
     at.selectbox(key="am_attn_head").set_value("mean over heads").run()
     at.number_input(key="am_end").set_value(10 ** 6).run()

@@ -40,8 +40,9 @@ def check_attention_layer(info, layer, head=None) -> None:
         raise LayerNotAttention(f"layer {layer!r}{kind} is not a full-attention layer of {info.name}; its "
                                 f"full-attention layers are {list(info.attn_layers)}")
     if info.family not in FAMILIES:
-        raise UnsupportedFamily(f"softmax weights are read from transformers' attention modules ({', '.join(FAMILIES)}); "
-                                f"{info.name} is of the {info.family!r} family")
+        raise UnsupportedFamily(f"softmax weights are read from transformers' attention modules "
+                                f"({', '.join(FAMILIES)}); {info.name} is of the {info.family!r} family: compute "
+                                "the GDN map alone (no softmax layer)")
 
 
 def _capture(lm, ids: torch.Tensor, layer: int):

@@ -17,6 +17,7 @@ TITLE = "Exact attention map"
 SHOWN = ("key", "tokens_back", "context", "weight", "share")  # the top-key table's columns on the page
 DEFAULT_WINDOW = 256
 MEAN = "mean over heads"
+NONE = "none (GDN map only)"
 
 
 def default_window(T: int, L: int) -> tuple[int, int]:
@@ -35,7 +36,8 @@ def attention_heads(config_path: str) -> int | None:
         return None
 
 
-def request(run: dict, doc: str, layer: int, head: int, start: int, end: int, attn_layer, attn_head) -> tuple[dict, tuple]:
+def request(run: dict, doc: str, layer: int, head: int, start: int, end: int, attn_layer,
+            attn_head) -> tuple[dict, tuple]:
     """(the AttnMapJob as the queue's dict, its two memo keys) for document ``doc`` of ``run``."""
     from gdnviz.jobs import AttnMapJob, attnmap_keys, spec_to_dict
 
@@ -114,8 +116,9 @@ def section(run: dict, layer: int, head: int, default_doc: str) -> None:
                             help=f"keys are 0..end−1; at most {T:,} (the document). Limit: one map is float64 "
                                  f"[end − start, end], at most {cap} MiB (e.g. 2,048 queries over 16,384 keys)")
     if attn_layers:
-        al = c[3].selectbox("Softmax layer", attn_layers, key="am_attn_layer",
-                            help="a full-attention layer of the same model (its own index)")
+        al = c[3].selectbox("Softmax layer", attn_layers + [NONE], key="am_attn_layer",
+                            help="a full-attention layer of the same model (its own index) for comparison, or none")
+    if attn_layers and al != NONE:
         n_ah = attention_heads(str(Path(model.get("path") or "") / "config.json"))
         opts = [MEAN] + (list(range(n_ah)) if n_ah else [])
         ah = c[4].selectbox("Softmax head", opts, key="am_attn_head",
@@ -124,11 +127,13 @@ def section(run: dict, layer: int, head: int, default_doc: str) -> None:
         ah = None if ah == MEAN else int(ah)
     else:
         al = ah = None
-        st.caption("This model has no full-attention layer, so there is no softmax attention to compare with: "
-                   "only the GDN map is shown.")
+        if not attn_layers:
+            st.caption("This model has no full-attention layer, so there is no softmax attention to compare with: "
+                       "only the GDN map is shown.")
     spec, (gkey, skey) = request(run, doc, layer, head, int(start), int(end), al, ah)
-    what = (f"layer {layer} head {head}, “{doc}”, queries {int(start):,}..{int(end) - 1:,}"
-            + (f", softmax of layer {al} ({'mean over heads' if ah is None else f'head {ah}'})" if al is not None else ""))
+    what = f"layer {layer} head {head}, “{doc}”, queries {int(start):,}..{int(end) - 1:,}"
+    if al is not None:
+        what += f", softmax of layer {al} ({'mean over heads' if ah is None else f'head {ah}'})"
     gdn, soft = _stored(gkey), _stored(skey)
     if gdn is None or (skey is not None and soft is None):
         jobs = st.session_state.setdefault("am_jobs", {})
@@ -136,10 +141,10 @@ def section(run: dict, layer: int, head: int, default_doc: str) -> None:
         rec = C.job_panel("am_job_now", TITLE)
         busy = rec is not None and rec["status"] in ("queued", "running")
         if not busy:
+            qk = " and the attention layer's queries and keys" if al is not None else ""
             st.info(f"**Not computed yet** for {what}. **Compute** runs the model over the first {int(end):,} tokens "
-                    "in the worker for this head's inputs and the attention layer's queries and keys, then the exact "
-                    "map (float64; seconds for a few hundred queries over a few thousand keys).",
-                    icon=":material/info:")
+                    f"in the worker for this head's inputs{qk}, then the exact map (float64; seconds for a few "
+                    "hundred queries over a few thousand keys).", icon=":material/info:")
         if st.button("Compute", key="am_compute", type="primary", icon=":material/play_arrow:", disabled=busy):
             jobs[(gkey, skey)] = C.submit("attnmap", spec, label=f"{TITLE}: L{layer}·H{head} "
                                                                  f"{int(start):,}..{int(end) - 1:,}")
@@ -156,7 +161,8 @@ def draw(gdn, soft, gkey: str, skey: str | None) -> None:
     start, end, tokens = int(meta["start"]), int(meta["end"]), meta["tokens"]
     cache = str(C.store().dir)
     tag = f"L{meta['layer']}H{meta['head']}_q{start}-{end - 1}"
-    st.caption(f"“{meta['document']}” · queries {start:,}..{end - 1:,} over keys 0..{end - 1:,} of {meta['T']:,} tokens "
+    st.caption(f"“{meta['document']}” · queries {start:,}..{end - 1:,} over keys 0..{end - 1:,} of {meta['T']:,} "
+               "tokens "
                f"· {meta['dtype']} run on {meta['device']}, map {meta['map_dtype']} on {meta['map_device']}")
     sub_g = ["w_t,s = β_s q_tᵀ A_t⋯A_s+1 k_s: signed, unnormalised",
              "red > 0, blue < 0 (symmetric log colour); blank: s > t"]
@@ -183,9 +189,9 @@ def draw(gdn, soft, gkey: str, skey: str | None) -> None:
         with cols[1]:
             spec, df, ex = figure(cache, skey, "softmax", f"Softmax: attention layer {sm['layer']}, {who}",
                                   tuple(sub_s))
-            C.chart(AC.with_query(spec, t), df, f"L{sm['layer']}{'mean' if sm['head'] is None else 'H' + str(sm['head'])}_q{start}-"
-                                   f"{end - 1}_softmax", key="ch_am_soft", on_select="rerun", selection_mode="row",
-                         export=ex)
+            stag = f"L{sm['layer']}{'mean' if sm['head'] is None else 'H' + str(sm['head'])}_q{start}-{end - 1}"
+            C.chart(AC.with_query(spec, t), df, f"{stag}_softmax", key="ch_am_soft", on_select="rerun",
+                    selection_mode="row", export=ex)
     c = st.columns([1, 3])
     t = int(c[0].number_input("Query position t (or click a row of a map)", min_value=start, max_value=end - 1,
                               key="am_row", help="the top keys of this query in both maps, below"))

@@ -141,6 +141,7 @@ def top_keys(w: np.ndarray, start: int, tokens: list[str], t: int, n: int = 10) 
     ctx = [context(tokens, int(s)) for s in order]
     toks = [tokens[int(s)] for s in order]
     return pd.DataFrame({"rank": np.arange(1, len(order) + 1), "key": order, "tokens_back": t - order,
-                         "token": toks, "context": [f"{b}[{x}]{a}".replace("\n", "↵") for (b, a), x in zip(ctx, toks)],
+                         "token": toks,
+                         "context": [f"{b}[{x}]{a}".replace("\n", "↵") for (b, a), x in zip(ctx, toks)],
                          "weight": row[order],
                          "share": np.abs(row[order]) / tot if tot > 0 else 0.0})
