@@ -895,8 +895,10 @@ def run_holds_job(spec: HoldsJob, ctx: JobContext) -> dict:
 def run_attnmap_job(spec: AttnMapJob, ctx: JobContext) -> dict:
     """Compute what is not yet in the memo of the two maps (``attnmap_keys``): every request is checked (head,
     layers, window against the document and ``MAX_STORED_MAP_BYTES``) before the model runs. The GDN map is computed
-    by ``exact_map.weights`` on ``exact_map.fast_path(lm)``, the softmax weights by ``softmax_map``. Returns the
-    keys, the window, the shapes, the seconds each part took and ``memo_hit`` (both parts were stored)."""
+    by ``exact_map.weights`` on ``exact_map.fast_path(lm)`` (its meta's ``output_check``: ‖w v − o‖_F / ‖o‖_F over
+    the window, o the float64 reference recurrence's outputs), the softmax weights by ``softmax_map``. Returns the
+    keys, the window, the seconds each part took and ``memo_hit`` (both parts were stored)."""
+    from gdnviz.attribution import recurrence
     from gdnviz.attribution.exact_map import check_window, fast_path, weights
     from gdnviz.attribution.inputs import check_head, head_inputs
     from gdnviz.attribution.softmax_map import check_attention_layer, num_heads, softmax_weights
@@ -934,9 +936,12 @@ def run_attnmap_job(spec: AttnMapJob, ctx: JobContext) -> dict:
         inp = head_inputs(lm, ids, spec.layer, spec.head, end, segment_len=L)
         dev, dt = fast_path(lm)
         w = weights(inp, start, end, dev, dt).cpu().numpy()
+        o = recurrence.outputs(inp, end)[start:end].numpy()   # the float64 reference recurrence's outputs
+        check = float(np.linalg.norm(w @ inp.v.numpy() - o) / max(np.linalg.norm(o), 1e-300))
         out["seconds"]["gdn"] = time.perf_counter() - t0
         ctx.store.memo_put(gkey, pack_map(w, dict(meta, kind="gdn", layer=spec.layer, head=spec.head,
                                                   map_device=str(dev), map_dtype=str(dt).replace("torch.", ""),
+                                                  output_check=check,
                                                   tokens=[tok.decode([i]) for i in ids[:end]])))
     if skey in todo:
         ctx.progress(2, 3, f"running the model for the softmax weights of attention layer {al}")

@@ -140,6 +140,7 @@ def test_attnmap_job_on_the_demo_model_end_to_end(tmp_path, demo):
     inp = head_inputs(demo, ids, 5, 1, T, segment_len=64)
     o = recurrence.outputs(inp, T)[T - 100:]
     np.testing.assert_allclose(w @ inp.v.numpy(), o.numpy(), rtol=0, atol=1e-10 * float(o.abs().max()))
+    assert 0 <= meta["output_check"] < 1e-10
     np.testing.assert_allclose(p, sw(demo, ids, 7, T - 100, T).numpy(), rtol=0, atol=1e-12)
     np.testing.assert_allclose(p.sum(1), 1.0, atol=1e-12)
     # the page's tables and figures of it

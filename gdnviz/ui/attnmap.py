@@ -163,7 +163,8 @@ def draw(gdn, soft, gkey: str, skey: str | None) -> None:
     tag = f"L{meta['layer']}H{meta['head']}_q{start}-{end - 1}"
     st.caption(f"“{meta['document']}” · queries {start:,}..{end - 1:,} over keys 0..{end - 1:,} of {meta['T']:,} "
                "tokens "
-               f"· {meta['dtype']} run on {meta['device']}, map {meta['map_dtype']} on {meta['map_device']}")
+               f"· {meta['dtype']} run on {meta['device']}, map {meta['map_dtype']} on {meta['map_device']} · check: "
+               f"Σ_s w_t,s v_s reproduces the head's float64 output to {meta['output_check']:.1e} (relative)")
     sub_g = ["w_t,s = β_s q_tᵀ A_t⋯A_s+1 k_s: signed, unnormalised",
              "red > 0, blue < 0 (symmetric log colour); blank: s > t"]
     # a new result starts at its last query; so does a return to one (a widget not drawn in a run loses its state)
