@@ -153,6 +153,14 @@ def test_attnmap_job_on_the_demo_model_end_to_end(tmp_path, demo):
     assert len(long) == sum(T - 100 + i + 1 for i in range(100)) and (long["key"] <= long["query"]).all()
     i = long.index[(long["query"] == T - 50) & (long["key"] == 7)][0]
     assert long.loc[i, "weight"] == w[50, 7]
+    import io
+
+    import pandas as pd
+
+    from gdnviz.ui.attnmap import csv_bytes  # the page's CSV download: the stored map at full resolution
+    back = pd.read_csv(io.BytesIO(csv_bytes(str(tmp_path), res["gdn_key"])))
+    assert list(back.columns) == ["query", "key", "weight"] and len(back) == len(long)
+    np.testing.assert_allclose(back["weight"], long["weight"], rtol=1e-15)
     for kind, m in (("gdn", w), ("softmax", p)):
         with AC.no_row_limit():
             AC.heatmap(m, T - 100, kind, "t", ["s"]).to_dict(validate=True)

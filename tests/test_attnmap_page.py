@@ -41,6 +41,9 @@ def test_head_page_exact_attention_map_computes_in_the_worker_and_refuses_bad_wi
         assert cells["encoding"]["x"]["scale"]["domain"] == [0, end]
         assert cells["encoding"]["y"]["scale"]["domain"] == [start, end]
         assert rule["encoding"]["y"]["datum"] == end - 1
+    labels = {b.key: b.proto.label for b in at.get("download_button")}
+    assert {labels.get(f"ch_am_{m}_{x}") for m in ("gdn", "soft") for x in ("png", "svg")} == {"PNG", "SVG"}
+    assert labels["ch_am_gdn_csv"] == labels["ch_am_soft_csv"] == "CSV of the whole map (query, key, weight)"
     gdn_top, soft_top = at.dataframe[-2].value, at.dataframe[-1].value
     assert list(gdn_top["rank"]) == list(range(1, 11)) and (gdn_top["weight"].abs().diff().dropna() <= 0).all()
     assert (soft_top["weight"].diff().dropna() <= 0).all() and (soft_top["key"] <= end - 1).all()

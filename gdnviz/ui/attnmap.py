@@ -51,7 +51,7 @@ def request(run: dict, doc: str, layer: int, head: int, start: int, end: int, at
     return spec_to_dict(spec), attnmap_keys(d["key"], layer, head, start, end, attn_layer, attn_head)
 
 
-@st.cache_data(show_spinner=False, max_entries=8)
+@st.cache_data(show_spinner=False, max_entries=4)  # a stored map is up to 256 MiB
 def _map(cache_dir: str, key: str):
     """(w, meta) stored under ``key``; KeyError when absent or corrupt (nothing is cached then)."""
     from gdnviz.jobs import unpack_map
@@ -64,14 +64,34 @@ def _map(cache_dir: str, key: str):
 
 @st.cache_data(show_spinner=False, max_entries=16)
 def figure(cache_dir: str, key: str, kind: str, title: str, subtitle: tuple):
-    """(spec, long-form frame for the CSV, export spec) of one stored map (a pure function of its memo key)."""
+    """(spec, export spec) of one stored map (a pure function of its memo key)."""
     from gdnviz.ui import attnmap_charts as AC
     from gdnviz.ui import specs
 
     w, meta = _map(cache_dir, key)
     with specs.fast_build(), AC.no_row_limit():
-        return (specs.spec(AC.heatmap(w, meta["start"], kind, title, list(subtitle))), AC.long_frame(w, meta["start"]),
+        return (specs.spec(AC.heatmap(w, meta["start"], kind, title, list(subtitle))),
                 specs.spec(AC.heatmap(w, meta["start"], kind, title, list(subtitle), interactive=False)))
+
+
+def csv_bytes(cache_dir: str, key: str) -> bytes:
+    """The stored map under ``key`` as long-form CSV (``query, key, weight``, every ``s ≤ t``), built when its
+    download button is clicked (the largest stored maps give millions of rows)."""
+    from gdnviz.figures import to_csv
+    from gdnviz.ui import attnmap_charts as AC
+
+    w, meta = _map(cache_dir, key)
+    return to_csv(AC.long_frame(w, meta["start"]))
+
+
+def _map_chart(spec: dict, ex: dict, t: int, cache: str, key: str, name: str, chart_key: str) -> None:
+    """A heatmap with the picked query marked, its PNG / SVG downloads, and its CSV (made on click)."""
+    from gdnviz.ui import attnmap_charts as AC
+
+    C.chart(AC.with_query(spec, t), None, name, key=chart_key, on_select="rerun", selection_mode="row", export=ex)
+    st.download_button("CSV of the whole map (query, key, weight)", data=lambda: csv_bytes(cache, key),
+                       file_name=f"{name}.csv", mime="text/csv", on_click="ignore", key=f"{chart_key}_csv",
+                       icon=":material/table:")
 
 
 def _stored(key: str | None):
@@ -178,21 +198,19 @@ def draw(gdn, soft, gkey: str, skey: str | None) -> None:
     t = int(st.session_state["am_row"])
     cols = st.columns(2)
     with cols[0]:
-        spec, df, ex = figure(cache, gkey, "gdn", f"GDN layer {meta['layer']} head {meta['head']}: exact map",
-                              tuple(sub_g))
-        C.chart(AC.with_query(spec, t), df, f"{tag}_gdn_map", key="ch_am_gdn", on_select="rerun",
-                selection_mode="row", export=ex)
+        spec, ex = figure(cache, gkey, "gdn", f"GDN layer {meta['layer']} head {meta['head']}: exact map",
+                          tuple(sub_g))
+        _map_chart(spec, ex, t, cache, gkey, f"{tag}_gdn_map", "ch_am_gdn")
     if soft is not None:
         p, sm = soft
         who = "mean over heads" if sm["head"] is None else f"head {sm['head']}"
         sub_s = ["softmax_s(q_t·k_s/√d), the layer's post-RoPE q, k: rows sum to 1",
                  "log colour, 10⁻⁴ and below darkest; blank: s > t"]
         with cols[1]:
-            spec, df, ex = figure(cache, skey, "softmax", f"Softmax: attention layer {sm['layer']}, {who}",
-                                  tuple(sub_s))
+            spec, ex = figure(cache, skey, "softmax", f"Softmax: attention layer {sm['layer']}, {who}",
+                              tuple(sub_s))
             stag = f"L{sm['layer']}{'mean' if sm['head'] is None else 'H' + str(sm['head'])}_q{start}-{end - 1}"
-            C.chart(AC.with_query(spec, t), df, f"{stag}_softmax", key="ch_am_soft", on_select="rerun",
-                    selection_mode="row", export=ex)
+            _map_chart(spec, ex, t, cache, skey, f"{stag}_softmax", "ch_am_soft")
     c = st.columns([1, 3])
     t = int(c[0].number_input("Query position t (or click a row of a map)", min_value=start, max_value=end - 1,
                               key="am_row", help="the top keys of this query in both maps, below"))
