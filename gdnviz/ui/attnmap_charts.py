@@ -101,7 +101,7 @@ def heatmap(w: np.ndarray, start: int, kind: str, title: str, subtitle: list[str
         y2="q1:Q", color=color, tooltip=tips)
     sub = list(subtitle)
     if br > 1 or bc > 1:
-        sub.append(f"shown: blocks of {br} queries × {bc} keys, each its largest |w| (the CSV has all)")
+        sub.append(f"shown: {br} × {bc} blocks (queries × keys), each its largest |w|; the CSV has all")
     if interactive:
         ch = ch.add_params(alt.selection_point(name="row", fields=["q0"], on="click", clear="dblclick"))
         rule = alt.Chart(alt.Data(values=[{}])).mark_rule(color="#ff7f0e", strokeWidth=1.5).encode(
