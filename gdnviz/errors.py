@@ -135,6 +135,10 @@ class WindowTooLarge(GDNVizError):
     """An attention-map window would need more memory than the stated limit."""
 
 
+class LayerNotAttention(GDNVizError):
+    """A layer index names no full-attention layer (a GDN layer, no layer, or a model without one)."""
+
+
 # --- patching ------------------------------------------------------------------------------------
 class ModelMismatch(GDNVizError):
     """States or a spec made with one model were given to another (their model fingerprints differ)."""

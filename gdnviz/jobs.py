@@ -29,6 +29,9 @@ PatchJob               prompt B with chosen heads' states at one boundary patche
 HoldsJob               what one head's state holds at one position of a run's document
                        (``gdnviz.attribution.holds.what_it_holds``): per-token norms and shares, the part from
                        beyond one segment, the rewrite rate along the document; memoised under ``holds_key``
+AttnMapJob             the exact attention map of one GDN head over a window of query positions of a run's
+                       document, and a full-attention layer's softmax weights there
+                       (``gdnviz.attribution.exact_map`` / ``softmax_map``); two memo entries (``attnmap_keys``)
 BudgetJob              a per-head rank budget (``gdnviz.probes.budget``), optionally for several tolerances: each
                        budget's summary (ranks, scores, held-out check, state bytes) and the score-vs-memory curve
 =====================  ==========================================================================================
@@ -57,6 +60,8 @@ VERSIONS = {
     "capture": "capture-v1/jobs-1",
     "truncate": "truncate-compare-v3",
     "holds": "holds-v1",
+    "attnmap": "attnmap-v1",
+    "softmax": "softmax-v1",
 }
 
 
@@ -265,8 +270,32 @@ class HoldsJob:
     dtype: str = "auto"
 
 
+# --- AttnMapJob (issue 31: the exact attention map on the Head page) ------------------------------------------
+@dataclass(frozen=True)
+class AttnMapJob:
+    """The exact map of GDN ``(layer, head)`` at query positions ``start..end−1`` (0-based) over keys ``0..end−1`` of
+    ``document`` ((name, text)) of a run (``doc_key``: the run's capture key, checked as in HoldsJob), and the
+    softmax weights of full-attention layer ``attn_layer`` (None: none asked for) at the same positions, of query
+    head ``attn_head`` (None: the mean over the layer's heads)."""
+
+    kind: ClassVar[str] = "attnmap"
+    model: str
+    document: tuple
+    doc_key: str
+    layer: int
+    head: int
+    start: int
+    end: int
+    attn_layer: int | None = None
+    attn_head: int | None = None
+    segment_len: int = 256
+    device: str = "auto"
+    dtype: str = "auto"
+# --- end AttnMapJob ----------------------------------------------------------------------------------------------
+
+
 SPECS = {c.kind: c for c in (InspectModelJob, CaptureJob, TruncateCompareJob, LossJob, SweepJob, ScanJob, BudgetJob,
-                             PatchJob, HoldsJob)}
+                             PatchJob, HoldsJob, AttnMapJob)}
 
 
 def _tuplify(x):
@@ -314,6 +343,45 @@ def holds_key(doc_key: str, layer: int, head: int, position: int, top: int, segm
                                                               L=int(segment_len)))
 
 
+# --- AttnMapJob keys and payloads ---------------------------------------------------------------------------------
+MAX_STORED_MAP_BYTES = 256 * 2**20  # one stored map, float64 [end − start, end]: e.g. 2,048 queries × 16,384 keys
+
+
+def attnmap_keys(doc_key: str, layer: int, head: int, start: int, end: int, attn_layer: int | None,
+                 attn_head: int | None) -> tuple[str, str | None]:
+    """Memo keys of an AttnMapJob's two results: the GDN map (the document's capture key, which names the model,
+    tokens, L, dtype and device type; the head; the window) and the softmax weights (the same document key, the
+    attention layer, its head or None for the mean, the window; None when no attention layer is asked for). The
+    app computes them without the model."""
+    fp = doc_key.split(":", 1)[-1]
+    win = dict(start=int(start), end=int(end))
+    gdn = cache_key("attnmap", fp, dict(layer=int(layer), head=int(head), **win))
+    if attn_layer is None:
+        return gdn, None
+    return gdn, cache_key("softmax", fp, dict(layer=int(attn_layer), head=None if attn_head is None else int(attn_head),
+                                              **win))
+
+
+def pack_map(w: np.ndarray, meta: dict) -> bytes:
+    """A stored map: ``w`` (float64 ``[end − start, end]``) and a JSON-able ``meta`` dict, as npz bytes."""
+    import io
+    import json
+
+    buf = io.BytesIO()
+    np.savez(buf, w=np.asarray(w, dtype=np.float64), meta=np.array(json.dumps(meta)))
+    return buf.getvalue()
+
+
+def unpack_map(data: bytes) -> tuple[np.ndarray, dict]:
+    """``(w, meta)`` of :func:`pack_map` bytes."""
+    import io
+    import json
+
+    with np.load(io.BytesIO(data), allow_pickle=False) as z:
+        return z["w"], json.loads(str(z["meta"]))
+# --- end AttnMapJob keys ---------------------------------------------------------------------------------------
+
+
 def run_id_for(fingerprint: str, doc_keys, segment_len: int, dtype: str, device_type: str) -> str:
     return "run-" + content_hash(dict(fp=fingerprint, docs=list(doc_keys), L=segment_len, dtype=dtype,
                                       device=device_type))[:16]
@@ -352,7 +420,7 @@ def run(spec, ctx: JobContext) -> dict:
     """Execute one job spec; returns its JSON-able result dict."""
     fn = {"inspect": run_inspect, "capture": run_capture, "truncate": run_truncate, "loss": run_loss,
           "sweep": run_sweep_job, "scan": run_scan_job, "budget": run_budget_job, "patch": run_patch_job,
-          "holds": run_holds_job}[spec.kind]
+          "holds": run_holds_job, "attnmap": run_attnmap_job}[spec.kind]
     return fn(spec, ctx)
 
 
@@ -811,7 +879,9 @@ def run_holds_job(spec: HoldsJob, ctx: JobContext) -> dict:
                        f"{spec.head}'s q, k, v, g, β")
     inp = head_inputs(lm, ids, int(spec.layer), int(spec.head), len(ids), segment_len=L)
     ctx.progress(2, 3, f"decomposing the state after {int(spec.position):,} tokens (float64)")
-    res = what_it_holds(inp, int(spec.position), L, int(spec.top))
+    from gdnviz.attribution.exact_map import fast_path
+
+    res = what_it_holds(inp, int(spec.position), L, int(spec.top), *fast_path(lm))
     tok = lm.tokenizer
     res.update(document=name, layer=int(spec.layer), head=int(spec.head), tokens=[tok.decode([i]) for i in ids],
                model=info.name, fingerprint=info.fingerprint, dtype=info.dtype, device=info.device,
@@ -819,6 +889,69 @@ def run_holds_job(spec: HoldsJob, ctx: JobContext) -> dict:
     memo.set(key, res)
     ctx.progress(3, 3, "done")
     return dict(res, memo_hit=False)
+
+
+# --- AttnMapJob runner ----------------------------------------------------------------------------------------
+def run_attnmap_job(spec: AttnMapJob, ctx: JobContext) -> dict:
+    """Compute what is not yet in the memo of the two maps (``attnmap_keys``): every request is checked (head,
+    layers, window against the document and ``MAX_STORED_MAP_BYTES``) before the model runs. The GDN map is computed
+    by ``exact_map.weights`` on ``exact_map.fast_path(lm)`` (its meta's ``output_check``: ‖w v − o‖_F / ‖o‖_F over
+    the window, o the float64 reference recurrence's outputs), the softmax weights by ``softmax_map``. Returns the
+    keys, the window, the seconds each part took and ``memo_hit`` (both parts were stored)."""
+    from gdnviz.attribution import recurrence
+    from gdnviz.attribution.exact_map import check_window, fast_path, weights
+    from gdnviz.attribution.inputs import check_head, head_inputs
+    from gdnviz.attribution.softmax_map import check_attention_layer, num_heads, softmax_weights
+    from gdnviz.errors import HeadOutOfRange, ModelMismatch
+
+    L, start, end = int(spec.segment_len), spec.start, spec.end
+    al, ah = spec.attn_layer, spec.attn_head
+    gkey, skey = attnmap_keys(spec.doc_key, spec.layer, spec.head, start, end, al, ah)
+    todo = [k for k in (gkey, skey) if k is not None and not ctx.store.memo_has(k)]
+    out = dict(gdn_key=gkey, softmax_key=skey, start=start, end=end, layer=spec.layer, head=spec.head,
+               attn_layer=al, attn_head=ah, seconds={})
+    if not todo:
+        return dict(out, memo_hit=True)
+    ctx.progress(0, 3, "loading the model")
+    lm = ctx.model(spec.model, spec.device, spec.dtype)
+    info = lm.info
+    (name, ids), = _tokenize_docs(lm, [tuple(spec.document)], None)
+    if capture_key(info.fingerprint, ids, L, info.dtype, info.device.split(":")[0]) != spec.doc_key:
+        raise ModelMismatch(f"'{name}' with {info.name} ({info.dtype} on {info.device}) is not the document the run "
+                            "captured: the checkpoint or the text changed since. Capture the document set again.")
+    check_head(info, spec.layer, spec.head)
+    check_window(start, end, len(ids), MAX_STORED_MAP_BYTES)
+    if al is not None:
+        check_attention_layer(info, al)
+        H = num_heads(lm, al)
+        if ah is not None and (isinstance(ah, bool) or not isinstance(ah, int) or not 0 <= ah < H):
+            raise HeadOutOfRange(f"attention head {ah!r} is out of range: layer {al} has query heads 0..{H - 1}")
+    tok = lm.tokenizer
+    meta = dict(document=name, T=len(ids), start=start, end=end, model=info.name, fingerprint=info.fingerprint,
+                dtype=info.dtype, device=info.device, doc_key=spec.doc_key)
+    if gkey in todo:
+        ctx.progress(1, 3, f"running the model over '{name}' (the first {end:,} tokens) for layer {spec.layer} head "
+                           f"{spec.head}'s q, k, v, g, β, then its exact map of {end - start:,} queries")
+        t0 = time.perf_counter()
+        inp = head_inputs(lm, ids, spec.layer, spec.head, end, segment_len=L)
+        dev, dt = fast_path(lm)
+        w = weights(inp, start, end, dev, dt).cpu().numpy()
+        o = recurrence.outputs(inp, end)[start:end].numpy()   # the float64 reference recurrence's outputs
+        check = float(np.linalg.norm(w @ inp.v.numpy() - o) / max(np.linalg.norm(o), 1e-300))
+        out["seconds"]["gdn"] = time.perf_counter() - t0
+        ctx.store.memo_put(gkey, pack_map(w, dict(meta, kind="gdn", layer=spec.layer, head=spec.head,
+                                                  map_device=str(dev), map_dtype=str(dt).replace("torch.", ""),
+                                                  output_check=check,
+                                                  tokens=[tok.decode([i]) for i in ids[:end]])))
+    if skey in todo:
+        ctx.progress(2, 3, f"running the model for the softmax weights of attention layer {al}")
+        t0 = time.perf_counter()
+        p = softmax_weights(lm, ids, al, start, end, ah).numpy()
+        out["seconds"]["softmax"] = time.perf_counter() - t0
+        ctx.store.memo_put(skey, pack_map(p, dict(meta, kind="softmax", layer=al, head=ah, heads=H)))
+    ctx.progress(3, 3, "done")
+    return dict(out, memo_hit=False)
+# --- end AttnMapJob runner -------------------------------------------------------------------------------------
 
 
 # --- reading results back (app side, no torch) -----------------------------------------------------------------

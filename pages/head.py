@@ -5,6 +5,7 @@ import numpy as np
 import pandas as pd
 import streamlit as st
 
+from gdnviz.ui import attnmap as AM
 from gdnviz.ui import common as C
 from gdnviz.ui import holds as HS
 from gdnviz.ui import run_figures as RF
@@ -161,4 +162,5 @@ with b:
     C.chart(*RF.head_figure(*args, "per_document", min(int(model["d_k"]), int(model["d_v"]))), f"{tag}_per_document",
             key="ch_perdoc", fixed_size=True)
 HS.section(run, layer, head, doc)
+AM.section(run, layer, head, doc)
 C.page_link("heatmap", "Back to the heatmap", icon=":material/grid_on:")

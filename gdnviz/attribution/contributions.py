@@ -10,6 +10,7 @@ computed backward in O(n·d_k²) (each ``A_t`` is a scaled identity minus rank 1
 A truncated head (``gdnviz.attribution.recurrence``) has its cut projections ``Π_b`` inserted: ``P_t`` includes
 ``Π_b`` for every boundary ``t ≤ b < position`` (a cut at ``start`` acts on the carried-in state; one at
 ``position`` itself is not applied: ``S^{(position)}`` is the pre-cut state), O(d_k³) per boundary.
+The backward loop runs on any device and dtype (``device=``, ``dtype=``; float64 on the CPU is the reference).
 """
 from __future__ import annotations
 
@@ -69,21 +70,26 @@ class Contributions:
         return shares, carried, sigma
 
 
-def decompose(inp: HeadInputs, position: int, start: int = 0) -> Contributions:
+def decompose(inp: HeadInputs, position: int, start: int = 0, device=None,
+              dtype: torch.dtype = torch.float64) -> Contributions:
     """The decomposition of ``S^{(position)}`` from ``start`` (module docstring), from a head's float64 inputs.
 
-    ``position`` in 1..T; ``start`` in 0..position−1. ``S^{(start)}`` and the cuts come from
-    ``gdnviz.attribution.recurrence.run`` (the reference recurrence from the zero state). Raises PositionOutOfRange.
+    ``position`` in 1..T; ``start`` in 0..position−1. ``S^{(start)}``, ``state`` and the cuts come from
+    ``gdnviz.attribution.recurrence.run`` (the float64 reference recurrence from the zero state, on the CPU).
+    ``device`` (None: the CPU) / ``dtype``: where the backward loop runs; ``vectors``, ``values`` and ``carried``
+    are computed there, the returned tensors are all on the CPU in float64. Raises PositionOutOfRange.
     """
     check_position(position, inp.T)
     if isinstance(start, bool) or not isinstance(start, int) or not 0 <= start < position:
         raise PositionOutOfRange(f"start {start!r} must be in 0..{position - 1} (before position {position})")
-    k, v, alpha, beta = inp.k, inp.v, inp.g.exp(), inp.beta
+    on = dict(device=torch.device("cpu") if device is None else torch.device(device), dtype=dtype)
+    k, v, alpha, beta = (x.to(**on) for x in (inp.k, inp.v, inp.g.exp(), inp.beta))
     K = k.shape[1]
     n = position - start
     state, proj = recurrence.run(inp, position)
-    vectors = torch.empty(n, K, dtype=torch.float64)
-    P = torch.eye(K, dtype=torch.float64)          # P_{t+1} at the top of the loop
+    proj = {b: p.to(**on) for b, p in proj.items()}
+    vectors = torch.empty(n, K, **on)
+    P = torch.eye(K, **on)                         # P_{t+1} at the top of the loop
     for i in range(n - 1, -1, -1):
         t = start + i
         if t + 1 in proj:                          # the cut at boundary t + 1 acts on token t's write
@@ -94,9 +100,10 @@ def decompose(inp: HeadInputs, position: int, start: int = 0) -> Contributions:
     if start in proj:
         P = P @ proj[start]
     values = beta[start:position, None] * v[start:position]
-    carried = P @ recurrence.run(inp, start)[0] if start else torch.zeros(K, v.shape[1], dtype=torch.float64)
-    return Contributions(tokens=torch.arange(start, position), vectors=vectors, values=values, carried=carried,
-                         state=state, position=position, start=start)
+    carried = P @ recurrence.run(inp, start)[0].to(**on) if start else torch.zeros(K, v.shape[1], **on)
+    back = dict(device="cpu", dtype=torch.float64)
+    return Contributions(tokens=torch.arange(start, position), vectors=vectors.to(**back), values=values.to(**back),
+                         carried=carried.to(**back), state=state, position=position, start=start)
 
 
 def state_contributions(lm, input_ids, layer: int, head: int, position: int, start: int = 0, spec=None,

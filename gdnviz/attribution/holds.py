@@ -69,8 +69,10 @@ def rewrite_rates(inp: HeadInputs, segment_len: int) -> tuple[list[int], list[fl
     return out_b, out_r
 
 
-def what_it_holds(inp: HeadInputs, position: int, segment_len: int, top: int = 4) -> dict:
-    """The JSON-able summary the Head page draws, of the state after ``position`` tokens (``decompose`` from 0).
+def what_it_holds(inp: HeadInputs, position: int, segment_len: int, top: int = 4, device=None,
+                  dtype: torch.dtype = torch.float64) -> dict:
+    """The JSON-able summary the Head page draws, of the state after ``position`` tokens (``decompose`` from 0, its
+    backward loop on ``device`` in ``dtype``: ``gdnviz.attribution.exact_map.fast_path`` gives the app's choice).
 
     Keys: ``position``, ``T``, ``segment_len``, ``top`` (capped at min(d_k, d_v)); ``state_norm`` (‖S‖_F);
     ``sigma`` and ``carried_share`` (``top`` floats, 0 here); ``norms`` (``position`` floats, ‖c_t‖_F of tokens
@@ -79,7 +81,7 @@ def what_it_holds(inp: HeadInputs, position: int, segment_len: int, top: int = 4
     of ``inp``). Raises PositionOutOfRange, BadSegmentLength.
     """
     L = check_segment_len(segment_len)
-    c = decompose(inp, position)
+    c = decompose(inp, position, 0, device, dtype)
     top = max(1, min(int(top), min(c.state.shape)))
     shares, carried, sigma = c.shares(top)
     bnd, rates = rewrite_rates(inp, L)
