@@ -22,14 +22,7 @@ st.caption("A **scan** runs one RULER task with one layer or one head cut to ran
            "ranks as small as possible with every task within δ points of the untouched model. Every answer is "
            "stored as it finishes and shared with the Retrieval sweeps page.")
 
-run = C.current_run()
-if run is not None:
-    info, model_name, device, dtype, L, table, src = C.run_model(run)
-else:
-    info = C.require_inspected_model("scans and budgets run on it here.")
-    if info is None:
-        st.stop()
-    info, model_name, device, dtype, L, table, src = C.inspected_model(info)
+run, info, model_name, device, dtype, L, table, src = C.page_model("scans and budgets run on it here.")
 gl, H = list(info["gdn_layers"]), int(info["num_heads"])
 rmax = min(int(info["d_k"]), int(info["d_v"]))
 ns = S.model_ns(info)
@@ -106,9 +99,7 @@ if st.button("Run the scan", type="primary", key="sc_run", icon=":material/play_
     st.session_state["scan_job"] = C.submit("scan", spec_to_dict(job), label="head scan")
     st.rerun()
 
-rec = C.job_panel("scan_job", "Scan")
-if rec is not None and rec["status"] == "cancelled":
-    st.caption("The answers finished before it stopped are stored: run the same scan again to resume.")
+rec = C.job_panel("scan_job", "Scan", resume="answers")
 if rec is not None and rec["status"] == "done":
     res = rec["result"]
     tab = scan.table_frame(res["table"])
@@ -221,7 +212,7 @@ if st.button("Find the budget", type="primary", key="bg_run", icon=":material/pl
     st.session_state["budget_job"] = C.submit("budget", spec_to_dict(job), label="rank budget")
     st.rerun()
 
-brec = C.job_panel("budget_job", "Budget")
+brec = C.job_panel("budget_job", "Budget", resume="answers")
 if brec is not None and brec["status"] == "done":
     res = brec["result"]
     summ = res["budgets"][0]

@@ -581,7 +581,7 @@ def test_cache_budget(env, populated):
 # =============================================================================================================
 # Empty states, previous runs, corrupt results
 # =============================================================================================================
-@pytest.mark.parametrize("page", ["heatmap", "head", "overview", "truncate", "budget", "loss"])
+@pytest.mark.parametrize("page", ["heatmap", "head", "overview", "budget", "loss"])
 def test_empty_states_say_what_to_do(env, tmp_path, page):
     env(tmp_path / "empty")
     at = app(page)
@@ -882,6 +882,61 @@ def test_sweeps_without_a_model_and_from_a_deep_link(env, tmp_path, monkeypatch,
     assert not at.exception and not at.get("progress")
     assert at.button(key="sw_run") is not None and not texts(at, "error")
     assert any("the inspected model (tiny-qwen3_5)" in m for m in texts(at, "markdown"))
+
+
+# --- uipolish: the job pages' one header (gdnviz.ui.common.page_model) -----------------------------------------
+@pytest.mark.parametrize("page, run_key", [("truncate", "tr_run"), ("patching", "pt_run"), ("scans", "sc_run")])
+def test_job_pages_without_a_run_inspect_the_default_model_then_show_the_form(env, tmp_path, page, run_key):
+    """No capture, a default model: a new session opened on the page asks for its inspection (the empty state
+    only when no model can be chosen, tested for sweeps above), then shows the form on the inspected model."""
+    cache = env(tmp_path / "c")
+    at = app(page)
+    at.run()
+    assert not at.exception
+    assert any(t.startswith("Inspecting tiny-qwen3_5: queued") for t in progress(at)), progress(at)
+    assert work(cache) == 1
+    at.run()
+    assert not at.exception and not at.get("progress")
+    assert at.button(key=run_key) is not None
+    assert any("the inspected model (tiny-qwen3_5)" in m for m in texts(at, "markdown"))
+
+
+def test_sweep_preview_counts_the_memo_and_estimates_from_the_last_sweeps_throughput(env, tmp_path):
+    """Before Run: the answers the job's own spec needs, how many the memo holds, and the time at the throughput
+    the worker measured on this model and device (none before the first sweep)."""
+    from types import SimpleNamespace
+
+    from gdnviz.jobs import MemoMapping
+    from gdnviz.probes import rates
+
+    cache = env(tmp_path / "c")
+    at = app("sweeps")
+    at.run()
+    work(cache)
+    at.run()
+    at.multiselect(key="sw_tasks").set_value(["niah_single_1"])
+    at.text_input(key="sw_lengths").input("400")
+    at.text_input(key="sw_ranks").input("2")
+    at.number_input(key="sw_batch").set_value(2)
+    at.number_input(key="sw_max_new").set_value(6)
+    at.number_input(key="sw_n").set_value(2).run()
+    assert not texts(at, "error")
+    preview = [c for c in texts(at, "caption") if "answers**" in c]
+    assert preview and ("1 task(s) × 1 length(s) × (2 ranks (2, 16 = untouched)) × 2 samples = **4 answers**: none "
+                        "in the memo yet, **4 to run**, no estimate yet (no earlier run of niah_single_1 at 400 tokens"
+                        in preview[0]), preview
+    at.button(key="sw_run").click().run()
+    assert work(cache) == 1
+    at.number_input(key="sw_n").set_value(3).run()
+    assert not at.exception and not texts(at, "error")
+    preview = [c for c in texts(at, "caption") if "answers**" in c][0]
+    assert "× 3 samples = **6 answers**: 4 of 6 already done (in the memo), **2 to run**, about " in preview, preview
+    store = Store(cache)
+    rec = store.job(at.session_state["sweep_job"])
+    worker_info = SimpleNamespace(**rec["result"]["model"])  # the rate is the worker's measurement of its model
+    got = rates.read(MemoMapping(store), worker_info, "niah_single_1", 400, rec["spec"]["segment_len"])
+    assert got["answers"] == 4 and f"{got['answers_per_second']:.2f} answers/s" in preview
+# --- end uipolish ---------------------------------------------------------------------------------------------
 
 
 def test_sweeps_bad_input_is_refused_with_specific_messages(env, populated):

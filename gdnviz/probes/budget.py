@@ -44,7 +44,8 @@ import pandas as pd
 
 from gdnviz import runner
 from gdnviz.errors import EmptyDocumentSet, GDNVizError, TooFewSamples, UnknownTask
-from gdnviz.probes import ruler, scan, sweep
+from gdnviz.probes import rates, ruler, scan, sweep
+from gdnviz.probes.memo import MemoStore
 from gdnviz.store import content_hash
 from gdnviz.truncation import TruncationSpec, check_rank
 
@@ -271,38 +272,41 @@ def sensitivities(lm, spec: BudgetSpec, r: int, memo, progress=None, describe=No
 
 def plan_budget(info, tokenizer, spec: BudgetSpec, store=None) -> dict:
     """Before running: dict(scan_answers, scan_cached, search_max (an upper bound on the search's answers),
-    heldout_answers, heldout_cached, max_to_run, seconds (from measured rates, None if any is missing))."""
+    heldout_answers, heldout_cached, max_to_run, and ``gdnviz.probes.rates.estimate``'s seconds (None when a
+    (task, length) was never measured), answers_per_second, missing for the ``max_to_run`` answers, ladder)."""
     ladder = _check(spec, info)
     rmax = min(int(info.d_k), int(info.d_v))
+    keys: dict = {}
+    for task in spec.tasks:
+        for length in spec.lengths:
+            ss = scan.ScanSpec(model=spec.model, task=task, length=int(length), r=ladder[-1], by="head",
+                               n=spec.n, seed0=spec.seed0, segment_len=spec.segment_len,
+                               batch_size=spec.batch_size, max_new_tokens=spec.max_new_tokens,
+                               chat_template=spec.chat_template, chat_template_kwargs=spec.chat_template_kwargs,
+                               fingerprint=spec.fingerprint)
+            keys.update(sweep.cell_keys(info, tokenizer, scan.sweep_spec(ss, info)))
+    ho_keys = {}
+    if spec.heldout_n:
+        ho_keys = sweep.cell_keys(info, tokenizer, _sweep(spec, {}, spec.heldout_seed, spec.heldout_n, rmax))
+    H = len(info.gdn_layers) * int(info.num_heads)
+    per_cell = len(ladder) * (1 + math.ceil(math.log2(max(2, H)))) * spec.n  # the search's bound per (task, length)
+    search_max = per_cell * len(spec.tasks) * len(spec.lengths)
     st, close = scan.open_store(store)
     try:
-        scan_total = scan_cached = 0
-        rates = []
-        for task in spec.tasks:
-            for length in spec.lengths:
-                ss = scan.ScanSpec(model=spec.model, task=task, length=int(length), r=ladder[-1], by="head",
-                                   n=spec.n, seed0=spec.seed0, segment_len=spec.segment_len,
-                                   batch_size=spec.batch_size, max_new_tokens=spec.max_new_tokens,
-                                   chat_template=spec.chat_template, chat_template_kwargs=spec.chat_template_kwargs,
-                                   fingerprint=spec.fingerprint)
-                t, c = sweep.count_cached(info, tokenizer, scan.sweep_spec(ss, info), st)
-                scan_total, scan_cached = scan_total + t, scan_cached + c
-                rates.append(scan.read_rate(st, info, task, length, spec.segment_len))
-        ho_total = ho_cached = 0
-        if spec.heldout_n:
-            ho_total, ho_cached = sweep.count_cached(info, tokenizer, _sweep(spec, {}, spec.heldout_seed,
-                                                                              spec.heldout_n, rmax), st)
-            ho_total *= 2  # the untouched model and the budget
+        sp = sweep.plan_from_keys(info, keys, spec.segment_len, st)
+        ho = sweep.plan_from_keys(info, ho_keys, spec.segment_len, st)
+        # held-out: the untouched answers (ho's keys) and as many of the budget's, none of them in the memo yet
+        ho_todo = {(c["task"], c["length"]): 2 * c["answers"] - c["cached"] for c in ho["cells"]}
+        to_run = {(c["task"], c["length"]): c["answers"] - c["cached"] + per_cell + ho_todo.get((c["task"],
+                                                                                                c["length"]), 0)
+                  for c in sp["cells"]}
+        est = rates.estimate(MemoStore(st), info, to_run, spec.segment_len)
     finally:
         close()
-    H = len(info.gdn_layers) * int(info.num_heads)
-    cells = len(spec.tasks) * len(spec.lengths)
-    search_max = len(ladder) * (1 + math.ceil(math.log2(max(2, H)))) * cells * spec.n
-    max_to_run = scan_total - scan_cached + search_max + ho_total - ho_cached
-    rate = None if any(r is None for r in rates) else sum(rates) / len(rates)
-    return dict(scan_answers=scan_total, scan_cached=scan_cached, search_max=search_max, heldout_answers=ho_total,
-                heldout_cached=ho_cached, max_to_run=max_to_run, seconds_per_answer=rate,
-                seconds=None if rate is None else rate * max_to_run, ladder=ladder)
+    ho_total, ho_cached = 2 * ho["answers"], ho["cached"]
+    return dict(scan_answers=sp["answers"], scan_cached=sp["cached"], search_max=search_max,
+                heldout_answers=ho_total, heldout_cached=ho_cached, max_to_run=sum(to_run.values()), ladder=ladder,
+                **est)
 
 
 def _result_key(info, spec: BudgetSpec) -> str:

@@ -30,6 +30,7 @@ import time
 from datetime import datetime
 from pathlib import Path
 from types import SimpleNamespace
+from typing import NamedTuple
 
 import pandas as pd
 import streamlit as st
@@ -322,6 +323,28 @@ def task_minimum(task: str, tokenizer, seed0: int, chat, *, info: dict) -> int:
     return _task_minimum(*key, task, int(seed0), chat)
 
 
+@st.cache_data(show_spinner=False, max_entries=16)
+def _sweep_cell_keys(path: str, mtime: float, info: dict, spec) -> dict:
+    from gdnviz.probes.sweep import cell_keys
+
+    return cell_keys(info_ns(info), _hf_tokenizer(path, mtime), spec)
+
+
+def sweep_plan(info: dict, spec) -> dict:
+    """``gdnviz.probes.sweep.plan_from_keys`` of the sweep ``spec`` (a ``SweepSpec``) on the model ``info`` with
+    the app's memo: the answers it needs, how many the memo holds, the time at the measured rates. Its prompts and
+    keys are built once per (tokenizer, spec), the memo is read on every call. Raises what the sweep raises for bad
+    input; ValueError when the model has no tokenizer."""
+    from gdnviz.jobs import MemoMapping
+    from gdnviz.probes.sweep import plan_from_keys
+
+    key = _tokenizer_key(info)
+    if key is None:
+        raise ValueError(f"{info.get('path') or info.get('name')} has no tokenizer files beside its weights")
+    keys = _sweep_cell_keys(*key, info, spec)
+    return plan_from_keys(info_ns(info), keys, spec.segment_len, MemoMapping(store()))
+
+
 def info_ns(info: dict) -> SimpleNamespace:
     """A ModelInfo-like object (gdn_layers, num_heads, d_k, d_v) from an info dict, for validation."""
     return SimpleNamespace(**{**info, "gdn_layers": tuple(info["gdn_layers"])})
@@ -470,6 +493,31 @@ def inspected_model(info: dict) -> tuple:
         st.stop()
     return (info, name, ch["device"], ch["dtype"], L, None,
             f"the inspected model ({Path(str(name)).name})")
+
+
+class PageModel(NamedTuple):
+    """The model a page runs jobs on: ``run`` (the current run, or None), then ``run_model``'s tuple."""
+    run: dict | None
+    info: dict
+    name: str
+    device: str
+    dtype: str
+    L: int
+    table: pd.DataFrame | None
+    src: str
+
+
+def page_model(purpose: str) -> PageModel:
+    """The current run's model, else the model inspected on Model & documents (requested here on a deep link).
+    With neither, the page shows the empty state "No model yet. Pick a model on the Model & documents page;
+    ``purpose``" (or the inspection's progress, or why the model cannot be used) and stops."""
+    run = current_run()
+    if run is not None:
+        return PageModel(run, *run_model(run))
+    info = require_inspected_model(purpose)
+    if info is None:
+        st.stop()
+    return PageModel(None, *inspected_model(info))
 
 
 def run_table(run: dict) -> pd.DataFrame | None:
@@ -643,9 +691,14 @@ def _fmt_secs(s: float) -> str:
     return f"{s:.0f} s" if s < 120 else f"{s / 60:.1f} min"
 
 
-def job_panel(session_key: str, title: str) -> dict | None:
+STOPPED_ERRORS = ("WorkerCrashed", "WorkerStopped", "GPUOutOfMemory")
+
+
+def job_panel(session_key: str, title: str, resume: str | None = None) -> dict | None:
     """Progress of the session's job under ``session_key``: a progress bar and a cancel button while it runs,
-    polling with a fragment; the failure message when it failed. Returns the job record."""
+    polling with a fragment; the failure message when it failed. ``resume`` (e.g. "answers"): what a job stores as
+    it goes; a cancelled, crashed or out-of-memory job then says that those are kept and how to resume. Returns the
+    job record."""
     jid = st.session_state.get(session_key)
     if not jid:
         return None
@@ -690,7 +743,11 @@ def job_panel(session_key: str, title: str) -> dict | None:
             st.info(f"{title} was cancelled.", icon=":material/cancel:")
 
     st.fragment(body, run_every=_poll_seconds() if active else None)()
-    return s.job(jid)
+    rec = s.job(jid)
+    if resume and rec is not None and (rec["status"] == "cancelled" or rec.get("error_type") in STOPPED_ERRORS):
+        st.caption(f"The {resume} finished before it stopped are stored: run it again with the same settings to "
+                   "resume from there.")
+    return rec
 
 
 def worker_status_line() -> None:
