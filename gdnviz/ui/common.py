@@ -821,7 +821,9 @@ def sidebar() -> None:
             st.download_button("Download this run (zip)", data=lambda: run_zip_bytes(run, *lh), file_name=
                                f"gdnviz-{run['run_id']}.zip", mime="application/zip", on_click="ignore",
                                key="dl_run_zip", icon=":material/folder_zip:",
-                               help="All figures (PNG + SVG), their data (CSV), the head table and the settings")
+                               help="All figures (PNG + SVG), their data (CSV), the head table and the settings, "
+                                    "the run's truncations, sweeps, scans, budgets and loss results (CSV / JSON), "
+                                    "a README of every file and redraw.py")
 
 
 def _pick_run() -> None:
@@ -842,7 +844,8 @@ def _active(jid) -> bool:
 
 def run_zip_bytes(run: dict, layer: int | None = None, head: int | None = None) -> bytes:
     """Figures (PNG + SVG), their CSV, the head table and the settings of a run, as one zip; with ``layer`` and
-    ``head`` also that head's figures."""
+    ``head`` also that head's figures; and the results of the jobs that belong to the run with a README and a
+    redraw script (``gdnviz.run_export``)."""
     from gdnviz import figures as F
     from gdnviz.summary import document_set_table
 
@@ -881,9 +884,11 @@ def run_zip_bytes(run: dict, layer: int | None = None, head: int | None = None) 
     settings = {k: v for k, v in run.items() if k != "spec"}
     settings["spec"] = {k: v for k, v in run["spec"].items() if k != "documents"}
     settings["overview"] = ov
+    from gdnviz.run_export import run_files
     from gdnviz.ui.export import export_kwargs
 
-    return F.run_zip(figs, settings, {"heads": table}, png_scale=export_kwargs()["scale"])
+    return F.run_zip(figs, settings, {"heads": table}, png_scale=export_kwargs()["scale"],
+                     files=run_files(store(), run))
 
 
 def batch_value(v) -> int | None:
