@@ -76,7 +76,8 @@ if st.button("Run the patch", type="primary", key="pt_run", icon=":material/play
 
 rec = C.job_panel("patch_job", "State patching")
 if rec is None:
-    C.empty_state("No comparison yet.", "Choose the prompts, heads and boundary, then **Run the patch**.")
+    st.info("**No comparison yet.** Choose the prompts, heads and boundary, then **Run the patch**.",
+            icon=":material/info:")
 elif rec["status"] == "done":
     res = rec["result"]
     st.markdown(P.settings_line(res))

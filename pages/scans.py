@@ -81,7 +81,7 @@ try:
 except (GDNVizError, ValueError) as e:
     errors.append(str(e))
 if plan is not None:
-    st.caption(S.scan_plan_text(plan, sspec.n))
+    st.caption(S.scan_plan_text(plan, sspec.n) + (f". {SW.noise_note(sspec.n)}" if SW.noise_note(sspec.n) else ""))
     lim = S.over_limit(plan["to_run"], sspec.max_prompts, "scan")
     if lim:
         errors.append(lim)
@@ -109,9 +109,8 @@ if rec is not None and rec["status"] == "done":
     st.markdown(f"**{sp['task']} @ {int(sp['length']):,} tokens**, n = {sp['n']} · untouched **{res['untouched']:.1f}**"
                 + (f" · {base}" if base else "") + f" · {res['computed']:,} answers generated now, "
                 f"{res['reused']:,} from the memo · {res['dtype']} on {res['device']}")
-    if int(sp["n"]) < 50:
-        st.caption(f"With n = {sp['n']}, one changed answer moves a 0/100 score by {100 / int(sp['n']):.0f} points: "
-                   "read differences within about two paired SEs (and under ~5 points even at n = 50) as noise.")
+    if SW.noise_note(int(sp["n"])):
+        st.caption(SW.noise_note(int(sp["n"])))
     what = "kept whole, every other head at" if keep else "cut to"
     title = f"{Path(str(res['model_name'])).name}: one {sp['by']} {what} r = {sp['r']}"
     hdf = F.scan_heatmap_frame(tab, gl, H)

@@ -118,7 +118,8 @@ if not errors:
         with st.spinner("Counting the answers in the memo…"):
             sspec = sweep_spec_of(spec)
             st.caption(S.plan_text(C.sweep_plan(info, sspec), sspec, rmax) + " · "
-                       + C.batch_phrase(st.session_state["sw_batch"]))
+                       + C.batch_phrase(st.session_state["sw_batch"])
+                       + (f". {S.noise_note(sspec.n)}" if S.noise_note(sspec.n) else ""))
         form_spec = spec_to_dict(spec)
     except (GDNVizError, ValueError) as e:
         errors.append(str(e))

@@ -32,7 +32,8 @@ def budget_plan_text(plan: dict) -> str:
     return (f"Sensitivity scans {plan['scan_answers']:,} answers ({done_text(plan['scan_cached'], plan['scan_answers'])}) "
             f"+ the search, at most {plan['search_max']:,} + the held-out check {plan['heldout_answers']:,} "
             f"({plan['heldout_cached']:,} in the memo): **at most {plan['max_to_run']:,} to run**, "
-            f"{rates.eta_text(plan, plan['max_to_run'])} (for the most the search can need)")
+            f"{rates.eta_text(plan, plan['max_to_run'])}" + (" (for the most the search can need)"
+                                                             if plan["seconds"] else ""))
 
 
 def over_limit(to_run: int, limit: int, what: str) -> str | None:

@@ -122,6 +122,14 @@ def done_text(cached: int, answers: int) -> str:
     return f"{cached:,} of {answers:,} already done (in the memo)" if cached else "none in the memo yet"
 
 
+def noise_note(n: int) -> str | None:
+    """Seed 000's warning for small n (None from n = 50 on): what one changed answer does to a 0/100 score."""
+    if n >= 50:
+        return None
+    return (f"With n = {n}, one changed answer moves a 0/100 score by {100 / n:.0f} points: read differences within "
+            "about two paired SEs (and under ~5 points even at n = 50) as noise.")
+
+
 def plan_text(plan: dict, spec, rmax: int) -> str:
     """The Run section's preview of a sweep (``spec``: its ``SweepSpec``; ``plan``: ``sweep.plan_from_keys``):
     what multiplies to the answers (the ranks the job runs, the untouched one included), how many the memo
