@@ -11,6 +11,7 @@ from gdnviz.ui import common as C
 C.ensure_entrypoint()
 from gdnviz import figures as F  # noqa: E402
 from gdnviz.jobs import MemoMapping  # noqa: E402
+from gdnviz.plotstyle import human_bytes  # noqa: E402
 from gdnviz.probes import budget, ruler, scan, sweep  # noqa: E402
 from gdnviz.ui import scans as S  # noqa: E402
 from gdnviz.ui import sweeps as SW  # noqa: E402
@@ -217,13 +218,13 @@ if brec is not None and brec["status"] == "done":
     summ = res["budgets"][0]
     kv = summ["kv_bytes_bfloat16"]
     m = st.columns(4)
-    m[0].metric("Recurrent state, full rank", S.kib(summ["state_bytes_full"]), help="per sequence, all GDN heads, "
+    m[0].metric("Recurrent state, full rank", human_bytes(summ["state_bytes_full"]), help="per sequence, all GDN heads, "
                                                                                    f"{summ['state_dtype']}")
-    m[1].metric(f"With the δ = {summ['tolerance']:g} budget", S.kib(summ["state_bytes_budget"]),
+    m[1].metric(f"With the δ = {summ['tolerance']:g} budget", human_bytes(summ["state_bytes_budget"]),
                 delta=S.saved_text(summ), delta_color="inverse",
                 help="a rank-r head kept as its factors: r·(d_k + d_v) numbers instead of d_k·d_v")
     for i, ctx in enumerate(list(kv)[:2]):
-        m[2 + i].metric(f"Attention KV at {int(ctx) // 1024}K tokens", S.kib(kv[ctx]),
+        m[2 + i].metric(f"Attention KV at {int(ctx) // 1024}K tokens", human_bytes(kv[ctx]),
                         help="bfloat16, the Cache budget page's accounting")
     st.markdown("**Scores** — every (task, length) on the search's samples and on held-out seeds "
                 f"({summ['heldout_seeds'][0]}…{summ['heldout_seeds'][1]})" if summ["heldout_seeds"] else "**Scores**")
@@ -269,8 +270,8 @@ with st.expander("Import a rank map (JSON)"):
             C.show_error(f"{up.name}: {e}")
         else:
             mem = S.budget_memory(info, ranks)
-            st.markdown(f"**{len(ranks)} heads** below full rank · state {S.kib(int(mem['budget_bytes'].sum()))} "
-                        f"instead of {S.kib(int(mem['full_bytes'].sum()))} per sequence")
+            st.markdown(f"**{len(ranks)} heads** below full rank · state {human_bytes(int(mem['budget_bytes'].sum()))} "
+                        f"instead of {human_bytes(int(mem['full_bytes'].sum()))} per sequence")
             imported = dict(rank_map=[[l, h, r] for (l, h), r in sorted(ranks.items())])
 
             def _imp_to_sweeps(_line=S.sweeps_line(S.map_name(up.name), imported)):

@@ -494,6 +494,16 @@ def curve_frame_from_records(recs) -> pd.DataFrame:
                                              "untouched", "delta", "se", "n"])
 
 
+def _memory_unit(max_bytes: float) -> tuple[str, float]:
+    """The binary unit a memory axis reads in: the largest of KiB, MiB, GiB not above ``max_bytes``, and its size."""
+    from gdnviz.plotstyle import GIB, KIB, MIB
+
+    for unit, size in (("GiB", GIB), ("MiB", MIB)):
+        if max_bytes >= size:
+            return unit, size
+    return "KiB", KIB
+
+
 def curve_figure(df: pd.DataFrame, title: str | None = None):
     """Score vs state memory per sequence: one line per (task, length), filled points on the search samples,
     hollow on the held-out ones; each point a budget at tolerance δ (δ = 0: untouched, full memory)."""
@@ -501,22 +511,28 @@ def curve_figure(df: pd.DataFrame, title: str | None = None):
 
     from gdnviz.figures import configure
 
+    from gdnviz.plotstyle import human_bytes
+
     d = df.copy()
     d["task_len"] = d["task"] + " @ " + d["length"].map(lambda x: f"{int(x):,}")
     d["δ"] = d["tolerance"].map(lambda t: "untouched" if t == 0 else f"δ = {t:g}")
-    x = alt.X("state_kib:Q", title="recurrent state per sequence (KiB, all GDN heads)", scale=alt.Scale(zero=True))
+    unit, size = _memory_unit(float(d["state_kib"].max()) * 1024 if len(d) else 0.0)
+    d["state"] = d["state_kib"] * 1024 / size
+    d["state_text"] = [human_bytes(k * 1024) for k in d["state_kib"]]
+    x = alt.X("state:Q", title=f"recurrent state per sequence ({unit}, all GDN heads)", scale=alt.Scale(zero=True),
+              axis=alt.Axis(format=",.3~g"))
     y = alt.Y("score:Q", title="RULER score (string match, %)", scale=alt.Scale(domain=[-3, 103], nice=False))
     color = alt.Color("task_len:N", title="task @ length (tokens)")
     shape = alt.Shape("samples:N", title="samples", scale=alt.Scale(domain=["search", "held-out"],
                                                                      range=["circle", "diamond"]))
     tip = [alt.Tooltip("task_len:N", title="task @ length"), alt.Tooltip("δ:N", title="tolerance"),
-           alt.Tooltip("samples:N"), alt.Tooltip("state_kib:Q", format=",.1f", title="state (KiB)"),
+           alt.Tooltip("samples:N"), alt.Tooltip("state_text:N", title="state per sequence"),
            alt.Tooltip("score:Q", format=".1f", title="score (%)"),
            alt.Tooltip("delta:Q", format="+.1f", title="Δ vs untouched (points)"),
            alt.Tooltip("se:Q", format=".1f", title="paired SE (points)"), alt.Tooltip("n:Q", title="samples n")]
     base = alt.Chart(d)
     line = base.transform_filter(alt.datum.samples == "search").mark_line(opacity=0.6).encode(
-        x=x, y="score:Q", color=color, order="state_kib:Q")
+        x=x, y="score:Q", color=color, order="state:Q")
     pts = base.mark_point(size=70, filled=True).encode(x=x, y=y, color=color, shape=shape, tooltip=tip,
                                                       fillOpacity=alt.condition(alt.datum.samples == "search",
                                                                                 alt.value(1.0), alt.value(0.15)))

@@ -499,8 +499,8 @@ def sweep_figure(table: pd.DataFrame, title: str | None = None):
     pts = base.mark_point(filled=True, size=55).encode(x=x, y="score:Q", color=color, tooltip=tip)
     bars = base.mark_errorbar(ticks=True).encode(x=x, y=alt.Y("lo:Q", title=y_title), y2="hi:Q", color=color)
     chart = alt.layer(line, bars, pts, data=df).properties(width=300, height=240).facet(
-        column=alt.Column("length:O", title="target length (tokens)", header=alt.Header(labelFontSize=12,
-                                                                                       titleFontSize=13)),
+        column=alt.Column("length:O", title="target length (tokens)", header=alt.Header(
+            labelFontSize=12, titleFontSize=13, labelExpr="format(datum.value, ',')")),
         spacing=28)
     chart = chart.properties(title=alt.Title(title or "RULER score vs rank",
                                              subtitle=[bars_txt, f"r = {rmax} is the untouched model"]))

@@ -98,10 +98,6 @@ def budget_name(summary: dict) -> str:
     return f"budget_d{summary['tolerance']:g}".replace(".", "_")
 
 
-def kib(b) -> str:
-    return f"{b / 1024:,.1f} KiB" if b < 1 << 20 else f"{b / 2 ** 20:,.2f} MiB"
-
-
 def saved_text(summary: dict) -> str:
     f = summary["state_saved_fraction"]
     return f"{100 * f:.1f}% less" if math.isfinite(f) else ""
