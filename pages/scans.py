@@ -10,7 +10,7 @@ from gdnviz.ui import common as C
 
 C.ensure_entrypoint()
 from gdnviz import figures as F  # noqa: E402
-from gdnviz.jobs import MemoMapping  # noqa: E402
+from gdnviz.jobs import BudgetJob, MemoMapping, ScanJob, spec_to_dict  # noqa: E402
 from gdnviz.plotstyle import human_bytes  # noqa: E402
 from gdnviz.probes import budget, ruler, scan, sweep  # noqa: E402
 from gdnviz.ui import scans as S  # noqa: E402
@@ -88,20 +88,23 @@ if plan is not None:
         errors.append(lim)
 for e in errors:
     C.show_error(e)
+scan_form = spec_to_dict(ScanJob(
+    model=model_name, device=device, dtype=dtype, task=sspec.task, length=sspec.length, r=sspec.r, by=sspec.by,
+    keep=sspec.keep, layers=tuple(sspec.layers or ()), n=sspec.n, seed0=sspec.seed0, segment_len=L,
+    batch_size=sspec.batch_size, max_new_tokens=int(st.session_state["sc_max_new"]), max_prompts=sspec.max_prompts,
+    fingerprint=fp))
 running = C.job_active(st.session_state.get("scan_job"))
 if st.button("Run the scan", type="primary", key="sc_run", icon=":material/play_arrow:",
              disabled=bool(errors) or running, help="one scan at a time" if running else None) and not errors:
-    from gdnviz.jobs import ScanJob, spec_to_dict
-
-    job = ScanJob(model=model_name, device=device, dtype=dtype, task=sspec.task, length=sspec.length, r=sspec.r,
-                  by=sspec.by, keep=sspec.keep, layers=tuple(sspec.layers or ()), n=sspec.n, seed0=sspec.seed0,
-                  segment_len=L, batch_size=sspec.batch_size, max_new_tokens=int(st.session_state["sc_max_new"]),
-                  max_prompts=sspec.max_prompts, fingerprint=fp)
-    st.session_state["scan_job"] = C.submit("scan", spec_to_dict(job), label="head scan")
+    st.session_state["scan_job"] = C.submit("scan", scan_form, label="head scan")
     st.rerun()
 
 rec = C.job_panel("scan_job", "Scan", resume="answers")
 if rec is not None and rec["status"] == "done":
+    C.stale_result_note(C.settings_differ(rec["spec"], None if plan is None else scan_form, {
+        "model": "model", "task": "task", "length": "length", "r": "r", "by": "units", "keep": "keep-one",
+        "layers": "layers", "n": "samples n", "seed0": "first seed", "max_new_tokens": "new tokens",
+        "segment_len": "segment length"}), "scan")
     res = rec["result"]
     tab = scan.table_frame(res["table"])
     sp = res["settings"]
@@ -181,8 +184,13 @@ except ValueError as e:
     berrors.append(str(e))
 if not tasks:
     berrors.append("No tasks chosen: pick at least one RULER task.")
-bplan = None
+bplan = budget_form = None
 if not berrors:
+    budget_form = spec_to_dict(BudgetJob(
+        model=model_name, device=device, dtype=dtype, tasks=tuple(tasks), lengths=tuple(lengths),
+        n=int(st.session_state["bg_n"]), tolerances=tuple(tols), ladder=tuple(ladder), segment_len=L,
+        max_new_tokens=int(st.session_state["bg_max_new"]), max_prompts=int(st.session_state["bg_limit"]),
+        fingerprint=fp))
     bspec = budget.BudgetSpec(model=model_name, tasks=tuple(tasks), lengths=tuple(lengths),
                               n=int(st.session_state["bg_n"]), tolerance=tols[0], ladder=tuple(ladder), segment_len=L,
                               max_new_tokens=int(st.session_state["bg_max_new"]) or None,
@@ -203,17 +211,14 @@ for e in berrors:
 brunning = C.job_active(st.session_state.get("budget_job"))
 if st.button("Find the budget", type="primary", key="bg_run", icon=":material/play_arrow:",
              disabled=bool(berrors) or brunning) and not berrors:
-    from gdnviz.jobs import BudgetJob, spec_to_dict
-
-    job = BudgetJob(model=model_name, device=device, dtype=dtype, tasks=tuple(tasks), lengths=tuple(lengths),
-                    n=int(st.session_state["bg_n"]), tolerances=tuple(tols), ladder=tuple(ladder), segment_len=L,
-                    max_new_tokens=int(st.session_state["bg_max_new"]),
-                    max_prompts=int(st.session_state["bg_limit"]), fingerprint=fp)
-    st.session_state["budget_job"] = C.submit("budget", spec_to_dict(job), label="rank budget")
+    st.session_state["budget_job"] = C.submit("budget", budget_form, label="rank budget")
     st.rerun()
 
 brec = C.job_panel("budget_job", "Budget", resume="answers")
 if brec is not None and brec["status"] == "done":
+    C.stale_result_note(C.settings_differ(brec["spec"], None if bplan is None else budget_form, {
+        "model": "model", "tasks": "tasks", "lengths": "lengths", "n": "samples n", "tolerances": "tolerances",
+        "ladder": "rank ladder", "max_new_tokens": "new tokens", "segment_len": "segment length"}), "budget")
     res = brec["result"]
     summ = res["budgets"][0]
     kv = summ["kv_bytes_bfloat16"]

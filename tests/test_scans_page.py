@@ -84,6 +84,14 @@ def test_scan_and_budget_through_the_worker(env, tmp_path):
     assert list(ranked.columns)[:4] == ["unit", "score (%)", "baseline (%)", "Δ (points)"] and len(ranked) == 3
     # the plan now counts the memo
     assert any("8 of 8 already done (in the memo), **0 to run**, nothing to generate" in c for c in captions(at)), captions(at)
+    assert not texts(at, "warning")
+    # a changed form: the preview counts the new answers, and the shown scan says it is not of these settings
+    at.number_input(key="sc_n").set_value(3).run()
+    assert any("**12 answers**: 8 of 12 already done (in the memo), **4 to run**, about " in c for c in captions(at))
+    assert any("The scan below was run with other settings than the form shows now (samples n changed)" in w
+               for w in texts(at, "warning")), texts(at, "warning")
+    at.number_input(key="sc_n").set_value(2).run()
+    assert not texts(at, "warning")
     # a click on the scan heatmap opens that head
     at.session_state["sc_heat"] = {"selection": {"cell": [{"layer": 1, "head": 2}]}}
     at.run()
