@@ -83,3 +83,7 @@ def test_the_estimate_is_the_recorded_throughput_of_this_model_device_and_length
     assert est["seconds"] is None and est["missing"] == [["vt", 8192]]
     rates.record(mem, info, "cwe", 4096, 256, seconds=0.0, answers=3)  # nothing measured: nothing recorded
     assert rates.read(mem, info, "cwe", 4096, 256) is None
+    key = next(k for k in mem.c if rates.is_record(k))  # a damaged record reads as none
+    for bad in (7, [1], dict(answers_per_second="x"), dict(answers_per_second=0.0), dict(seconds=1.0)):
+        mem.set(key, bad)
+        assert rates.estimate(mem, info, {("vt", 4096): 4}, 256)["seconds"] is None

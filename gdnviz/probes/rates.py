@@ -9,6 +9,7 @@ guess. Rates depend on the batch size and the device's load too; the estimate sa
 """
 from __future__ import annotations
 
+import math
 import time
 
 from gdnviz.store import content_hash
@@ -39,12 +40,14 @@ def record(store, info, task: str, length: int, segment_len: int, seconds: float
 
 
 def read(store, info, task: str, length: int, segment_len: int) -> dict | None:
-    """The last ``record``: dict(answers, seconds, answers_per_second, when (unix s)), or None (never measured).
-    ``store``: an object with ``get(key)``."""
+    """The last ``record``: dict(answers, seconds, answers_per_second, when (unix s)), or None (never measured, or
+    a record that is not one). ``store``: an object with ``get(key)``."""
     got = store.get(_key(info, task, length, segment_len))
-    if not got or "answers_per_second" not in got:
-        return None
-    return dict(got)
+    try:
+        ok = isinstance(got, dict) and float(got["answers_per_second"]) > 0 and math.isfinite(got["answers_per_second"])
+    except (KeyError, TypeError, ValueError):
+        ok = False
+    return dict(got) if ok else None
 
 
 def estimate(store, info, to_run: dict, segment_len: int) -> dict:
