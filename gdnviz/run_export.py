@@ -81,7 +81,8 @@ def _truncation_row(rec: dict) -> dict:
                 max_new_tokens=res.get("max_new_tokens"), score_untouched=sc.get("untouched"),
                 score_truncated=sc.get("truncated"), loss_untouched=lo.get("untouched"),
                 loss_truncated=lo.get("truncated"), loss_delta=lo.get("delta"), n_documents=lo.get("n_documents"),
-                text_untouched=res.get("untouched", {}).get("text"), text_truncated=res.get("truncated", {}).get("text"))
+                text_untouched=res.get("untouched", {}).get("text"),
+                text_truncated=res.get("truncated", {}).get("text"))
 
 
 def _when(rec: dict) -> str:
@@ -163,7 +164,8 @@ redraw.py              reloads these files with pandas and redraws the main figu
     if not kinds:
         parts.append("No truncation, sweep, scan, budget or loss run of this model at this L is in the cache yet.\n")
     if "truncate" in kinds:
-        parts.append("""truncations.csv        one row per Truncate & compare run: job, finished, n_heads, ranks (layer:head:r, space-
+        parts.append("""\
+truncations.csv        one row per Truncate & compare run: job, finished, n_heads, ranks (layer:head:r, space-
                        separated), task (empty: a typed prompt), target_len and prompt_tokens (tokens),
                        boundaries_in_prompt, max_new_tokens, score_untouched / score_truncated (%, RULER tasks
                        only), loss_untouched / loss_truncated / loss_delta (nats/token, mean of per-document means
@@ -172,7 +174,8 @@ truncations/<id>.json  the whole result of that run (prompt, answers, per-docume
                        each document, block-averaged).
 """)
     if "sweep" in kinds:
-        parts.append("""sweeps/<id>/table.csv  seed 000's table: per (task, length, setting, r) score (%), n samples, untouched (%, the
+        parts.append("""\
+sweeps/<id>/table.csv  seed 000's table: per (task, length, setting, r) score (%), n samples, untouched (%, the
                        same samples), delta and se (points). setting "uniform": the chosen heads at rank r; else
                        the name of a per-head rank map (r empty).
 sweeps/<id>/rows.csv   one row per (task, length, setting, r, seed): score (0 or 100 for one-answer tasks), pred
@@ -180,18 +183,21 @@ sweeps/<id>/rows.csv   one row per (task, length, setting, r, seed): score (0 or
 sweeps/<id>/settings.json  the job's spec and the result's metadata.
 """)
     if "scan" in kinds:
-        parts.append("""scans/<id>/table.csv   one row per unit (a layer, or a head when head is set): r, n, score (%), baseline (%: the
+        parts.append("""\
+scans/<id>/table.csv   one row per unit (a layer, or a head when head is set): r, n, score (%), baseline (%: the
                        untouched model, or every head at r in keep-one mode), delta and se (points, paired).
 scans/<id>/settings.json   the scan's spec and the result's metadata (untouched and all-cut scores, %).
 """)
     if "budget" in kinds:
-        parts.append("""budgets/<id>/summary.json  each budget: per-head ranks, the tests per (task, length), the held-out check and
+        parts.append("""\
+budgets/<id>/summary.json  each budget: per-head ranks, the tests per (task, length), the held-out check and
                        the recurrent-state bytes per sequence.
 budgets/<id>/curve.csv  score vs recurrent-state memory: tolerance (points), state_kib (KiB per sequence),
                        samples ("search" or "held-out"), task, length, score / untouched (%), delta / se (points), n.
 """)
     if "loss" in kinds:
-        parts.append("""loss/<id>/table.csv    seed 000's loss table: per (setting, r, subset) n_docs, n_predictions, loss and untouched
+        parts.append("""\
+loss/<id>/table.csv    seed 000's loss table: per (setting, r, subset) n_docs, n_predictions, loss and untouched
                        (nats/token, documents weighted equally), delta and se (nats/token, paired over documents),
                        delta_pct (% of untouched). subset "all" or a copy/induction subset.
 loss/<id>/rows.csv     one row per (document, setting, r): n_<subset> predictions and loss_<subset> (nats/token).
@@ -200,7 +206,8 @@ loss/<id>/settings.json    the job's spec and the result's metadata.
     return "\n".join(parts)
 
 
-REDRAW_PY = '''"""Reload this gdnviz run's files with pandas and redraw its main figure: effective rank vs decay horizon per
+REDRAW_PY = '''\
+"""Reload this gdnviz run's files with pandas and redraw its main figure: effective rank vs decay horizon per
 head (log-log, one colour per layer, the min-max over documents as bars), and score vs r for each sweep.
 Run it in the unzipped folder (`python redraw.py`: writes redrawn_*.html) or paste it into a notebook cell."""
 import json
@@ -236,6 +243,7 @@ for table in sorted(HERE.glob("sweeps/*/table.csv")):
                 title="rank r kept per head (log scale; the largest is the untouched model)"),
         y=alt.Y("score:Q", scale=alt.Scale(domain=[0, 100]), title="RULER score (%)"),
         color=alt.Color("task:N", title="task"), column=alt.Column("length:O", title="length (tokens)"))
-    fig.properties(title=f"sweep {table.parent.name}: score vs r").save(str(HERE / f"redrawn_sweep_{table.parent.name}.html"))
-    print(f"sweep {table.parent.name}: {len(t)} (task, length, r) rows")
+    name = table.parent.name
+    fig.properties(title=f"sweep {name}: score vs r").save(str(HERE / f"redrawn_sweep_{name}.html"))
+    print(f"sweep {name}: {len(t)} (task, length, r) rows")
 '''

@@ -223,8 +223,8 @@ if brec is not None and brec["status"] == "done":
     summ = res["budgets"][0]
     kv = summ["kv_bytes_bfloat16"]
     m = st.columns(4)
-    m[0].metric("Recurrent state, full rank", human_bytes(summ["state_bytes_full"]), help="per sequence, all GDN heads, "
-                                                                                   f"{summ['state_dtype']}")
+    m[0].metric("Recurrent state, full rank", human_bytes(summ["state_bytes_full"]),
+                help=f"per sequence, all GDN heads, {summ['state_dtype']}")
     m[1].metric(f"With the δ = {summ['tolerance']:g} budget", human_bytes(summ["state_bytes_budget"]),
                 delta=S.saved_text(summ), delta_color="inverse",
                 help="a rank-r head kept as its factors: r·(d_k + d_v) numbers instead of d_k·d_v")
@@ -275,7 +275,8 @@ with st.expander("Import a rank map (JSON)"):
             C.show_error(f"{up.name}: {e}")
         else:
             mem = S.budget_memory(info, ranks)
-            st.markdown(f"**{len(ranks)} heads** below full rank · state {human_bytes(int(mem['budget_bytes'].sum()))} "
+            st.markdown(f"**{len(ranks)} heads** below full rank · state "
+                        f"{human_bytes(int(mem['budget_bytes'].sum()))} "
                         f"instead of {human_bytes(int(mem['full_bytes'].sum()))} per sequence")
             imported = dict(rank_map=[[l, h, r] for (l, h), r in sorted(ranks.items())])
 

@@ -30,7 +30,8 @@ def test_cli_scan_writes_scan_csv(ckpt, tmp_path, capsys):
     cmd = ["scan", str(ckpt), "--task", "niah_single_1", "--length", "400", "--by", "layer", "--r", "2"]
     assert main(cmd + common(out)) == 0
     err = capsys.readouterr().err
-    assert "3 units, 4 settings x 2 samples = 8 answers, 0 in the memo, 8 to run; no estimate yet (no earlier run of niah_single_1 at 400 tokens" in err
+    assert ("3 units, 4 settings x 2 samples = 8 answers, 0 in the memo, 8 to run; no estimate yet (no earlier run of "
+            "niah_single_1 at 400 tokens") in err
     text = (out / "scan.csv").read_text().splitlines()
     assert text[0] == "layer,head,r,n,score,baseline,delta,se"
     assert [line.split(",")[:4] for line in text[1:]] == [["0", "", "2", "2"], ["1", "", "2", "2"],

@@ -29,7 +29,8 @@ def scan_plan_text(plan: dict, n: int) -> str:
 
 
 def budget_plan_text(plan: dict) -> str:
-    return (f"Sensitivity scans {plan['scan_answers']:,} answers ({done_text(plan['scan_cached'], plan['scan_answers'])}) "
+    done = done_text(plan["scan_cached"], plan["scan_answers"])
+    return (f"Sensitivity scans {plan['scan_answers']:,} answers ({done}) "
             f"+ the search, at most {plan['search_max']:,} + the held-out check {plan['heldout_answers']:,} "
             f"({plan['heldout_cached']:,} in the memo): **at most {plan['max_to_run']:,} to run**, "
             f"{rates.eta_text(plan, plan['max_to_run'])}" + (" (for the most the search can need)"
