@@ -44,7 +44,7 @@ from gdnviz.store import content_hash
 
 __all__ = ["SweepSpec", "Batch", "answer_batch", "local_executor", "DEFAULT_RANKS", "resolve_ranks", "resolve_heads",
            "parse_heads",
-           "run_sweep", "sweep_table", "sweep_figure", "to_csv", "csv_frame", "cell_key", "cell_keys", "plan_from_keys", "count_cached", "records",
+           "run_sweep", "sweep_table", "sweep_figure", "to_csv", "csv_frame", "cell_key", "cell_keys", "samples_for", "keys_of", "plan_from_keys", "count_cached", "records",
            "rows_frame", "table_frame", "VERSION"]
 
 VERSION = 1  # of a sweep cell's computation: bump it to invalidate every stored cell
@@ -238,15 +238,28 @@ def _cells(info, samples: dict, settings: list, spec: SweepSpec) -> list[tuple]:
             for (task, length), smp in samples.items() for setting in settings]
 
 
-def cell_keys(info, tokenizer, spec: SweepSpec) -> dict:
-    """{(task, length): the memo keys of every answer the sweep needs there (all settings × samples)}, without a
-    model: ``info`` needs fingerprint, dtype, d_k, d_v, gdn_layers and num_heads (a ``ModelInfo`` or a namespace
-    of the inspected model's); the tokenizer builds the prompts. Raises what ``run_sweep`` raises before running."""
+def samples_for(tokenizer, spec: SweepSpec) -> dict:
+    """{(task, length): the RULER samples the sweep answers there} (seeds ``seed0 ..``); they depend only on the
+    tokenizer and the spec's tasks, lengths, n, seed0 and chat template. Raises TaskTooShort."""
+    return _samples_for(tokenizer, spec)
+
+
+def keys_of(info, samples: dict, spec: SweepSpec) -> dict:
+    """{(task, length): the memo keys of every answer the sweep needs there (all settings × ``samples``, as
+    ``samples_for`` builds them)}, without a model: ``info`` needs fingerprint, dtype, d_k, d_v, gdn_layers and
+    num_heads (a ``ModelInfo`` or a namespace of the inspected model's). Raises what ``run_sweep`` raises for the
+    settings before running."""
     _check_spec(spec, info)
     out: dict = {}
-    for task, length, _, _, keys in _cells(info, _samples_for(tokenizer, spec), _settings(spec, info), spec):
+    for task, length, _, _, keys in _cells(info, samples, _settings(spec, info), spec):
         out.setdefault((task, int(length)), []).extend(keys)
     return out
+
+
+def cell_keys(info, tokenizer, spec: SweepSpec) -> dict:
+    """``keys_of(info, samples_for(tokenizer, spec), spec)``: the memo keys of every answer the sweep needs."""
+    _check_spec(spec, info)  # bad settings before the prompts are built
+    return keys_of(info, samples_for(tokenizer, spec), spec)
 
 
 def plan_from_keys(info, keys: dict, segment_len: int, store=None) -> dict:

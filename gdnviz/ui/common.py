@@ -324,25 +324,32 @@ def task_minimum(task: str, tokenizer, seed0: int, chat, *, info: dict) -> int:
 
 
 @st.cache_data(show_spinner=False, max_entries=16)
-def _sweep_cell_keys(path: str, mtime: float, info: dict, spec) -> dict:
-    from gdnviz.probes.sweep import cell_keys
+def _sweep_samples(path: str, mtime: float, tasks: tuple, lengths: tuple, n: int, seed0: int, chat,
+                   chat_kwargs: tuple) -> dict:
+    from gdnviz.probes.sweep import SweepSpec, samples_for
 
-    return cell_keys(info_ns(info), _hf_tokenizer(path, mtime), spec)
+    spec = SweepSpec(model="", tasks=tasks, lengths=lengths, n=n, seed0=seed0, chat_template=chat,
+                     chat_template_kwargs=chat_kwargs)
+    return samples_for(_hf_tokenizer(path, mtime), spec)
 
 
 def sweep_plan(info: dict, spec) -> dict:
     """``gdnviz.probes.sweep.plan_from_keys`` of the sweep ``spec`` (a ``SweepSpec``) on the model ``info`` with
-    the app's memo: the answers it needs, how many the memo holds, the time at the measured rates. Its prompts and
-    keys are built once per (tokenizer, spec), the memo is read on every call. Raises what the sweep raises for bad
-    input; ValueError when the model has no tokenizer."""
+    the app's memo: the answers it needs, how many the memo holds, the time at the measured rates. Its prompts are
+    built once per (tokenizer, tasks, lengths, n, seed0, chat template), so other ranks or heads cost only their
+    keys; the memo is read on every call. Raises what the sweep raises for bad input; ValueError when the model has
+    no tokenizer."""
     from gdnviz.jobs import MemoMapping
-    from gdnviz.probes.sweep import plan_from_keys
+    from gdnviz.probes.sweep import keys_of, plan_from_keys
 
     key = _tokenizer_key(info)
     if key is None:
         raise ValueError(f"{info.get('path') or info.get('name')} has no tokenizer files beside its weights")
-    keys = _sweep_cell_keys(*key, info, spec)
-    return plan_from_keys(info_ns(info), keys, spec.segment_len, MemoMapping(store()))
+    ns = info_ns(info)
+    keys_of(ns, {}, spec)  # bad settings raise before any prompt is built
+    samples = _sweep_samples(*key, tuple(spec.tasks), tuple(int(x) for x in spec.lengths), int(spec.n),
+                             int(spec.seed0), spec.chat_template, tuple(spec.chat_template_kwargs))
+    return plan_from_keys(ns, keys_of(ns, samples, spec), spec.segment_len, MemoMapping(store()))
 
 
 def info_ns(info: dict) -> SimpleNamespace:
