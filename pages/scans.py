@@ -56,7 +56,7 @@ c[4].number_input("Batch", min_value=1, max_value=512, key="sc_batch", placehold
                        "(8 on CPU)")
 c = st.columns([2, 2, 3, 1])
 c[0].radio("Units", list(S.BY), key="sc_by", format_func=S.BY.get, horizontal=False)
-c[1].checkbox("Keep-one", key="sc_keep", help=f"every GDN head cut to r except the unit, kept whole; the baseline is "
+c[1].checkbox("Keep-one", key="sc_keep", help="every GDN head cut to r except the unit, kept whole; the baseline is "
                                               "every head cut to r (the “widen only those” form of seed 000)")
 c[2].multiselect("Only these layers (empty: all)", gl, key="sc_layers",
                  help="narrow a head scan to the layers a layer scan found")
