@@ -267,7 +267,7 @@ def cmd_sweep(args) -> int:
     from tqdm import tqdm
 
     from gdnviz.jobs import SweepJob, sweep_spec_of
-    from gdnviz.probes import sweep
+    from gdnviz.probes import rates, sweep
 
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
@@ -285,6 +285,9 @@ def cmd_sweep(args) -> int:
     spec = sweep_spec_of(SweepJob(fingerprint=lm.info.fingerprint, **sa))
     settings = dict(spec=spec.to_dict(), model=lm.info.to_dict(), version=sweep.VERSION)
     (out / "settings.json").write_text(json.dumps(settings, indent=2, default=str))
+    plan = sweep.plan_from_keys(lm.info, sweep.cell_keys(lm.info, lm.tokenizer, spec), spec.segment_len, out / "cache")
+    print(f"sweep: {plan['answers']:,} answers, {plan['cached']:,} in the memo, {plan['to_run']:,} to run; "
+          f"{rates.eta_text(plan, plan['to_run'])}", file=sys.stderr)
     bar = tqdm(total=1, desc="sweep", unit="sample", file=sys.stderr)
 
     def progress(done, total):
@@ -376,17 +379,11 @@ def _common_probe(args) -> dict:
                 chat_template={"auto": "auto", "on": True, "off": False}[args.chat], max_prompts=args.max_prompts)
 
 
-def _eta(seconds) -> str:
-    if seconds is None:
-        return "time unknown (no rate measured yet for this model, device, task and length)"
-    return f"about {seconds / 60:,.1f} min at the last measured rate"
-
-
 def cmd_scan(args) -> int:
     from tqdm import tqdm
 
     from gdnviz import figures as F
-    from gdnviz.probes import scan, sweep
+    from gdnviz.probes import rates, scan, sweep
 
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
@@ -397,7 +394,7 @@ def cmd_scan(args) -> int:
                          n=args.n, seed0=args.seed0, fingerprint=lm.info.fingerprint, **_common_probe(args))
     plan = _checked(lambda: scan.plan_scan(lm.info, lm.tokenizer, spec, memo))
     print(f"scan: {plan['units']} units, {plan['settings']} settings x {spec.n} samples = {plan['answers']:,} "
-          f"answers, {plan['cached']:,} in the memo, {plan['to_run']:,} to run; {_eta(plan['seconds'])}",
+          f"answers, {plan['cached']:,} in the memo, {plan['to_run']:,} to run; {rates.eta_text(plan, plan['to_run'])}",
           file=sys.stderr)
     bar = tqdm(total=1, desc="scan", unit="answer", file=sys.stderr)
 
@@ -430,7 +427,7 @@ def cmd_scan(args) -> int:
 def cmd_budget(args) -> int:
     from tqdm import tqdm
 
-    from gdnviz.probes import budget, sweep
+    from gdnviz.probes import budget, rates, sweep
 
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
@@ -449,7 +446,7 @@ def cmd_budget(args) -> int:
         print(f"budget δ = {tol:g}: scans {plan['scan_answers']:,} answers ({plan['scan_cached']:,} in the memo), "
               f"search at most {plan['search_max']:,}, held-out {plan['heldout_answers']:,} "
               f"({plan['heldout_cached']:,} in the memo): at most {plan['max_to_run']:,} to run; "
-              f"{_eta(plan['seconds'])}", file=sys.stderr)
+              f"{rates.eta_text(plan, plan['max_to_run'])}", file=sys.stderr)
         bar = tqdm(total=1, desc=f"budget δ = {tol:g}", unit="answer", file=sys.stderr)
 
         def progress(done, total, text, _bar=bar):

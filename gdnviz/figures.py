@@ -795,9 +795,10 @@ def to_csv(df: pd.DataFrame) -> bytes:
 
 
 def run_zip(figures: Mapping[str, tuple], settings: dict, tables: Mapping[str, pd.DataFrame] | None = None,
-            png_scale: float = 2.0) -> bytes:
+            png_scale: float = 2.0, files: Mapping[str, bytes] | None = None) -> bytes:
     """One zip: ``figures/<name>.png|.svg``, ``data/<name>.csv`` for each (chart, frame) in ``figures``,
-    ``tables/<name>.csv`` and ``settings.json``."""
+    ``tables/<name>.csv``, ``settings.json`` and ``files`` ({path in the zip: bytes}, e.g.
+    ``gdnviz.run_export.run_files``)."""
     buf = io.BytesIO()
     with zipfile.ZipFile(buf, "w", zipfile.ZIP_DEFLATED) as z:
         z.writestr("settings.json", json.dumps(settings, indent=2, default=str))
@@ -808,4 +809,6 @@ def run_zip(figures: Mapping[str, tuple], settings: dict, tables: Mapping[str, p
                 z.writestr(f"data/{name}.csv", to_csv(df))
         for name, df in (tables or {}).items():
             z.writestr(f"tables/{name}.csv", to_csv(df))
+        for path, data in (files or {}).items():
+            z.writestr(path, data)
     return buf.getvalue()

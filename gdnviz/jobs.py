@@ -52,6 +52,7 @@ import numpy as np
 
 from gdnviz.documents import check_length, check_text, tokenize
 from gdnviz.errors import CorruptStoreEntry, DocumentTooLong, EmptyDocumentSet, GDNVizError, JobCancelled
+from gdnviz.probes.rates import is_record as is_rate_record
 from gdnviz.store import Store, content_hash
 
 #: Version strings of the computations keyed by ``cache_key``; bump one to invalidate its memo entries (a sweep's
@@ -665,7 +666,8 @@ def run_loss(spec: LossJob, ctx: JobContext) -> dict:
 
 class MemoMapping:
     """The store's memo as the mapping ``run_sweep`` memoises its cells in (one checksummed JSON entry per cell,
-    under its ``gdnviz.probes.sweep.cell_key``); counts the cells it computed."""
+    under its ``gdnviz.probes.sweep.cell_key``); counts the cells it computed (not the throughput records,
+    ``gdnviz.probes.rates``)."""
 
     def __init__(self, store: Store):
         self.store, self.puts = store, 0
@@ -675,7 +677,7 @@ class MemoMapping:
 
     def __setitem__(self, key: str, value) -> None:
         self.store.memo_put_json(key, value)
-        self.puts += 1
+        self.puts += not is_rate_record(key)
 
 
 def sweep_spec_of(spec: SweepJob):

@@ -109,10 +109,7 @@ if prev:
                  index=None if cur not in labels else ids.index(cur), format_func=labels.get, on_change=_reopen,
                  placeholder=f"{len(prev)} finished loss run(s) in the store: pick one to show it")
 
-rec = C.job_panel("loss_job", "Loss vs rank")
-if rec is not None and (rec["status"] == "cancelled" or rec.get("error_type") in ("WorkerCrashed", "WorkerStopped",
-                                                                                   "GPUOutOfMemory")):
-    st.caption("The documents finished before it stopped are stored: run the same settings again to resume.")
+rec = C.job_panel("loss_job", "Loss vs rank", resume="documents")
 if rec is not None and rec["status"] == "done":
     from gdnviz import figures as F
     from gdnviz.probes import loss_sweep

@@ -17,14 +17,7 @@ st.caption("Run prompt B with the chosen heads' states at one segment boundary r
            "(mean −log p per token, nats; Δ = patched − unpatched). Every other head, the attention layers and "
            "every other boundary are untouched. Definitions: docs/attribution.md.")
 
-run = C.current_run()
-if run is not None:
-    info, model_name, device, dtype, L, table, src = C.run_model(run)
-else:
-    info = C.require_inspected_model("state patching runs on the chosen model.")
-    if info is None:
-        st.stop()
-    info, model_name, device, dtype, L, table, src = C.inspected_model(info)
+run, info, model_name, device, dtype, L, table, src = C.page_model("state patching runs on the chosen model.")
 gl, H = list(info["gdn_layers"]), int(info["num_heads"])
 st.markdown(f"Model: {src} · GDN layers {', '.join(map(str, gl))} × {H} heads · segment length **L = {L}** "
             "(boundaries at L, 2L, …)")
@@ -83,7 +76,8 @@ if st.button("Run the patch", type="primary", key="pt_run", icon=":material/play
 
 rec = C.job_panel("patch_job", "State patching")
 if rec is None:
-    C.empty_state("No comparison yet.", "Choose the prompts, heads and boundary, then **Run the patch**.")
+    st.info("**No comparison yet.** Choose the prompts, heads and boundary, then **Run the patch**.",
+            icon=":material/info:")
 elif rec["status"] == "done":
     res = rec["result"]
     st.markdown(P.settings_line(res))

@@ -10,7 +10,8 @@ from gdnviz.ui import common as C
 
 C.ensure_entrypoint()
 from gdnviz import figures as F  # noqa: E402
-from gdnviz.jobs import MemoMapping  # noqa: E402
+from gdnviz.jobs import BudgetJob, MemoMapping, ScanJob, spec_to_dict  # noqa: E402
+from gdnviz.plotstyle import human_bytes  # noqa: E402
 from gdnviz.probes import budget, ruler, scan, sweep  # noqa: E402
 from gdnviz.ui import scans as S  # noqa: E402
 from gdnviz.ui import sweeps as SW  # noqa: E402
@@ -22,14 +23,7 @@ st.caption("A **scan** runs one RULER task with one layer or one head cut to ran
            "ranks as small as possible with every task within δ points of the untouched model. Every answer is "
            "stored as it finishes and shared with the Retrieval sweeps page.")
 
-run = C.current_run()
-if run is not None:
-    info, model_name, device, dtype, L, table, src = C.run_model(run)
-else:
-    info = C.require_inspected_model("scans and budgets run on it here.")
-    if info is None:
-        st.stop()
-    info, model_name, device, dtype, L, table, src = C.inspected_model(info)
+run, info, model_name, device, dtype, L, table, src = C.page_model("scans and budgets run on it here.")
 gl, H = list(info["gdn_layers"]), int(info["num_heads"])
 rmax = min(int(info["d_k"]), int(info["d_v"]))
 ns = S.model_ns(info)
@@ -62,7 +56,7 @@ c[4].number_input("Batch", min_value=1, max_value=512, key="sc_batch", placehold
                        "(8 on CPU)")
 c = st.columns([2, 2, 3, 1])
 c[0].radio("Units", list(S.BY), key="sc_by", format_func=S.BY.get, horizontal=False)
-c[1].checkbox("Keep-one", key="sc_keep", help=f"every GDN head cut to r except the unit, kept whole; the baseline is "
+c[1].checkbox("Keep-one", key="sc_keep", help="every GDN head cut to r except the unit, kept whole; the baseline is "
                                               "every head cut to r (the “widen only those” form of seed 000)")
 c[2].multiselect("Only these layers (empty: all)", gl, key="sc_layers",
                  help="narrow a head scan to the layers a layer scan found")
@@ -88,28 +82,29 @@ try:
 except (GDNVizError, ValueError) as e:
     errors.append(str(e))
 if plan is not None:
-    st.caption(S.scan_plan_text(plan, sspec.n))
+    st.caption(S.scan_plan_text(plan, sspec.n) + (f". {SW.noise_note(sspec.n)}" if SW.noise_note(sspec.n) else ""))
     lim = S.over_limit(plan["to_run"], sspec.max_prompts, "scan")
     if lim:
         errors.append(lim)
 for e in errors:
     C.show_error(e)
+scan_form = spec_to_dict(ScanJob(
+    model=model_name, device=device, dtype=dtype, task=sspec.task, length=sspec.length, r=sspec.r, by=sspec.by,
+    keep=sspec.keep, layers=tuple(sspec.layers or ()), n=sspec.n, seed0=sspec.seed0, segment_len=L,
+    batch_size=sspec.batch_size, max_new_tokens=int(st.session_state["sc_max_new"]), max_prompts=sspec.max_prompts,
+    fingerprint=fp))
 running = C.job_active(st.session_state.get("scan_job"))
 if st.button("Run the scan", type="primary", key="sc_run", icon=":material/play_arrow:",
              disabled=bool(errors) or running, help="one scan at a time" if running else None) and not errors:
-    from gdnviz.jobs import ScanJob, spec_to_dict
-
-    job = ScanJob(model=model_name, device=device, dtype=dtype, task=sspec.task, length=sspec.length, r=sspec.r,
-                  by=sspec.by, keep=sspec.keep, layers=tuple(sspec.layers or ()), n=sspec.n, seed0=sspec.seed0,
-                  segment_len=L, batch_size=sspec.batch_size, max_new_tokens=int(st.session_state["sc_max_new"]),
-                  max_prompts=sspec.max_prompts, fingerprint=fp)
-    st.session_state["scan_job"] = C.submit("scan", spec_to_dict(job), label="head scan")
+    st.session_state["scan_job"] = C.submit("scan", scan_form, label="head scan")
     st.rerun()
 
-rec = C.job_panel("scan_job", "Scan")
-if rec is not None and rec["status"] == "cancelled":
-    st.caption("The answers finished before it stopped are stored: run the same scan again to resume.")
+rec = C.job_panel("scan_job", "Scan", resume="answers")
 if rec is not None and rec["status"] == "done":
+    C.stale_result_note(C.settings_differ(rec["spec"], None if plan is None else scan_form, {
+        "model": "model", "task": "task", "length": "length", "r": "r", "by": "units", "keep": "keep-one",
+        "layers": "layers", "n": "samples n", "seed0": "first seed", "max_new_tokens": "new tokens",
+        "segment_len": "segment length"}), "scan")
     res = rec["result"]
     tab = scan.table_frame(res["table"])
     sp = res["settings"]
@@ -118,9 +113,8 @@ if rec is not None and rec["status"] == "done":
     st.markdown(f"**{sp['task']} @ {int(sp['length']):,} tokens**, n = {sp['n']} · untouched **{res['untouched']:.1f}**"
                 + (f" · {base}" if base else "") + f" · {res['computed']:,} answers generated now, "
                 f"{res['reused']:,} from the memo · {res['dtype']} on {res['device']}")
-    if int(sp["n"]) < 50:
-        st.caption(f"With n = {sp['n']}, one changed answer moves a 0/100 score by {100 / int(sp['n']):.0f} points: "
-                   "read differences within about two paired SEs (and under ~5 points even at n = 50) as noise.")
+    if SW.noise_note(int(sp["n"])):
+        st.caption(SW.noise_note(int(sp["n"])))
     what = "kept whole, every other head at" if keep else "cut to"
     title = f"{Path(str(res['model_name'])).name}: one {sp['by']} {what} r = {sp['r']}"
     hdf = F.scan_heatmap_frame(tab, gl, H)
@@ -190,8 +184,13 @@ except ValueError as e:
     berrors.append(str(e))
 if not tasks:
     berrors.append("No tasks chosen: pick at least one RULER task.")
-bplan = None
+bplan = budget_form = None
 if not berrors:
+    budget_form = spec_to_dict(BudgetJob(
+        model=model_name, device=device, dtype=dtype, tasks=tuple(tasks), lengths=tuple(lengths),
+        n=int(st.session_state["bg_n"]), tolerances=tuple(tols), ladder=tuple(ladder), segment_len=L,
+        max_new_tokens=int(st.session_state["bg_max_new"]), max_prompts=int(st.session_state["bg_limit"]),
+        fingerprint=fp))
     bspec = budget.BudgetSpec(model=model_name, tasks=tuple(tasks), lengths=tuple(lengths),
                               n=int(st.session_state["bg_n"]), tolerance=tols[0], ladder=tuple(ladder), segment_len=L,
                               max_new_tokens=int(st.session_state["bg_max_new"]) or None,
@@ -212,28 +211,25 @@ for e in berrors:
 brunning = C.job_active(st.session_state.get("budget_job"))
 if st.button("Find the budget", type="primary", key="bg_run", icon=":material/play_arrow:",
              disabled=bool(berrors) or brunning) and not berrors:
-    from gdnviz.jobs import BudgetJob, spec_to_dict
-
-    job = BudgetJob(model=model_name, device=device, dtype=dtype, tasks=tuple(tasks), lengths=tuple(lengths),
-                    n=int(st.session_state["bg_n"]), tolerances=tuple(tols), ladder=tuple(ladder), segment_len=L,
-                    max_new_tokens=int(st.session_state["bg_max_new"]),
-                    max_prompts=int(st.session_state["bg_limit"]), fingerprint=fp)
-    st.session_state["budget_job"] = C.submit("budget", spec_to_dict(job), label="rank budget")
+    st.session_state["budget_job"] = C.submit("budget", budget_form, label="rank budget")
     st.rerun()
 
-brec = C.job_panel("budget_job", "Budget")
+brec = C.job_panel("budget_job", "Budget", resume="answers")
 if brec is not None and brec["status"] == "done":
+    C.stale_result_note(C.settings_differ(brec["spec"], None if bplan is None else budget_form, {
+        "model": "model", "tasks": "tasks", "lengths": "lengths", "n": "samples n", "tolerances": "tolerances",
+        "ladder": "rank ladder", "max_new_tokens": "new tokens", "segment_len": "segment length"}), "budget")
     res = brec["result"]
     summ = res["budgets"][0]
     kv = summ["kv_bytes_bfloat16"]
     m = st.columns(4)
-    m[0].metric("Recurrent state, full rank", S.kib(summ["state_bytes_full"]), help="per sequence, all GDN heads, "
-                                                                                   f"{summ['state_dtype']}")
-    m[1].metric(f"With the δ = {summ['tolerance']:g} budget", S.kib(summ["state_bytes_budget"]),
+    m[0].metric("Recurrent state, full rank", human_bytes(summ["state_bytes_full"]),
+                help=f"per sequence, all GDN heads, {summ['state_dtype']}")
+    m[1].metric(f"With the δ = {summ['tolerance']:g} budget", human_bytes(summ["state_bytes_budget"]),
                 delta=S.saved_text(summ), delta_color="inverse",
                 help="a rank-r head kept as its factors: r·(d_k + d_v) numbers instead of d_k·d_v")
     for i, ctx in enumerate(list(kv)[:2]):
-        m[2 + i].metric(f"Attention KV at {int(ctx) // 1024}K tokens", S.kib(kv[ctx]),
+        m[2 + i].metric(f"Attention KV at {int(ctx) // 1024}K tokens", human_bytes(kv[ctx]),
                         help="bfloat16, the Cache budget page's accounting")
     st.markdown("**Scores** — every (task, length) on the search's samples and on held-out seeds "
                 f"({summ['heldout_seeds'][0]}…{summ['heldout_seeds'][1]})" if summ["heldout_seeds"] else "**Scores**")
@@ -279,8 +275,9 @@ with st.expander("Import a rank map (JSON)"):
             C.show_error(f"{up.name}: {e}")
         else:
             mem = S.budget_memory(info, ranks)
-            st.markdown(f"**{len(ranks)} heads** below full rank · state {S.kib(int(mem['budget_bytes'].sum()))} "
-                        f"instead of {S.kib(int(mem['full_bytes'].sum()))} per sequence")
+            st.markdown(f"**{len(ranks)} heads** below full rank · state "
+                        f"{human_bytes(int(mem['budget_bytes'].sum()))} "
+                        f"instead of {human_bytes(int(mem['full_bytes'].sum()))} per sequence")
             imported = dict(rank_map=[[l, h, r] for (l, h), r in sorted(ranks.items())])
 
             def _imp_to_sweeps(_line=S.sweeps_line(S.map_name(up.name), imported)):

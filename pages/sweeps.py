@@ -21,15 +21,8 @@ st.caption("For every task, length and rank r: generate n RULER samples, answer 
            "Every sample's result is stored as soon as its batch finishes: a cancelled or crashed sweep resumes "
            "where it stopped, and a repeated one is read back instantly.")
 
-run = C.current_run()
-if run is not None:
-    info, model_name, device, dtype, L_default, table, src = C.run_model(run)
-else:
-    info = C.require_inspected_model("sweeps run on it here (a capture also lets you choose the heads that "
-                                     "forget within a segment).")
-    if info is None:
-        st.stop()
-    info, model_name, device, dtype, L_default, table, src = C.inspected_model(info)
+run, info, model_name, device, dtype, L_default, table, src = C.page_model(
+    "sweeps run on it here (a capture also lets you choose the heads that forget within a segment).")
 gl, H = list(info["gdn_layers"]), int(info["num_heads"])
 rmax = min(int(info["d_k"]), int(info["d_v"]))
 st.markdown(f"Model: {src} · {len(gl)} GDN layers × {H} heads of {info['d_k']}×{info['d_v']} · segment length "
@@ -111,22 +104,9 @@ rank_maps = HP.rank_maps("sw", info, errors, "samples")
 # 3. run
 # =============================================================================================================
 st.subheader("3 · Run")
-if tasks and lengths and ranks:
-    n = int(st.session_state["sw_n"])
-    total = S.n_generations(len(tasks), len(lengths), len(ranks) + len(rank_maps), n)
-    st.caption(f"{len(tasks)} task(s) × {len(lengths)} length(s) × ({len(ranks)} ranks "
-               f"({', '.join(map(str, ranks))} = untouched)" + (f" + {len(rank_maps)} rank map(s)" if rank_maps
-                                                                else "") +
-               f") × {n} samples = **{total:,} answers**, " + C.batch_phrase(st.session_state["sw_batch"]))
-for e in errors:
-    C.show_error(e)
-running = C.job_active(st.session_state.get("sweep_job"))
-go = st.button("Run the sweep", type="primary", key="sw_run", icon=":material/play_arrow:",
-               disabled=bool(errors) or running, help="one sweep at a time: cancel the running one first" if running
-               else None)
 form_spec = None
 if not errors:
-    from gdnviz.jobs import SweepJob, spec_to_dict
+    from gdnviz.jobs import SweepJob, spec_to_dict, sweep_spec_of
 
     spec = SweepJob(
         model=model_name, device=device, dtype=dtype, tasks=tuple(tasks), lengths=tuple(lengths),
@@ -134,7 +114,21 @@ if not errors:
         heads="all" if st.session_state["sw_heads"] == "all" else tuple(heads), rank_maps=rank_maps, segment_len=L_default,
         batch_size=C.batch_value(st.session_state["sw_batch"]), max_new_tokens=int(st.session_state["sw_max_new"]),
         chat_template=chat, fingerprint=str(info.get("fingerprint") or ""), max_tokens=token_limit)
-    form_spec = spec_to_dict(spec)
+    try:
+        with st.spinner("Counting the answers in the memo…"):
+            sspec = sweep_spec_of(spec)
+            st.caption(S.plan_text(C.sweep_plan(info, sspec), sspec, rmax) + " · "
+                       + C.batch_phrase(st.session_state["sw_batch"])
+                       + (f". {S.noise_note(sspec.n)}" if S.noise_note(sspec.n) else ""))
+        form_spec = spec_to_dict(spec)
+    except (GDNVizError, ValueError) as e:
+        errors.append(str(e))
+for e in errors:
+    C.show_error(e)
+running = C.job_active(st.session_state.get("sweep_job"))
+go = st.button("Run the sweep", type="primary", key="sw_run", icon=":material/play_arrow:",
+               disabled=bool(errors) or running, help="one sweep at a time: cancel the running one first" if running
+               else None)
 if go and form_spec is not None:
     st.session_state["sweep_job"] = C.submit("sweep", form_spec, label="retrieval sweep")
     st.session_state.setdefault("sw_submitted", []).append(st.session_state["sweep_job"])
@@ -160,10 +154,7 @@ if prev:
                  cur not in labels else ids.index(cur), format_func=labels.get, on_change=_reopen,
                  placeholder=f"{len(prev)} finished sweep(s) in the store: pick one to show it")
 
-rec = C.job_panel("sweep_job", "Sweep")
-if rec is not None and (rec["status"] == "cancelled" or rec.get("error_type") in ("WorkerCrashed", "WorkerStopped",
-                                                                                   "GPUOutOfMemory")):
-    st.caption("The samples finished before it stopped are stored: run the same sweep again to resume from there.")
+rec = C.job_panel("sweep_job", "Sweep", resume="samples")
 if rec is not None and rec["status"] == "done":
     from gdnviz import figures as F
     from gdnviz.probes import sweep

@@ -17,17 +17,9 @@ st.caption("At every segment boundary the chosen heads' states are replaced by t
            "left singular directions; the next segment reads and writes the truncated state, so the cut compounds "
            "(seed 000 §3). Full-attention layers are never touched. The same prompt runs untouched and truncated.")
 
-run = C.current_run()
-if run is not None:
-    info, model_name, device, dtype, L_default, table, src = C.run_model(run)
-else:
-    info = C.inspected()
-    if info is None:
-        C.empty_state("No model yet.", "Pick a model (and ideally run a capture, so that heads can be chosen by "
-                                       "horizon) on the **Model & documents** page, or open a stored run in the "
-                                       "sidebar under *Previous runs*.")
-        st.stop()
-    info, model_name, device, dtype, L_default, table, src = C.inspected_model(info)
+run, info, model_name, device, dtype, L_default, table, src = C.page_model(
+    "the truncation runs on it here (ideally run a capture too, so that heads can be chosen by horizon, or open a "
+    "stored run in the sidebar under *Previous runs*).")
 gl, H = list(info["gdn_layers"]), int(info["num_heads"])
 rmax = min(int(info["d_k"]), int(info["d_v"]))
 L = L_default

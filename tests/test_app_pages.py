@@ -581,7 +581,7 @@ def test_cache_budget(env, populated):
 # =============================================================================================================
 # Empty states, previous runs, corrupt results
 # =============================================================================================================
-@pytest.mark.parametrize("page", ["heatmap", "head", "overview", "truncate", "budget", "loss"])
+@pytest.mark.parametrize("page", ["heatmap", "head", "overview", "budget", "loss"])
 def test_empty_states_say_what_to_do(env, tmp_path, page):
     env(tmp_path / "empty")
     at = app(page)
@@ -636,6 +636,76 @@ def test_run_zip(env, populated):
             "figures/heatmap_energy_rank99.svg"} <= names
     assert "click a cell" not in z.read("figures/heatmap_erank.svg").decode()
     assert z.read("figures/heatmap_horizon.png")[:4] == b"\x89PNG"
+
+
+# --- uipolish: the run zip holds the run's jobs, a README and redraw.py -----------------------------------------
+def test_run_zip_holds_the_runs_truncations_sweeps_and_loss_with_a_readme_and_a_redraw_script(env, tmp_path):
+    """A real run on the demo model with a truncation, a sweep and a loss run on it, and a sweep at another L
+    (not this run's): the zip holds the three, as the job results say, and redraw.py runs on the unzipped files."""
+    import json
+
+    import pandas as pd
+
+    from gdnviz.ui.common import run_zip_bytes
+
+    cache = env(tmp_path / "c")
+    L = 128
+    run = capture(cache, "demo", (("alpha", short_text(300, 0)), ("beta", short_text(260, 3))), L=L)
+    docs = tuple(tuple(d) for d in run["spec"]["documents"])
+    gl = run["model"]["gdn_layers"]
+    store = Store(cache)
+    kw = dict(model="demo", segment_len=L)
+    ids = {k: store.submit(k, jobs.spec_to_dict(j)) for k, j in (
+        ("truncate", jobs.TruncateCompareJob(ranks=((gl[0], 0, 2), (gl[0], 1, 2)), task="niah_single_1",
+                                             target_len=512, max_new_tokens=6, loss_documents=docs, **kw)),
+        ("sweep", jobs.SweepJob(tasks=("niah_single_1",), lengths=(512,), ranks=(2,), n=2, heads=f"layers:{gl[0]}",
+                                batch_size=2, max_new_tokens=6, **kw)),
+        ("loss", jobs.LossJob(documents=docs, ranks=(2,), heads=f"layers:{gl[0]}", min_distance=64, **kw)))}
+    other = store.submit("sweep", jobs.spec_to_dict(jobs.SweepJob(
+        tasks=("niah_single_1",), lengths=(512,), ranks=(2,), n=1, heads=f"layers:{gl[0]}", batch_size=2,
+        max_new_tokens=6, model="demo", segment_len=256)))
+    assert work(cache) == 4
+    res = {k: store.job(j)["result"] for k, j in ids.items()}
+    assert store.job(other)["status"] == "done"
+    z = zipfile.ZipFile(io.BytesIO(run_zip_bytes(run)))
+    out = tmp_path / "unzipped"
+    z.extractall(out)
+    listed = pd.read_csv(out / "jobs.csv")
+    assert sorted(listed["job"]) == sorted(ids.values()) and other not in set(listed["job"])
+    assert dict(zip(listed["job"], listed["kind"])) == {j: k for k, j in ids.items()}
+    # the sweep's table and rows as the job stored them
+    sw = pd.read_csv(out / "sweeps" / ids["sweep"] / "table.csv")
+    assert list(sw.columns) == ["task", "length", "setting", "r", "score", "n", "untouched", "delta", "se"]
+    want = {int(t["r"]): t["score"] for t in res["sweep"]["table"]}
+    assert dict(zip(sw["r"].astype(int), sw["score"])) == pytest.approx(want)
+    rows = pd.read_csv(out / "sweeps" / ids["sweep"] / "rows.csv")
+    assert len(rows) == res["sweep"]["n_results"] == 4
+    assert json.loads((out / "sweeps" / ids["sweep"] / "settings.json").read_text())["spec"]["segment_len"] == L
+    # the truncation: one summary row and the whole result
+    tr = pd.read_csv(out / "truncations.csv")
+    t = res["truncate"]
+    assert tr["job"].tolist() == [ids["truncate"]] and tr["ranks"][0] == f"{gl[0]}:0:2 {gl[0]}:1:2"
+    assert (tr["score_untouched"][0], tr["score_truncated"][0]) == (t["scores"]["untouched"], t["scores"]["truncated"])
+    assert tr["loss_delta"][0] == pytest.approx(t["loss"]["delta"]) and tr["n_documents"][0] == 2
+    assert json.loads((out / "truncations" / f"{ids['truncate']}.json").read_text())["result"]["prompt"] == t["prompt"]
+    # the loss run
+    lt = pd.read_csv(out / "loss" / ids["loss"] / "table.csv")
+    assert len(lt) == len(res["loss"]["table"]) and set(lt["r"].dropna().astype(int)) <= {2, int(res["loss"]["rmax"])}
+    assert lt["loss"].tolist() == pytest.approx([x["loss"] for x in res["loss"]["table"]], nan_ok=True)
+    # the README names every kind of file present, with units
+    readme = (out / "README.txt").read_text()
+    for s in ("truncations.csv", "sweeps/<id>/table.csv", "loss/<id>/table.csv", "tables/heads.csv", "redraw.py",
+              "nats per token", "percentage points", f"L = {L}"):
+        assert s in readme, s
+    assert "scans/<id>" not in readme and "budgets/<id>" not in readme  # none of those in this cache
+    # redraw.py reloads the files with pandas and redraws the main figure and the sweep
+    done = subprocess.run([sys.executable, "redraw.py"], cwd=out, capture_output=True, text=True, timeout=300)
+    assert done.returncode == 0, done.stderr
+    assert f"{len(pd.read_csv(out / 'tables' / 'heads.csv'))} heads, 3 job(s)" in done.stdout
+    html = (out / "redrawn_erank_vs_horizon.html").read_text()
+    assert "effective rank vs decay horizon" in html and "erank_min" in html
+    assert (out / f"redrawn_sweep_{ids['sweep']}.html").exists()
+# --- end uipolish ---------------------------------------------------------------------------------------------
 
 
 # =============================================================================================================
@@ -882,6 +952,61 @@ def test_sweeps_without_a_model_and_from_a_deep_link(env, tmp_path, monkeypatch,
     assert not at.exception and not at.get("progress")
     assert at.button(key="sw_run") is not None and not texts(at, "error")
     assert any("the inspected model (tiny-qwen3_5)" in m for m in texts(at, "markdown"))
+
+
+# --- uipolish: the job pages' one header (gdnviz.ui.common.page_model) -----------------------------------------
+@pytest.mark.parametrize("page, run_key", [("truncate", "tr_run"), ("patching", "pt_run"), ("scans", "sc_run")])
+def test_job_pages_without_a_run_inspect_the_default_model_then_show_the_form(env, tmp_path, page, run_key):
+    """No capture, a default model: a new session opened on the page asks for its inspection (the empty state
+    only when no model can be chosen, tested for sweeps above), then shows the form on the inspected model."""
+    cache = env(tmp_path / "c")
+    at = app(page)
+    at.run()
+    assert not at.exception
+    assert any(t.startswith("Inspecting tiny-qwen3_5: queued") for t in progress(at)), progress(at)
+    assert work(cache) == 1
+    at.run()
+    assert not at.exception and not at.get("progress")
+    assert at.button(key=run_key) is not None
+    assert any("the inspected model (tiny-qwen3_5)" in m for m in texts(at, "markdown"))
+
+
+def test_sweep_preview_counts_the_memo_and_estimates_from_the_last_sweeps_throughput(env, tmp_path):
+    """Before Run: the answers the job's own spec needs, how many the memo holds, and the time at the throughput
+    the worker measured on this model and device (none before the first sweep)."""
+    from types import SimpleNamespace
+
+    from gdnviz.jobs import MemoMapping
+    from gdnviz.probes import rates
+
+    cache = env(tmp_path / "c")
+    at = app("sweeps")
+    at.run()
+    work(cache)
+    at.run()
+    at.multiselect(key="sw_tasks").set_value(["niah_single_1"])
+    at.text_input(key="sw_lengths").input("400")
+    at.text_input(key="sw_ranks").input("2")
+    at.number_input(key="sw_batch").set_value(2)
+    at.number_input(key="sw_max_new").set_value(6)
+    at.number_input(key="sw_n").set_value(2).run()
+    assert not texts(at, "error")
+    preview = [c for c in texts(at, "caption") if "answers**" in c]
+    assert preview and ("1 task(s) × 1 length(s) × (2 ranks (2, 16 = untouched)) × 2 samples = **4 answers**: none "
+                        "in the memo yet, **4 to run**, no estimate yet (no earlier run of niah_single_1 at 400 tokens"
+                        in preview[0]), preview
+    at.button(key="sw_run").click().run()
+    assert work(cache) == 1
+    at.number_input(key="sw_n").set_value(3).run()
+    assert not at.exception and not texts(at, "error")
+    preview = [c for c in texts(at, "caption") if "answers**" in c][0]
+    assert "× 3 samples = **6 answers**: 4 of 6 already done (in the memo), **2 to run**, about " in preview, preview
+    store = Store(cache)
+    rec = store.job(at.session_state["sweep_job"])
+    worker_info = SimpleNamespace(**rec["result"]["model"])  # the rate is the worker's measurement of its model
+    got = rates.read(MemoMapping(store), worker_info, "niah_single_1", 400, rec["spec"]["segment_len"])
+    assert got["answers"] == 4 and f"{got['answers_per_second']:.2f} answers/s" in preview
+# --- end uipolish ---------------------------------------------------------------------------------------------
 
 
 def test_sweeps_bad_input_is_refused_with_specific_messages(env, populated):

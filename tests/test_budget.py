@@ -135,3 +135,23 @@ def test_budget_search_on_the_demo_model(lm, tmp_path):
     curve = budget.curve_frame([res], lm.info)
     assert set(curve["tolerance"]) == {0.0, 5.0}
     budget.curve_figure(curve).to_dict()
+
+
+def test_curve_figure_reads_memory_in_a_human_unit():
+    """The memory axis picks KiB / MiB / GiB from the largest state and says it in its title; the tooltip has the
+    size as human_bytes writes it (docs/figures.md: numbers for people)."""
+    from gdnviz.plotstyle import human_bytes
+
+    def frame(kibs):
+        return pd.DataFrame([dict(tolerance=float(i), state_kib=k, samples="search", task="vt", length=4096,
+                                  score=90.0 - i, untouched=90.0, delta=-float(i), se=1.0, n=20)
+                             for i, k in enumerate(kibs)])
+
+    for kibs, unit, scale in (([24576.0, 6000.0], "MiB", 1024.0), ([96.0, 12.0], "KiB", 1.0),
+                              ([3 * 2 ** 20, 2 ** 19], "GiB", 2.0 ** 20)):
+        spec = budget.curve_figure(frame(kibs)).to_dict()
+        pts = spec["layer"][1]["encoding"]
+        assert pts["x"]["title"] == f"recurrent state per sequence ({unit}, all GDN heads)"
+        data = next(iter(spec["datasets"].values()))
+        assert [d["state"] for d in data] == pytest.approx([k / scale for k in kibs])
+        assert [d["state_text"] for d in data] == [human_bytes(k * 1024) for k in kibs]

@@ -94,6 +94,9 @@ def test_sweep_via_the_worker_writes_what_the_direct_path_writes(tmp_path, capsy
     assert settings["spec"]["heads"] == "layers:1" and settings["model"]["fingerprint"]
 
     assert main([*common, "--out", str(tmp_path / "d")]) == 0  # the direct path, in process
+    assert "sweep: 4 answers, 0 in the memo, 4 to run; no estimate yet" in capsys.readouterr().err
+    assert main([*common, "--out", str(tmp_path / "d")]) == 0  # again: the memo holds them, at a measured rate
+    assert "sweep: 4 answers, 4 in the memo, 0 to run; nothing to generate" in capsys.readouterr().err
     d = tmp_path / "d"
     assert (w / "rows.csv").read_text() == (d / "rows.csv").read_text()
     assert (w / "table.csv").read_text() == (d / "table.csv").read_text()

@@ -95,11 +95,12 @@ def test_keep_one_is_paired_with_all_cut(lm, tmp_path):
 def test_plan_counts_the_memo_and_uses_a_measured_rate(lm, tmp_path):
     s = spec(n=2, by="head", layers=(0,))
     p = scan.plan_scan(lm.info, lm.tokenizer, s, tmp_path)
-    assert p == dict(answers=6, cached=0, to_run=6, settings=3, units=2, seconds_per_answer=None, seconds=None)
+    assert {k: p[k] for k in ("answers", "cached", "to_run", "settings", "units", "seconds", "missing")} == dict(
+        answers=6, cached=0, to_run=6, settings=3, units=2, seconds=None, missing=[[TASK, LENGTH]])
     scan.run_scan(lm, spec(n=1, by="head", layers=(0,)), store=tmp_path)  # seed 0 of every setting
     p = scan.plan_scan(lm.info, lm.tokenizer, s, tmp_path)
     assert (p["cached"], p["to_run"]) == (3, 3)
-    assert p["seconds_per_answer"] > 0 and p["seconds"] == pytest.approx(3 * p["seconds_per_answer"])
+    assert p["answers_per_second"] > 0 and p["seconds"] == pytest.approx(3 / p["answers_per_second"])
 
 
 def test_bad_input_is_refused_before_running(lm, tmp_path, monkeypatch):

@@ -30,7 +30,8 @@ def test_cli_scan_writes_scan_csv(ckpt, tmp_path, capsys):
     cmd = ["scan", str(ckpt), "--task", "niah_single_1", "--length", "400", "--by", "layer", "--r", "2"]
     assert main(cmd + common(out)) == 0
     err = capsys.readouterr().err
-    assert "3 units, 4 settings x 2 samples = 8 answers, 0 in the memo, 8 to run; time unknown" in err
+    assert ("3 units, 4 settings x 2 samples = 8 answers, 0 in the memo, 8 to run; no estimate yet (no earlier run of "
+            "niah_single_1 at 400 tokens") in err
     text = (out / "scan.csv").read_text().splitlines()
     assert text[0] == "layer,head,r,n,score,baseline,delta,se"
     assert [line.split(",")[:4] for line in text[1:]] == [["0", "", "2", "2"], ["1", "", "2", "2"],
@@ -41,7 +42,7 @@ def test_cli_scan_writes_scan_csv(ckpt, tmp_path, capsys):
     # again: everything from the memo, and the plan says so with a measured rate
     assert main(cmd + common(out)) == 0
     err = capsys.readouterr().err
-    assert "8 in the memo, 0 to run; about 0.0 min at the last measured rate" in err
+    assert "8 in the memo, 0 to run; nothing to generate" in err
     # a head scan narrowed to one layer, keep-one
     out2 = tmp_path / "keep"
     assert main(["scan", str(ckpt), "--task", "niah_single_1", "--length", "400", "--by", "head", "--r", "2",

@@ -29,8 +29,9 @@ def scans_page(cache):
 def test_scan_plan_and_bad_input(env, tmp_path):
     cache = env(tmp_path / "c")
     at = scans_page(cache)
-    assert any("3 units → 4 settings (the baseline included) × 20 samples = **80 answers**: 0 in the memo, "
-               "**80 to run**, time unknown" in c for c in captions(at)), captions(at)
+    assert any("3 units → 4 settings (the baseline included) × 20 samples = **80 answers**: none in the memo yet, "
+               "**80 to run**, no estimate yet (no earlier run of niah_single_1" in c
+               for c in captions(at)), captions(at)
     for key, value, message in (("sc_r", 16, "r = 16 keeps every state untouched"),
                                 ("sc_length", 20, "needs a target length of at least"),
                                 ("sc_limit", 10, "over the prompt limit of 10")):
@@ -83,7 +84,16 @@ def test_scan_and_budget_through_the_worker(env, tmp_path):
     ranked = at.dataframe[0].value
     assert list(ranked.columns)[:4] == ["unit", "score (%)", "baseline (%)", "Δ (points)"] and len(ranked) == 3
     # the plan now counts the memo
-    assert any("8 in the memo, **0 to run**" in c for c in captions(at)), captions(at)
+    assert any("8 of 8 already done (in the memo), **0 to run**, nothing to generate" in c
+               for c in captions(at)), captions(at)
+    assert not texts(at, "warning")
+    # a changed form: the preview counts the new answers, and the shown scan says it is not of these settings
+    at.number_input(key="sc_n").set_value(3).run()
+    assert any("**12 answers**: 8 of 12 already done (in the memo), **4 to run**, about " in c for c in captions(at))
+    assert any("The scan below was run with other settings than the form shows now (samples n changed)" in w
+               for w in texts(at, "warning")), texts(at, "warning")
+    at.number_input(key="sc_n").set_value(2).run()
+    assert not texts(at, "warning")
     # a click on the scan heatmap opens that head
     at.session_state["sc_heat"] = {"selection": {"cell": [{"layer": 1, "head": 2}]}}
     at.run()

@@ -123,6 +123,7 @@ def test_paired_se_by_hand():
     chart = sweep.sweep_figure(t)
     spec = chart.to_dict()
     assert spec["facet"]["column"]["field"] == "length"
+    assert spec["facet"]["column"]["header"]["labelExpr"] == "format(datum.value, ',')"  # 16,384, not 16384
 
 
 def test_default_ranks_clip_to_dk():

@@ -44,7 +44,8 @@ import pandas as pd
 
 from gdnviz import runner
 from gdnviz.errors import EmptyDocumentSet, GDNVizError, TooFewSamples, UnknownTask
-from gdnviz.probes import ruler, scan, sweep
+from gdnviz.probes import rates, ruler, scan, sweep
+from gdnviz.probes.memo import MemoStore
 from gdnviz.store import content_hash
 from gdnviz.truncation import TruncationSpec, check_rank
 
@@ -271,38 +272,41 @@ def sensitivities(lm, spec: BudgetSpec, r: int, memo, progress=None, describe=No
 
 def plan_budget(info, tokenizer, spec: BudgetSpec, store=None) -> dict:
     """Before running: dict(scan_answers, scan_cached, search_max (an upper bound on the search's answers),
-    heldout_answers, heldout_cached, max_to_run, seconds (from measured rates, None if any is missing))."""
+    heldout_answers, heldout_cached, max_to_run, and ``gdnviz.probes.rates.estimate``'s seconds (None when a
+    (task, length) was never measured), answers_per_second, missing for the ``max_to_run`` answers, ladder)."""
     ladder = _check(spec, info)
     rmax = min(int(info.d_k), int(info.d_v))
+    keys: dict = {}
+    for task in spec.tasks:
+        for length in spec.lengths:
+            ss = scan.ScanSpec(model=spec.model, task=task, length=int(length), r=ladder[-1], by="head",
+                               n=spec.n, seed0=spec.seed0, segment_len=spec.segment_len,
+                               batch_size=spec.batch_size, max_new_tokens=spec.max_new_tokens,
+                               chat_template=spec.chat_template, chat_template_kwargs=spec.chat_template_kwargs,
+                               fingerprint=spec.fingerprint)
+            keys.update(sweep.cell_keys(info, tokenizer, scan.sweep_spec(ss, info)))
+    ho_keys = {}
+    if spec.heldout_n:
+        ho_keys = sweep.cell_keys(info, tokenizer, _sweep(spec, {}, spec.heldout_seed, spec.heldout_n, rmax))
+    H = len(info.gdn_layers) * int(info.num_heads)
+    per_cell = len(ladder) * (1 + math.ceil(math.log2(max(2, H)))) * spec.n  # the search's bound per (task, length)
+    search_max = per_cell * len(spec.tasks) * len(spec.lengths)
     st, close = scan.open_store(store)
     try:
-        scan_total = scan_cached = 0
-        rates = []
-        for task in spec.tasks:
-            for length in spec.lengths:
-                ss = scan.ScanSpec(model=spec.model, task=task, length=int(length), r=ladder[-1], by="head",
-                                   n=spec.n, seed0=spec.seed0, segment_len=spec.segment_len,
-                                   batch_size=spec.batch_size, max_new_tokens=spec.max_new_tokens,
-                                   chat_template=spec.chat_template, chat_template_kwargs=spec.chat_template_kwargs,
-                                   fingerprint=spec.fingerprint)
-                t, c = sweep.count_cached(info, tokenizer, scan.sweep_spec(ss, info), st)
-                scan_total, scan_cached = scan_total + t, scan_cached + c
-                rates.append(scan.read_rate(st, info, task, length, spec.segment_len))
-        ho_total = ho_cached = 0
-        if spec.heldout_n:
-            ho_total, ho_cached = sweep.count_cached(info, tokenizer, _sweep(spec, {}, spec.heldout_seed,
-                                                                              spec.heldout_n, rmax), st)
-            ho_total *= 2  # the untouched model and the budget
+        sp = sweep.plan_from_keys(info, keys, spec.segment_len, st)
+        ho = sweep.plan_from_keys(info, ho_keys, spec.segment_len, st)
+        # held-out: the untouched answers (ho's keys) and as many of the budget's, none of them in the memo yet
+        ho_todo = {(c["task"], c["length"]): 2 * c["answers"] - c["cached"] for c in ho["cells"]}
+        to_run = {(c["task"], c["length"]): c["answers"] - c["cached"] + per_cell + ho_todo.get((c["task"],
+                                                                                                c["length"]), 0)
+                  for c in sp["cells"]}
+        est = rates.estimate(MemoStore(st), info, to_run, spec.segment_len)
     finally:
         close()
-    H = len(info.gdn_layers) * int(info.num_heads)
-    cells = len(spec.tasks) * len(spec.lengths)
-    search_max = len(ladder) * (1 + math.ceil(math.log2(max(2, H)))) * cells * spec.n
-    max_to_run = scan_total - scan_cached + search_max + ho_total - ho_cached
-    rate = None if any(r is None for r in rates) else sum(rates) / len(rates)
-    return dict(scan_answers=scan_total, scan_cached=scan_cached, search_max=search_max, heldout_answers=ho_total,
-                heldout_cached=ho_cached, max_to_run=max_to_run, seconds_per_answer=rate,
-                seconds=None if rate is None else rate * max_to_run, ladder=ladder)
+    ho_total, ho_cached = 2 * ho["answers"], ho["cached"]
+    return dict(scan_answers=sp["answers"], scan_cached=sp["cached"], search_max=search_max,
+                heldout_answers=ho_total, heldout_cached=ho_cached, max_to_run=sum(to_run.values()), ladder=ladder,
+                **est)
 
 
 def _result_key(info, spec: BudgetSpec) -> str:
@@ -490,6 +494,16 @@ def curve_frame_from_records(recs) -> pd.DataFrame:
                                              "untouched", "delta", "se", "n"])
 
 
+def _memory_unit(max_bytes: float) -> tuple[str, float]:
+    """The binary unit a memory axis reads in: the largest of KiB, MiB, GiB not above ``max_bytes``, and its size."""
+    from gdnviz.plotstyle import GIB, KIB, MIB
+
+    for unit, size in (("GiB", GIB), ("MiB", MIB)):
+        if max_bytes >= size:
+            return unit, size
+    return "KiB", KIB
+
+
 def curve_figure(df: pd.DataFrame, title: str | None = None):
     """Score vs state memory per sequence: one line per (task, length), filled points on the search samples,
     hollow on the held-out ones; each point a budget at tolerance δ (δ = 0: untouched, full memory)."""
@@ -497,22 +511,28 @@ def curve_figure(df: pd.DataFrame, title: str | None = None):
 
     from gdnviz.figures import configure
 
+    from gdnviz.plotstyle import human_bytes
+
     d = df.copy()
     d["task_len"] = d["task"] + " @ " + d["length"].map(lambda x: f"{int(x):,}")
     d["δ"] = d["tolerance"].map(lambda t: "untouched" if t == 0 else f"δ = {t:g}")
-    x = alt.X("state_kib:Q", title="recurrent state per sequence (KiB, all GDN heads)", scale=alt.Scale(zero=True))
+    unit, size = _memory_unit(float(d["state_kib"].max()) * 1024 if len(d) else 0.0)
+    d["state"] = d["state_kib"] * 1024 / size
+    d["state_text"] = [human_bytes(k * 1024) for k in d["state_kib"]]
+    x = alt.X("state:Q", title=f"recurrent state per sequence ({unit}, all GDN heads)", scale=alt.Scale(zero=True),
+              axis=alt.Axis(format=",.3~g"))
     y = alt.Y("score:Q", title="RULER score (string match, %)", scale=alt.Scale(domain=[-3, 103], nice=False))
     color = alt.Color("task_len:N", title="task @ length (tokens)")
     shape = alt.Shape("samples:N", title="samples", scale=alt.Scale(domain=["search", "held-out"],
                                                                      range=["circle", "diamond"]))
     tip = [alt.Tooltip("task_len:N", title="task @ length"), alt.Tooltip("δ:N", title="tolerance"),
-           alt.Tooltip("samples:N"), alt.Tooltip("state_kib:Q", format=",.1f", title="state (KiB)"),
+           alt.Tooltip("samples:N"), alt.Tooltip("state_text:N", title="state per sequence"),
            alt.Tooltip("score:Q", format=".1f", title="score (%)"),
            alt.Tooltip("delta:Q", format="+.1f", title="Δ vs untouched (points)"),
            alt.Tooltip("se:Q", format=".1f", title="paired SE (points)"), alt.Tooltip("n:Q", title="samples n")]
     base = alt.Chart(d)
     line = base.transform_filter(alt.datum.samples == "search").mark_line(opacity=0.6).encode(
-        x=x, y="score:Q", color=color, order="state_kib:Q")
+        x=x, y="score:Q", color=color, order="state:Q")
     pts = base.mark_point(size=70, filled=True).encode(x=x, y=y, color=color, shape=shape, tooltip=tip,
                                                       fillOpacity=alt.condition(alt.datum.samples == "search",
                                                                                 alt.value(1.0), alt.value(0.15)))

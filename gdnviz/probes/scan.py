@@ -20,7 +20,7 @@ std(per-sample differences, ddof=1) / sqrt(n), the paired standard error of ``sw
 A cut scan's delta < 0 is what the unit carries; a keep scan's delta > 0 is what keeping it whole restores.
 
 Before running, ``plan_scan`` says how many answers the scan needs, how many the memo holds, and how long the rest
-should take from the last measured rate on this model, device, task and length (``None``: not measured yet).
+should take from the last measured rate on this model, device, task and length (``gdnviz.probes.rates``).
 ``run_scan`` refuses (``TooManyPrompts``) a scan that would generate more than ``max_prompts`` answers.
 """
 from __future__ import annotations
@@ -35,12 +35,11 @@ import pandas as pd
 
 from gdnviz import runner
 from gdnviz.errors import EmptyHeadSet, RankOutOfRange, TooManyPrompts, UnknownTask
-from gdnviz.probes import ruler, sweep
-from gdnviz.store import content_hash
+from gdnviz.probes import rates, ruler, sweep
 from gdnviz.truncation import check_rank
 
 __all__ = ["ScanSpec", "ScanResult", "TABLE_COLUMNS", "DEFAULT_MAX_PROMPTS", "units", "unit_maps", "sweep_spec",
-           "plan_scan", "run_scan", "scan_table", "ranked", "record_rate", "read_rate", "Counting"]
+           "plan_scan", "run_scan", "scan_table", "ranked", "Counting"]
 
 TABLE_COLUMNS = ["layer", "head", "r", "n", "score", "baseline", "delta", "se"]
 #: The default ceiling on answers a scan or budget may generate in one go (memo hits do not count).
@@ -170,32 +169,10 @@ def sweep_spec(spec: ScanSpec, info) -> sweep.SweepSpec:
         fingerprint=spec.fingerprint)
 
 
-# --- measured rates -----------------------------------------------------------------------------------------------
-def _rate_key(info, task: str, length: int, segment_len: int) -> str:
-    dev = str(getattr(info, "device", "?")).split(":")[0]
-    return "rate:" + content_hash(dict(fp=info.fingerprint, dtype=info.dtype, device=dev, task=task,
-                                       length=int(length), L=int(segment_len)))
-
-
-def record_rate(store, info, task: str, length: int, segment_len: int, seconds: float, answers: int) -> None:
-    """Remember seconds per generated answer for (model, dtype, device type, task, length, L) in ``store`` (a
-    mapping: ``get`` and item assignment)."""
-    if store is None or answers < 1:
-        return
-    store[_rate_key(info, task, length, segment_len)] = dict(seconds_per_answer=float(seconds) / answers,
-                                                            answers=int(answers), when=time.time())
-
-
-def read_rate(store, info, task: str, length: int, segment_len: int) -> float | None:
-    """The last measured seconds per answer (``record_rate``), or None when none was measured."""
-    if store is None:
-        return None
-    got = store.get(_rate_key(info, task, length, segment_len))
-    return None if not got else float(got["seconds_per_answer"])
-
-
+# --- the memo ----------------------------------------------------------------------------------------------------
 class Counting:
-    """A mapping-like store (``get`` / item assignment) that counts the entries written through it."""
+    """A mapping-like store (``get`` / item assignment) that counts the answers written through it (not the rate
+    records, ``rates.is_record``)."""
 
     def __init__(self, store):
         self.store, self.puts = store, 0
@@ -205,7 +182,7 @@ class Counting:
 
     def __setitem__(self, key, value):
         self.store[key] = value
-        self.puts += 1
+        self.puts += not rates.is_record(key)
 
 
 def open_store(store):
@@ -222,20 +199,16 @@ def open_store(store):
 
 # --- plan and run -------------------------------------------------------------------------------------------------
 def plan_scan(info, tokenizer, spec: ScanSpec, store=None) -> dict:
-    """What the scan will do before it runs: ``dict(answers, cached, to_run, settings, units, seconds_per_answer,
-    seconds)``; ``seconds_per_answer`` and ``seconds`` are None when no rate was measured for this model, device,
-    task and length. Raises what ``run_scan`` raises for bad input (not the prompt limit)."""
+    """What the scan will do before it runs: ``sweep.plan_from_keys``'s dict (answers, cached, to_run, cells,
+    seconds, answers_per_second, missing; seconds None when this model, device, task and length were never
+    measured) and settings, units. Raises what ``run_scan`` raises for bad input (not the prompt limit)."""
     sspec = sweep_spec(spec, info)
     st, close = open_store(store)
     try:
-        total, cached = sweep.count_cached(info, tokenizer, sspec, st)
-        rate = read_rate(st, info, spec.task, spec.length, spec.segment_len)
+        plan = sweep.plan_from_keys(info, sweep.cell_keys(info, tokenizer, sspec), spec.segment_len, st)
     finally:
         close()
-    todo = total - cached
-    return dict(answers=total, cached=cached, to_run=todo, settings=total // max(1, spec.n),
-                units=len(units(spec, info)), seconds_per_answer=rate,
-                seconds=None if rate is None else rate * todo)
+    return dict(plan, settings=plan["answers"] // max(1, spec.n), units=len(units(spec, info)))
 
 
 def check_limit(to_run: int, limit: int, what: str, total: int) -> None:
@@ -261,7 +234,6 @@ def run_scan(lm, spec: ScanSpec, store=None, progress: Callable[[int, int], None
         t0 = time.time()
         rows = sweep.run_sweep(lm, sspec, store=memo, progress=progress, describe=describe)
         seconds = time.time() - t0
-        record_rate(st, info, spec.task, spec.length, spec.segment_len, seconds, memo.puts)
     finally:
         close()
     table = scan_table(rows, spec, _rmax(info))

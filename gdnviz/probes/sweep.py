@@ -24,6 +24,7 @@ from __future__ import annotations
 import hashlib
 import json
 import math
+import time
 from dataclasses import asdict, dataclass, replace
 from pathlib import Path
 from typing import Any, Callable, Iterable, Mapping
@@ -35,7 +36,7 @@ import torch
 from gdnviz import runner
 from gdnviz.errors import EmptyDocumentSet, UnknownTask
 from gdnviz.truncation import TruncationSpec, check_rank
-from gdnviz.probes import ruler
+from gdnviz.probes import rates, ruler
 from gdnviz.probes.batch import batched_greedy
 from gdnviz.probes.batch_size import CPU_ROWS, auto_batch_size
 from gdnviz.probes.memo import MemoStore
@@ -43,7 +44,7 @@ from gdnviz.store import content_hash
 
 __all__ = ["SweepSpec", "Batch", "answer_batch", "local_executor", "DEFAULT_RANKS", "resolve_ranks", "resolve_heads",
            "parse_heads",
-           "run_sweep", "sweep_table", "sweep_figure", "to_csv", "csv_frame", "cell_key", "count_cached", "records",
+           "run_sweep", "sweep_table", "sweep_figure", "to_csv", "csv_frame", "cell_key", "cell_keys", "samples_for", "keys_of", "plan_from_keys", "count_cached", "records",
            "rows_frame", "table_frame", "VERSION"]
 
 VERSION = 1  # of a sweep cell's computation: bump it to invalidate every stored cell
@@ -230,20 +231,57 @@ def _samples_for(tokenizer, spec: SweepSpec, preparing: Callable[[int, int], Non
     return out
 
 
-def count_cached(info, tokenizer, spec: SweepSpec, store=None) -> tuple[int, int]:
-    """(answers the sweep needs, answers its memo already holds), without a model: ``info`` needs fingerprint,
-    dtype, d_k, d_v, gdn_layers and num_heads (a ``ModelInfo`` or a namespace of the inspected model's), the
-    tokenizer builds the prompts. Raises what ``run_sweep`` raises before running anything."""
+def _cells(info, samples: dict, settings: list, spec: SweepSpec) -> list[tuple]:
+    """(task, length, setting, samples, memo keys) of every (task, length, setting), in the order ``run_sweep``
+    works through them: the one list both the run and the counts before it are made of."""
+    return [(task, length, setting, smp, [cell_key(info, task, length, setting, s, spec) for s in smp])
+            for (task, length), smp in samples.items() for setting in settings]
+
+
+def samples_for(tokenizer, spec: SweepSpec) -> dict:
+    """{(task, length): the RULER samples the sweep answers there} (seeds ``seed0 ..``); they depend only on the
+    tokenizer and the spec's tasks, lengths, n, seed0 and chat template. Raises TaskTooShort."""
+    return _samples_for(tokenizer, spec)
+
+
+def keys_of(info, samples: dict, spec: SweepSpec) -> dict:
+    """{(task, length): the memo keys of every answer the sweep needs there (all settings × ``samples``, as
+    ``samples_for`` builds them)}, without a model: ``info`` needs fingerprint, dtype, d_k, d_v, gdn_layers and
+    num_heads (a ``ModelInfo`` or a namespace of the inspected model's). Raises what ``run_sweep`` raises for the
+    settings before running."""
     _check_spec(spec, info)
-    samples = _samples_for(tokenizer, spec)
-    settings = _settings(spec, info)
+    out: dict = {}
+    for task, length, _, _, keys in _cells(info, samples, _settings(spec, info), spec):
+        out.setdefault((task, int(length)), []).extend(keys)
+    return out
+
+
+def cell_keys(info, tokenizer, spec: SweepSpec) -> dict:
+    """``keys_of(info, samples_for(tokenizer, spec), spec)``: the memo keys of every answer the sweep needs."""
+    _check_spec(spec, info)  # bad settings before the prompts are built
+    return keys_of(info, samples_for(tokenizer, spec), spec)
+
+
+def plan_from_keys(info, keys: dict, segment_len: int, store=None) -> dict:
+    """What a job of these ``cell_keys`` (merged over its sweeps) will do: dict(answers, cached (in the memo now),
+    to_run, cells [dict(task, length, answers, cached)], and the time ``gdnviz.probes.rates.estimate`` gives for
+    the answers to run: seconds (None: some (task, length) never measured), answers_per_second, missing); JSON-ready."""
     st = MemoStore(store)
     try:
-        keys = [cell_key(info, task, length, setting, s, spec)
-                for (task, length), smp in samples.items() for setting in settings for s in smp]
-        return len(keys), sum(st.get(k) is not None for k in keys)
+        cells = [dict(task=t, length=int(l), answers=len(ks), cached=sum(st.get(k) is not None for k in ks))
+                 for (t, l), ks in keys.items()]
+        est = rates.estimate(st, info, {(c["task"], c["length"]): c["answers"] - c["cached"] for c in cells},
+                             segment_len)
     finally:
         st.close()
+    answers, cached = sum(c["answers"] for c in cells), sum(c["cached"] for c in cells)
+    return dict(answers=answers, cached=cached, to_run=answers - cached, cells=cells, **est)
+
+
+def count_cached(info, tokenizer, spec: SweepSpec, store=None) -> tuple[int, int]:
+    """(answers the sweep needs, answers its memo already holds), from ``cell_keys``."""
+    p = plan_from_keys(info, cell_keys(info, tokenizer, spec), spec.segment_len, store)
+    return p["answers"], p["cached"]
 
 
 def _setting_label(setting: _Setting, rmax: int) -> str:
@@ -334,15 +372,13 @@ def run_sweep(lm, spec: SweepSpec, store=None, progress: Callable[[int, int], No
     groups = []  # (task, length, setting, samples, keys)
     results: dict = {}
     done = 0
+    spent: dict = {}  # (task, length) -> [wall seconds of its batches, answers generated]
     try:
-        for (task, length), smp in samples.items():
-            for setting in settings:
-                keys = [cell_key(lm.info, task, length, setting, s, spec) for s in smp]
-                for k in keys:
-                    results[k] = st.get(k)
-                groups.append((task, length, setting, smp, keys))
-                cached = sum(results[k] is not None for k in keys)
-                done += cached
+        for task, length, setting, smp, keys in _cells(lm.info, samples, settings, spec):
+            for k in keys:
+                results[k] = st.get(k)
+            groups.append((task, length, setting, smp, keys))
+            done += sum(results[k] is not None for k in keys)
         if progress is not None and done:
             progress(done, total)
 
@@ -369,7 +405,11 @@ def run_sweep(lm, spec: SweepSpec, store=None, progress: Callable[[int, int], No
                 key_of[id(b)] = keys
                 yield b
 
+        t_last = time.perf_counter()
         for b, res in execute(handed()):
+            now = time.perf_counter()
+            acc = spent.setdefault((b.task, int(b.length)), [0.0, 0])
+            acc[0], acc[1], t_last = acc[0] + now - t_last, acc[1] + len(b.idx), now
             keys = key_of.pop(id(b))
             for i, r in zip(b.idx, res):  # store the whole batch first, then report
                 st.set(keys[i], r)
@@ -378,7 +418,10 @@ def run_sweep(lm, spec: SweepSpec, store=None, progress: Callable[[int, int], No
                 done += 1
                 if progress is not None:
                     progress(done, total)
+            t_last = time.perf_counter()  # the time spent in progress (a UI, a cancel) is not the model's
     finally:
+        for (task, length), (secs, k) in spent.items():  # a cancelled sweep's batches were measured too
+            rates.record(st, lm.info, task, length, spec.segment_len, secs, k)
         st.close()
     rows = []
     for task, length, setting, smp, keys in groups:
@@ -469,8 +512,8 @@ def sweep_figure(table: pd.DataFrame, title: str | None = None):
     pts = base.mark_point(filled=True, size=55).encode(x=x, y="score:Q", color=color, tooltip=tip)
     bars = base.mark_errorbar(ticks=True).encode(x=x, y=alt.Y("lo:Q", title=y_title), y2="hi:Q", color=color)
     chart = alt.layer(line, bars, pts, data=df).properties(width=300, height=240).facet(
-        column=alt.Column("length:O", title="target length (tokens)", header=alt.Header(labelFontSize=12,
-                                                                                       titleFontSize=13)),
+        column=alt.Column("length:O", title="target length (tokens)", header=alt.Header(
+            labelFontSize=12, titleFontSize=13, labelExpr="format(datum.value, ',')")),
         spacing=28)
     chart = chart.properties(title=alt.Title(title or "RULER score vs rank",
                                              subtitle=[bars_txt, f"r = {rmax} is the untouched model"]))

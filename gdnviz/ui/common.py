@@ -30,6 +30,7 @@ import time
 from datetime import datetime
 from pathlib import Path
 from types import SimpleNamespace
+from typing import NamedTuple
 
 import pandas as pd
 import streamlit as st
@@ -322,6 +323,35 @@ def task_minimum(task: str, tokenizer, seed0: int, chat, *, info: dict) -> int:
     return _task_minimum(*key, task, int(seed0), chat)
 
 
+@st.cache_data(show_spinner=False, max_entries=16)
+def _sweep_samples(path: str, mtime: float, tasks: tuple, lengths: tuple, n: int, seed0: int, chat,
+                   chat_kwargs: tuple) -> dict:
+    from gdnviz.probes.sweep import SweepSpec, samples_for
+
+    spec = SweepSpec(model="", tasks=tasks, lengths=lengths, n=n, seed0=seed0, chat_template=chat,
+                     chat_template_kwargs=chat_kwargs)
+    return samples_for(_hf_tokenizer(path, mtime), spec)
+
+
+def sweep_plan(info: dict, spec) -> dict:
+    """``gdnviz.probes.sweep.plan_from_keys`` of the sweep ``spec`` (a ``SweepSpec``) on the model ``info`` with
+    the app's memo: the answers it needs, how many the memo holds, the time at the measured rates. Its prompts are
+    built once per (tokenizer, tasks, lengths, n, seed0, chat template), so other ranks or heads cost only their
+    keys; the memo is read on every call. Raises what the sweep raises for bad input; ValueError when the model has
+    no tokenizer."""
+    from gdnviz.jobs import MemoMapping
+    from gdnviz.probes.sweep import keys_of, plan_from_keys
+
+    key = _tokenizer_key(info)
+    if key is None:
+        raise ValueError(f"{info.get('path') or info.get('name')} has no tokenizer files beside its weights")
+    ns = info_ns(info)
+    keys_of(ns, {}, spec)  # bad settings raise before any prompt is built
+    samples = _sweep_samples(*key, tuple(spec.tasks), tuple(int(x) for x in spec.lengths), int(spec.n),
+                             int(spec.seed0), spec.chat_template, tuple(spec.chat_template_kwargs))
+    return plan_from_keys(ns, keys_of(ns, samples, spec), spec.segment_len, MemoMapping(store()))
+
+
 def info_ns(info: dict) -> SimpleNamespace:
     """A ModelInfo-like object (gdn_layers, num_heads, d_k, d_v) from an info dict, for validation."""
     return SimpleNamespace(**{**info, "gdn_layers": tuple(info["gdn_layers"])})
@@ -470,6 +500,31 @@ def inspected_model(info: dict) -> tuple:
         st.stop()
     return (info, name, ch["device"], ch["dtype"], L, None,
             f"the inspected model ({Path(str(name)).name})")
+
+
+class PageModel(NamedTuple):
+    """The model a page runs jobs on: ``run`` (the current run, or None), then ``run_model``'s tuple."""
+    run: dict | None
+    info: dict
+    name: str
+    device: str
+    dtype: str
+    L: int
+    table: pd.DataFrame | None
+    src: str
+
+
+def page_model(purpose: str) -> PageModel:
+    """The current run's model, else the model inspected on Model & documents (requested here on a deep link).
+    With neither, the page shows the empty state "No model yet. Pick a model on the Model & documents page;
+    ``purpose``" (or the inspection's progress, or why the model cannot be used) and stops."""
+    run = current_run()
+    if run is not None:
+        return PageModel(run, *run_model(run))
+    info = require_inspected_model(purpose)
+    if info is None:
+        st.stop()
+    return PageModel(None, *inspected_model(info))
 
 
 def run_table(run: dict) -> pd.DataFrame | None:
@@ -643,9 +698,14 @@ def _fmt_secs(s: float) -> str:
     return f"{s:.0f} s" if s < 120 else f"{s / 60:.1f} min"
 
 
-def job_panel(session_key: str, title: str) -> dict | None:
+STOPPED_ERRORS = ("WorkerCrashed", "WorkerStopped", "GPUOutOfMemory")
+
+
+def job_panel(session_key: str, title: str, resume: str | None = None) -> dict | None:
     """Progress of the session's job under ``session_key``: a progress bar and a cancel button while it runs,
-    polling with a fragment; the failure message when it failed. Returns the job record."""
+    polling with a fragment; the failure message when it failed. ``resume`` (e.g. "answers"): what a job stores as
+    it goes; a cancelled, crashed or out-of-memory job then says that those are kept and how to resume. Returns the
+    job record."""
     jid = st.session_state.get(session_key)
     if not jid:
         return None
@@ -690,7 +750,11 @@ def job_panel(session_key: str, title: str) -> dict | None:
             st.info(f"{title} was cancelled.", icon=":material/cancel:")
 
     st.fragment(body, run_every=_poll_seconds() if active else None)()
-    return s.job(jid)
+    rec = s.job(jid)
+    if resume and rec is not None and (rec["status"] == "cancelled" or rec.get("error_type") in STOPPED_ERRORS):
+        st.caption(f"The {resume} finished before it stopped are stored: run it again with the same settings to "
+                   "resume from there.")
+    return rec
 
 
 def worker_status_line() -> None:
@@ -764,7 +828,9 @@ def sidebar() -> None:
             st.download_button("Download this run (zip)", data=lambda: run_zip_bytes(run, *lh), file_name=
                                f"gdnviz-{run['run_id']}.zip", mime="application/zip", on_click="ignore",
                                key="dl_run_zip", icon=":material/folder_zip:",
-                               help="All figures (PNG + SVG), their data (CSV), the head table and the settings")
+                               help="All figures (PNG + SVG), their data (CSV), the head table and the settings, "
+                                    "the run's truncations, sweeps, scans, budgets and loss results (CSV / JSON), "
+                                    "a README of every file and redraw.py")
 
 
 def _pick_run() -> None:
@@ -785,7 +851,8 @@ def _active(jid) -> bool:
 
 def run_zip_bytes(run: dict, layer: int | None = None, head: int | None = None) -> bytes:
     """Figures (PNG + SVG), their CSV, the head table and the settings of a run, as one zip; with ``layer`` and
-    ``head`` also that head's figures."""
+    ``head`` also that head's figures; and the results of the jobs that belong to the run with a README and a
+    redraw script (``gdnviz.run_export``)."""
     from gdnviz import figures as F
     from gdnviz.summary import document_set_table
 
@@ -824,9 +891,11 @@ def run_zip_bytes(run: dict, layer: int | None = None, head: int | None = None) 
     settings = {k: v for k, v in run.items() if k != "spec"}
     settings["spec"] = {k: v for k, v in run["spec"].items() if k != "documents"}
     settings["overview"] = ov
+    from gdnviz.run_export import run_files
     from gdnviz.ui.export import export_kwargs
 
-    return F.run_zip(figs, settings, {"heads": table}, png_scale=export_kwargs()["scale"])
+    return F.run_zip(figs, settings, {"heads": table}, png_scale=export_kwargs()["scale"],
+                     files=run_files(store(), run))
 
 
 def batch_value(v) -> int | None:

@@ -10,7 +10,8 @@ from types import SimpleNamespace
 
 import pandas as pd
 
-from gdnviz.probes import budget, scan
+from gdnviz.probes import budget, rates, scan
+from gdnviz.ui.sweeps import done_text
 
 BY = {"layer": "one layer at a time", "head": "one head at a time"}
 
@@ -21,27 +22,19 @@ def model_ns(info: dict) -> SimpleNamespace:
                               "attn_layers": tuple(info.get("attn_layers", ()))})
 
 
-def eta_text(seconds, rate) -> str:
-    if seconds is None:
-        return "time unknown (no rate measured yet for this model, device, task and length)"
-    return f"about {fmt_seconds(seconds)} at the last measured {rate:.2f} s per answer"
-
-
-def fmt_seconds(s: float) -> str:
-    return f"{s:.0f} s" if s < 90 else f"{s / 60:.1f} min" if s < 5400 else f"{s / 3600:.1f} h"
-
-
 def scan_plan_text(plan: dict, n: int) -> str:
     return (f"{plan['units']} units → {plan['settings']} settings (the baseline included) × {n} samples = "
-            f"**{plan['answers']:,} answers**: {plan['cached']:,} in the memo, **{plan['to_run']:,} to run**, "
-            f"{eta_text(plan['seconds'], plan['seconds_per_answer'])}")
+            f"**{plan['answers']:,} answers**: {done_text(plan['cached'], plan['answers'])}, **{plan['to_run']:,} "
+            f"to run**, {rates.eta_text(plan, plan['to_run'])}")
 
 
 def budget_plan_text(plan: dict) -> str:
-    return (f"Sensitivity scans {plan['scan_answers']:,} answers ({plan['scan_cached']:,} in the memo) + the search, "
-            f"at most {plan['search_max']:,} + the held-out check {plan['heldout_answers']:,} "
+    done = done_text(plan["scan_cached"], plan["scan_answers"])
+    return (f"Sensitivity scans {plan['scan_answers']:,} answers ({done}) "
+            f"+ the search, at most {plan['search_max']:,} + the held-out check {plan['heldout_answers']:,} "
             f"({plan['heldout_cached']:,} in the memo): **at most {plan['max_to_run']:,} to run**, "
-            f"{eta_text(plan['seconds'], plan['seconds_per_answer'])}")
+            f"{rates.eta_text(plan, plan['max_to_run'])}" + (" (for the most the search can need)"
+                                                             if plan["seconds"] else ""))
 
 
 def over_limit(to_run: int, limit: int, what: str) -> str | None:
@@ -104,10 +97,6 @@ def map_name(filename: str) -> str:
 
 def budget_name(summary: dict) -> str:
     return f"budget_d{summary['tolerance']:g}".replace(".", "_")
-
-
-def kib(b) -> str:
-    return f"{b / 1024:,.1f} KiB" if b < 1 << 20 else f"{b / 2 ** 20:,.2f} MiB"
 
 
 def saved_text(summary: dict) -> str:

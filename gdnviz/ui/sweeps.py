@@ -13,6 +13,7 @@ import time
 import pandas as pd
 
 from gdnviz.errors import RankOutOfRange, TaskTooShort
+from gdnviz.probes import rates
 from gdnviz.truncation.ranks import check_rank
 from gdnviz.ui import truncation as T
 
@@ -116,8 +117,33 @@ def head_set(mode: str, info: dict, table=None, segment_len: int | None = None, 
     return sorted(set(T.group_heads(head_group(mode, layers=layers, picked=picked), info, table, segment_len)))
 
 
-def n_generations(n_tasks: int, n_lengths: int, n_ranks: int, n: int) -> int:
-    return n_tasks * n_lengths * n_ranks * n
+def done_text(cached: int, answers: int) -> str:
+    """"12 of 40 already done (in the memo)", or "none in the memo yet"."""
+    return f"{cached:,} of {answers:,} already done (in the memo)" if cached else "none in the memo yet"
+
+
+def noise_note(n: int) -> str | None:
+    """Seed 000's warning for small n (None from n = 50 on): what one changed answer does to a 0/100 score."""
+    if n >= 50:
+        return None
+    return (f"With n = {n}, one changed answer moves a 0/100 score by {100 / n:.0f} points: read differences within "
+            "about two paired SEs (and under ~5 points even at n = 50) as noise.")
+
+
+def plan_text(plan: dict, spec, rmax: int) -> str:
+    """The Run section's preview of a sweep (``spec``: its ``SweepSpec``; ``plan``: ``sweep.plan_from_keys``):
+    what multiplies to the answers (the ranks the job runs, the untouched one included), how many the memo
+    holds, the time estimate."""
+    from gdnviz.probes.sweep import resolve_ranks
+
+    rs = resolve_ranks(spec.ranks, rmax)
+    maps = len(spec.rank_maps)
+    settings = f"{len(rs)} rank{'s' if len(rs) != 1 else ''} ({', '.join(map(str, rs))} = untouched)" + (
+        f" + {maps} rank map(s)" if maps else "")
+    return (f"{len(spec.tasks)} task(s) × {len(spec.lengths)} length(s) × ({settings}) × {spec.n} samples = "
+            f"**{plan['answers']:,} answers**: {done_text(plan['cached'], plan['answers'])}, **{plan['to_run']:,} to "
+            "run**, "
+            f"{rates.eta_text(plan, plan['to_run'])}")
 
 
 # --- results ----------------------------------------------------------------------------------------------------

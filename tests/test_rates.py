@@ -1,0 +1,89 @@
+"""Job previews on the bundled demo model (CPU, float32): the answers a sweep will run counted from the job's own
+prompt list, what the memo already holds, the time estimate from the throughput a finished sweep recorded, and no
+estimate where none was measured (another device, another length)."""
+from types import SimpleNamespace
+
+import pytest
+
+from gdnviz.probes import rates, sweep
+from gdnviz.probes.memo import MemoStore
+
+TASKS, LENGTHS = ("niah_single_1", "vt"), (1024,)
+
+
+@pytest.fixture(scope="module")
+def lm():
+    from gdnviz.models import load
+
+    return load("demo", device="cpu", dtype="float32")
+
+
+def spec(**kw):
+    d = dict(model="demo", tasks=TASKS, lengths=LENGTHS, ranks=(1,), n=2, max_new_tokens=6, batch_size=4,
+             heads="layers:0")
+    d.update(kw)
+    return sweep.SweepSpec(**d)
+
+
+def plan(lm, s, store):
+    return sweep.plan_from_keys(lm.info, sweep.cell_keys(lm.info, lm.tokenizer, s), s.segment_len, store)
+
+
+def test_the_preview_counts_the_jobs_own_answers_and_the_memo(lm, tmp_path):
+    big = spec(n=3)
+    p = plan(lm, big, tmp_path)
+    assert (p["cached"], p["seconds"]) == (0, None)
+    assert sorted(map(tuple, p["missing"])) == sorted((t, 1024) for t in TASKS)
+    assert "no estimate yet (no earlier run of niah_single_1 at 1,024 tokens" in rates.eta_text(p, p["to_run"])
+    rows = sweep.run_sweep(lm, spec(n=1), store=tmp_path)  # seed 0 of every setting: a third of the big one
+    full = sweep.run_sweep(lm, big)  # the job's own answers, no memo
+    assert p["answers"] == len(full)
+    assert {(c["task"], c["length"]): c["answers"] for c in p["cells"]} == \
+        full.groupby(["task", "length"]).size().to_dict()
+    p = plan(lm, big, tmp_path)
+    assert (p["answers"], p["cached"], p["to_run"]) == (len(full), len(rows), len(full) - len(rows))
+    assert sweep.count_cached(lm.info, lm.tokenizer, big, tmp_path) == (len(full), len(rows))
+    # the finished sweep recorded its throughput per (task, length); the estimate is the rest at those rates
+    mem = MemoStore(tmp_path)
+    try:
+        measured = {t: rates.read(mem, lm.info, t, 1024, big.segment_len) for t in TASKS}
+    finally:
+        mem.close()
+    assert all(m["answers"] == len(rows) // len(TASKS) and m["seconds"] > 0 for m in measured.values())
+    todo = {c["task"]: c["answers"] - c["cached"] for c in p["cells"]}
+    expect = sum(todo[t] / measured[t]["answers_per_second"] for t in TASKS)
+    assert p["seconds"] == pytest.approx(expect) and p["missing"] == []
+    assert rates.eta_text(p, p["to_run"]).startswith("about ")
+    sweep.run_sweep(lm, big, store=tmp_path)
+    p = plan(lm, big, tmp_path)
+    assert (p["cached"], p["to_run"], p["seconds"]) == (len(full), 0, 0.0)
+    assert rates.eta_text(p, 0) == "nothing to generate"
+
+
+def test_the_estimate_is_the_recorded_throughput_of_this_model_device_and_length():
+    info = SimpleNamespace(fingerprint="f" * 16, dtype="bfloat16", device="cuda:0")
+    mem = MemoStore({})
+    rates.record(mem, info, "vt", 4096, 256, seconds=10.0, answers=5)
+    est = rates.estimate(mem, info, {("vt", 4096): 4}, 256)
+    assert est == dict(seconds=pytest.approx(8.0), answers_per_second=pytest.approx(0.5), missing=[])
+    assert rates.eta_text(est, 4) == "about 8 s at the last measured 0.50 answers/s on this model and device"
+    # a newer measurement replaces it
+    rates.record(mem, info, "vt", 4096, 256, seconds=2.0, answers=4)
+    assert rates.estimate(mem, info, {("vt", 4096): 4}, 256)["seconds"] == pytest.approx(2.0)
+    # another device type, length, segment length or dtype has no measurement: no number, and it says so
+    for other, cell, L in ((SimpleNamespace(**{**vars(info), "device": "cpu"}), ("vt", 4096), 256),
+                           (info, ("vt", 8192), 256), (info, ("vt", 4096), 128),
+                           (SimpleNamespace(**{**vars(info), "dtype": "float32"}), ("vt", 4096), 256)):
+        est = rates.estimate(mem, other, {cell: 4, ("niah_single_1", 4096): 0}, L)
+        assert est["seconds"] is None and est["missing"] == [list(cell)]
+        assert rates.eta_text(est, 4) == (f"no estimate yet (no earlier run of vt at {cell[1]:,} tokens on this "
+                                          "model, dtype and device)")
+    # a cell measured on the same device beside one that is not: still no number
+    est = rates.estimate(mem, info, {("vt", 4096): 4, ("vt", 8192): 1}, 256)
+    assert est["seconds"] is None and est["missing"] == [["vt", 8192]]
+    rates.record(mem, info, "cwe", 4096, 256, seconds=0.0, answers=3)  # nothing measured: nothing recorded
+    assert rates.read(mem, info, "cwe", 4096, 256) is None
+    key = next(k for k in mem.c if rates.is_record(k))  # a damaged record reads as none
+    for bad in (7, [1], dict(answers_per_second="x"), dict(answers_per_second=0.0), dict(seconds=1.0)):
+        mem.set(key, bad)
+        assert rates.estimate(mem, info, {("vt", 4096): 4}, 256)["seconds"] is None
