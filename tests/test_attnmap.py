@@ -15,10 +15,9 @@ from gdnviz.store import Store
 
 
 @pytest.fixture(scope="module")
-def demo():
+def demo(one_thread):
     from gdnviz.models import load
 
-    torch.set_num_threads(1)
     return load("demo", device="cpu", dtype="float32")
 
 

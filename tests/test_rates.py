@@ -87,3 +87,32 @@ def test_the_estimate_is_the_recorded_throughput_of_this_model_device_and_length
     for bad in (7, [1], dict(answers_per_second="x"), dict(answers_per_second=0.0), dict(seconds=1.0)):
         mem.set(key, bad)
         assert rates.estimate(mem, info, {("vt", 4096): 4}, 256)["seconds"] is None
+
+
+def test_a_preview_too_large_to_build_counts_the_same_answers_without_the_memo(lm, tmp_path):
+    """``plan_unbuilt`` (the page's preview above ``PREVIEW_TOKENS``): the same answers per (task, length) as the
+    job's own keys, the memo share unknown (None, said in words), the time for all of them at the measured rates."""
+    from gdnviz.ui import sweeps as S
+    from gdnviz.ui.common import PREVIEW_TOKENS, preview_tokens
+
+    s = spec(n=2, ranks=(1, 4))
+    built = plan(lm, s, tmp_path)
+    un = sweep.plan_unbuilt(lm.info, s, tmp_path)
+    assert (un["answers"], un["to_run"], un["cached"]) == (built["answers"], built["answers"], None)
+    assert [(c["task"], c["length"], c["answers"]) for c in un["cells"]] == \
+        [(c["task"], c["length"], c["answers"]) for c in built["cells"]]
+    assert un["seconds"] is None and "no estimate yet" in S.plan_text(un, s, 128)
+    mem = MemoStore(tmp_path)
+    try:
+        for t in TASKS:
+            rates.record(mem, lm.info, t, 1024, s.segment_len, seconds=3.0, answers=6)
+    finally:
+        mem.close()
+    un = sweep.plan_unbuilt(lm.info, s, tmp_path)
+    assert un["seconds"] == pytest.approx(un["answers"] / 2.0)
+    text = S.plan_text(un, s, 128)
+    assert "the memo is read when the job starts" in text and "up to " in text and "to run**" not in text
+    with pytest.raises(Exception):  # bad settings still raise before anything is built
+        sweep.plan_unbuilt(lm.info, spec(ranks=(999,)), tmp_path)
+    assert preview_tokens(s) == 2 * 2 * 1024 <= PREVIEW_TOKENS
+    assert preview_tokens(spec(n=100, lengths=(4096, 32768))) > PREVIEW_TOKENS

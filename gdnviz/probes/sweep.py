@@ -45,7 +45,7 @@ from gdnviz.store import content_hash
 __all__ = ["SweepSpec", "Batch", "answer_batch", "local_executor", "DEFAULT_RANKS", "resolve_ranks", "resolve_heads",
            "parse_heads",
            "run_sweep", "sweep_table", "sweep_figure", "to_csv", "csv_frame", "cell_key", "cell_keys", "samples_for",
-           "keys_of", "plan_from_keys", "count_cached", "records",
+           "keys_of", "plan_from_keys", "plan_unbuilt", "count_cached", "records",
            "rows_frame", "table_frame", "VERSION"]
 
 VERSION = 1  # of a sweep cell's computation: bump it to invalidate every stored cell
@@ -277,6 +277,23 @@ def plan_from_keys(info, keys: dict, segment_len: int, store=None) -> dict:
         st.close()
     answers, cached = sum(c["answers"] for c in cells), sum(c["cached"] for c in cells)
     return dict(answers=answers, cached=cached, to_run=answers - cached, cells=cells, **est)
+
+
+def plan_unbuilt(info, spec: SweepSpec, store=None) -> dict:
+    """``plan_from_keys``'s dict for a sweep whose prompts are not built yet (too many to build before the job):
+    each (task, length) needs the job's settings (``_settings``, the list ``run_sweep`` works through) × ``n``
+    answers; ``cached`` is None (the memo keys hash the prompts, so the memo cannot be read without them) and the
+    time is that of all the answers at the measured rates (an upper bound: the job skips what the memo holds)."""
+    _check_spec(spec, info)
+    k = len(_settings(spec, info)) * int(spec.n)
+    cells = [dict(task=t, length=int(l), answers=k, cached=None) for t in spec.tasks for l in spec.lengths]
+    st = MemoStore(store)
+    try:
+        est = rates.estimate(st, info, {(c["task"], c["length"]): k for c in cells}, spec.segment_len)
+    finally:
+        st.close()
+    answers = k * len(cells)
+    return dict(answers=answers, cached=None, to_run=answers, cells=cells, **est)
 
 
 def count_cached(info, tokenizer, spec: SweepSpec, store=None) -> tuple[int, int]:

@@ -323,6 +323,17 @@ def task_minimum(task: str, tokenizer, seed0: int, chat, *, info: dict) -> int:
     return _task_minimum(*key, task, int(seed0), chat)
 
 
+# prompts a sweep preview builds on the page, in tokens (tasks × lengths × n, summed target lengths): a RULER prompt
+# costs ~10 µs per token to build on this project's 2-core CPU (2026-12-03), so ~4 s; beyond it the page says how
+# many answers the job needs without reading the memo (the job itself builds and checks every prompt first)
+PREVIEW_TOKENS = 400_000
+
+
+def preview_tokens(spec) -> int:
+    """The tokens of prompts a sweep preview of ``spec`` would build (each sample counted at its target length)."""
+    return int(spec.n) * len(spec.tasks) * sum(int(x) for x in spec.lengths)
+
+
 @st.cache_data(show_spinner=False, max_entries=16)
 def _sweep_samples(path: str, mtime: float, tasks: tuple, lengths: tuple, n: int, seed0: int, chat,
                    chat_kwargs: tuple) -> dict:
@@ -337,16 +348,19 @@ def sweep_plan(info: dict, spec) -> dict:
     """``gdnviz.probes.sweep.plan_from_keys`` of the sweep ``spec`` (a ``SweepSpec``) on the model ``info`` with
     the app's memo: the answers it needs, how many the memo holds, the time at the measured rates. Its prompts are
     built once per (tokenizer, tasks, lengths, n, seed0, chat template), so other ranks or heads cost only their
-    keys; the memo is read on every call. Raises what the sweep raises for bad input; ValueError when the model has
-    no tokenizer."""
+    keys; the memo is read on every call. Above ``PREVIEW_TOKENS`` of prompts the page builds none
+    (``sweep.plan_unbuilt``: the counts without the memo's share; the job checks every prompt before any model
+    call). Raises what the sweep raises for bad input; ValueError when the model has no tokenizer."""
     from gdnviz.jobs import MemoMapping
-    from gdnviz.probes.sweep import keys_of, plan_from_keys
+    from gdnviz.probes.sweep import keys_of, plan_from_keys, plan_unbuilt
 
     key = _tokenizer_key(info)
     if key is None:
         raise ValueError(f"{info.get('path') or info.get('name')} has no tokenizer files beside its weights")
     ns = info_ns(info)
     keys_of(ns, {}, spec)  # bad settings raise before any prompt is built
+    if preview_tokens(spec) > PREVIEW_TOKENS:
+        return plan_unbuilt(ns, spec, MemoMapping(store()))
     samples = _sweep_samples(*key, tuple(spec.tasks), tuple(int(x) for x in spec.lengths), int(spec.n),
                              int(spec.seed0), spec.chat_template, tuple(spec.chat_template_kwargs))
     return plan_from_keys(ns, keys_of(ns, samples, spec), spec.segment_len, MemoMapping(store()))

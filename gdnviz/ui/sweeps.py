@@ -117,8 +117,12 @@ def head_set(mode: str, info: dict, table=None, segment_len: int | None = None, 
     return sorted(set(T.group_heads(head_group(mode, layers=layers, picked=picked), info, table, segment_len)))
 
 
-def done_text(cached: int, answers: int) -> str:
-    """"12 of 40 already done (in the memo)", or "none in the memo yet"."""
+def done_text(cached: int | None, answers: int) -> str:
+    """"12 of 40 already done (in the memo)", "none in the memo yet", or (``cached`` None: the prompts were not
+    built, ``gdnviz.probes.sweep.plan_unbuilt``) that the job reads the memo itself."""
+    if cached is None:
+        return ("the memo is read when the job starts (too many prompts to build on this page; the job skips what "
+                "it holds)")
     return f"{cached:,} of {answers:,} already done (in the memo)" if cached else "none in the memo yet"
 
 
@@ -141,9 +145,14 @@ def plan_text(plan: dict, spec, rmax: int) -> str:
     settings = f"{len(rs)} rank{'s' if len(rs) != 1 else ''} ({', '.join(map(str, rs))} = untouched)" + (
         f" + {maps} rank map(s)" if maps else "")
     return (f"{len(spec.tasks)} task(s) × {len(spec.lengths)} length(s) × ({settings}) × {spec.n} samples = "
-            f"**{plan['answers']:,} answers**: {done_text(plan['cached'], plan['answers'])}, **{plan['to_run']:,} to "
-            "run**, "
-            f"{rates.eta_text(plan, plan['to_run'])}")
+            f"**{plan['answers']:,} answers**: {done_text(plan['cached'], plan['answers'])}, " + _to_run(plan))
+
+
+def _to_run(plan: dict) -> str:
+    eta = rates.eta_text(plan, plan["to_run"])
+    if plan["cached"] is not None:
+        return f"**{plan['to_run']:,} to run**, {eta}"
+    return ("up to " + eta.removeprefix("about ")) if plan["seconds"] is not None else eta
 
 
 # --- results ----------------------------------------------------------------------------------------------------
