@@ -283,17 +283,18 @@ def _scan(ctx: RunContext, calls: Dispatch, layer: int, offset: int, q_in, k_in,
         if rows is not None:  # windows from the first cut after every row has started to the last before any ends
             # (starting at a cut keeps the kernel calls exactly the loop's: an extra split would change rounding)
             first = min((c for c in cuts if c >= max(rows.lo)), default=T)
-            starts, _ = scan_graph.plan_windows(offset, min(rows.hi), L, first=first)
+            windows, _ = scan_graph.plan_windows(offset, min(rows.hi), L, first=first)
             if len({(offset - s) % L for s in rows.starts}) > 1:
-                starts = []  # rows off each other's boundary grid: the segment loop (``_aligned`` avoids this)
+                windows = []  # rows off each other's boundary grid: the segment loop (``_aligned`` avoids this)
         else:
-            starts, _ = scan_graph.plan_windows(offset, T, L)
-        if starts:
+            windows, _ = scan_graph.plan_windows(offset, T, L)
+        if windows:
             out = torch.empty_like(v)
-            end = starts[-1] + scan_graph.WINDOW * L
-            o, state = _segment_loop(ctx, layer, offset, q_in, k_in, v, g, beta, state, cuts, rows, 0, starts[0])
-            out[:, :starts[0]] = o
-            res = scan_graph.run_windows(q_in, k_in, v, g, beta, state, starts, L, scan_graph.WINDOW, fn, fn_key, out,
+            s0 = windows[0][0]
+            end = windows[-1][0] + windows[-1][1] * L
+            o, state = _segment_loop(ctx, layer, offset, q_in, k_in, v, g, beta, state, cuts, rows, 0, s0)
+            out[:, :s0] = o
+            res = scan_graph.run_windows(q_in, k_in, v, g, beta, state, windows, L, fn, fn_key, out,
                                          eager=ctx.graphs == "eager",
                                          row_starts=None if rows is None else rows.starts)
             if res is not None:
@@ -304,8 +305,8 @@ def _scan(ctx: RunContext, calls: Dispatch, layer: int, offset: int, q_in, k_in,
                 out[:, end:] = o
                 return out, state
             # no graph: the rest runs the ordinary loop
-            o, state = _segment_loop(ctx, layer, offset, q_in, k_in, v, g, beta, state, cuts, rows, starts[0], T)
-            out[:, starts[0]:] = o
+            o, state = _segment_loop(ctx, layer, offset, q_in, k_in, v, g, beta, state, cuts, rows, s0, T)
+            out[:, s0:] = o
             return out, state
     return _segment_loop(ctx, layer, offset, q_in, k_in, v, g, beta, state, cuts, rows, 0, T)
 

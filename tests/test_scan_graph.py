@@ -14,30 +14,33 @@ from gdnviz.truncation import TruncateCallback, TruncationSpec
 from gdnviz.models import load
 
 
-@pytest.mark.parametrize("offset,T,L,W,starts,eager", [
-    (0, 64, 4, 16, [0], []),
-    (0, 63, 4, 16, [], [(0, 63)]),
-    (0, 150, 4, 16, [0, 64], [(128, 150)]),
-    (3, 150, 4, 16, [1, 65], [(0, 1), (129, 150)]),
-    (4, 64, 4, 16, [0], []),
-    (5, 70, 4, 16, [3], [(0, 3), (67, 70)]),
+@pytest.mark.parametrize("offset,T,L,W,windows,eager", [
+    (0, 64, 4, 16, [(0, 16)], []),
+    (0, 63, 4, 16, [(0, 15)], [(60, 63)]),
+    (0, 150, 4, 16, [(0, 16), (64, 16), (128, 5)], [(148, 150)]),
+    (3, 150, 4, 16, [(1, 16), (65, 16), (129, 5)], [(0, 1), (149, 150)]),
+    (4, 64, 4, 16, [(0, 16)], []),
+    (5, 70, 4, 16, [(3, 16)], [(0, 3), (67, 70)]),
     (0, 0, 4, 16, [], []),
+    (0, 3, 4, 16, [], [(0, 3)]),
     (7, 10, 256, 16, [], [(0, 10)]),
 ])
-def test_plan_windows(offset, T, L, W, starts, eager):
-    got_starts, got_eager = scan_graph.plan_windows(offset, T, L, W)
-    assert (got_starts, got_eager) == (starts, eager)
-    for s in got_starts:  # every window starts on the boundary grid and fits
-        assert (offset + s) % L == 0 and s + W * L <= T
-    covered = sorted([(s, s + W * L) for s in got_starts] + got_eager)
+def test_plan_windows(offset, T, L, W, windows, eager):
+    got_windows, got_eager = scan_graph.plan_windows(offset, T, L, W)
+    assert (got_windows, got_eager) == (windows, eager)
+    for i, (s, n) in enumerate(got_windows):  # on the boundary grid, fits, full windows first, then one shorter
+        assert (offset + s) % L == 0 and s + n * L <= T and 1 <= n <= W
+        assert n == W or i == len(got_windows) - 1
+    covered = sorted([(s, s + n * L) for s, n in got_windows] + got_eager)
     assert all(a[1] == b[0] for a, b in zip(covered, covered[1:]))
     if T:
         assert covered[0][0] == 0 and covered[-1][1] == T
 
 
 def test_plan_windows_from_a_given_first_index():
-    assert scan_graph.plan_windows(0, 200, 4, 16, first=13) == ([13, 77], [(0, 13), (141, 200)])
-    assert scan_graph.plan_windows(5, 100, 4, 16, first=40) == ([], [(0, 100)])
+    assert scan_graph.plan_windows(0, 200, 4, 16, first=13) == ([(13, 16), (77, 16), (141, 14)], [(0, 13), (197, 200)])
+    assert scan_graph.plan_windows(5, 100, 4, 16, first=40) == ([(40, 15)], [(0, 40)])
+    assert scan_graph.plan_windows(5, 100, 4, 16, first=99) == ([], [(0, 100)])
 
 
 @pytest.mark.parametrize("starts,offset,T,L", [([0, 3, 5, 5], 0, 40, 8), ([2, 9, 17], 4, 33, 8), ([1, 6], 30, 17, 8),

@@ -9,7 +9,8 @@ graph, a window of ``W`` segments (fla call + boundary function, ``W`` times) is
 Shapes (as in ``gdnviz.gdn.kernels``): q, k ``[B, T, H, K]`` (unit rows, unscaled), v ``[B, T, H, V]``, g ``[B, T, H]``
 float32, beta ``[B, T, H]``, state ``[B, H, K, V]`` float32.
 
-A window covers ``W`` periods of ``L`` tokens, each one kernel call then the boundary function for every row. In a
+A window covers ``W`` periods of ``L`` tokens (``WINDOW``; the periods left after the last full window form one
+shorter window, a graph of its own size), each one kernel call then the boundary function for every row. In a
 left-padded batch (``RunContext.row_starts``) the runner first lays the rows out so that they all reach their
 boundaries on the same columns (``gdnviz.runner._aligned``), so the same windows serve batches: one graph for every
 window of every layer that truncates the same heads to the same ranks.
@@ -45,35 +46,38 @@ import torch
 from gdnviz.gdn import kernels
 
 WINDOW = 16  # periods per graph replay (4,096 tokens at L = 256)
-MAX_GRAPHS = 4
+MAX_GRAPHS = 6  # e.g. a full and a remainder window for each of three boundary functions
 _GRAPHS: "OrderedDict[tuple, _WindowGraph]" = OrderedDict()
 _BROKEN: dict = {}  # key -> repr of the capture error
 log = logging.getLogger(__name__)
 
 
 def plan_windows(offset: int, T: int, L: int, W: int = WINDOW, first: int | None = None
-                 ) -> tuple[list[int], list[tuple[int, int]]]:
+                 ) -> tuple[list[tuple[int, int]], list[tuple[int, int]]]:
     """Split a layer call of ``T`` tokens that starts after ``offset`` tokens into graph windows and eager pieces.
 
-    Returns ``(window_starts, eager_spans)``: local start indices of consecutive windows of ``W·L`` tokens, the first
-    at ``first`` (default: the first local index on the boundary grid, ``offset + first`` a multiple of ``L``), and
-    the remaining ``(start, end)`` spans in order, to run with the ordinary segment loop. Nothing is planned when
-    fewer than ``W`` whole periods fit.
+    Returns ``(windows, eager_spans)``: consecutive windows ``(local start, periods)`` of ``W`` periods of ``L``
+    tokens, then one window of the remaining ``n % W`` whole periods (a graph of its own size), the first at
+    ``first`` (default: the first local index on the boundary grid, ``offset + first`` a multiple of ``L``); and the
+    remaining ``(start, end)`` spans in order (the part before ``first`` and the part after the last whole
+    period), to run with the ordinary segment loop. Nothing is planned when no whole period fits.
     """
     if first is None:
         first = (-offset) % L  # first local index on the boundary grid (0 when the call starts at a boundary)
     n_full = (T - first) // L if T >= first else 0
-    n_win = n_full // W
-    if n_win == 0:
+    if n_full == 0:
         return [], [(0, T)] if T > 0 else []
-    starts = [first + i * W * L for i in range(n_win)]
+    sizes = [W] * (n_full // W) + ([n_full % W] if n_full % W else [])
+    windows, s = [], first
+    for n in sizes:
+        windows.append((s, n))
+        s += n * L
     eager = []
     if first > 0:
         eager.append((0, first))
-    tail = first + n_win * W * L
-    if tail < T:
-        eager.append((tail, T))
-    return starts, eager
+    if s < T:
+        eager.append((s, T))
+    return windows, eager
 
 
 class _WindowGraph:
@@ -150,51 +154,71 @@ def split_scan(device, L: int) -> bool:
     return kernels.backend_for(device) == "fla" and L % kernels.FLA_CHUNK == 0
 
 
-def run_windows(q, k, v, g, beta, state, starts: list[int], L: int, W: int, fn: Callable, fn_key,
+def run_windows(q, k, v, g, beta, state, windows: list[tuple[int, int]], L: int, fn: Callable, fn_key,
                 out: torch.Tensor, eager: bool = False, row_starts=None) -> tuple | None:
-    """Run the windows at local ``starts`` (consecutive, from ``plan_windows``) from ``state``.
+    """Run ``windows`` (consecutive ``(local start, periods)``, from ``plan_windows``) from ``state``.
 
     Writes their outputs into ``out`` ([B, T, H, V]) and returns ``(state after the last window (float32, a new
-    tensor), boundary callback calls the eager loop would have made)``, or None when no graph could be made (the caller
-    then runs these segments eagerly; ``out`` is untouched). ``row_starts``: a batch's rows (all on the same boundary
-    grid), only to count the eager loop's calls.
+    tensor), boundary callback calls the eager loop would have made)``, or None when the first window's graph
+    could not be made (the caller then runs these segments eagerly; ``out`` is untouched). A later window whose
+    graph cannot be made runs the same body without a graph (the same numbers). ``row_starts``: a batch's rows
+    (all on the same boundary grid), only to count the eager loop's calls.
     """
     proto = {"q": q, "k": k, "v": v, "g": g, "beta": beta, "state": state}
     split = split_scan(v.device, L)
-    key = (str(v.device), tuple(q.shape[:1]) + tuple(q.shape[2:]), tuple(v.shape[2:]),
-           q.dtype, k.dtype, v.dtype, g.dtype, beta.dtype, L, W, fn_key, split)
-    fresh = False
-    if eager:
-        wg = _WindowGraph(proto, L, W, fn, split)
-    elif key in _BROKEN:
-        return None
-    else:
-        wg = _GRAPHS.get(key)
-        if wg is None:
-            wg, fresh = _WindowGraph(proto, L, W, fn, split), True
-        else:
-            _GRAPHS.move_to_end(key)
-    wg.state.copy_(state)
-    n = L * W
-    for i, s in enumerate(starts):
+    base = (str(v.device), tuple(q.shape[:1]) + tuple(q.shape[2:]), tuple(v.shape[2:]),
+            q.dtype, k.dtype, v.dtype, g.dtype, beta.dtype, L)
+    n_calls = 0
+    S = state
+    for i, (s, W) in enumerate(windows):
+        key = base + (W, fn_key, split)
+        wg = _window_graph(key, proto, L, W, fn, split, eager)
+        if wg is None and i == 0:
+            return None
+        if wg is None:  # capture failed for this size: the same body without a graph
+            wg = _WindowGraph(proto, L, W, fn, split)
+        wg.state.copy_(S)
         wg.load(q, k, v, g, beta, s)
-        if fresh and i == 0:
+        if wg.graph is None and not eager and key not in _BROKEN:
             try:
                 wg.capture()
             except torch.OutOfMemoryError:
                 raise
             except Exception as e:  # pragma: no cover - depends on the installed fla / driver
                 _BROKEN[key] = repr(e)
-                log.warning("CUDA graph capture of the segment loop failed (%r); this layer runs the eager loop", e)
+                log.warning("CUDA graph capture of the segment loop failed (%r); this window size runs without a "
+                            "graph", e)
                 torch.cuda.synchronize(v.device)
-                return None
-            _GRAPHS[key] = wg
-            while len(_GRAPHS) > MAX_GRAPHS:
-                _GRAPHS.popitem(last=False)
+                if i == 0:
+                    return None
+                wg = _WindowGraph(proto, L, W, fn, split)
+                wg.state.copy_(S)
+                wg.load(q, k, v, g, beta, s)
+                wg.step()
+            else:
+                _GRAPHS[key] = wg
+                while len(_GRAPHS) > MAX_GRAPHS:
+                    _GRAPHS.popitem(last=False)
         else:
             wg.step()
-        out[:, s:s + n].copy_(wg.out)
-    return wg.state.clone(), len(starts) * wg.boundaries_per_window(row_starts)
+        out[:, s:s + L * W].copy_(wg.out)
+        S = wg.state.clone()
+        n_calls += wg.boundaries_per_window(row_starts)
+    return S, n_calls
+
+
+def _window_graph(key, proto, L: int, W: int, fn, split: bool, eager: bool) -> "_WindowGraph | None":
+    """The cached window graph for ``key`` (moved to the LRU end), a fresh uncaptured one, or None when this key's
+    capture failed before."""
+    if eager:
+        return _WindowGraph(proto, L, W, fn, split)
+    if key in _BROKEN:
+        return None
+    wg = _GRAPHS.get(key)
+    if wg is None:
+        return _WindowGraph(proto, L, W, fn, split)
+    _GRAPHS.move_to_end(key)
+    return wg
 
 
 def clear() -> None:
