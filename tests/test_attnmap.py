@@ -187,6 +187,26 @@ def test_blocks_keep_the_largest_entry_of_each_block():
         assert r["weight"] == sub.flat[np.nanargmax(np.abs(sub))]
         assert w[int(r["t"]) - start, int(r["s"])] == r["weight"] and int(r["s"]) <= int(r["t"])
     assert not ((df["k0"] > df["q1"] - 1)).any()   # no block wholly above the diagonal
+    # a zoom on keys 600..899: blocks over that range only, finer (1 key per cell), the same rule inside
+    z = AC.blocks(w, start, (600, 900))
+    assert AC.block_sizes(n, 300) == (3, 2) and z["k0"].min() == 600 and z["k1"].max() == 900
+    for _, r in z.sample(50, random_state=1).iterrows():
+        q0, q1, k0, k1 = (int(r[c]) for c in ("q0", "q1", "k0", "k1"))
+        assert 600 <= k0 < k1 <= 900
+        sub = w[q0 - start:q1 - start, k0:k1].copy()
+        sub[np.arange(q0, q1)[:, None] < np.arange(k0, k1)[None]] = np.nan
+        assert r["weight"] == sub.flat[np.nanargmax(np.abs(sub))]
+    for bad in ((0, 0), (900, 600), (-1, 10), (0, end + 1)):
+        with pytest.raises(ValueError, match="key range"):
+            AC.blocks(w, start, bad)
+    with AC.no_row_limit():
+        spec = AC.heatmap(w, start, "gdn", "t", [], keys=(600, 900)).to_dict()
+        full = AC.heatmap(w, start, "gdn", "t", []).to_dict()  # the colour scale stays the whole map's
+    assert spec["layer"][0]["encoding"]["x"]["scale"]["domain"] == [600, 900]
+    assert any("zoom: keys 600..899 of 0..999" in x for x in spec["title"]["subtitle"])
+    assert all(len(x) <= 64 for x in spec["title"]["subtitle"])  # no line cut off with "…" at the chart's width
+    assert (spec["layer"][0]["encoding"]["color"]["scale"]["domain"]
+            == full["layer"][0]["encoding"]["color"]["scale"]["domain"])
 
 
 @pytest.mark.parametrize("change,error,match", [

@@ -55,6 +55,15 @@ def test_head_page_exact_attention_map_computes_in_the_worker_and_refuses_bad_wi
     rules = [x["layer"][1]["encoding"]["y"]["datum"] for x in shown
              if isinstance(x.get("title"), dict) and x["title"]["text"] in (GDN_TITLE, SOFT_TITLE)]
     assert rules == [start + 5, start + 5]
+    # a zoom on the key axis: both maps over keys start..end−1, the rest of the page as it was
+    assert at.slider(key="am_keys").value == (0, end)
+    at.slider(key="am_keys").set_value((start, end)).run()
+    assert not at.exception
+    zoomed = [json.loads(c.proto.spec) for c in at.get("vega_lite_chart")]
+    zoomed = [x for x in zoomed if isinstance(x.get("title"), dict) and x["title"]["text"] in (GDN_TITLE, SOFT_TITLE)]
+    assert len(zoomed) == 2 and all(x["layer"][0]["encoding"]["x"]["scale"]["domain"] == [start, end] for x in zoomed)
+    assert all(any(f"zoom: keys {start:,}..{end - 1:,}" in t for t in x["title"]["subtitle"]) for x in zoomed)
+    at.slider(key="am_keys").set_value((0, end)).run()
     # another softmax head: not computed, nothing of this result shown
     at.selectbox(key="am_attn_head").set_value(1).run()
     assert any("Not computed yet" in i and "softmax of layer 2 (head 1)" in i for i in texts(at, "info"))

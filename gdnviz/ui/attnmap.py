@@ -63,15 +63,17 @@ def _map(cache_dir: str, key: str):
 
 
 @st.cache_data(show_spinner=False, max_entries=16)
-def figure(cache_dir: str, key: str, kind: str, title: str, subtitle: tuple):
-    """(spec, export spec) of one stored map (a pure function of its memo key)."""
+def figure(cache_dir: str, key: str, kind: str, title: str, subtitle: tuple, keys: tuple | None = None):
+    """(spec, export spec) of one stored map (a pure function of its memo key), over key positions ``keys``
+    (k0, k1) or all."""
     from gdnviz.ui import attnmap_charts as AC
     from gdnviz.ui import specs
 
     w, meta = _map(cache_dir, key)
     with specs.fast_build(), AC.no_row_limit():
-        return (specs.spec(AC.heatmap(w, meta["start"], kind, title, list(subtitle))),
-                specs.spec(AC.heatmap(w, meta["start"], kind, title, list(subtitle), interactive=False)))
+        return (specs.spec(AC.heatmap(w, meta["start"], kind, title, list(subtitle), keys=keys)),
+                specs.spec(AC.heatmap(w, meta["start"], kind, title, list(subtitle), interactive=False,
+                                      keys=keys)))
 
 
 def csv_bytes(cache_dir: str, key: str) -> bytes:
@@ -196,10 +198,20 @@ def draw(gdn, soft, gkey: str, skey: str | None) -> None:
     if picked is not None and start <= picked < end:
         st.session_state["am_row"] = int(picked)
     t = int(st.session_state["am_row"])
+    keys = None
+    if end > AC.MAX_COLS:  # a zoom on the key axis: the blocks drawn cover the chosen range only
+        # a new result, or a return to one (an undrawn widget loses its state): all keys
+        if st.session_state.get("am_keys_for") != gkey or "am_keys" not in st.session_state:
+            st.session_state.update(am_keys_for=gkey, am_keys=(0, end))
+        k0, k1 = st.slider("Key positions shown (zoom)", 0, end, key="am_keys", step=max(1, end // 512),
+                           help=f"the x axis of both maps; above {AC.MAX_COLS} keys a drawn cell is a block of keys "
+                                "(its largest |w|), so a narrower range shows finer blocks. The CSV has every entry")
+        if k1 > k0 and (k0, k1) != (0, end):
+            keys = (int(k0), int(k1))
     cols = st.columns(2)
     with cols[0]:
         spec, ex = figure(cache, gkey, "gdn", f"GDN layer {meta['layer']} head {meta['head']}: exact map",
-                          tuple(sub_g))
+                          tuple(sub_g), keys)
         _map_chart(spec, ex, t, cache, gkey, f"{tag}_gdn_map", "ch_am_gdn")
     if soft is not None:
         p, sm = soft
@@ -208,7 +220,7 @@ def draw(gdn, soft, gkey: str, skey: str | None) -> None:
                  "log colour, 10⁻⁴ and below darkest; blank: s > t"]
         with cols[1]:
             spec, ex = figure(cache, skey, "softmax", f"Softmax: attention layer {sm['layer']}, {who}",
-                              tuple(sub_s))
+                              tuple(sub_s), keys)
             stag = f"L{sm['layer']}{'mean' if sm['head'] is None else 'H' + str(sm['head'])}_q{start}-{end - 1}"
             _map_chart(spec, ex, t, cache, skey, f"{stag}_softmax", "ch_am_soft")
     c = st.columns([1, 3])

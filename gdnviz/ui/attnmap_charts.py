@@ -38,17 +38,32 @@ def block_sizes(n_rows: int, n_cols: int) -> tuple[int, int]:
     return max(1, -(-n_rows // MAX_ROWS)), max(1, -(-n_cols // MAX_COLS))
 
 
-def blocks(w: np.ndarray, start: int) -> pd.DataFrame:
+def key_range(end: int, keys: tuple[int, int] | None) -> tuple[int, int]:
+    """``keys`` = (first key, end exclusive) checked against the map's ``end`` keys; None: all of them. ValueError
+    for an empty or out-of-range range."""
+    if keys is None:
+        return 0, end
+    k0, k1 = int(keys[0]), int(keys[1])
+    if not 0 <= k0 < k1 <= end:
+        raise ValueError(f"key range {k0}..{k1 - 1} is outside the map's keys 0..{end - 1} (or empty)")
+    return k0, k1
+
+
+def blocks(w: np.ndarray, start: int, keys: tuple[int, int] | None = None) -> pd.DataFrame:
     """The cells drawn: per block of ``block_sizes`` queries × keys the entry with the largest |w| over its defined
     entries (key ≤ query), signed. Columns ``q0``, ``q1`` (queries q0..q1−1), ``k0``, ``k1``, ``weight``, ``t``,
-    ``s`` (where that entry is). Blocks wholly above the diagonal are left out."""
+    ``s`` (where that entry is; absolute positions). Blocks wholly above the diagonal are left out. ``keys``: only
+    the key positions k0..k1−1 (a zoom: the blocks are then over that range)."""
     n, end = w.shape
-    br, bc = block_sizes(n, end)
-    nr, nc = -(-n // br), -(-end // bc)
+    a, b = key_range(end, keys)
+    w = w[:, a:b]
+    m = b - a
+    br, bc = block_sizes(n, m)
+    nr, nc = -(-n // br), -(-m // bc)
     pad = np.full((nr * br, nc * bc), np.nan)
-    pad[:n, :end] = w
+    pad[:n, :m] = w
     t = start + np.arange(nr * br)[:, None]
-    s = np.arange(nc * bc)[None]
+    s = a + np.arange(nc * bc)[None]
     pad[np.broadcast_to(s > t, pad.shape)] = np.nan
     cells = pad.reshape(nr, br, nc, bc).transpose(0, 2, 1, 3).reshape(nr, nc, br * bc)
     mag = np.where(np.isnan(cells), -1.0, np.abs(cells))
@@ -56,24 +71,28 @@ def blocks(w: np.ndarray, start: int) -> pd.DataFrame:
     val = np.take_along_axis(cells, j[..., None], -1)[..., 0]
     R, Cc = np.meshgrid(np.arange(nr), np.arange(nc), indexing="ij")
     ok = ~np.isnan(val)
-    q0, k0 = start + R * br, Cc * bc
+    q0, k0 = start + R * br, a + Cc * bc
     return pd.DataFrame({"q0": q0[ok], "q1": np.minimum(q0 + br, start + n)[ok], "k0": k0[ok],
-                         "k1": np.minimum(k0 + bc, end)[ok], "weight": val[ok],
+                         "k1": np.minimum(k0 + bc, b)[ok], "weight": val[ok],
                          "t": (q0 + j // bc)[ok], "s": (k0 + j % bc)[ok]})
 
 
-def heatmap(w: np.ndarray, start: int, kind: str, title: str, subtitle: list[str], interactive: bool = True):
-    """Query position (y, down) × key position (x) heatmap of ``w`` on the axes ``[0, end] × [start, end]``.
+def heatmap(w: np.ndarray, start: int, kind: str, title: str, subtitle: list[str], interactive: bool = True,
+            keys: tuple[int, int] | None = None):
+    """Query position (y, down) × key position (x) heatmap of ``w`` on the axes ``[0, end] × [start, end]`` (``keys``:
+    only key positions k0..k1−1, the x axis ``[k0, k1]``; the colour scale stays the whole map's).
 
     kind "gdn": diverging red (positive) / blue (negative) colour centred at 0, symmetric-log scale (three decades
     below the largest |w|); kind "softmax": sequential, log scale from 10⁻⁴ (smaller probabilities get its colour).
     ``interactive``: a click on a cell selects its query block (the selection ``row``, field ``q0``), and an orange
     rule marks the picked query (:func:`with_query` sets it; drawn at the window's last query until then)."""
     n, end = w.shape
-    df = blocks(w, start)
-    br, bc = block_sizes(n, end)
+    k0, k1 = key_range(end, keys)
+    df = blocks(w, start, (k0, k1))
+    br, bc = block_sizes(n, k1 - k0)
     if kind == "gdn":
-        m = float(np.abs(df["weight"]).max()) if len(df) else 1.0
+        causal = np.arange(end)[None] <= np.arange(start, start + n)[:, None]
+        m = float(np.abs(np.where(causal, w, 0.0)).max()) if w.size else 1.0
         m = m if m > 0 else 1.0
         color = alt.Color("weight:Q", title=["w_t,s", "(signed, unnormalised)"],
                           scale=alt.Scale(type="symlog", constant=m / 1000, domain=[-m, m], domainMid=0,
@@ -93,15 +112,17 @@ def heatmap(w: np.ndarray, start: int, kind: str, title: str, subtitle: list[str
         tips += [alt.Tooltip("q0:Q", title="block: first query"), alt.Tooltip("k0:Q", title="block: first key")]
     # the block ends are computed in the browser: fewer columns to send (up to MAX_ROWS × MAX_COLS cells)
     ch = alt.Chart(df.drop(columns=["q1", "k1"])).transform_calculate(
-        q1=f"min(datum.q0 + {br}, {start + n})", k1=f"min(datum.k0 + {bc}, {end})").mark_rect().encode(
-        x=alt.X("k0:Q", title="key position s (token index)", scale=alt.Scale(domain=[0, end], nice=False)),
+        q1=f"min(datum.q0 + {br}, {start + n})", k1=f"min(datum.k0 + {bc}, {k1})").mark_rect().encode(
+        x=alt.X("k0:Q", title="key position s (token index)", scale=alt.Scale(domain=[k0, k1], nice=False)),
         x2="k1:Q",
         y=alt.Y("q0:Q", title="query position t (token index)", scale=alt.Scale(domain=[start, start + n],
                                                                                  nice=False, reverse=True)),
         y2="q1:Q", color=color, tooltip=tips)
     sub = list(subtitle)
+    if (k0, k1) != (0, end):
+        sub.append(f"zoom: keys {k0:,}..{k1 - 1:,} of 0..{end - 1:,}; colours: whole map")
     if br > 1 or bc > 1:
-        sub.append(f"shown: {br} × {bc} blocks (queries × keys), each its largest |w|; the CSV has all")
+        sub.append(f"shown: {br} × {bc} blocks (queries × keys), each its largest |w|")
     if interactive:
         ch = ch.add_params(alt.selection_point(name="row", fields=["q0"], on="click", clear="dblclick"))
         rule = alt.Chart(alt.Data(values=[{}])).mark_rule(color="#ff7f0e", strokeWidth=1.5).encode(
