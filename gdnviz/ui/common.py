@@ -323,6 +323,27 @@ def task_minimum(task: str, tokenizer, seed0: int, chat, *, info: dict) -> int:
     return _task_minimum(*key, task, int(seed0), chat)
 
 
+@st.cache_data(show_spinner=False, max_entries=256)
+def _seed_minima(path: str, mtime: float, task: str, seed0: int, n: int, target_class: int, chat,
+                 budget: int) -> dict | None:
+    from gdnviz.ui.sweeps import seed_minima as minima
+
+    return minima(task, _hf_tokenizer(path, mtime), seed0, n, target_class, chat, budget)
+
+
+def seed_minima(task: str, tokenizer, seed0: int, n: int, target_class: int, chat, *, info: dict,
+                n_tasks: int) -> dict | None:
+    """``gdnviz.ui.sweeps.seed_minima`` cached per (model tokenizer, task, seeds, target class, chat template);
+    the smallest prompts it builds for one task stay within ``PREVIEW_TOKENS / n_tasks`` tokens."""
+    from gdnviz.ui.sweeps import seed_minima as minima
+
+    budget = PREVIEW_TOKENS // max(1, int(n_tasks))
+    key = _tokenizer_key(info)
+    if key is None:
+        return minima(task, tokenizer, seed0, n, target_class, chat, budget)
+    return _seed_minima(*key, task, int(seed0), int(n), int(target_class), chat, budget)
+
+
 # prompts a sweep preview builds on the page, in tokens (tasks × lengths × n, summed target lengths): a RULER prompt
 # costs ~10 µs per token to build on this project's 2-core CPU (2026-12-03), so ~4 s; beyond it the page says how
 # many answers the job needs without reading the memo (the job itself builds and checks every prompt first)
