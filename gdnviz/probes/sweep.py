@@ -257,10 +257,12 @@ def keys_of(info, samples: dict, spec: SweepSpec) -> dict:
     return out
 
 
-def cell_keys(info, tokenizer, spec: SweepSpec) -> dict:
-    """``keys_of(info, samples_for(tokenizer, spec), spec)``: the memo keys of every answer the sweep needs."""
+def cell_keys(info, tokenizer, spec: SweepSpec, samples: Callable[[SweepSpec], dict] | None = None) -> dict:
+    """``keys_of(info, samples_for(tokenizer, spec), spec)``: the memo keys of every answer the sweep needs.
+    ``samples``: where the prompts come from instead (a callable of the spec returning ``samples_for``'s dict;
+    the app passes its cache of them)."""
     _check_spec(spec, info)  # bad settings before the prompts are built
-    return keys_of(info, samples_for(tokenizer, spec), spec)
+    return keys_of(info, samples_for(tokenizer, spec) if samples is None else samples(spec), spec)
 
 
 def plan_from_keys(info, keys: dict, segment_len: int, store=None) -> dict:

@@ -355,7 +355,7 @@ def preview_tokens(spec) -> int:
     return int(spec.n) * len(spec.tasks) * sum(int(x) for x in spec.lengths)
 
 
-@st.cache_data(show_spinner=False, max_entries=16)
+@st.cache_data(show_spinner=False, max_entries=32)
 def _sweep_samples(path: str, mtime: float, tasks: tuple, lengths: tuple, n: int, seed0: int, chat,
                    chat_kwargs: tuple) -> dict:
     from gdnviz.probes.sweep import SweepSpec, samples_for
@@ -363,6 +363,21 @@ def _sweep_samples(path: str, mtime: float, tasks: tuple, lengths: tuple, n: int
     spec = SweepSpec(model="", tasks=tasks, lengths=lengths, n=n, seed0=seed0, chat_template=chat,
                      chat_template_kwargs=chat_kwargs)
     return samples_for(_hf_tokenizer(path, mtime), spec)
+
+
+def sweep_samples(info: dict):
+    """A callable of a ``SweepSpec`` returning ``sweep.samples_for``'s prompts on the model ``info``'s tokenizer,
+    built once per (tokenizer files, tasks, lengths, n, seed0, chat template): a changed form gets new prompts;
+    the memo's share is not part of it. ValueError when the model has no tokenizer."""
+    key = _tokenizer_key(info)
+    if key is None:
+        raise ValueError(f"{info.get('path') or info.get('name')} has no tokenizer files beside its weights")
+
+    def samples(spec) -> dict:
+        return _sweep_samples(*key, tuple(spec.tasks), tuple(int(x) for x in spec.lengths), int(spec.n),
+                              int(spec.seed0), spec.chat_template, tuple(spec.chat_template_kwargs))
+
+    return samples
 
 
 def sweep_plan(info: dict, spec) -> dict:
@@ -375,16 +390,12 @@ def sweep_plan(info: dict, spec) -> dict:
     from gdnviz.jobs import MemoMapping
     from gdnviz.probes.sweep import keys_of, plan_from_keys, plan_unbuilt
 
-    key = _tokenizer_key(info)
-    if key is None:
-        raise ValueError(f"{info.get('path') or info.get('name')} has no tokenizer files beside its weights")
+    samples = sweep_samples(info)
     ns = info_ns(info)
     keys_of(ns, {}, spec)  # bad settings raise before any prompt is built
     if preview_tokens(spec) > PREVIEW_TOKENS:
         return plan_unbuilt(ns, spec, MemoMapping(store()))
-    samples = _sweep_samples(*key, tuple(spec.tasks), tuple(int(x) for x in spec.lengths), int(spec.n),
-                             int(spec.seed0), spec.chat_template, tuple(spec.chat_template_kwargs))
-    return plan_from_keys(ns, keys_of(ns, samples, spec), spec.segment_len, MemoMapping(store()))
+    return plan_from_keys(ns, keys_of(ns, samples(spec), spec), spec.segment_len, MemoMapping(store()))
 
 
 def info_ns(info: dict) -> SimpleNamespace:
