@@ -1004,7 +1004,8 @@ def test_sweep_preview_counts_the_memo_and_estimates_from_the_last_sweeps_throug
     store = Store(cache)
     rec = store.job(at.session_state["sweep_job"])
     worker_info = SimpleNamespace(**rec["result"]["model"])  # the rate is the worker's measurement of its model
-    got = rates.read(MemoMapping(store), worker_info, "niah_single_1", 400, rec["spec"]["segment_len"])
+    got = rates.read(MemoMapping(store), worker_info, "niah_single_1", 400, rec["spec"]["segment_len"],
+                     rec["spec"]["batch_size"])
     assert got["answers"] == 4 and f"{got['answers_per_second']:.2f} answers/s" in preview
 # --- end uipolish ---------------------------------------------------------------------------------------------
 

@@ -295,14 +295,14 @@ def plan_budget(info, tokenizer, spec: BudgetSpec, store=None, samples=None) -> 
     search_max = per_cell * len(spec.tasks) * len(spec.lengths)
     st, close = scan.open_store(store)
     try:
-        sp = sweep.plan_from_keys(info, keys, spec.segment_len, st)
-        ho = sweep.plan_from_keys(info, ho_keys, spec.segment_len, st)
+        sp = sweep.plan_from_keys(info, keys, spec.segment_len, st, batch_size=spec.batch_size)
+        ho = sweep.plan_from_keys(info, ho_keys, spec.segment_len, st, batch_size=spec.batch_size)
         # held-out: the untouched answers (ho's keys) and as many of the budget's, none of them in the memo yet
         ho_todo = {(c["task"], c["length"]): 2 * c["answers"] - c["cached"] for c in ho["cells"]}
         to_run = {(c["task"], c["length"]): c["answers"] - c["cached"] + per_cell + ho_todo.get((c["task"],
                                                                                                 c["length"]), 0)
                   for c in sp["cells"]}
-        est = rates.estimate(MemoStore(st), info, to_run, spec.segment_len)
+        est = rates.estimate(MemoStore(st), info, to_run, spec.segment_len, spec.batch_size)
     finally:
         close()
     ho_total, ho_cached = 2 * ho["answers"], ho["cached"]

@@ -206,7 +206,8 @@ def plan_scan(info, tokenizer, spec: ScanSpec, store=None, samples=None) -> dict
     sspec = sweep_spec(spec, info)
     st, close = open_store(store)
     try:
-        plan = sweep.plan_from_keys(info, sweep.cell_keys(info, tokenizer, sspec, samples), spec.segment_len, st)
+        plan = sweep.plan_from_keys(info, sweep.cell_keys(info, tokenizer, sspec, samples), spec.segment_len, st,
+                                    batch_size=spec.batch_size)
     finally:
         close()
     return dict(plan, settings=plan["answers"] // max(1, spec.n), units=len(units(spec, info)))

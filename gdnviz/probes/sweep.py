@@ -265,16 +265,17 @@ def cell_keys(info, tokenizer, spec: SweepSpec, samples: Callable[[SweepSpec], d
     return keys_of(info, samples_for(tokenizer, spec) if samples is None else samples(spec), spec)
 
 
-def plan_from_keys(info, keys: dict, segment_len: int, store=None) -> dict:
+def plan_from_keys(info, keys: dict, segment_len: int, store=None, *, batch_size: int | None) -> dict:
     """What a job of these ``cell_keys`` (merged over its sweeps) will do: dict(answers, cached (in the memo now),
     to_run, cells [dict(task, length, answers, cached)], and the time ``gdnviz.probes.rates.estimate`` gives for
-    the answers to run: seconds (None: some (task, length) never measured), answers_per_second, missing); JSON-ready."""
+    the answers to run at the job's ``batch_size`` (None: chosen from free memory): seconds (None: some (task,
+    length) never measured at it), answers_per_second, missing, batch_size, rows); JSON-ready."""
     st = MemoStore(store)
     try:
         cells = [dict(task=t, length=int(l), answers=len(ks), cached=sum(st.get(k) is not None for k in ks))
                  for (t, l), ks in keys.items()]
         est = rates.estimate(st, info, {(c["task"], c["length"]): c["answers"] - c["cached"] for c in cells},
-                             segment_len)
+                             segment_len, batch_size)
     finally:
         st.close()
     answers, cached = sum(c["answers"] for c in cells), sum(c["cached"] for c in cells)
@@ -291,7 +292,8 @@ def plan_unbuilt(info, spec: SweepSpec, store=None) -> dict:
     cells = [dict(task=t, length=int(l), answers=k, cached=None) for t in spec.tasks for l in spec.lengths]
     st = MemoStore(store)
     try:
-        est = rates.estimate(st, info, {(c["task"], c["length"]): k for c in cells}, spec.segment_len)
+        est = rates.estimate(st, info, {(c["task"], c["length"]): k for c in cells}, spec.segment_len,
+                             spec.batch_size)
     finally:
         st.close()
     answers = k * len(cells)
@@ -300,7 +302,7 @@ def plan_unbuilt(info, spec: SweepSpec, store=None) -> dict:
 
 def count_cached(info, tokenizer, spec: SweepSpec, store=None) -> tuple[int, int]:
     """(answers the sweep needs, answers its memo already holds), from ``cell_keys``."""
-    p = plan_from_keys(info, cell_keys(info, tokenizer, spec), spec.segment_len, store)
+    p = plan_from_keys(info, cell_keys(info, tokenizer, spec), spec.segment_len, store, batch_size=spec.batch_size)
     return p["answers"], p["cached"]
 
 
@@ -392,7 +394,7 @@ def run_sweep(lm, spec: SweepSpec, store=None, progress: Callable[[int, int], No
     groups = []  # (task, length, setting, samples, keys)
     results: dict = {}
     done = 0
-    spent: dict = {}  # (task, length) -> [wall seconds of its batches, answers generated]
+    spent: dict = {}  # (task, length) -> [wall seconds of its batches, answers generated, most rows in a batch]
     try:
         for task, length, setting, smp, keys in _cells(lm.info, samples, settings, spec):
             for k in keys:
@@ -428,8 +430,8 @@ def run_sweep(lm, spec: SweepSpec, store=None, progress: Callable[[int, int], No
         t_last = time.perf_counter()
         for b, res in execute(handed()):
             now = time.perf_counter()
-            acc = spent.setdefault((b.task, int(b.length)), [0.0, 0])
-            acc[0], acc[1], t_last = acc[0] + now - t_last, acc[1] + len(b.idx), now
+            acc = spent.setdefault((b.task, int(b.length)), [0.0, 0, 0])
+            acc[0], acc[1], acc[2], t_last = acc[0] + now - t_last, acc[1] + len(b.idx), max(acc[2], len(b.idx)), now
             keys = key_of.pop(id(b))
             for i, r in zip(b.idx, res):  # store the whole batch first, then report
                 st.set(keys[i], r)
@@ -440,8 +442,8 @@ def run_sweep(lm, spec: SweepSpec, store=None, progress: Callable[[int, int], No
                     progress(done, total)
             t_last = time.perf_counter()  # the time spent in progress (a UI, a cancel) is not the model's
     finally:
-        for (task, length), (secs, k) in spent.items():  # a cancelled sweep's batches were measured too
-            rates.record(st, lm.info, task, length, spec.segment_len, secs, k)
+        for (task, length), (secs, k, rows) in spent.items():  # a cancelled sweep's batches were measured too
+            rates.record(st, lm.info, task, length, spec.segment_len, spec.batch_size, secs, k, rows)
         st.close()
     rows = []
     for task, length, setting, smp, keys in groups:

@@ -395,7 +395,8 @@ def sweep_plan(info: dict, spec) -> dict:
     keys_of(ns, {}, spec)  # bad settings raise before any prompt is built
     if preview_tokens(spec) > PREVIEW_TOKENS:
         return plan_unbuilt(ns, spec, MemoMapping(store()))
-    return plan_from_keys(ns, keys_of(ns, samples(spec), spec), spec.segment_len, MemoMapping(store()))
+    return plan_from_keys(ns, keys_of(ns, samples(spec), spec), spec.segment_len, MemoMapping(store()),
+                          batch_size=spec.batch_size)
 
 
 def info_ns(info: dict) -> SimpleNamespace:
