@@ -74,8 +74,8 @@ import numpy as np
 
 from gdnviz.errors import TaskTooShort, UnknownTask
 
-__all__ = ["TASKS", "TASK_NAMES", "METRICS", "Sample", "generate", "generate_many", "smallest_fit", "sizing_class", "string_match_all",
-           "string_match_part", "postprocess", "score", "score_samples"]
+__all__ = ["TASKS", "TASK_NAMES", "METRICS", "Sample", "generate", "generate_many", "smallest_fit", "sizing_class",
+           "string_match_all", "string_match_part", "postprocess", "score", "score_samples"]
 
 # --- RULER's text, verbatim ---------------------------------------------------------------------------------------
 NIAH_TEMPLATE = (
