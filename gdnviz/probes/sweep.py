@@ -45,7 +45,7 @@ from gdnviz.store import content_hash
 __all__ = ["SweepSpec", "Batch", "answer_batch", "local_executor", "DEFAULT_RANKS", "resolve_ranks", "resolve_heads",
            "parse_heads",
            "run_sweep", "sweep_table", "sweep_figure", "to_csv", "csv_frame", "cell_key", "cell_keys", "samples_for",
-           "keys_of", "plan_from_keys", "plan_unbuilt", "count_cached", "records",
+           "check_spec", "keys_of", "plan_from_keys", "plan_unbuilt", "count_cached", "records",
            "rows_frame", "table_frame", "VERSION"]
 
 VERSION = 1  # of a sweep cell's computation: bump it to invalidate every stored cell
@@ -151,7 +151,9 @@ def resolve_heads(heads: Any, info) -> list[tuple[int, int]]:
     return pairs
 
 
-def _check_spec(spec: SweepSpec, info) -> None:
+def check_spec(spec: SweepSpec, info) -> None:
+    """Raise what ``run_sweep`` raises for the spec's settings on the model ``info`` (EmptyDocumentSet,
+    UnknownTask, RankOutOfRange, ValueError...), before any prompt is built; ``keys_of`` takes a spec that passed."""
     if not spec.tasks:
         raise EmptyDocumentSet("the sweep has no tasks: give at least one RULER task")
     for t in spec.tasks:
@@ -248,9 +250,7 @@ def samples_for(tokenizer, spec: SweepSpec) -> dict:
 def keys_of(info, samples: dict, spec: SweepSpec) -> dict:
     """{(task, length): the memo keys of every answer the sweep needs there (all settings × ``samples``, as
     ``samples_for`` builds them)}, without a model: ``info`` needs fingerprint, dtype, d_k, d_v, gdn_layers and
-    num_heads (a ``ModelInfo`` or a namespace of the inspected model's). Raises what ``run_sweep`` raises for the
-    settings before running."""
-    _check_spec(spec, info)
+    num_heads (a ``ModelInfo`` or a namespace of the inspected model's). ``spec`` has passed ``check_spec``."""
     out: dict = {}
     for task, length, _, _, keys in _cells(info, samples, _settings(spec, info), spec):
         out.setdefault((task, int(length)), []).extend(keys)
@@ -261,7 +261,7 @@ def cell_keys(info, tokenizer, spec: SweepSpec, samples: Callable[[SweepSpec], d
     """``keys_of(info, samples_for(tokenizer, spec), spec)``: the memo keys of every answer the sweep needs.
     ``samples``: where the prompts come from instead (a callable of the spec returning ``samples_for``'s dict;
     the app passes its cache of them)."""
-    _check_spec(spec, info)  # bad settings before the prompts are built
+    check_spec(spec, info)  # bad settings before the prompts are built
     return keys_of(info, samples_for(tokenizer, spec) if samples is None else samples(spec), spec)
 
 
@@ -287,7 +287,7 @@ def plan_unbuilt(info, spec: SweepSpec, store=None) -> dict:
     each (task, length) needs the job's settings (``_settings``, the list ``run_sweep`` works through) × ``n``
     answers; ``cached`` is None (the memo keys hash the prompts, so the memo cannot be read without them) and the
     time is that of all the answers at the measured rates (an upper bound: the job skips what the memo holds)."""
-    _check_spec(spec, info)
+    check_spec(spec, info)
     k = len(_settings(spec, info)) * int(spec.n)
     cells = [dict(task=t, length=int(l), answers=k, cached=None) for t in spec.tasks for l in spec.lengths]
     st = MemoStore(store)
@@ -385,7 +385,7 @@ def run_sweep(lm, spec: SweepSpec, store=None, progress: Callable[[int, int], No
     """
     if lm.tokenizer is None:
         raise ValueError("the sweep needs the model's tokenizer to build RULER prompts")
-    _check_spec(spec, lm.info)
+    check_spec(spec, lm.info)
     samples = _samples(lm, spec, preparing)  # raises TaskTooShort before any model call
     settings = _settings(spec, lm.info)
     total = sum(len(s) for s in samples.values()) * len(settings)

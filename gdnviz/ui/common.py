@@ -388,11 +388,11 @@ def sweep_plan(info: dict, spec) -> dict:
     (``sweep.plan_unbuilt``: the counts without the memo's share; the job checks every prompt before any model
     call). Raises what the sweep raises for bad input; ValueError when the model has no tokenizer."""
     from gdnviz.jobs import MemoMapping
-    from gdnviz.probes.sweep import keys_of, plan_from_keys, plan_unbuilt
+    from gdnviz.probes.sweep import check_spec, keys_of, plan_from_keys, plan_unbuilt
 
     samples = sweep_samples(info)
     ns = info_ns(info)
-    keys_of(ns, {}, spec)  # bad settings raise before any prompt is built
+    check_spec(spec, ns)  # bad settings raise before any prompt is built
     if preview_tokens(spec) > PREVIEW_TOKENS:
         return plan_unbuilt(ns, spec, MemoMapping(store()))
     return plan_from_keys(ns, keys_of(ns, samples(spec), spec), spec.segment_len, MemoMapping(store()),
