@@ -285,7 +285,8 @@ def cmd_sweep(args) -> int:
     spec = sweep_spec_of(SweepJob(fingerprint=lm.info.fingerprint, **sa))
     settings = dict(spec=spec.to_dict(), model=lm.info.to_dict(), version=sweep.VERSION)
     (out / "settings.json").write_text(json.dumps(settings, indent=2, default=str))
-    plan = sweep.plan_from_keys(lm.info, sweep.cell_keys(lm.info, lm.tokenizer, spec), spec.segment_len, out / "cache")
+    plan = sweep.plan_from_keys(lm.info, sweep.cell_keys(lm.info, lm.tokenizer, spec), spec.segment_len, out / "cache",
+                                batch_size=spec.batch_size)
     print(f"sweep: {plan['answers']:,} answers, {plan['cached']:,} in the memo, {plan['to_run']:,} to run; "
           f"{rates.eta_text(plan, plan['to_run'])}", file=sys.stderr)
     bar = tqdm(total=1, desc="sweep", unit="sample", file=sys.stderr)

@@ -78,7 +78,7 @@ sspec = scan.ScanSpec(model=model_name, task=st.session_state["sc_task"], length
 plan = None
 try:
     with st.spinner("Counting the answers in the memo…"):
-        plan = scan.plan_scan(ns, tok, sspec, memo)
+        plan = scan.plan_scan(ns, tok, sspec, memo, samples=C.sweep_samples(info))
 except (GDNVizError, ValueError) as e:
     errors.append(str(e))
 if plan is not None:
@@ -197,7 +197,7 @@ if not berrors:
                               fingerprint=fp or None, max_prompts=int(st.session_state["bg_limit"]))
     try:
         with st.spinner("Counting the answers in the memo…"):
-            bplan = budget.plan_budget(ns, tok, bspec, memo)
+            bplan = budget.plan_budget(ns, tok, bspec, memo, samples=C.sweep_samples(info))
     except (GDNVizError, ValueError) as e:
         berrors.append(str(e))
 if bplan is not None:

@@ -86,9 +86,17 @@ if tok is None:
     errors.append(f"{info.get('path') or model_name} has no tokenizer files beside its weights: the RULER prompts "
                   "need the model's tokenizer.")
 elif tasks and lengths:
-    with st.spinner("Checking the lengths against the model's tokenizer…"):
+    n_seeds = int(st.session_state["sw_n"])
+
+    def _minima(task, target_class):
+        return C.seed_minima(task, tok, seed0, n_seeds, target_class, chat, info=info, n_tasks=len(tasks))
+
+    with st.spinner("Checking the lengths against every sample's smallest prompt…"):
         errors += S.length_errors(tasks, lengths, tok, seed0, chat,
-                                  minimum=lambda t, k, s, c: C.task_minimum(t, k, s, c, info=info))
+                                  minimum=lambda t, k, s, c: C.task_minimum(t, k, s, c, info=info), minima=_minima)
+        seeds_note = S.seed_check_note(tasks, lengths, seed0, n_seeds, _minima)
+    if seeds_note:
+        st.caption(seeds_note)
 if lengths and min(lengths) <= L_default:
     st.warning(f"A length of {min(lengths):,} tokens is at most one segment (L = {L_default}): no boundary falls "
                "inside such a prompt, so the truncation cannot act on it.", icon=":material/warning:")

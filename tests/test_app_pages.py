@@ -1004,7 +1004,8 @@ def test_sweep_preview_counts_the_memo_and_estimates_from_the_last_sweeps_throug
     store = Store(cache)
     rec = store.job(at.session_state["sweep_job"])
     worker_info = SimpleNamespace(**rec["result"]["model"])  # the rate is the worker's measurement of its model
-    got = rates.read(MemoMapping(store), worker_info, "niah_single_1", 400, rec["spec"]["segment_len"])
+    got = rates.read(MemoMapping(store), worker_info, "niah_single_1", 400, rec["spec"]["segment_len"],
+                     rec["spec"]["batch_size"])
     assert got["answers"] == 4 and f"{got['answers_per_second']:.2f} answers/s" in preview
 # --- end uipolish ---------------------------------------------------------------------------------------------
 
@@ -1289,6 +1290,55 @@ def test_sweep_length_over_the_token_limit_is_refused(env, populated):
     errs = texts(at, "error")
     assert any("Length 99,999,999 is over the token limit of 32,768 tokens" in e for e in errs), errs
     assert at.button(key="sw_run").proto.disabled
+
+
+def test_sweep_length_a_later_seed_does_not_fit_is_refused_before_the_job(env, populated, tiny_checkpoint):
+    """A form too large to preview (n = 1000): a length seed 0 fits but a later seed does not is named on the
+    page, with the seed and the length that fits every seed checked; the job's own check (``generate_many``)
+    agrees on that length."""
+    from transformers import AutoTokenizer
+
+    from gdnviz.errors import TaskTooShort
+    from gdnviz.probes import ruler
+    from gdnviz.ui.common import PREVIEW_TOKENS
+
+    cache, run = populated
+    env(cache)
+    tok = AutoTokenizer.from_pretrained(str(tiny_checkpoint))
+    task = "vt"
+    with pytest.raises(TaskTooShort) as e:
+        ruler.generate(task, tok, 1, 0)
+    L = e.value.minimum
+    assert _fits(task, tok, L, 1) and not _fits(task, tok, L, 200)  # seed 0 fits, not every one of seeds 0..199
+    n = 1000
+    assert n * L > PREVIEW_TOKENS  # the page builds none of the form's prompts
+    at = app("sweeps", run=run)
+    at.run()
+    at.multiselect(key="sw_tasks").set_value([task])
+    at.text_input(key="sw_lengths").input(str(L))
+    at.number_input(key="sw_n").set_value(n).run()
+    assert not at.exception
+    errs = [e for e in texts(at, "error") if f"Length {L:,} is too short for {task} at sample seed" in e]
+    assert len(errs) == 1 and at.button(key="sw_run").proto.disabled, texts(at, "error")
+    need = int(errs[0].split("Raise it to ")[1].split(" ")[0].replace(",", ""))
+    last = int(errs[0].split("seeds 0..")[1].split(" ")[0])
+    assert 200 <= last + 1 < n
+    assert _fits(task, tok, need, last + 1) and not _fits(task, tok, need - 1, last + 1)
+    assert any(f"{task} seeds 0..{last} of seeds 0..{n - 1}; the job checks the other seeds" in c
+               for c in texts(at, "caption")), texts(at, "caption")
+    at.text_input(key="sw_lengths").input(str(need)).run()
+    assert not any("too short" in e for e in texts(at, "error"))
+
+
+def _fits(task, tok, length: int, n: int) -> bool:
+    from gdnviz.errors import TaskTooShort
+    from gdnviz.probes import ruler
+
+    try:
+        ruler.generate_many(task, tok, length, n)
+    except TaskTooShort:
+        return False
+    return True
 
 
 def test_sweep_job_over_its_token_limit_fails_before_building_prompts(env, tmp_path, tiny_checkpoint):

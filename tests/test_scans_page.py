@@ -58,6 +58,32 @@ def test_scan_plan_and_bad_input(env, tmp_path):
     assert Store(cache).queued_count() == 0
 
 
+def test_scan_and_budget_previews_build_their_prompts_once_per_form(env, tmp_path, monkeypatch):
+    """Reruns of an unchanged form build no prompt (scan and budget previews); a changed n builds that form's
+    prompts and its counts follow; the memo's share is still read on every run."""
+    from gdnviz.probes import sweep
+
+    built = []
+    orig = sweep.samples_for
+    monkeypatch.setattr(sweep, "samples_for", lambda tok, spec: built.append(spec.n) or orig(tok, spec))
+    cache = env(tmp_path / "c")
+    at = scans_page(cache)
+    at.number_input(key="sc_n").set_value(7).run()  # a form no earlier test built
+    at.number_input(key="bg_n").set_value(3).run()
+    assert any("× 7 samples = **" in c for c in captions(at)), captions(at)
+    first = len(built)
+    assert first > 0
+    for _ in range(2):
+        at.run()
+    at.checkbox(key="sc_keep").check().run()  # the same prompts, other settings: keys only
+    assert len(built) == first and not at.exception
+    at.number_input(key="sc_n").set_value(5).run()
+    assert len(built) > first and built[-1] == 5
+    assert any("× 5 samples = **" in c for c in captions(at)), captions(at)
+    at.number_input(key="sc_n").set_value(7).run()  # back to the first form: its prompts are still there
+    assert built[-1] == 5 and any("× 7 samples = **" in c for c in captions(at))
+
+
 def test_scan_and_budget_through_the_worker(env, tmp_path):
     cache = env(tmp_path / "c")
     at = scans_page(cache)

@@ -5,7 +5,8 @@
 Without ``--model`` it builds a small random Qwen3.5-architecture checkpoint (9 GDN layers x 8 heads of 32x32,
 decays spread from a few tokens to thousands, the tests' byte-level BPE tokenizer) in a temporary folder: the
 pictures then show the app, not a trained model's science. Pass ``--model demo`` once the bundled demo model is
-installed. ``--only compare`` captures two pairs of sample documents and shoots only the Compare two runs page.
+installed. ``--only compare`` captures two pairs of sample documents and shoots only the Compare two runs page;
+``--only heatmap`` captures the four documents and shoots only the Heatmap page (the README's picture).
 Each PNG is palette-quantised to stay a few hundred KB.
 """
 from __future__ import annotations
@@ -76,9 +77,10 @@ def main() -> int:
     ap.add_argument("--out", default=str(ROOT / "docs" / "screenshots"))
     ap.add_argument("--head", default=None,
                     help="LAYER,HEAD for the Head page (default 5,1 with --model demo: its longest-lived head; else 4,3)")
-    ap.add_argument("--only", choices=["sweeps", "compare"], default=None,
-                    help="only the Retrieval sweeps page (no capture; a tiny sweep on the inspected model), or only "
-                         "Compare two runs (two captures of the model, two sample documents each)")
+    ap.add_argument("--only", choices=["sweeps", "compare", "heatmap"], default=None,
+                    help="only the Retrieval sweeps page (no capture; a tiny sweep on the inspected model), only "
+                         "Compare two runs (two captures of the model, two sample documents each), or only the "
+                         "Heatmap (after the four documents' capture)")
     args = ap.parse_args()
     args.head = [int(x) for x in (args.head or ("5,1" if args.model == "demo" else "4,3")).split(",")]
     out = Path(args.out)
@@ -108,6 +110,15 @@ def main() -> int:
             def idle():
                 page.wait_for_selector("[data-testid='stApp'][data-test-script-state='notRunning']")
                 time.sleep(2.5)
+
+            def open_run_page(path: str):  # a page load is a new session: it picks the stored run in the sidebar
+                page.goto(base + path)
+                idle()
+                if page.get_by_text("No run chosen in this session.").count():
+                    page.get_by_test_id("stSidebar").get_by_test_id("stSelectbox").click()
+                    page.get_by_role("option").first.click()
+                    page.mouse.move(1400, 50)  # no tooltip of the sidebar's buttons in the picture
+                    idle()
 
             def shot(name: str, height: int):
                 page.set_viewport_size({"width": 1440, "height": height})
@@ -173,16 +184,16 @@ def main() -> int:
             shot("documents", 1500)
             page.get_by_role("button", name="Run capture").click()
             page.get_by_text("Captured 4 document").wait_for()
-            page.goto(base + "/heatmap")
-            idle()
+            open_run_page("/heatmap")
             shot("heatmap", 1000)
-            page.goto(base + f"/head?layer={args.head[0]}&head={args.head[1]}")
-            idle()
+            if args.only == "heatmap":
+                b.close()
+                return 0
+            open_run_page(f"/head?layer={args.head[0]}&head={args.head[1]}")
             shot("head", 2500)
-            page.goto(base + "/overview")
+            open_run_page("/overview")
             shot("overview", 1250)
-            page.goto(base + "/truncate")
-            idle()
+            open_run_page("/truncate")
             page.locator("input[aria-label='Length (tokens)']").fill("1500")
             page.keyboard.press("Enter")
             idle()

@@ -270,10 +270,11 @@ def sensitivities(lm, spec: BudgetSpec, r: int, memo, progress=None, describe=No
     return df
 
 
-def plan_budget(info, tokenizer, spec: BudgetSpec, store=None) -> dict:
+def plan_budget(info, tokenizer, spec: BudgetSpec, store=None, samples=None) -> dict:
     """Before running: dict(scan_answers, scan_cached, search_max (an upper bound on the search's answers),
     heldout_answers, heldout_cached, max_to_run, and ``gdnviz.probes.rates.estimate``'s seconds (None when a
-    (task, length) was never measured), answers_per_second, missing for the ``max_to_run`` answers, ladder)."""
+    (task, length) was never measured), answers_per_second, missing for the ``max_to_run`` answers, ladder).
+    ``samples``: as ``sweep.cell_keys``."""
     ladder = _check(spec, info)
     rmax = min(int(info.d_k), int(info.d_v))
     keys: dict = {}
@@ -284,23 +285,24 @@ def plan_budget(info, tokenizer, spec: BudgetSpec, store=None) -> dict:
                                batch_size=spec.batch_size, max_new_tokens=spec.max_new_tokens,
                                chat_template=spec.chat_template, chat_template_kwargs=spec.chat_template_kwargs,
                                fingerprint=spec.fingerprint)
-            keys.update(sweep.cell_keys(info, tokenizer, scan.sweep_spec(ss, info)))
+            keys.update(sweep.cell_keys(info, tokenizer, scan.sweep_spec(ss, info), samples))
     ho_keys = {}
     if spec.heldout_n:
-        ho_keys = sweep.cell_keys(info, tokenizer, _sweep(spec, {}, spec.heldout_seed, spec.heldout_n, rmax))
+        ho_keys = sweep.cell_keys(info, tokenizer, _sweep(spec, {}, spec.heldout_seed, spec.heldout_n, rmax),
+                                  samples)
     H = len(info.gdn_layers) * int(info.num_heads)
     per_cell = len(ladder) * (1 + math.ceil(math.log2(max(2, H)))) * spec.n  # the search's bound per (task, length)
     search_max = per_cell * len(spec.tasks) * len(spec.lengths)
     st, close = scan.open_store(store)
     try:
-        sp = sweep.plan_from_keys(info, keys, spec.segment_len, st)
-        ho = sweep.plan_from_keys(info, ho_keys, spec.segment_len, st)
+        sp = sweep.plan_from_keys(info, keys, spec.segment_len, st, batch_size=spec.batch_size)
+        ho = sweep.plan_from_keys(info, ho_keys, spec.segment_len, st, batch_size=spec.batch_size)
         # held-out: the untouched answers (ho's keys) and as many of the budget's, none of them in the memo yet
         ho_todo = {(c["task"], c["length"]): 2 * c["answers"] - c["cached"] for c in ho["cells"]}
         to_run = {(c["task"], c["length"]): c["answers"] - c["cached"] + per_cell + ho_todo.get((c["task"],
                                                                                                 c["length"]), 0)
                   for c in sp["cells"]}
-        est = rates.estimate(MemoStore(st), info, to_run, spec.segment_len)
+        est = rates.estimate(MemoStore(st), info, to_run, spec.segment_len, spec.batch_size)
     finally:
         close()
     ho_total, ho_cached = 2 * ho["answers"], ho["cached"]

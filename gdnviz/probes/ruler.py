@@ -74,8 +74,8 @@ import numpy as np
 
 from gdnviz.errors import TaskTooShort, UnknownTask
 
-__all__ = ["TASKS", "TASK_NAMES", "METRICS", "Sample", "generate", "generate_many", "string_match_all",
-           "string_match_part", "postprocess", "score", "score_samples"]
+__all__ = ["TASKS", "TASK_NAMES", "METRICS", "Sample", "generate", "generate_many", "smallest_fit", "sizing_class",
+           "string_match_all", "string_match_part", "postprocess", "score", "score_samples"]
 
 # --- RULER's text, verbatim ---------------------------------------------------------------------------------------
 NIAH_TEMPLATE = (
@@ -599,6 +599,26 @@ def generate(task: str, tokenizer, target_len: int, seed: int, *, chat_template:
     return _sample(job, _fit(job), seed)
 
 
+def smallest_fit(task: str, tokenizer, seed: int, target_len: int = 1, *, chat_template: bool | str = "auto",
+                 chat_template_kwargs: Mapping[str, Any] | None = None) -> int:
+    """The shortest target length (tokens) that sample ``seed`` of ``task`` fits in, among targets sized like
+    ``target_len`` (cwe sizes its demos differently from 4,096 tokens on; no other task depends on it): its prompt
+    with the task's smallest haystack plus the tokens to generate (one short prompt built). Not defined for fwe,
+    whose smallest valid text depends on the target: ValueError."""
+    _check(task, target_len, seed)
+    job = _Job(task, tokenizer, int(target_len), int(seed), _use_chat(tokenizer, chat_template),
+               chat_template_kwargs)
+    if job.family == "freq_words_extraction":
+        raise ValueError("fwe has no per-seed smallest fit: its smallest valid text depends on the target length")
+    return len(_try(job, job.min_units, int(seed)).ids) + job.ttg
+
+
+def sizing_class(task: str, target_len: int) -> int:
+    """The smallest target sized like ``target_len`` (4,096 for cwe from 4,096 tokens on, else 1): ``smallest_fit``
+    is the same for every target of one class."""
+    return 4096 if _spec(task)["family"] == "common_words_extraction" and int(target_len) >= 4096 else 1
+
+
 def generate_many(task: str, tokenizer, target_len: int, n: int, seed0: int = 0, *,
                   chat_template: bool | str = "auto",
                   chat_template_kwargs: Mapping[str, Any] | None = None,
@@ -606,7 +626,9 @@ def generate_many(task: str, tokenizer, target_len: int, n: int, seed0: int = 0,
     """``n`` samples with seeds ``seed0, seed0 + 1, ...``, sized like RULER's datasets.
 
     The haystack size is searched once (on ``seed0``, so the first sample equals ``generate(..., seed0)``); every
-    other sample starts from that size and steps down by RULER's increment while it is too long.
+    other sample starts from that size and steps down by RULER's increment while it is too long, the smallest
+    haystack last: a later sample fails (``TaskTooShort`` naming its seed) exactly when ``smallest_fit`` of its
+    seed is over ``target_len``.
     ``each(k)`` is called after the k-th sample is built (k = 1..n); an exception it raises (a cancel) stops here.
     """
     _check(task, target_len, seed0)
@@ -629,14 +651,14 @@ def generate_many(task: str, tokenizer, target_len: int, n: int, seed0: int = 0,
             ok = _fits(job, fit) and (job.family != "freq_words_extraction" or job.fwe_valid(size))
             if ok:
                 break
-            size -= job.increment
-            if size < floor:  # the seeds before this one fitted: say which sample does not
+            if size == floor:  # the seeds before this one fitted: say which sample does not
                 which = f"sample seed {seed}; seeds {seed0}..{seed - 1} fit"
                 if job.family == "freq_words_extraction":
                     raise _too_short(job, _fwe_minimum(job), "the template, a Zipf text whose top 3 words are "
                                      f"distinct, for {which}")
                 raise _too_short(job, len(_try(job, floor, seed).ids) + job.ttg,
                                  f"the template and {floor} haystack unit(s), for {which}")
+            size = max(floor, size - job.increment)  # the smallest haystack is tried last
         out.append(_sample(job, fit, seed))
         if each is not None:
             each(len(out))

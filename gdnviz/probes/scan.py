@@ -198,14 +198,16 @@ def open_store(store):
 
 
 # --- plan and run -------------------------------------------------------------------------------------------------
-def plan_scan(info, tokenizer, spec: ScanSpec, store=None) -> dict:
+def plan_scan(info, tokenizer, spec: ScanSpec, store=None, samples=None) -> dict:
     """What the scan will do before it runs: ``sweep.plan_from_keys``'s dict (answers, cached, to_run, cells,
     seconds, answers_per_second, missing; seconds None when this model, device, task and length were never
-    measured) and settings, units. Raises what ``run_scan`` raises for bad input (not the prompt limit)."""
+    measured) and settings, units. ``samples``: as ``sweep.cell_keys``. Raises what ``run_scan`` raises for bad
+    input (not the prompt limit)."""
     sspec = sweep_spec(spec, info)
     st, close = open_store(store)
     try:
-        plan = sweep.plan_from_keys(info, sweep.cell_keys(info, tokenizer, sspec), spec.segment_len, st)
+        plan = sweep.plan_from_keys(info, sweep.cell_keys(info, tokenizer, sspec, samples), spec.segment_len, st,
+                                    batch_size=spec.batch_size)
     finally:
         close()
     return dict(plan, settings=plan["answers"] // max(1, spec.n), units=len(units(spec, info)))

@@ -45,7 +45,7 @@ from gdnviz.store import content_hash
 __all__ = ["SweepSpec", "Batch", "answer_batch", "local_executor", "DEFAULT_RANKS", "resolve_ranks", "resolve_heads",
            "parse_heads",
            "run_sweep", "sweep_table", "sweep_figure", "to_csv", "csv_frame", "cell_key", "cell_keys", "samples_for",
-           "keys_of", "plan_from_keys", "plan_unbuilt", "count_cached", "records",
+           "check_spec", "keys_of", "plan_from_keys", "plan_unbuilt", "count_cached", "records",
            "rows_frame", "table_frame", "VERSION"]
 
 VERSION = 1  # of a sweep cell's computation: bump it to invalidate every stored cell
@@ -151,7 +151,9 @@ def resolve_heads(heads: Any, info) -> list[tuple[int, int]]:
     return pairs
 
 
-def _check_spec(spec: SweepSpec, info) -> None:
+def check_spec(spec: SweepSpec, info) -> None:
+    """Raise what ``run_sweep`` raises for the spec's settings on the model ``info`` (EmptyDocumentSet,
+    UnknownTask, RankOutOfRange, ValueError...), before any prompt is built; ``keys_of`` takes a spec that passed."""
     if not spec.tasks:
         raise EmptyDocumentSet("the sweep has no tasks: give at least one RULER task")
     for t in spec.tasks:
@@ -248,31 +250,32 @@ def samples_for(tokenizer, spec: SweepSpec) -> dict:
 def keys_of(info, samples: dict, spec: SweepSpec) -> dict:
     """{(task, length): the memo keys of every answer the sweep needs there (all settings × ``samples``, as
     ``samples_for`` builds them)}, without a model: ``info`` needs fingerprint, dtype, d_k, d_v, gdn_layers and
-    num_heads (a ``ModelInfo`` or a namespace of the inspected model's). Raises what ``run_sweep`` raises for the
-    settings before running."""
-    _check_spec(spec, info)
+    num_heads (a ``ModelInfo`` or a namespace of the inspected model's). ``spec`` has passed ``check_spec``."""
     out: dict = {}
     for task, length, _, _, keys in _cells(info, samples, _settings(spec, info), spec):
         out.setdefault((task, int(length)), []).extend(keys)
     return out
 
 
-def cell_keys(info, tokenizer, spec: SweepSpec) -> dict:
-    """``keys_of(info, samples_for(tokenizer, spec), spec)``: the memo keys of every answer the sweep needs."""
-    _check_spec(spec, info)  # bad settings before the prompts are built
-    return keys_of(info, samples_for(tokenizer, spec), spec)
+def cell_keys(info, tokenizer, spec: SweepSpec, samples: Callable[[SweepSpec], dict] | None = None) -> dict:
+    """``keys_of(info, samples_for(tokenizer, spec), spec)``: the memo keys of every answer the sweep needs.
+    ``samples``: where the prompts come from instead (a callable of the spec returning ``samples_for``'s dict;
+    the app passes its cache of them)."""
+    check_spec(spec, info)  # bad settings before the prompts are built
+    return keys_of(info, samples_for(tokenizer, spec) if samples is None else samples(spec), spec)
 
 
-def plan_from_keys(info, keys: dict, segment_len: int, store=None) -> dict:
+def plan_from_keys(info, keys: dict, segment_len: int, store=None, *, batch_size: int | None) -> dict:
     """What a job of these ``cell_keys`` (merged over its sweeps) will do: dict(answers, cached (in the memo now),
     to_run, cells [dict(task, length, answers, cached)], and the time ``gdnviz.probes.rates.estimate`` gives for
-    the answers to run: seconds (None: some (task, length) never measured), answers_per_second, missing); JSON-ready."""
+    the answers to run at the job's ``batch_size`` (None: chosen from free memory): seconds (None: some (task,
+    length) never measured at it), answers_per_second, missing, batch_size, rows); JSON-ready."""
     st = MemoStore(store)
     try:
         cells = [dict(task=t, length=int(l), answers=len(ks), cached=sum(st.get(k) is not None for k in ks))
                  for (t, l), ks in keys.items()]
         est = rates.estimate(st, info, {(c["task"], c["length"]): c["answers"] - c["cached"] for c in cells},
-                             segment_len)
+                             segment_len, batch_size)
     finally:
         st.close()
     answers, cached = sum(c["answers"] for c in cells), sum(c["cached"] for c in cells)
@@ -284,12 +287,13 @@ def plan_unbuilt(info, spec: SweepSpec, store=None) -> dict:
     each (task, length) needs the job's settings (``_settings``, the list ``run_sweep`` works through) × ``n``
     answers; ``cached`` is None (the memo keys hash the prompts, so the memo cannot be read without them) and the
     time is that of all the answers at the measured rates (an upper bound: the job skips what the memo holds)."""
-    _check_spec(spec, info)
+    check_spec(spec, info)
     k = len(_settings(spec, info)) * int(spec.n)
     cells = [dict(task=t, length=int(l), answers=k, cached=None) for t in spec.tasks for l in spec.lengths]
     st = MemoStore(store)
     try:
-        est = rates.estimate(st, info, {(c["task"], c["length"]): k for c in cells}, spec.segment_len)
+        est = rates.estimate(st, info, {(c["task"], c["length"]): k for c in cells}, spec.segment_len,
+                             spec.batch_size)
     finally:
         st.close()
     answers = k * len(cells)
@@ -298,7 +302,7 @@ def plan_unbuilt(info, spec: SweepSpec, store=None) -> dict:
 
 def count_cached(info, tokenizer, spec: SweepSpec, store=None) -> tuple[int, int]:
     """(answers the sweep needs, answers its memo already holds), from ``cell_keys``."""
-    p = plan_from_keys(info, cell_keys(info, tokenizer, spec), spec.segment_len, store)
+    p = plan_from_keys(info, cell_keys(info, tokenizer, spec), spec.segment_len, store, batch_size=spec.batch_size)
     return p["answers"], p["cached"]
 
 
@@ -381,7 +385,7 @@ def run_sweep(lm, spec: SweepSpec, store=None, progress: Callable[[int, int], No
     """
     if lm.tokenizer is None:
         raise ValueError("the sweep needs the model's tokenizer to build RULER prompts")
-    _check_spec(spec, lm.info)
+    check_spec(spec, lm.info)
     samples = _samples(lm, spec, preparing)  # raises TaskTooShort before any model call
     settings = _settings(spec, lm.info)
     total = sum(len(s) for s in samples.values()) * len(settings)
@@ -390,7 +394,7 @@ def run_sweep(lm, spec: SweepSpec, store=None, progress: Callable[[int, int], No
     groups = []  # (task, length, setting, samples, keys)
     results: dict = {}
     done = 0
-    spent: dict = {}  # (task, length) -> [wall seconds of its batches, answers generated]
+    spent: dict = {}  # (task, length) -> [wall seconds of its batches, answers generated, most rows in a batch]
     try:
         for task, length, setting, smp, keys in _cells(lm.info, samples, settings, spec):
             for k in keys:
@@ -426,8 +430,8 @@ def run_sweep(lm, spec: SweepSpec, store=None, progress: Callable[[int, int], No
         t_last = time.perf_counter()
         for b, res in execute(handed()):
             now = time.perf_counter()
-            acc = spent.setdefault((b.task, int(b.length)), [0.0, 0])
-            acc[0], acc[1], t_last = acc[0] + now - t_last, acc[1] + len(b.idx), now
+            acc = spent.setdefault((b.task, int(b.length)), [0.0, 0, 0])
+            acc[0], acc[1], acc[2], t_last = acc[0] + now - t_last, acc[1] + len(b.idx), max(acc[2], len(b.idx)), now
             keys = key_of.pop(id(b))
             for i, r in zip(b.idx, res):  # store the whole batch first, then report
                 st.set(keys[i], r)
@@ -438,8 +442,8 @@ def run_sweep(lm, spec: SweepSpec, store=None, progress: Callable[[int, int], No
                     progress(done, total)
             t_last = time.perf_counter()  # the time spent in progress (a UI, a cancel) is not the model's
     finally:
-        for (task, length), (secs, k) in spent.items():  # a cancelled sweep's batches were measured too
-            rates.record(st, lm.info, task, length, spec.segment_len, secs, k)
+        for (task, length), (secs, k, rows) in spent.items():  # a cancelled sweep's batches were measured too
+            rates.record(st, lm.info, task, length, spec.segment_len, spec.batch_size, secs, k, rows)
         st.close()
     rows = []
     for task, length, setting, smp, keys in groups:

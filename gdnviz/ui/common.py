@@ -323,6 +323,27 @@ def task_minimum(task: str, tokenizer, seed0: int, chat, *, info: dict) -> int:
     return _task_minimum(*key, task, int(seed0), chat)
 
 
+@st.cache_data(show_spinner=False, max_entries=256)
+def _seed_minima(path: str, mtime: float, task: str, seed0: int, n: int, target_class: int, chat,
+                 budget: int) -> dict | None:
+    from gdnviz.ui.sweeps import seed_minima as minima
+
+    return minima(task, _hf_tokenizer(path, mtime), seed0, n, target_class, chat, budget)
+
+
+def seed_minima(task: str, tokenizer, seed0: int, n: int, target_class: int, chat, *, info: dict,
+                n_tasks: int) -> dict | None:
+    """``gdnviz.ui.sweeps.seed_minima`` cached per (model tokenizer, task, seeds, target class, chat template);
+    the smallest prompts it builds for one task stay within ``PREVIEW_TOKENS / n_tasks`` tokens."""
+    from gdnviz.ui.sweeps import seed_minima as minima
+
+    budget = PREVIEW_TOKENS // max(1, int(n_tasks))
+    key = _tokenizer_key(info)
+    if key is None:
+        return minima(task, tokenizer, seed0, n, target_class, chat, budget)
+    return _seed_minima(*key, task, int(seed0), int(n), int(target_class), chat, budget)
+
+
 # prompts a sweep preview builds on the page, in tokens (tasks × lengths × n, summed target lengths): a RULER prompt
 # costs ~10 µs per token to build on this project's 2-core CPU (2026-12-03), so ~4 s; beyond it the page says how
 # many answers the job needs without reading the memo (the job itself builds and checks every prompt first)
@@ -334,7 +355,7 @@ def preview_tokens(spec) -> int:
     return int(spec.n) * len(spec.tasks) * sum(int(x) for x in spec.lengths)
 
 
-@st.cache_data(show_spinner=False, max_entries=16)
+@st.cache_data(show_spinner=False, max_entries=32)
 def _sweep_samples(path: str, mtime: float, tasks: tuple, lengths: tuple, n: int, seed0: int, chat,
                    chat_kwargs: tuple) -> dict:
     from gdnviz.probes.sweep import SweepSpec, samples_for
@@ -342,6 +363,21 @@ def _sweep_samples(path: str, mtime: float, tasks: tuple, lengths: tuple, n: int
     spec = SweepSpec(model="", tasks=tasks, lengths=lengths, n=n, seed0=seed0, chat_template=chat,
                      chat_template_kwargs=chat_kwargs)
     return samples_for(_hf_tokenizer(path, mtime), spec)
+
+
+def sweep_samples(info: dict):
+    """A callable of a ``SweepSpec`` returning ``sweep.samples_for``'s prompts on the model ``info``'s tokenizer,
+    built once per (tokenizer files, tasks, lengths, n, seed0, chat template): a changed form gets new prompts;
+    the memo's share is not part of it. ValueError when the model has no tokenizer."""
+    key = _tokenizer_key(info)
+    if key is None:
+        raise ValueError(f"{info.get('path') or info.get('name')} has no tokenizer files beside its weights")
+
+    def samples(spec) -> dict:
+        return _sweep_samples(*key, tuple(spec.tasks), tuple(int(x) for x in spec.lengths), int(spec.n),
+                              int(spec.seed0), spec.chat_template, tuple(spec.chat_template_kwargs))
+
+    return samples
 
 
 def sweep_plan(info: dict, spec) -> dict:
@@ -352,18 +388,15 @@ def sweep_plan(info: dict, spec) -> dict:
     (``sweep.plan_unbuilt``: the counts without the memo's share; the job checks every prompt before any model
     call). Raises what the sweep raises for bad input; ValueError when the model has no tokenizer."""
     from gdnviz.jobs import MemoMapping
-    from gdnviz.probes.sweep import keys_of, plan_from_keys, plan_unbuilt
+    from gdnviz.probes.sweep import check_spec, keys_of, plan_from_keys, plan_unbuilt
 
-    key = _tokenizer_key(info)
-    if key is None:
-        raise ValueError(f"{info.get('path') or info.get('name')} has no tokenizer files beside its weights")
+    samples = sweep_samples(info)
     ns = info_ns(info)
-    keys_of(ns, {}, spec)  # bad settings raise before any prompt is built
+    check_spec(spec, ns)  # bad settings raise before any prompt is built
     if preview_tokens(spec) > PREVIEW_TOKENS:
         return plan_unbuilt(ns, spec, MemoMapping(store()))
-    samples = _sweep_samples(*key, tuple(spec.tasks), tuple(int(x) for x in spec.lengths), int(spec.n),
-                             int(spec.seed0), spec.chat_template, tuple(spec.chat_template_kwargs))
-    return plan_from_keys(ns, keys_of(ns, samples, spec), spec.segment_len, MemoMapping(store()))
+    return plan_from_keys(ns, keys_of(ns, samples(spec), spec), spec.segment_len, MemoMapping(store()),
+                          batch_size=spec.batch_size)
 
 
 def info_ns(info: dict) -> SimpleNamespace:

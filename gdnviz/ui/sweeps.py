@@ -81,24 +81,81 @@ def task_minimum(task: str, tokenizer, seed0: int = 0, chat_template="auto") -> 
     return 1
 
 
-def length_errors(tasks, lengths, tokenizer, seed0: int = 0, chat_template="auto", minimum=task_minimum) -> list:
+def seed_minima(task: str, tokenizer, seed0: int, n: int, target_len: int = 1, chat_template="auto",
+                budget: int | None = None) -> dict | None:
+    """dict(minimum, seed, checked): the largest ``ruler.smallest_fit`` (tokens) over the sweep's seeds
+    ``seed0 .. seed0 + n - 1`` at targets sized like ``target_len``, the first seed that needs it, and how many
+    seeds were checked: all n, or fewer once the prompts built reach ``budget`` tokens. None for fwe (its need
+    depends on the target; the job checks every sample before any model call)."""
+    from gdnviz.probes import ruler
+
+    best, at, built, checked = -1, int(seed0), 0, 0
+    for seed in range(int(seed0), int(seed0) + int(n)):
+        try:
+            m = ruler.smallest_fit(task, tokenizer, seed, target_len, chat_template=chat_template)
+        except ValueError:
+            return None
+        checked += 1
+        if m > best:
+            best, at = m, seed
+        built += m
+        if budget is not None and built >= budget:
+            break
+    return dict(minimum=best, seed=at, checked=checked)
+
+
+def length_errors(tasks, lengths, tokenizer, seed0: int = 0, chat_template="auto", minimum=task_minimum,
+                  minima=None) -> list:
     """One message per (task, length) that cannot hold a sample. ``minimum(task)``-checks first (cheap), then
-    confirms each suspect by generating the sample (fwe's fill is not monotone in the target)."""
+    confirms each suspect by generating the sample (fwe's fill is not monotone in the target). ``minima(task,
+    target class)`` (``seed_minima`` of the sweep's seeds) then names a later seed that does not fit a length
+    the first seed fits."""
     from gdnviz.probes import ruler
 
     out = []
     for task in tasks:
         m = minimum(task, tokenizer, seed0, chat_template)
         for L in lengths:
-            if L >= m:
-                continue
-            try:
-                ruler.generate(task, tokenizer, int(L), int(seed0), chat_template=chat_template)
-            except TaskTooShort as e:
-                out.append(f"Length {L:,} is too short for {task}: it needs at least {e.minimum:,} tokens with this "
-                           f"model's tokenizer (its template, the smallest haystack and "
-                           f"{ruler.TASKS[task]['tokens_to_generate']} tokens to generate). Raise or remove it.")
+            if L < m:
+                try:
+                    ruler.generate(task, tokenizer, int(L), int(seed0), chat_template=chat_template)
+                except TaskTooShort as e:
+                    out.append(f"Length {L:,} is too short for {task}: it needs at least {e.minimum:,} tokens with "
+                               f"this model's tokenizer (its template, the smallest haystack and "
+                               f"{ruler.TASKS[task]['tokens_to_generate']} tokens to generate). Raise or remove it.")
+                    continue
+            seeds = minima(task, ruler.sizing_class(task, L)) if minima is not None else None
+            if seeds is not None and L < seeds["minimum"]:
+                last = int(seed0) + seeds["checked"] - 1
+                out.append(f"Length {L:,} is too short for {task} at sample seed {seeds['seed']}: that sample needs "
+                           f"at least {seeds['minimum']:,} tokens with this model's tokenizer, the largest need among "
+                           f"seeds {seed0}..{last} (seed {seed0} fits). Raise it to {seeds['minimum']:,} or remove "
+                           "it.")
     return out
+
+
+def seed_check_note(tasks, lengths, seed0: int, n: int, minima) -> str | None:
+    """What the page did not check of the sweep's later seeds (the job checks them before any model call), or
+    None when every sample's smallest prompt was checked."""
+    from gdnviz.probes import ruler
+
+    if n <= 1:
+        return None
+    parts, partial = [], False
+    for task in tasks:
+        checked = [minima(task, c) for c in sorted({ruler.sizing_class(task, L) for L in lengths})]
+        if any(c is None for c in checked):
+            parts.append(f"{task} seed {seed0} only")
+            partial = True
+        elif min(c["checked"] for c in checked) < n:
+            parts.append(f"{task} seeds {seed0}..{seed0 + min(c['checked'] for c in checked) - 1}")
+            partial = True
+        else:
+            parts.append(f"{task} all")
+    if not partial:
+        return None
+    return ("Lengths checked against each sample's smallest prompt on this page: " + ", ".join(parts)
+            + f" of seeds {seed0}..{seed0 + n - 1}; the job checks the other seeds before any model call.")
 
 
 def head_group(mode: str, *, layers=(), picked=()) -> dict:
