@@ -236,9 +236,9 @@ def markdown(res: dict) -> str:
                   f"{100 * o['share_forgetting_within_segment']:.0f}%",
                   f"- capture of one {s['doc_tokens']}-token document: {min(s['capture_seconds']):.2f}-"
                   f"{max(s['capture_seconds']):.2f} s on {res['device']}", "",
-                  "| r (all GDN heads) | loss | delta | " + " | ".join(
+                  "| r (all GDN heads) | loss | delta | paired SE | " + " | ".join(
                       f"{t}@{max(lens)}" for t in next(iter(s["ruler_truncated"].values()), {})) + " |",
-                  "|---|---|---|" + "---|" * len(next(iter(s["ruler_truncated"].values()), {}))]
+                  "|---|---|---|---|" + "---|" * len(next(iter(s["ruler_truncated"].values()), {}))]
         for row in s["loss_vs_rank"]:
             r = str(int(row["r"]))
             cells = s["ruler_truncated"].get(r)
@@ -246,7 +246,7 @@ def markdown(res: dict) -> str:
                 cells = {t: res["ruler"].get(t, {}).get(str(max(lens)), float("nan"))
                          for t in next(iter(s["ruler_truncated"].values()), {})}
             cells = cells or {}
-            lines.append(f"| {r} | {row['loss']:.4f} | {row['delta']:+.4f} | "
+            lines.append(f"| {r} | {row['loss']:.4f} | {row['delta']:+.4f} | {row.get('se', float('nan')):.4f} | "
                          + " | ".join(f"{v[str(max(lens))]:.1f}" if isinstance(v, dict) else f"{v:.1f}"
                                       for v in cells.values()) + " |")
         lines += ["", f"Per head (median over the {s['docs']} documents; effective rank at the document end; "
