@@ -118,3 +118,20 @@ def test_v3_gate_init_spreads_horizons():
                     for la in (l.linear_attn for l in model.model.layers if hasattr(l, "linear_attn"))])[:, 0]
     want = np.geomspace(2.0, 4096.0, 32).reshape(4, 8).T  # [layer, head]
     np.testing.assert_allclose(got, want, rtol=1e-4)
+
+
+def test_v3b_is_v3_with_attention_in_every_multikey_sample_and_a_longer_plan():
+    """--preset v3b (prepared for the next GPU session, scripts/demo/README.md): v3's architecture; its parsed
+    recipe differs from v3's only in the multi-key samples' attention-drop chance (0) and the planned minutes (24);
+    a command-line value still overrides the recipe."""
+    train = _train_script()
+    v3 = train.parse_args(["--out", "x", "--preset", "v3"])
+    v3b = train.parse_args(["--out", "x", "--preset", "v3b"])
+    assert train.PRESETS["v3b"] == train.PRESETS["v3"]
+    diff = {k for k in train.RECIPE_DEFAULTS if getattr(v3, k) != getattr(v3b, k)}
+    assert diff == {"attn_drop_by_task", "plan_minutes"}
+    assert v3.plan_minutes is None and v3b.plan_minutes == 24.0
+    changed = {t for t in v3.attn_drop_by_task if v3.attn_drop_by_task[t] != v3b.attn_drop_by_task[t]}
+    assert changed == {"niah_multikey_2", "niah_multikey_3"}
+    assert v3b.attn_drop_by_task["niah_multikey_2"] == v3b.attn_drop_by_task["niah_multikey_3"] == 0.0
+    assert train.parse_args(["--out", "x", "--preset", "v3b", "--plan-minutes", "10"]).plan_minutes == 10.0
