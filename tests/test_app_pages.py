@@ -943,14 +943,20 @@ def test_sweeps_without_a_model_and_from_a_deep_link(env, tmp_path, monkeypatch,
         assert "Go to Model & documents" in [l.proto.label for l in at.get("page_link")]
         assert not charts(at) and not at.get("progress") and Store(cache).queued_count() == 0
         monkeypatch.setenv("GDNVIZ_DEFAULT_MODEL", str(tiny_checkpoint))
-    at = app("sweeps")
+    inspects_then_shows_the_form(cache, "sweeps", "sw_run")
+
+
+def inspects_then_shows_the_form(cache, page: str, run_key: str) -> None:
+    """A new session opened on ``page`` with a default model and no capture: it asks for the model's inspection,
+    and once the worker has done it shows the form (``run_key``, no error) on the inspected model."""
+    at = app(page)
     at.run()
     assert not at.exception
     assert any(t.startswith("Inspecting tiny-qwen3_5: queued") for t in progress(at)), progress(at)
     assert work(cache) == 1
     at.run()
     assert not at.exception and not at.get("progress")
-    assert at.button(key="sw_run") is not None and not texts(at, "error")
+    assert at.button(key=run_key) is not None and not texts(at, "error")
     assert any("the inspected model (tiny-qwen3_5)" in m for m in texts(at, "markdown"))
 
 
@@ -959,16 +965,7 @@ def test_sweeps_without_a_model_and_from_a_deep_link(env, tmp_path, monkeypatch,
 def test_job_pages_without_a_run_inspect_the_default_model_then_show_the_form(env, tmp_path, page, run_key):
     """No capture, a default model: a new session opened on the page asks for its inspection (the empty state
     only when no model can be chosen, tested for sweeps above), then shows the form on the inspected model."""
-    cache = env(tmp_path / "c")
-    at = app(page)
-    at.run()
-    assert not at.exception
-    assert any(t.startswith("Inspecting tiny-qwen3_5: queued") for t in progress(at)), progress(at)
-    assert work(cache) == 1
-    at.run()
-    assert not at.exception and not at.get("progress")
-    assert at.button(key=run_key) is not None
-    assert any("the inspected model (tiny-qwen3_5)" in m for m in texts(at, "markdown"))
+    inspects_then_shows_the_form(env(tmp_path / "c"), page, run_key)
 
 
 def test_sweep_preview_counts_the_memo_and_estimates_from_the_last_sweeps_throughput(env, tmp_path):
