@@ -15,11 +15,12 @@ What it does (:class:`StaticDecoder`), after a prefill through gdnviz's runner i
    column is visible: the row's real prompt tokens and the tokens decoded so far; the dtype's minimum elsewhere),
    passed to the model as its per-layer-type mask mapping, so transformers builds no mask;
 3. inside the same ``RunContext`` as the prefill, so the GDN layers go through ``gdnviz.runner.gdn_scan`` and
-   **truncation continues at every row's own boundaries**: a step after which some row's position is a multiple of
-   L runs eagerly (the boundary callbacks cut the state, which the layer then writes into the static cache in
-   place); every other step is one fla kernel call per GDN layer and is replayed from one CUDA graph, captured at
-   the first such step after one eager warm-up step. The Python side of a replayed step (the layers' token counts
-   in ``RunContext.offsets``) is advanced by hand.
+   **truncation continues at every row's own boundaries**. A step is one fla kernel call per GDN layer, replayed
+   from one CUDA graph captured at the first step without a boundary after one eager warm-up step. After a
+   replayed step after which some row's position is a multiple of L, the boundary callbacks cut those rows' states
+   in the static cache (``Dispatch.row_boundary``, as the eager step's segment loop calls it: the step's own output
+   read the uncut state there too). Steps before the capture that reach a boundary run eagerly. The Python side of
+   a replayed step (the layers' token counts in ``RunContext.offsets``) is advanced by hand.
 
 When the graph is used (:func:`graph_reason` returns None): CUDA with fla, a transformers-family model (Qwen3.5,
 Qwen3.5-MoE, Qwen3-Next) with sdpa or eager attention, and no callbacks but gdnviz's truncation (a recorder's
@@ -146,6 +147,7 @@ class StaticDecoder:
         self.out = None
         self.warm = False
         self.replays = 0
+        self.boundary_replays = 0  # replayed steps after which some row's boundary was applied to the cache
 
     # -- one step ------------------------------------------------------------------------------------
     def step(self, tokens) -> torch.Tensor:
@@ -159,15 +161,16 @@ class StaticDecoder:
             self.pos.add_(1)
         self.mask[:, 0, 0, self.P + self.i] = 0.0
         offset = self._offset()
-        if self.reason is not None or self._at_boundary(offset):
-            logits = self._forward()
-        elif self.graph is not None:
+        if self.reason is None and self.graph is not None:
             self.graph.replay()
             for layer in self.ctx.offsets:
                 self.ctx.offsets[layer] += 1
             self.replays += 1
             self.ctx.readouts.add("decode-graph")
             logits = self.out.clone()
+            self._cut_boundary_rows(offset)
+        elif self.reason is not None or self._at_boundary(offset):
+            logits = self._forward()
         elif not self.warm:  # one eager step first: Triton compiles, cuBLAS and the allocator settle
             logits = self._forward()
             self.warm = True
@@ -185,10 +188,40 @@ class StaticDecoder:
 
     def _at_boundary(self, offset: int) -> bool:
         """Whether, after this step's token, some row's own position is a positive multiple of L and a callback
-        acts at boundaries (the step then runs eagerly, so the callbacks run)."""
+        acts at boundaries (before the capture such a step runs eagerly; after it, the cut follows the replay)."""
+        return bool(self._boundary_rows(offset))
+
+    def _boundary_rows(self, offset: int) -> dict:
+        """{position: [rows]} of the rows whose own position after this step's token (``offset`` consumed before
+        it) is a positive multiple of L, as the eager step's segment loop groups them; {} when no callback acts at
+        boundaries."""
         if not self.ctx.dispatch.acts_at_boundaries():
-            return False
-        return any(runner.boundary_cuts(offset - s, 1, self.ctx.segment_len) for s in self.starts)
+            return {}
+        L = self.ctx.segment_len
+        groups: dict = {}
+        for b, s in enumerate(self.starts):
+            pos = offset + 1 - s
+            if pos > 0 and pos % L == 0:
+                groups.setdefault(pos, []).append(b)
+        return groups
+
+    def _cut_boundary_rows(self, offset: int) -> None:
+        """After a replayed step: the boundary of every row that reached one, applied to each GDN layer's state in
+        the StaticCache as the eager step applies it (``Dispatch.row_boundary`` per position, in order). Exact: the
+        step's output read the state before the cut in the eager step too; only the next steps read the cut."""
+        groups = self._boundary_rows(offset)
+        if not groups:
+            return
+        calls, adapter = self.ctx.dispatch, self.lm.adapter
+        with torch.inference_mode():
+            for layer in self.ctx.offsets:
+                state = adapter.get_state(self.static, layer)
+                new = state
+                for pos, rows in sorted(groups.items()):
+                    new = calls.row_boundary(layer, pos, new, torch.tensor(rows, device=state.device))
+                if new is not state:
+                    adapter.set_state(self.static, layer, new)
+        self.boundary_replays += 1
 
     def _forward(self) -> torch.Tensor:
         lm = self.lm

@@ -115,6 +115,60 @@ def test_boundary_steps_are_the_eager_ones():
     assert not any(dec._at_boundary(P + i) for i in range(STEPS))
 
 
+class EagerReplay:
+    """A stand-in, on CPU, for the decoder's captured CUDA graph: ``replay()`` runs the step as the capture recorded
+    it (a step after which no row had a boundary: the forward without boundary callbacks) into the decoder's output
+    buffer and leaves the layers' token counts for ``StaticDecoder.step`` to advance, as a real replay does."""
+
+    def __init__(self, dec):
+        self.dec = dec
+
+    def replay(self):
+        ctx = self.dec.ctx
+        before, callbacks = dict(ctx.offsets), ctx.callbacks
+        ctx.callbacks = []
+        try:
+            self.dec.out = self.dec._forward()
+        finally:
+            ctx.callbacks = callbacks
+            ctx.offsets.clear()
+            ctx.offsets.update(before)
+
+
+def _decode_fed(lm, prompts, spec, feed, replay: bool):
+    """Logits ``[STEPS, B, vocab]`` and the decoder, the tokens ``feed`` fed after one batched prefill; ``replay``:
+    every step "replayed" (``EagerReplay``), so boundaries are applied to the cache after the step."""
+    out, ctx, mask, _ = batched_forward(lm, prompts, segment_len=L, spec=spec, use_cache=True,
+                                        logits_positions="last", keep_hidden=False)
+    dec = static_decode.StaticDecoder(lm, ctx, out.cache, STEPS, attention_mask=mask, positions=mask.sum(-1),
+                                      graph=False)
+    if replay:
+        dec.reason, dec.graph = None, EagerReplay(dec)
+    return torch.stack([dec.step(feed[i]) for i in range(STEPS)]), dec
+
+
+@pytest.mark.parametrize("family", ["qwen3_5", "qwen3_next"])
+def test_boundaries_after_replayed_steps_equal_the_eager_steps(family, monkeypatch):
+    """After a replayed step the rows that reached a boundary are cut in the StaticCache: every step's logits and
+    every layer's final state equal the eager static steps' (which cut inside the step) bit for bit."""
+    lm = from_model(_models()[family], family)
+    spec = TruncationSpec.all_heads(lm.info, 3)
+    prompts = _prompts(LENS)
+    feed = [torch.tensor(x) for x in _prompts([len(LENS)] * STEPS, seed=1)]
+    eager, e = _decode_fed(lm, prompts, spec, feed, replay=False)
+    replayed, r = _decode_fed(lm, prompts, spec, feed, replay=True)
+    assert e.boundary_replays == 0 and r.replays == STEPS
+    P = e.P
+    assert r.boundary_replays == sum(e._at_boundary(P + i) for i in range(STEPS)) > 0
+    assert torch.equal(replayed, eager)
+    for layer in lm.info.gdn_layers:
+        assert torch.equal(lm.adapter.get_state(r.static, layer), lm.adapter.get_state(e.static, layer))
+    # the cuts after the replays matter: without them the steps after a boundary differ
+    monkeypatch.setattr(static_decode.StaticDecoder, "_cut_boundary_rows", lambda self, offset: None)
+    uncut, _ = _decode_fed(lm, prompts, spec, feed, replay=True)
+    assert (uncut - eager).abs().max() > 1e-4
+
+
 def test_graph_reasons():
     lm = from_model(tiny_models.qwen3_5(), "qwen3_5")
     ctx = runner.RunContext(segment_len=L)
@@ -174,6 +228,7 @@ def test_graph_replay_equals_eager_static_on_gpu(family, monkeypatch):
     warnings.warn(f"{family}: {dec.replays} of {STEPS} steps replayed; reason {dec.reason!r}")
     if family == "qwen3_5":  # the dense model's step must capture; the MoE routers may sync with the host
         assert dec.reason is None and dec.replays >= STEPS // 2, dec.reason
+        assert dec.boundary_replays > 0  # boundaries after replays, cut in the cache (equal bit for bit below)
     else:  # either captured, or a clean fallback to eager static steps after a failed capture
         fell_back = dec.reason is not None and dec.reason.startswith(("capture failed", "an earlier capture failed"))
         assert (dec.reason is None and dec.replays >= STEPS // 2) or fell_back, dec.reason
@@ -218,7 +273,7 @@ def test_decoders_leave_no_gpu_memory_behind():
 def test_moe_decode_step_captures_in_bfloat16(family):
     """The mixture-of-experts families in bfloat16 with transformers' default experts implementation: the decode
     step is captured (on the H200 float32 falls back, bench/studies/study_moe_capture.py) with every head
-    truncated at r = 3 (the boundary steps run eagerly), and the replays equal the eager static steps bit for bit.
+    truncated at r = 3 (boundaries applied after replayed steps), and the replays equal the eager static steps bit for bit.
     A float32 failure of the same class must not stop a bfloat16 model from capturing (the failure memo is per
     class, dtype and experts implementation)."""
     if not torch.cuda.is_available():
