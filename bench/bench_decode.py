@@ -18,6 +18,12 @@ float32, without the graphs):
 
     python bench/bench_decode.py --device cuda --prompt 4096 --batch 1,4 --steps 64
     python bench/bench_decode.py --device cpu --prompt 256 --batch 1 --steps 8   # CPU smoke run
+    python bench/bench_decode.py --device cuda --prompt 4096 --batch 16 --steps 64 --profile 8
+
+``--profile N`` (CUDA): after the timed steps, N more steps of gdnviz's decoder (replays) under ``torch.profiler``: the
+GPU ops per step and the CUDA kernels by total time (where a replayed step's time goes). ``--sdpa math,...``: the
+graphed decoder again with only that SDPA backend enabled (``decode_gdnviz_graph_sdpa`` rows). ``replay_ms``: the
+steps after the capture alone.
 
 The prompt is random tokens; no truncation.
 """
@@ -158,7 +164,7 @@ def runner_decode(lm, ids: torch.Tensor, steps: int):
     return tokens, logits, time.perf_counter() - t
 
 
-def gdnviz_static_decode(lm, ids: torch.Tensor, tokens: list, graph: bool):
+def gdnviz_static_decode(lm, ids: torch.Tensor, tokens: list, graph: bool, extra: int = 0):
     """gdnviz's own decoder (``gdnviz.static_decode.StaticDecoder``, what ``gdnviz.generate`` and sweeps run on
     CUDA) after a runner prefill, fed ``tokens``: (logits, ms per step, replays). The time includes building the
     StaticCache, the eager warm-up step and the capture, as every generation pays them."""
@@ -166,11 +172,36 @@ def gdnviz_static_decode(lm, ids: torch.Tensor, tokens: list, graph: bool):
 
     ctx, out = runner_prefill(lm, ids)
     t = time.perf_counter()
-    dec = StaticDecoder(lm, ctx, out.cache, len(tokens), attention_mask=torch.ones(ids.shape, dtype=torch.long),
-                        graph=graph)
-    logits = [dec.step(nxt.reshape(-1)) for nxt in tokens]
+    dec = StaticDecoder(lm, ctx, out.cache, len(tokens) + extra,
+                        attention_mask=torch.ones(ids.shape, dtype=torch.long), graph=graph)
+    logits, t_replay, n_replay = [], None, 0
+    for nxt in tokens:
+        logits.append(dec.step(nxt.reshape(-1)))
+        if t_replay is None and dec.replays:  # the capture step: replays alone are timed from here
+            sync(ids.device)
+            t_replay, n_replay = time.perf_counter(), dec.replays
     sync(ids.device)
-    return logits, (time.perf_counter() - t) / len(tokens) * 1e3, dec.replays
+    end = time.perf_counter()
+    dec.replay_ms = (end - t_replay) / (dec.replays - n_replay) * 1e3 if t_replay and dec.replays > n_replay else None
+    return logits, (end - t) / len(tokens) * 1e3, dec
+
+
+def profile_steps(dec, tok: torch.Tensor, n: int, top: int = 25) -> None:
+    """Print what ``n`` more steps of ``dec`` (built with ``n`` steps to spare, replaying its graph) run on the GPU:
+    kernels per step, GPU kernel time per step, and the kernels by total GPU time."""
+    from torch.profiler import ProfilerActivity, profile
+
+    sync(tok.device)
+    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+        for _ in range(n):
+            dec.step(tok)
+        torch.cuda.synchronize()
+    kernels = [r for r in prof.key_averages() if r.self_device_time_total > 0]
+    total = sum(r.self_device_time_total for r in kernels)
+    print(f"profile: {sum(r.count for r in kernels) / n:.0f} GPU ops per step, "
+          f"{total / n / 1e3:.3f} ms of GPU time per step ({dec.replays} replays so far)", flush=True)
+    for r in sorted(kernels, key=lambda r: -r.self_device_time_total)[:top]:
+        print(f"  {r.self_device_time_total / n / 1e3:8.4f} ms/step  {r.count / n:5.1f}x  {r.key[:110]}", flush=True)
 
 
 def max_diff(a: list, b: list) -> float:
@@ -183,6 +214,9 @@ def main() -> None:
     ap.add_argument("--prompt", type=int, default=4096, help="prompt tokens")
     ap.add_argument("--batch", default="1,4")
     ap.add_argument("--steps", type=int, default=64)
+    ap.add_argument("--sdpa", default="", help="CUDA: also gdnviz's graphed decoder with only these SDPA backends "
+                    "(comma-separated SDPBackend names: math, efficient_attention, cudnn_attention)")
+    ap.add_argument("--profile", type=int, default=0, help="CUDA: profile this many more steps of gdnviz's decoder")
     a = ap.parse_args()
 
     from gdnviz.models import from_model
@@ -221,10 +255,23 @@ def run_batch(lm, dev, g, B: int, a, base: dict) -> None:
     emit(what="decode_runner", batch=B, ms_per_step=round(ms_ref, 3),
          logit_scale=max(x.abs().max().item() for x in ref), **base)
     for graph in ((False, True) if dev.type == "cuda" else (False,)):
-        gd, ms_gd, replays = gdnviz_static_decode(lm, ids, tokens, graph)
+        gd, ms_gd, dec = gdnviz_static_decode(lm, ids, tokens, graph, extra=a.profile if graph else 0)
         emit(what="decode_gdnviz_graph" if graph else "decode_gdnviz_static", batch=B, ms_per_step=round(ms_gd, 3),
-             speedup=round(ms_ref / ms_gd, 2), max_abs_logit_diff=max_diff(gd, ref), replays=replays,
+             replay_ms=dec.replay_ms and round(dec.replay_ms, 3),
+             speedup=round(ms_ref / ms_gd, 2), max_abs_logit_diff=max_diff(gd, ref), replays=dec.replays,
              tokens_equal=all(torch.equal(x.argmax(-1), y.argmax(-1)) for x, y in zip(gd, ref)), **base)
+        if graph and a.profile and dec.graph is not None:
+            profile_steps(dec, tokens[-1].reshape(-1), a.profile)
+        del dec
+    for name in (x for x in a.sdpa.split(",") if x and dev.type == "cuda"):
+        from torch.nn.attention import SDPBackend, sdpa_kernel
+
+        with sdpa_kernel([getattr(SDPBackend, name.upper())]):
+            gd, ms_gd, dec = gdnviz_static_decode(lm, ids, tokens, True)
+        emit(what="decode_gdnviz_graph_sdpa", sdpa=name, batch=B, ms_per_step=round(ms_gd, 3),
+             replay_ms=dec.replay_ms and round(dec.replay_ms, 3), max_abs_logit_diff=max_diff(gd, ref),
+             replays=dec.replays, **base)
+        del dec
     dec = TransformersStaticStep(model, ids, a.steps)
     static, ms_static = timed_run(dec, tokens, False, dev)
     emit(what="decode_static", batch=B, ms_per_step=round(ms_static, 3), speedup=round(ms_ref / ms_static, 2),

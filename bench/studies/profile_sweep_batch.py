@@ -7,7 +7,7 @@ Rows: ``ceiling`` (transformers' forward on the same left-padded batch, no cache
 prefill, one answer token) and ``greedy`` (prefill + ``--new`` answer tokens) per setting; ``decode_ms_per_step`` =
 (greedy − prefill) / (new − 1). Then profiler tables of untouched decode steps alone (after a prefill), grouped by
 input shape: eager static steps (every kernel under the aten op that launched it) and the same steps replayed from
-the CUDA graph.
+the CUDA graph (``--top 0``: none).
 """
 from __future__ import annotations
 
@@ -67,6 +67,8 @@ def main():
         g = timed(lambda: batched_greedy(lm, prompts, a.new, spec=spec, stop_ids=set()), reps=1)
         emit(what="setting", setting=name, prefill_seconds=round(p, 4), greedy_seconds=round(g, 4),
              decode_ms_per_step=round(1000 * (g - p) / (a.new - 1), 3), **base)
+    if not a.top:  # --top 0: the timings alone
+        return
     from torch.profiler import ProfilerActivity, profile
 
     from gdnviz.probes.batch import batched_forward
