@@ -239,15 +239,14 @@ class CaptureCallback:
         self._states: list = []
         self._done = 0
         self._pipeline_flag = pipeline
-        self._jobs: _DeviceJobs | None = None  # created at the first layer, on the keys' device
+        self._jobs: dict = {}  # device -> its _DeviceJobs, created at the first layer there (a spread model: several)
         self._pos: torch.Tensor | None = None  # key_sample_pos on the keys' device
 
     def _run(self, fn: Callable, *tensors, kind: str, after: Callable | None = None) -> None:
         """Launch ``fn`` (device work ending in copies to the host buffers) where :class:`_DeviceJobs` says; ``kind``
         names it in ``statistics_seconds``; ``after`` runs on the host once that work is done."""
-        if self._jobs is None:
-            dev = next((t.device for t in tensors if torch.is_tensor(t)), torch.device("cpu"))
-            side = self._pipeline_flag is None or bool(self._pipeline_flag)  # a side stream exists on CUDA only
+        dev = next((t.device for t in tensors if torch.is_tensor(t)), torch.device("cpu"))
+        if not self._host:
             pin = dev.type == "cuda"
             # pinned on CUDA (asynchronous copies), from torch's caching host allocator (kept for the next capture);
             # not zeroed there: a finished forward writes every layer's slot, and result() is only read after one
@@ -255,8 +254,11 @@ class CaptureCallback:
                 (lambda shape, dt: torch.zeros(shape, dtype=dt))
             self._host = {k: new(shape, dt) for k, (shape, dt) in self._shapes.items()}
             self._out = self._result_arrays()
-            self._jobs = _DeviceJobs(dev, side, depth=2 * PIPELINE_DEPTH)  # two jobs per layer
-        self._jobs.submit(fn, *tensors, kind=kind, after=after)
+        jobs = self._jobs.get(dev)
+        if jobs is None:  # each device's statistics on its own streams, bounded on their own
+            side = self._pipeline_flag is None or bool(self._pipeline_flag)  # a side stream exists on CUDA only
+            jobs = self._jobs[dev] = _DeviceJobs(dev, side, depth=2 * PIPELINE_DEPTH)  # two jobs per layer
+        jobs.submit(fn, *tensors, kind=kind, after=after)
 
     def _result_arrays(self) -> dict:
         """The result's numpy arrays, one per host buffer (``sv`` in the result's ``[NB, NL, H, n]`` layout); filled
@@ -286,18 +288,21 @@ class CaptureCallback:
         key cone; ``layer_end``: the boundary states' spectra and the final state), on CUDA ``waiting`` for the GPU
         to finish them (the in-flight bound and the end of the capture), and ``results``: assembling the host arrays
         once they are in (copies out of the pinned buffers, the key cone's effective ranks)."""
-        src = self._jobs.seconds if self._jobs is not None else {}
+        src: dict = {}
+        for jobs in self._jobs.values():  # summed over the devices of a spread model
+            for k, v in jobs.seconds.items():
+                src[k] = src.get(k, 0.0) + v
         return {k: round(v, 4) for k, v in src.items()}
 
     @property
     def pipelined(self) -> bool:
         """True when the statistics ran on a side CUDA stream."""
-        return self._jobs is not None and self._jobs.stream is not None
+        return any(jobs.stream is not None for jobs in self._jobs.values())
 
     def close(self) -> None:
         """Wait for the statistics still in flight on the GPU."""
-        if self._jobs is not None:
-            self._jobs.finish()
+        for jobs in self._jobs.values():
+            jobs.finish()
 
     def on_layer_input(self, layer, offset, keys, g, beta):
         if offset != 0 or keys.shape[0] != 1 or keys.shape[1] != self.T:
@@ -369,8 +374,9 @@ class CaptureCallback:
         res = CaptureResult(meta=meta, positions=np.asarray(self.positions, np.int64), sv=h["sv"],
                             final_state=h["final_state"], g=h["g"], beta=h["beta"], key_mean=h["key_mean"],
                             keycone=keycone, key_sample=h["key_sample"], key_sample_pos=self.key_sample_pos)
-        if self._jobs is not None:
-            self._jobs.seconds["results"] = self._jobs.seconds.get("results", 0.0) + time.perf_counter() - t0
+        if self._jobs:
+            first = next(iter(self._jobs.values()))
+            first.seconds["results"] = first.seconds.get("results", 0.0) + time.perf_counter() - t0
         return res
 
 
