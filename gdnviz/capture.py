@@ -35,7 +35,8 @@ cone's effective ranks (a few numbers per head) are finished on the host after t
 (``pipeline=None``) the statistics run on a side CUDA stream that waits for the layer's inputs, so they overlap the
 next layers' forward on the GPU; ``pipeline=False`` queues them on the main stream. At most ``PIPELINE_DEPTH`` layers'
 statistics are in flight (the host waits for the oldest beyond that), which bounds the boundary states held on the
-GPU. The numbers are the same either way (the tests compare them). On CPU everything runs inline.
+GPU. The numbers are the same either way (the tests compare them). On CPU everything runs inline. A model spread over
+several GPUs (``device_map``) runs each layer's statistics on that layer's GPU, with its own side stream and bound.
 ``meta["statistics_seconds"]`` says where the host's time went: launching each job kind, waiting for the GPU
 (``waiting``) and filling the host arrays (``results``: the copies out of the pinned buffers, mostly during the
 forward, and the key cone's effective ranks at the end). Timings: docs/kernels-spectra.md.
@@ -240,7 +241,7 @@ class CaptureCallback:
         self._done = 0
         self._pipeline_flag = pipeline
         self._jobs: dict = {}  # device -> its _DeviceJobs, created at the first layer there (a spread model: several)
-        self._pos: torch.Tensor | None = None  # key_sample_pos on the keys' device
+        self._pos: dict = {}  # device -> key_sample_pos there
 
     def _run(self, fn: Callable, *tensors, kind: str, after: Callable | None = None) -> None:
         """Launch ``fn`` (device work ending in copies to the host buffers) where :class:`_DeviceJobs` says; ``kind``
@@ -317,9 +318,9 @@ class CaptureCallback:
         self._put("g", li, g0.float().T)
         self._put("beta", li, b0.T.to(torch.float16))
         self._put("key_mean", li, k0.mean(0, dtype=torch.float32))  # no float32 copy of the keys
-        if self._pos is None or self._pos.device != k0.device:  # once: a host→device copy waits for the stream
-            self._pos = torch.as_tensor(self.key_sample_pos, device=k0.device)
-        pos = self._pos
+        pos = self._pos.get(k0.device)
+        if pos is None:  # once per device: a host→device copy waits for the stream
+            pos = self._pos[k0.device] = torch.as_tensor(self.key_sample_pos, device=k0.device)
         self._put("key_sample", li, k0[pos].transpose(0, 1).to(torch.float16))
         sums = keycone_sums(k0, g0)  # C and P's eigenvalues join the layer's spectra (_layer_end_stats)
         self._put("kc_horizon", li, sums["horizon"])

@@ -169,7 +169,9 @@ def cmd_capture(args) -> int:
         raise GDNVizError(f"{lm.info.path} has no tokenizer files: gdnviz needs one to tokenize documents")
     info = lm.info
     print(f"{info.family}: {len(info.gdn_layers)} GDN layers x {info.num_heads} heads of {info.d_k}x{info.d_v}, "
-          f"kernels: {info.kernel_path}, {info.device} {info.dtype}", file=sys.stderr)
+          f"kernels: {info.kernel_path}, {info.device} {info.dtype}"
+          + (f" (device_map over {', '.join(sorted({d for _, d in info.device_map}))})" if info.device_map else ""),
+          file=sys.stderr)
     captures = []
     for doc in args.documents:
         text = read_text_file(doc)
