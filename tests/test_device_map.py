@@ -2,7 +2,8 @@
 accelerate-hooked path on CPU, the worker's model cache and the CLI; the GPU tests (one H200: layers offloaded to
 "cpu" next to "cuda:0"; two GPUs: layers on cuda:0 and cuda:1) compare with the one-device run.
 
-Needs accelerate (transformers applies a device_map with it): the module is skipped without it.
+"auto" and maps over several devices need accelerate (transformers applies them with its hooks): those tests are
+skipped without it.
 """
 from __future__ import annotations
 
@@ -13,25 +14,38 @@ import numpy as np
 import pytest
 import torch
 
-pytest.importorskip("accelerate")
+from gdnviz.capture import capture_document
+from gdnviz.errors import BadDeviceMap
+from gdnviz.generate import greedy_generate
+from gdnviz.models import load
+from gdnviz.probes.batch import batched_greedy
+from gdnviz.probes.loss import token_nll
+from gdnviz.truncation import TruncationSpec
 
-from gdnviz.capture import capture_document  # noqa: E402
-from gdnviz.errors import BadDeviceMap  # noqa: E402
-from gdnviz.generate import greedy_generate  # noqa: E402
-from gdnviz.models import load  # noqa: E402
-from gdnviz.probes.batch import batched_greedy  # noqa: E402
-from gdnviz.probes.loss import token_nll  # noqa: E402
-from gdnviz.truncation import TruncationSpec  # noqa: E402
+try:
+    import accelerate  # noqa: F401
+    HAVE_ACCELERATE = True
+except ImportError:
+    HAVE_ACCELERATE = False
+needs_accelerate = pytest.mark.skipif(not HAVE_ACCELERATE, reason="needs accelerate (requirements.txt)")
 
 CAPTURE_FIELDS = ("positions", "sv", "final_state", "g", "beta", "key_mean", "key_sample", "key_sample_pos")
 
 
 def _layer_map(lm, device_of_layer) -> dict:
-    """Every module of a transformers-family model named: embeddings, each decoder layer, norm, rotary, lm_head."""
+    """Every module named (embeddings, each decoder layer, norm, rotary, lm_head): decoder layer i on
+    ``device_of_layer(i)``, the other modules with the first layer (before the layers) or the last (after)."""
     n = lm.info.num_layers
-    m = {"model.embed_tokens": device_of_layer(0), "model.rotary_emb": device_of_layer(0)}
-    m.update({f"model.layers.{i}": device_of_layer(i) for i in range(n)})
-    m.update({"model.norm": device_of_layer(n - 1), "lm_head": device_of_layer(n - 1)})
+    m, seen_layers = {}, False
+    for name, _ in lm.model.model.named_children():
+        if name == "layers":
+            m.update({f"model.layers.{i}": device_of_layer(i) for i in range(n)})
+            seen_layers = True
+        else:
+            m[f"model.{name}"] = device_of_layer(n - 1 if seen_layers else 0)
+    # tied embeddings (the demo model, the tiny ones) stay with the input embeddings
+    tied = lm.model.get_output_embeddings().weight is lm.model.get_input_embeddings().weight
+    m["lm_head"] = m[next(iter(m))] if tied else device_of_layer(n - 1)
     return m
 
 
@@ -93,6 +107,19 @@ def test_a_bad_map_names_the_problem(bad, words):
         assert w in str(e.value), (w, str(e.value))
 
 
+def test_tied_embeddings_must_share_a_device():
+    """Checked on the meta model (this machine has no second device for the map to name)."""
+    from gdnviz.models import placement
+    from gdnviz.models.loader import _meta_model, read_config, resolve
+
+    meta = _meta_model(read_config(resolve("demo"))[0], torch.float32, False)
+    with pytest.raises(BadDeviceMap) as e:
+        placement.check_modules(meta, {"": "cpu", "lm_head": "cuda:0"})
+    assert "'model.embed_tokens' on 'cpu' and 'lm_head' on 'cuda:0'" in str(e.value)
+    assert "ties their weights" in str(e.value)
+    placement.check_modules(meta, {"": "cpu", "lm_head": "cpu"})
+
+
 def test_device_and_device_map_exclude_each_other():
     with pytest.raises(BadDeviceMap, match="'cpu'.*not both"):
         load("demo", device="cpu", device_map="auto", load_tokenizer=False)
@@ -107,6 +134,7 @@ def test_explicit_cpu_map_is_the_plain_load(demo_plain):
     _same_runs(demo_plain, lm, 300)
 
 
+@needs_accelerate
 def test_auto_on_a_cpu_machine_is_the_plain_cpu_load(demo_plain):
     if torch.cuda.is_available():
         pytest.skip("'auto' spreads over the GPUs here")
@@ -127,7 +155,8 @@ def test_tiny_checkpoint_with_a_map_equals_the_plain_load(tmp_path):
 
 
 # --- the hooked path (what a map over several devices runs), on the CPU --------------------------------------------
-@pytest.mark.parametrize("family", ["qwen3_5", "qwen3_next"])
+@needs_accelerate
+@pytest.mark.parametrize("family", ["qwen3_5", "qwen3_5_moe", "qwen3_next", "fla_gdn"])
 def test_accelerate_hooks_leave_every_result_unchanged(family):
     """accelerate's device hooks on every module (``force_hooks``: what transformers attaches for a map over
     several devices) and gdnviz's layer hooks together: the same capture, losses and answers as the bare model."""
@@ -231,6 +260,7 @@ def _gpu_compare(dmap_of, n_tokens: int = 1024) -> None:
 
 
 @pytest.mark.gpu
+@needs_accelerate
 def test_gpu_gdn_layers_on_cpu_and_cuda0():
     """Half the decoder layers mapped to "cpu" next to "cuda:0": accelerate offloads their weights to host memory
     and runs them on cuda:0 (transformers' semantics), the rest live on cuda:0."""
@@ -238,6 +268,7 @@ def test_gpu_gdn_layers_on_cpu_and_cuda0():
 
 
 @pytest.mark.gpu
+@needs_accelerate
 def test_gpu_gdn_layers_on_two_gpus():
     """GDN layers on cuda:0 and cuda:1 (every other decoder layer): each layer's scan, truncation and statistics on
     its own GPU."""

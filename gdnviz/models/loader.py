@@ -205,6 +205,8 @@ class LoadedModel:
 
     @property
     def device(self) -> torch.device:
+        """Where inputs go: the model's device, or for a model spread over several (``info.device_map``) its input
+        embeddings' device; each GDN layer runs on its own (``gdnviz.models.placement``)."""
         return torch.device(self.info.device)
 
 

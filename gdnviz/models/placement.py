@@ -87,7 +87,8 @@ def check_modules(model, dmap: dict) -> None:
     """``dmap``'s names against the model (built on the meta device is enough): each is a module of it ('' = the
     whole model), none lies strictly inside one of the model's ``_no_split_modules`` (a decoder layer must stay on
     one device: its GDN layer uses its conv weight without calling the module, so no hook would move it), and
-    every parameter and buffer falls under some name. BadDeviceMap naming the modules otherwise."""
+    tied input and output embeddings share a device, and every parameter and buffer falls under some name.
+    BadDeviceMap naming the modules otherwise."""
     modules = dict(model.named_modules())
     unknown = [n for n in dmap if n not in modules]
     if unknown:
@@ -99,9 +100,16 @@ def check_modules(model, dmap: dict) -> None:
     whole = [n for n, m in modules.items() if n and type(m).__name__ in no_split]
     split = [k for k in dmap for w in whole if k.startswith(w + ".")]
     if split:
-        raise BadDeviceMap(f"device_map splits a decoder layer: {_listed(split)} lie inside "
+        raise BadDeviceMap(f"device_map splits a decoder layer: it places {_listed(split)} apart from the rest of "
                            f"{_listed(sorted({w for w in whole for k in split if k.startswith(w + '.')}))}; map "
                            "each decoder layer whole (e.g. 'model.layers.3')")
+    inp, out = model.get_input_embeddings(), model.get_output_embeddings()
+    if inp is not None and out is not None and getattr(out, "weight", None) is getattr(inp, "weight", False):
+        names = {m: n for n, m in modules.items() if m is inp or m is out}
+        a, b = names[inp], names[out]
+        if None not in (_entry(dmap, a), _entry(dmap, b)) and _entry(dmap, a) != _entry(dmap, b):
+            raise BadDeviceMap(f"device_map puts {a!r} on {_entry(dmap, a)!r} and {b!r} on {_entry(dmap, b)!r}, but "
+                               f"the model ties their weights (tie_word_embeddings): map both to the same device")
     missing = _uncovered(model, dmap)
     if missing:
         raise BadDeviceMap(f"device_map leaves {_listed(missing)} out: every module needs a device (transformers "
@@ -123,33 +131,34 @@ def _uncovered(model, dmap: dict) -> list:
     """The largest modules none of whose tensors ``dmap`` places (sorted), or [] when every tensor is placed."""
     keys = list(dmap)
     tensors = [n for n, _ in model.named_parameters()] + [n for n, _ in model.named_buffers()]
-    loose = {n for n in tensors if not _covered(n, keys)}
+    loose = [n for n in tensors if not _covered(n, keys)]
     if not loose:
         return []
-    out = set()
-    for n in loose:  # climb to the largest module all of whose tensors are loose
-        parts = n.split(".")
-        for depth in range(1, len(parts)):
-            prefix = ".".join(parts[:depth])
-            if all(t in loose for t in tensors if t.startswith(prefix + ".")):
-                out.add(prefix)
-                break
-        else:
-            out.add(n)
-    return sorted(out)
+    total: dict = {}
+    for n in tensors:  # tensors under each module prefix, all and loose ones (one pass each)
+        for p in _prefixes(n):
+            total[p] = total.get(p, 0) + 1
+    free: dict = {}
+    for n in loose:
+        for p in _prefixes(n):
+            free[p] = free.get(p, 0) + 1
+    # each loose tensor's largest module all of whose tensors are loose (the tensor itself when none is)
+    return sorted({next((p for p in _prefixes(n) if free[p] == total[p]), n) for n in loose})
+
+
+def _prefixes(name: str) -> list:
+    """The module names above a tensor name, outermost first: 'a.b.w' -> ['a', 'a.b']."""
+    parts = name.split(".")
+    return [".".join(parts[:d]) for d in range(1, len(parts))]
 
 
 def plan(model, value) -> dict:
     """The checked ``{module name: device}`` map for ``value`` (``parse``'s result, not None) on ``model`` (built on
     the meta device in the load's dtype). "auto": transformers' balanced map over the visible devices' memory
-    (whole ``_no_split_modules``); it must not need the disk. Needs accelerate, as transformers' ``device_map``
-    does."""
-    try:
-        import accelerate  # noqa: F401
-    except ImportError:
-        raise BadDeviceMap("a device_map needs the accelerate package (transformers applies the map with its hooks): "
-                           "pip install 'accelerate>=1.1'") from None
+    (whole ``_no_split_modules``); it must not need the disk. "auto" and a map over several devices need
+    accelerate, as transformers' ``device_map`` does; a map on one device is the plain load and does not."""
     if value == "auto":
+        _need_accelerate("device_map='auto'")
         from transformers.integrations.accelerate import _get_device_map
 
         dmap = {k: _device_text(k, v) if v != "disk" else "disk" for k, v in
@@ -162,7 +171,17 @@ def plan(model, value) -> dict:
         return dmap
     check_devices(value)
     check_modules(model, value)
+    if spans_devices(value):
+        _need_accelerate("a device_map over several devices")
     return dict(value)
+
+
+def _need_accelerate(what: str) -> None:
+    try:
+        import accelerate  # noqa: F401
+    except ImportError:
+        raise BadDeviceMap(f"{what} needs the accelerate package (transformers applies the map with its hooks): "
+                           "pip install 'accelerate>=1.1'") from None
 
 
 def spans_devices(dmap: dict | None) -> bool:
@@ -197,8 +216,11 @@ def for_transformers(dmap: dict) -> dict:
 def device_of(dmap: dict, name: str) -> torch.device:
     """Where the module ``name`` executes under ``dmap``: the device of the most specific entry that covers it, or
     the main device for an offloaded ("cpu" next to a GPU) one."""
-    keys = [k for k in dmap if k == "" or name == k or name.startswith(k + ".")]
-    if not keys:
-        raise BadDeviceMap(f"device_map places no device for {name!r}")
-    dev = torch.device(dmap[max(keys, key=len)])
+    dev = torch.device(_entry(dmap, name))
     return main_device(dmap) if dev.type == "cpu" else dev
+
+
+def _entry(dmap: dict, name: str) -> str | None:
+    """The device of the most specific entry of ``dmap`` that covers the module or tensor ``name`` (None: none)."""
+    keys = [k for k in dmap if k == "" or name == k or name.startswith(k + ".")]
+    return dmap[max(keys, key=len)] if keys else None
