@@ -37,7 +37,8 @@ BudgetJob              a per-head rank budget (``gdnviz.probes.budget``), option
 =====================  ==========================================================================================
 
 Memo keys (``cache_key``) hash what determines a result: the computation version, the model fingerprint, the
-token ids, the segment length, the resolved dtype and device type, and the job's parameters. A sweep's cells are
+token ids, the segment length, the resolved dtype and device type (``ModelInfo.memo_device``: for a model spread
+over several devices by a ``device_map``, the map), and the job's parameters. A sweep's cells are
 keyed by ``gdnviz.probes.sweep.cell_key`` alone, a loss sweep's per-document entries by
 ``gdnviz.probes.loss_sweep.doc_key``.
 """
