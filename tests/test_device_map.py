@@ -120,9 +120,34 @@ def test_tied_embeddings_must_share_a_device():
     placement.check_modules(meta, {"": "cpu", "lm_head": "cpu"})
 
 
+@pytest.mark.skipif(HAVE_ACCELERATE, reason="accelerate is installed here")
+def test_auto_without_accelerate_says_what_to_install():
+    with pytest.raises(BadDeviceMap, match="needs the accelerate package.*pip install"):
+        load("demo", device_map="auto", load_tokenizer=False)
+
+
 def test_device_and_device_map_exclude_each_other():
     with pytest.raises(BadDeviceMap, match="'cpu'.*not both"):
         load("demo", device="cpu", device_map="auto", load_tokenizer=False)
+
+
+def test_where_each_module_executes_under_a_map():
+    """transformers' semantics, from the map alone: the most specific entry wins, "cpu" next to a GPU is offloaded
+    and executes on the lowest-index GPU of the map (handed to transformers as ints, so that accelerate's main device
+    is that one)."""
+    from gdnviz.models import placement
+
+    dmap = placement.parse({"": 1, "model.layers.3": "cpu", "model.layers": "cuda:0", "lm_head": "cuda"})
+    assert dmap == {"": "cuda:1", "model.layers.3": "cpu", "model.layers": "cuda:0", "lm_head": "cuda:0"}
+    assert placement.main_device(dmap) == torch.device("cuda:0")
+    assert placement.device_of(dmap, "model.layers.3") == torch.device("cuda:0")  # offloaded
+    assert placement.device_of(dmap, "model.layers.30") == torch.device("cuda:0")  # not under 'model.layers.3'
+    assert placement.device_of(dmap, "model.norm") == torch.device("cuda:1")
+    assert placement.for_transformers(dmap) == {"": 1, "model.layers.3": "cpu", "model.layers": 0, "lm_head": 0}
+    assert placement.spans_devices(dmap) and not placement.spans_devices({"a": "cpu", "b": "cpu"})
+    cpu_only = {"a": "cpu", "b": "cpu"}
+    assert placement.main_device(cpu_only) == torch.device("cpu") == placement.device_of(cpu_only, "a.x")
+    assert placement.text(dmap) == placement.text(dict(reversed(list(dmap.items()))))
 
 
 # --- maps on one device ------------------------------------------------------------------------------------------
