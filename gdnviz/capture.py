@@ -35,7 +35,8 @@ cone's effective ranks (a few numbers per head) are finished on the host after t
 (``pipeline=None``) the statistics run on a side CUDA stream that waits for the layer's inputs, so they overlap the
 next layers' forward on the GPU; ``pipeline=False`` queues them on the main stream. At most ``PIPELINE_DEPTH`` layers'
 statistics are in flight (the host waits for the oldest beyond that), which bounds the boundary states held on the
-GPU. The numbers are the same either way (the tests compare them). On CPU everything runs inline.
+GPU. The numbers are the same either way (the tests compare them). On CPU everything runs inline. A model spread over
+several GPUs (``device_map``) runs each layer's statistics on that layer's GPU, with its own side stream and bound.
 ``meta["statistics_seconds"]`` says where the host's time went: launching each job kind, waiting for the GPU
 (``waiting``) and filling the host arrays (``results``: the copies out of the pinned buffers, mostly during the
 forward, and the key cone's effective ranks at the end). Timings: docs/kernels-spectra.md.
@@ -239,15 +240,14 @@ class CaptureCallback:
         self._states: list = []
         self._done = 0
         self._pipeline_flag = pipeline
-        self._jobs: _DeviceJobs | None = None  # created at the first layer, on the keys' device
-        self._pos: torch.Tensor | None = None  # key_sample_pos on the keys' device
+        self._jobs: dict = {}  # device -> its _DeviceJobs, created at the first layer there (a spread model: several)
+        self._pos: dict = {}  # device -> key_sample_pos there
 
     def _run(self, fn: Callable, *tensors, kind: str, after: Callable | None = None) -> None:
         """Launch ``fn`` (device work ending in copies to the host buffers) where :class:`_DeviceJobs` says; ``kind``
         names it in ``statistics_seconds``; ``after`` runs on the host once that work is done."""
-        if self._jobs is None:
-            dev = next((t.device for t in tensors if torch.is_tensor(t)), torch.device("cpu"))
-            side = self._pipeline_flag is None or bool(self._pipeline_flag)  # a side stream exists on CUDA only
+        dev = next((t.device for t in tensors if torch.is_tensor(t)), torch.device("cpu"))
+        if not self._host:
             pin = dev.type == "cuda"
             # pinned on CUDA (asynchronous copies), from torch's caching host allocator (kept for the next capture);
             # not zeroed there: a finished forward writes every layer's slot, and result() is only read after one
@@ -255,8 +255,11 @@ class CaptureCallback:
                 (lambda shape, dt: torch.zeros(shape, dtype=dt))
             self._host = {k: new(shape, dt) for k, (shape, dt) in self._shapes.items()}
             self._out = self._result_arrays()
-            self._jobs = _DeviceJobs(dev, side, depth=2 * PIPELINE_DEPTH)  # two jobs per layer
-        self._jobs.submit(fn, *tensors, kind=kind, after=after)
+        jobs = self._jobs.get(dev)
+        if jobs is None:  # each device's statistics on its own streams, bounded on their own
+            side = self._pipeline_flag is None or bool(self._pipeline_flag)  # a side stream exists on CUDA only
+            jobs = self._jobs[dev] = _DeviceJobs(dev, side, depth=2 * PIPELINE_DEPTH)  # two jobs per layer
+        jobs.submit(fn, *tensors, kind=kind, after=after)
 
     def _result_arrays(self) -> dict:
         """The result's numpy arrays, one per host buffer (``sv`` in the result's ``[NB, NL, H, n]`` layout); filled
@@ -286,18 +289,21 @@ class CaptureCallback:
         key cone; ``layer_end``: the boundary states' spectra and the final state), on CUDA ``waiting`` for the GPU
         to finish them (the in-flight bound and the end of the capture), and ``results``: assembling the host arrays
         once they are in (copies out of the pinned buffers, the key cone's effective ranks)."""
-        src = self._jobs.seconds if self._jobs is not None else {}
+        src: dict = {}
+        for jobs in self._jobs.values():  # summed over the devices of a spread model
+            for k, v in jobs.seconds.items():
+                src[k] = src.get(k, 0.0) + v
         return {k: round(v, 4) for k, v in src.items()}
 
     @property
     def pipelined(self) -> bool:
         """True when the statistics ran on a side CUDA stream."""
-        return self._jobs is not None and self._jobs.stream is not None
+        return any(jobs.stream is not None for jobs in self._jobs.values())
 
     def close(self) -> None:
         """Wait for the statistics still in flight on the GPU."""
-        if self._jobs is not None:
-            self._jobs.finish()
+        for jobs in self._jobs.values():
+            jobs.finish()
 
     def on_layer_input(self, layer, offset, keys, g, beta):
         if offset != 0 or keys.shape[0] != 1 or keys.shape[1] != self.T:
@@ -312,9 +318,9 @@ class CaptureCallback:
         self._put("g", li, g0.float().T)
         self._put("beta", li, b0.T.to(torch.float16))
         self._put("key_mean", li, k0.mean(0, dtype=torch.float32))  # no float32 copy of the keys
-        if self._pos is None or self._pos.device != k0.device:  # once: a host→device copy waits for the stream
-            self._pos = torch.as_tensor(self.key_sample_pos, device=k0.device)
-        pos = self._pos
+        pos = self._pos.get(k0.device)
+        if pos is None:  # once per device: a host→device copy waits for the stream
+            pos = self._pos[k0.device] = torch.as_tensor(self.key_sample_pos, device=k0.device)
         self._put("key_sample", li, k0[pos].transpose(0, 1).to(torch.float16))
         sums = keycone_sums(k0, g0)  # C and P's eigenvalues join the layer's spectra (_layer_end_stats)
         self._put("kc_horizon", li, sums["horizon"])
@@ -369,8 +375,9 @@ class CaptureCallback:
         res = CaptureResult(meta=meta, positions=np.asarray(self.positions, np.int64), sv=h["sv"],
                             final_state=h["final_state"], g=h["g"], beta=h["beta"], key_mean=h["key_mean"],
                             keycone=keycone, key_sample=h["key_sample"], key_sample_pos=self.key_sample_pos)
-        if self._jobs is not None:
-            self._jobs.seconds["results"] = self._jobs.seconds.get("results", 0.0) + time.perf_counter() - t0
+        if self._jobs:
+            first = next(iter(self._jobs.values()))
+            first.seconds["results"] = first.seconds.get("results", 0.0) + time.perf_counter() - t0
         return res
 
 

@@ -2,6 +2,7 @@
 
     gdnviz inspect MODEL
     gdnviz capture MODEL DOC.txt [DOC2.txt ...] --out runs/ [--segment-len 256] [--device auto] [--dtype auto]
+                   [--device-map auto|JSON|FILE.json]
     gdnviz sweep MODEL --tasks niah_single_1,vt --lengths 1024,2048 [--ranks 1,4,12,32,128] [--n 20] --out DIR
                  [--heads all|L:H,...|layers:0,1] [--batch N] [--segment-len 256] [--device] [--dtype]
                  [--via-worker [--cache-dir DIR]]
@@ -140,7 +141,7 @@ def cmd_capture_via_worker(args) -> int:
     out.mkdir(parents=True, exist_ok=True)
     docs = tuple((Path(d).name, read_text_file(d)) for d in args.documents)
     spec = CaptureJob(model=args.model, documents=docs, segment_len=args.segment_len, device=args.device,
-                      dtype=args.dtype, max_tokens=args.max_tokens or 1 << 40)
+                      dtype=args.dtype, device_map=_device_map_text(args), max_tokens=args.max_tokens or 1 << 40)
     store, rec = _run_via_worker(spec, args.cache_dir, f"cli capture ({len(docs)} documents)",
                                  "capture (via worker)", "layer")
     run = store.run(rec["result"]["run_id"])
@@ -162,12 +163,15 @@ def cmd_capture(args) -> int:
 
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
-    lm = load(args.model, device=args.device, dtype=args.dtype, trust_remote_code=args.trust_remote_code)
+    lm = load(args.model, device=args.device, dtype=args.dtype, trust_remote_code=args.trust_remote_code,
+              device_map=_device_map(args))
     if lm.tokenizer is None:
         raise GDNVizError(f"{lm.info.path} has no tokenizer files: gdnviz needs one to tokenize documents")
     info = lm.info
     print(f"{info.family}: {len(info.gdn_layers)} GDN layers x {info.num_heads} heads of {info.d_k}x{info.d_v}, "
-          f"kernels: {info.kernel_path}, {info.device} {info.dtype}", file=sys.stderr)
+          f"kernels: {info.kernel_path}, {info.device} {info.dtype}"
+          + (f" (device_map over {', '.join(sorted({d for _, d in info.device_map}))})" if info.device_map else ""),
+          file=sys.stderr)
     captures = []
     for doc in args.documents:
         text = read_text_file(doc)
@@ -186,6 +190,32 @@ def cmd_capture(args) -> int:
     return 0
 
 
+DEVICE_MAP_HELP = ("place the model's modules like transformers' device_map: 'auto' (over the visible GPUs' memory), "
+                   "a JSON object {\"module name\": \"cuda:0\" | \"cpu\", ...} or a .json file holding one; "
+                   "leave --device at auto (default: the whole model on --device)")
+
+
+def _device_map(args):
+    """--device-map as ``load`` takes it: None, "auto", or the dict of the JSON text or file."""
+    from gdnviz.models import placement
+
+    text = getattr(args, "device_map", "") or ""
+    if text and text.strip() != "auto" and not text.lstrip().startswith("{"):
+        path = Path(text)
+        if not path.is_file():
+            raise GDNVizError(f"--device-map {text!r}: not 'auto', not a JSON object, and no such file")
+        text = path.read_text()
+    return placement.parse(text)
+
+
+def _device_map_text(args) -> str:
+    """--device-map as a job spec holds it: "", "auto" or canonical JSON."""
+    from gdnviz.models import placement
+
+    dmap = _device_map(args)
+    return dmap if isinstance(dmap, str) else placement.text(dmap)
+
+
 def _int_list(text: str, what: str) -> list[int]:
     try:
         return [int(x) for x in text.split(",") if x.strip()]
@@ -196,7 +226,8 @@ def _int_list(text: str, what: str) -> list[int]:
 def _load_for_probe(args):
     from gdnviz.models import load
 
-    lm = load(args.model, device=args.device, dtype=args.dtype, trust_remote_code=args.trust_remote_code)
+    lm = load(args.model, device=args.device, dtype=args.dtype, trust_remote_code=args.trust_remote_code,
+              device_map=_device_map(args))
     if lm.tokenizer is None:
         raise GDNVizError(f"{lm.info.path} has no tokenizer files: gdnviz needs one to build prompts")
     return lm
@@ -246,7 +277,7 @@ def cmd_sweep_via_worker(args) -> int:
 
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
-    spec = SweepJob(device=args.device, dtype=args.dtype, **_sweep_args(args))
+    spec = SweepJob(device=args.device, dtype=args.dtype, device_map=_device_map_text(args), **_sweep_args(args))
     store, rec = _run_via_worker(spec, args.cache_dir, f"cli sweep ({len(spec.tasks)} tasks x "
                                  f"{len(spec.lengths)} lengths)", "sweep (via worker)", "sample")
     res = rec["result"]
@@ -276,6 +307,9 @@ def cmd_sweep(args) -> int:
     if args.cluster:
         from gdnviz import cluster
 
+        if args.device_map:
+            raise GDNVizError("--device-map and --cluster exclude each other: the cluster's workers each hold the "
+                              "whole model on one GPU; a spread model answers in this process")
         ex = cluster.executor(args.cluster, args.model, args.device, args.dtype, args.trust_remote_code,
                               workers=args.workers)
         print(f"sweep on the Dask cluster {args.cluster}: {len(ex.workers)} workers", file=sys.stderr)
@@ -498,6 +532,7 @@ def _probe_args(sp) -> None:
     sp.add_argument("--chat", choices=["auto", "on", "off"], default="auto", help="wrap prompts in the chat template")
     sp.add_argument("--segment-len", type=int, default=256)
     sp.add_argument("--device", default="auto")
+    sp.add_argument("--device-map", default="", help=DEVICE_MAP_HELP)
     sp.add_argument("--dtype", default="auto")
 
 
@@ -518,7 +553,8 @@ def cmd_attribute(args) -> int:
     from gdnviz.models import load
 
     text = read_text_file(args.document)
-    lm = load(args.model, device=args.device, dtype=args.dtype, trust_remote_code=args.trust_remote_code)
+    lm = load(args.model, device=args.device, dtype=args.dtype, trust_remote_code=args.trust_remote_code,
+              device_map=_device_map(args))
     ids = tokenize(lm.tokenizer, text)
     position = len(ids) if args.position is None else args.position
     c = attribution.state_contributions(lm, ids, args.layer, args.head, position, start=args.start)
@@ -618,6 +654,7 @@ def main(argv=None) -> int:
     sp.add_argument("--out", required=True, help="output folder")
     sp.add_argument("--segment-len", type=int, default=256)
     sp.add_argument("--device", default="auto")
+    sp.add_argument("--device-map", default="", help=DEVICE_MAP_HELP)
     sp.add_argument("--dtype", default="auto")
     sp.add_argument("--max-tokens", type=int, default=0, help="refuse documents longer than this (0 = no limit)")
     sp.add_argument("--via-worker", action="store_true",
@@ -647,6 +684,7 @@ def main(argv=None) -> int:
     sp.add_argument("--workers", type=int, default=2, help="CPU worker processes of --cluster local without GPUs")
     sp.add_argument("--segment-len", type=int, default=256)
     sp.add_argument("--device", default="auto")
+    sp.add_argument("--device-map", default="", help=DEVICE_MAP_HELP)
     sp.add_argument("--dtype", default="auto")
     sp.set_defaults(fn=cmd_sweep)
     sp = sub.add_parser("loss", parents=[common], help="next-token loss vs truncation rank over documents")
@@ -660,6 +698,7 @@ def main(argv=None) -> int:
     sp.add_argument("--out", required=True, help="output folder")
     sp.add_argument("--segment-len", type=int, default=256)
     sp.add_argument("--device", default="auto")
+    sp.add_argument("--device-map", default="", help=DEVICE_MAP_HELP)
     sp.add_argument("--dtype", default="auto")
     sp.set_defaults(fn=cmd_loss)
     sp = sub.add_parser("scan", parents=[common], help="head sensitivity scan: one layer or head cut (or kept) at a time")
@@ -693,6 +732,7 @@ def main(argv=None) -> int:
     sp.add_argument("--top", type=_positive_int, default=4, help="singular directions to report shares along")
     sp.add_argument("--out", required=True, help="output folder")
     sp.add_argument("--device", default="auto")
+    sp.add_argument("--device-map", default="", help=DEVICE_MAP_HELP)
     sp.add_argument("--dtype", default="float32", help="the model's dtype (the decomposition is float64 anyway)")
     sp.set_defaults(fn=cmd_attribute)
     sp = sub.add_parser("patch", parents=[common], help="run prompt B with chosen heads' states patched from A")
@@ -714,6 +754,7 @@ def main(argv=None) -> int:
     sp.add_argument("--out", required=True, help="output folder")
     sp.add_argument("--memo", default=None, help="memo directory (default OUT/cache)")
     sp.add_argument("--device", default="auto")
+    sp.add_argument("--device-map", default="", help=DEVICE_MAP_HELP)
     sp.add_argument("--dtype", default="auto")
     sp.set_defaults(fn=cmd_patch)
     args = p.parse_args(argv)

@@ -37,6 +37,11 @@ class NotAGDNModel(GDNVizError):
     """The config declares no Gated DeltaNet (``linear_attention``) layers."""
 
 
+class BadDeviceMap(GDNVizError):
+    """A ``device_map`` names a module the model does not have, a device that does not exist here, leaves a module
+    out, splits a decoder layer, cannot be parsed, or cannot be applied (accelerate missing, disk offload)."""
+
+
 # --- inputs --------------------------------------------------------------------------------------
 class EmptyDocument(GDNVizError):
     """A document is empty or whitespace only."""

@@ -37,7 +37,8 @@ BudgetJob              a per-head rank budget (``gdnviz.probes.budget``), option
 =====================  ==========================================================================================
 
 Memo keys (``cache_key``) hash what determines a result: the computation version, the model fingerprint, the
-token ids, the segment length, the resolved dtype and device type, and the job's parameters. A sweep's cells are
+token ids, the segment length, the resolved dtype and device type (``ModelInfo.memo_device``: for a model spread
+over several devices by a ``device_map``, the map), and the job's parameters. A sweep's cells are
 keyed by ``gdnviz.probes.sweep.cell_key`` alone, a loss sweep's per-document entries by
 ``gdnviz.probes.loss_sweep.doc_key``.
 """
@@ -87,6 +88,7 @@ class CaptureJob:
     segment_len: int = 256
     device: str = "auto"
     dtype: str = "auto"
+    device_map: str = ""
     max_tokens: int = 32768
 
 
@@ -113,6 +115,7 @@ class TruncateCompareJob:
     chat_template: bool = True
     device: str = "auto"
     dtype: str = "auto"
+    device_map: str = ""
 
 
 @dataclass(frozen=True)
@@ -135,6 +138,7 @@ class LossJob:
     fingerprint: str = ""
     device: str = "auto"
     dtype: str = "auto"
+    device_map: str = ""
 
 
 @dataclass(frozen=True)
@@ -166,6 +170,7 @@ class SweepJob:
     fingerprint: str = ""
     device: str = "auto"
     dtype: str = "auto"
+    device_map: str = ""
     max_tokens: int = 32768
 
 
@@ -194,6 +199,7 @@ class ScanJob:
     fingerprint: str = ""
     device: str = "auto"
     dtype: str = "auto"
+    device_map: str = ""
 
 
 @dataclass(frozen=True)
@@ -221,6 +227,7 @@ class BudgetJob:
     fingerprint: str = ""
     device: str = "auto"
     dtype: str = "auto"
+    device_map: str = ""
 
 
 @dataclass(frozen=True)
@@ -249,6 +256,7 @@ class PatchJob:
     fingerprint: str = ""
     device: str = "auto"
     dtype: str = "auto"
+    device_map: str = ""
 
 
 @dataclass(frozen=True)
@@ -269,6 +277,7 @@ class HoldsJob:
     segment_len: int = 256
     device: str = "auto"
     dtype: str = "auto"
+    device_map: str = ""
 
 
 # --- AttnMapJob (issue 31: the exact attention map on the Head page) ------------------------------------------
@@ -292,6 +301,7 @@ class AttnMapJob:
     segment_len: int = 256
     device: str = "auto"
     dtype: str = "auto"
+    device_map: str = ""
 # --- end AttnMapJob ----------------------------------------------------------------------------------------------
 
 
@@ -399,12 +409,13 @@ class JobContext:
         self._progress = progress
         self._cancelled = cancelled
 
-    def model(self, name: str, device: str, dtype: str):
+    def model(self, name: str, device: str, dtype: str, device_map: str = ""):
+        """The loaded model; ``device_map``: "" (none), "auto" or a JSON object (``gdnviz.models.placement``)."""
         if self._loader is not None:
-            return self._loader(name, device, dtype)
+            return self._loader(name, device, dtype, device_map)
         from gdnviz.models import load
 
-        return load(name, device=device, dtype=dtype)
+        return load(name, device=device, dtype=dtype, device_map=device_map or None)
 
     def cancelled(self) -> bool:
         return bool(self._cancelled and self._cancelled())
@@ -469,10 +480,10 @@ def run_capture(spec: CaptureJob, ctx: JobContext) -> dict:
     if not spec.documents:
         raise EmptyDocumentSet("no documents to capture: paste text, upload files or pick a sample document")
     ctx.progress(0, 1, "loading the model")
-    lm = ctx.model(spec.model, spec.device, spec.dtype)
+    lm = ctx.model(spec.model, spec.device, spec.dtype, spec.device_map)
     info = lm.info
     docs = _tokenize_docs(lm, spec.documents, spec.max_tokens)
-    dev_type = info.device.split(":")[0]
+    dev_type = info.memo_device
     keys = [capture_key(info.fingerprint, ids, spec.segment_len, info.dtype, dev_type) for _, ids in docs]
     todo = [i for i, k in enumerate(keys) if not ctx.store.memo_has(k)]
     n_layers = len(info.gdn_layers)
@@ -535,7 +546,7 @@ def run_truncate(spec: TruncateCompareJob, ctx: JobContext) -> dict:
     from gdnviz.probes.loss import token_nll
 
     ctx.progress(0, 1, "loading the model")
-    lm = ctx.model(spec.model, spec.device, spec.dtype)
+    lm = ctx.model(spec.model, spec.device, spec.dtype, spec.device_map)
     info = lm.info
     tspec = TruncationSpec.from_dict({(int(l), int(h)): int(r) for l, h, r in spec.ranks})
     if not len(tspec):
@@ -555,7 +566,7 @@ def run_truncate(spec: TruncateCompareJob, ctx: JobContext) -> dict:
         prompt_ids = tokenize(lm.tokenizer, prompt_text)
         max_new = int(spec.max_new_tokens)
     loss_docs = _tokenize_docs(lm, spec.loss_documents, None) if spec.loss_documents else []
-    dev_type = info.device.split(":")[0]
+    dev_type = info.memo_device
     params = dict(ranks=[list(x) for x in tspec.to_list()], max_new=max_new, L=spec.segment_len, dtype=info.dtype,
                   device=dev_type, task=spec.task, refs=refs, loss_docs=[n for n, _ in loss_docs])
     key = cache_key("truncate", info.fingerprint, params, [prompt_ids] + [ids for _, ids in loss_docs])
@@ -634,7 +645,7 @@ def run_loss(spec: LossJob, ctx: JobContext) -> dict:
     if not spec.documents:
         raise EmptyDocumentSet("loss vs rank needs at least one document: capture a document set first")
     ctx.progress(0, 1, "loading the model")
-    lm = ctx.model(spec.model, spec.device, spec.dtype)
+    lm = ctx.model(spec.model, spec.device, spec.dtype, spec.device_map)
     info = lm.info
     docs = _tokenize_docs(lm, spec.documents, None)
     lspec = loss_spec_of(spec)
@@ -706,6 +717,11 @@ def run_sweep_job(spec: SweepJob, ctx: JobContext) -> dict:
 
     address = settings.get("GDNVIZ_CLUSTER")
     ex, workers = None, {"text": ""}
+    if address and spec.device_map:
+        from gdnviz.errors import BadDeviceMap
+
+        raise BadDeviceMap("a sweep with a device_map runs in this process: the Dask cluster's workers each hold the "
+                           f"whole model on one GPU (unset GDNVIZ_CLUSTER, or drop device_map {spec.device_map!r})")
     if address:
         from gdnviz import cluster
 
@@ -719,7 +735,7 @@ def run_sweep_job(spec: SweepJob, ctx: JobContext) -> dict:
         lm = ex.model_view()
     else:
         ctx.progress(0, 1, "loading the model")
-        lm = ctx.model(spec.model, spec.device, spec.dtype)
+        lm = ctx.model(spec.model, spec.device, spec.dtype, spec.device_map)
     info = lm.info
     sspec = sweep_spec_of(spec)
     cells = len(spec.tasks) * len(spec.lengths) * int(spec.n)
@@ -769,7 +785,7 @@ def run_scan_job(spec: ScanJob, ctx: JobContext) -> dict:
     from gdnviz.probes import scan, sweep
 
     ctx.progress(0, 1, "loading the model")
-    lm = ctx.model(spec.model, spec.device, spec.dtype)
+    lm = ctx.model(spec.model, spec.device, spec.dtype, spec.device_map)
     info = lm.info
     sspec = scan_spec_of(spec)
     ctx.progress(0, 1, f"generating {spec.n} {spec.task} prompts and counting the memo")
@@ -793,7 +809,7 @@ def run_budget_job(spec: BudgetJob, ctx: JobContext) -> dict:
     from gdnviz.probes import budget, sweep
 
     ctx.progress(0, 1, "loading the model")
-    lm = ctx.model(spec.model, spec.device, spec.dtype)
+    lm = ctx.model(spec.model, spec.device, spec.dtype, spec.device_map)
     info = lm.info
     if not spec.tolerances:
         raise GDNVizError("no tolerance given: set δ (points), e.g. 1")
@@ -824,7 +840,7 @@ def run_patch_job(spec: PatchJob, ctx: JobContext) -> dict:
     from gdnviz import patching
 
     ctx.progress(0, 1, "loading the model")
-    lm = ctx.model(spec.model, spec.device, spec.dtype)
+    lm = ctx.model(spec.model, spec.device, spec.dtype, spec.device_map)
     if lm.tokenizer is None:
         raise GDNVizError(f"{lm.info.path or lm.info.name} has no tokenizer: save the model's tokenizer beside it")
     L = int(spec.segment_len)
@@ -868,10 +884,10 @@ def run_holds_job(spec: HoldsJob, ctx: JobContext) -> dict:
     if hit is not None:
         return dict(hit, memo_hit=True)
     ctx.progress(0, 3, "loading the model")
-    lm = ctx.model(spec.model, spec.device, spec.dtype)
+    lm = ctx.model(spec.model, spec.device, spec.dtype, spec.device_map)
     info = lm.info
     (name, ids), = _tokenize_docs(lm, [tuple(spec.document)], None)
-    got = capture_key(info.fingerprint, ids, L, info.dtype, info.device.split(":")[0])
+    got = capture_key(info.fingerprint, ids, L, info.dtype, info.memo_device)
     if got != spec.doc_key:
         raise ModelMismatch(f"'{name}' with {info.name} ({info.dtype} on {info.device}) is not the document the run "
                             "captured: the checkpoint or the text changed since. Capture the document set again.")
@@ -915,10 +931,10 @@ def run_attnmap_job(spec: AttnMapJob, ctx: JobContext) -> dict:
     if not todo:
         return dict(out, memo_hit=True)
     ctx.progress(0, 3, "loading the model")
-    lm = ctx.model(spec.model, spec.device, spec.dtype)
+    lm = ctx.model(spec.model, spec.device, spec.dtype, spec.device_map)
     info = lm.info
     (name, ids), = _tokenize_docs(lm, [tuple(spec.document)], None)
-    if capture_key(info.fingerprint, ids, L, info.dtype, info.device.split(":")[0]) != spec.doc_key:
+    if capture_key(info.fingerprint, ids, L, info.dtype, info.memo_device) != spec.doc_key:
         raise ModelMismatch(f"'{name}' with {info.name} ({info.dtype} on {info.device}) is not the document the run "
                             "captured: the checkpoint or the text changed since. Capture the document set again.")
     check_head(info, spec.layer, spec.head)

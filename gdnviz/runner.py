@@ -207,12 +207,27 @@ def _mask_pads(rows: _Rows, q_hat, k_hat, v, g, beta):
             torch.where(p3, zero, beta).to(beta.dtype))
 
 
+def _on_device(dev: torch.device):
+    """Make the layer's CUDA device current while it scans (Triton launches, CUDA-graph capture and the callbacks'
+    streams use the current device): a model spread over several GPUs (``device_map``) runs each GDN layer on its
+    own. A no-op on CPU and where the layer's device is already current (one-device models)."""
+    if dev.type != "cuda" or dev.index is None or dev.index == torch.cuda.current_device():
+        return contextlib.nullcontext()
+    return torch.cuda.device(dev)
+
+
 def gdn_scan(ctx: RunContext, layer: int, q_hat, k_hat, v, g, beta, initial_state):
     """Scan one GDN layer's call segment by segment, calling the boundary callbacks between segments.
 
     q_hat, k_hat: [B, T, H, K] unit rows (queries unscaled); v: [B, T, H, V]; g, beta: [B, T, H];
     initial_state: [B, H, K, V] or None (zeros). Returns (out [B, T, H, V] in v.dtype, final [B, H, K, V] fp32).
+    Everything runs on the layer's device (the device of ``v``), where the callbacks receive its states.
     """
+    with _on_device(v.device):
+        return _gdn_scan(ctx, layer, q_hat, k_hat, v, g, beta, initial_state)
+
+
+def _gdn_scan(ctx: RunContext, layer: int, q_hat, k_hat, v, g, beta, initial_state):
     B, T, H, _ = v.shape
     K, V = k_hat.shape[-1], v.shape[-1]
     offset = ctx.offsets.get(layer, 0)

@@ -59,6 +59,8 @@ def graph_reason(lm, ctx: runner.RunContext, device) -> str | None:
         return "needs CUDA with fla"
     if lm.info.family == "fla":
         return "fla-family models decode through their own cache"
+    if lm.info.device_map:
+        return "the model is spread over several devices (device_map)"
     impl = getattr(lm.model.config, "_attn_implementation", None) or "sdpa"
     if impl not in ("sdpa", "eager"):
         return f"attention implementation {impl!r} (sdpa or eager only)"

@@ -2,7 +2,7 @@
 
     python -m gdnviz.worker [--cache-dir DIR] [--parent-pid PID] [--exit-when-idle] [--poll 0.2]
 
-- Keeps the last loaded model; reloads when a job names another model, device or dtype.
+- Keeps the last loaded model; reloads when a job names another model, device, dtype or device_map.
 - Writes progress (per document and per GDN layer), honours cancel flags (a cancelled job ends "cancelled").
 - Library errors (``gdnviz.errors``, ``ValueError``) end a job "failed" with their user message; out-of-memory
   ends it "failed" with a message that says what to reduce; anything else fails with the exception named and the
@@ -47,7 +47,8 @@ def _is_oom(e: BaseException) -> bool:
 def oom_message(kind: str, spec: dict, e: BaseException) -> str:
     """What ran out, with what, and what to reduce."""
     model = spec.get("model", "?")
-    where = f"model '{model}', dtype {spec.get('dtype', 'auto')}, device {spec.get('device', 'auto')}"
+    where = f"model '{model}', dtype {spec.get('dtype', 'auto')}, device {spec.get('device', 'auto')}" + (
+        f", device_map {spec['device_map']}" if spec.get("device_map") else "")
     if kind == "capture":
         docs = spec.get("documents") or []
         longest = max((len(t) for _, t in docs), default=0)
@@ -105,10 +106,15 @@ class Worker:
         self._stop = threading.Event()
 
     # -- model pool ------------------------------------------------------------------------------------------
-    def model(self, name: str, device: str, dtype: str):
-        """The loaded model for (name, device, dtype), reloaded when its weights changed on disk since it was loaded
-        (the fingerprint only stats the files when they did not)."""
-        key = (str(name), str(device), str(dtype), _weights_version(name))
+    def model(self, name: str, device: str, dtype: str, device_map: str = ""):
+        """The loaded model for (name, device, dtype, device_map), reloaded when its weights changed on disk since it
+        was loaded (the fingerprint only stats the files when they did not). ``device_map``: "", "auto" or a JSON
+        object; the cache key holds its canonical form, so the same map written differently is the same model."""
+        from gdnviz.models import placement
+
+        dmap = placement.parse(device_map)
+        dmap_key = dmap if isinstance(dmap, str) else placement.text(dmap)
+        key = (str(name), str(device), str(dtype), dmap_key, _weights_version(name))
         if self._lm is not None and self._lm_key == key:
             return self._lm
         from gdnviz.models import load
@@ -121,7 +127,7 @@ class Worker:
         self._empty_cuda_cache()
         self.state = f"loading {name}"
         self.warm_up_seconds = None
-        lm = load(name, device=device, dtype=dtype)
+        lm = load(name, device=device, dtype=dtype, device_map=dmap)
         from gdnviz.warmup import needs_warm_up, warm_up
 
         if needs_warm_up(lm):  # compile and autotune fla's kernels now, not during the user's first document
@@ -136,7 +142,7 @@ class Worker:
             return None
         i = self._lm.info
         return dict(name=i.name, device=i.device, dtype=i.dtype, kernel_path=i.kernel_path, family=i.family,
-                    warm_up=self.warm_up_seconds)
+                    warm_up=self.warm_up_seconds, **({"device_map": dict(i.device_map)} if i.device_map else {}))
 
     @staticmethod
     def _empty_cuda_cache() -> None:

@@ -105,6 +105,18 @@ def _cases(root: Path):
         ("safetensors: garbled header", "models.load",
          lambda: load(_checkpoint(root, weights(lambda b: b[:8] + b"\x00garbage" + b[16:])), device="cpu",
                       load_tokenizer=False), E.BadWeights, "damaged or truncated"),
+        ("device_map: a module the model lacks", "models.placement.check_modules",
+         lambda: load(_checkpoint(root), device_map={"": "cpu", "model.nonesuch": "cpu"}, load_tokenizer=False),
+         E.BadDeviceMap, "names 'model.nonesuch', which the model"),
+        ("device_map: modules left out", "models.placement.check_modules",
+         lambda: load(_checkpoint(root), device_map={"model.embed_tokens": "cpu", "model.layers": "cpu"},
+                      load_tokenizer=False), E.BadDeviceMap, "leaves 'model.norm', 'model.rotary_emb' out"),
+        ("device_map: a GDN layer split from its decoder layer", "models.placement.check_modules",
+         lambda: load(_checkpoint(root), device_map={"": "cpu", "model.layers.0.linear_attn": "cpu"},
+                      load_tokenizer=False), E.BadDeviceMap, "'model.layers.0.linear_attn'"),
+        ("device_map: 'disk'", "models.placement.parse",
+         lambda: load(_checkpoint(root), device_map={"": "disk"}, load_tokenizer=False), E.BadDeviceMap,
+         "device_map[''] = 'disk'"),
     ]
 
 

@@ -14,6 +14,8 @@ class ModelInfo:
     attn_kv_heads / attn_head_dim: the full-attention layers' KV heads and width (for cache budgets).
     kernel_path: "fla" (Triton kernels on CUDA) or "torch" (PyTorch, CPU); dtype: torch dtype name.
     fingerprint: hash of config.json and the weight files' names and whole contents (memo keys).
+    device: where inputs go (the input embeddings' device). device_map: ``((module name, device), ...)`` sorted, when
+    the model is spread over several devices (``gdnviz.models.placement``); () when it lives on ``device`` alone.
     """
 
     name: str
@@ -37,6 +39,7 @@ class ModelInfo:
     kernel_path: str
     fingerprint: str
     num_parameters: int = 0
+    device_map: tuple = ()
 
     @property
     def n_gdn_heads(self) -> int:
@@ -46,8 +49,23 @@ class ModelInfo:
     def state_shape(self) -> tuple:
         return (self.d_k, self.d_v)
 
+    @property
+    def memo_device(self) -> str:
+        """What memo keys hold for where the model ran: the device type ("cuda" / "cpu") on one device; on several,
+        "map-" and the digest of the map (a spread model's results are not assumed equal to another placement's)."""
+        if not self.device_map:
+            return self.device.split(":")[0]
+        from gdnviz.models.placement import digest
+
+        return "map-" + digest(dict(self.device_map))
+
     def to_dict(self) -> dict:
+        """A JSON-able dict; ``device_map`` (a {name: device} dict) only when the model is spread."""
         d = asdict(self)
         d["gdn_layers"] = list(self.gdn_layers)
         d["attn_layers"] = list(self.attn_layers)
+        if self.device_map:
+            d["device_map"] = dict(self.device_map)
+        else:
+            del d["device_map"]
         return d

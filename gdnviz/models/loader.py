@@ -15,8 +15,9 @@ from typing import Any
 import torch
 from safetensors import SafetensorError
 
-from gdnviz.errors import (BadConfig, BadWeights, ModelNotFound, NotAGDNModel, NotAModelDirectory, UnsupportedFamily,
-                           WeightsMissing)
+from gdnviz.errors import (BadConfig, BadDeviceMap, BadWeights, ModelNotFound, NotAGDNModel, NotAModelDirectory,
+                           UnsupportedFamily, WeightsMissing)
+from gdnviz.models import placement
 from gdnviz.models.info import ModelInfo
 
 DEMO_NAME = "demo"
@@ -204,36 +205,58 @@ class LoadedModel:
 
     @property
     def device(self) -> torch.device:
+        """Where inputs go: the model's device, or for a model spread over several (``info.device_map``) its input
+        embeddings' device; each GDN layer runs on its own (``gdnviz.models.placement``)."""
         return torch.device(self.info.device)
 
 
 def load(name_or_path=None, device: Any = "auto", dtype: Any = "auto", trust_remote_code: bool = False,
-         load_tokenizer: bool = True) -> LoadedModel:
+         load_tokenizer: bool = True, device_map: Any = None) -> LoadedModel:
     """Load a GDN hybrid for inspection.
 
     name_or_path: "demo"/None (the bundled demo), a local checkpoint directory, or "org/name" in the local HF cache.
     device: "auto" (cuda if available), "cpu", "cuda", "cuda:1"...; dtype: "auto" (bf16 on CUDA, fp32 on CPU),
-    "float32", "bfloat16", "float16". Raises ModelNotFound, NotAModelDirectory, WeightsMissing,
-    UnsupportedFamily or NotAGDNModel with a message that says what to do.
+    "float32", "bfloat16", "float16". device_map: None (the whole model on ``device``), "auto" or
+    ``{module name: device}`` (a dict or its JSON text; ``gdnviz.models.placement``): transformers places each
+    module there; with a map ``device`` must stay "auto", and "auto" dtype is bf16 when a module runs on a GPU. A map
+    that puts everything on one device is the plain load on that device. Raises ModelNotFound, NotAModelDirectory,
+    WeightsMissing, UnsupportedFamily, NotAGDNModel or BadDeviceMap with a message that says what to do.
     """
     from transformers import AutoModelForCausalLM
 
     desc = inspect_model(name_or_path, trust_remote_code)
     path = Path(desc["path"])
-    dev = parse_device(device)
-    dt = parse_dtype(dtype, dev)
     family = desc["family"]
     ad = adapter_for(family)
     config, _ = read_config(path, trust_remote_code)
+    requested = placement.parse(device_map)
+    dmap = None
+    if requested is None:
+        dev = parse_device(device)
+    else:
+        if device not in (None, "auto"):
+            raise BadDeviceMap(f"give a device ({device!r}) or a device_map, not both: the map says where every "
+                               "module goes")
+        dev = parse_device("auto") if requested == "auto" else placement.main_device(requested)
+    dt = parse_dtype(dtype, dev)
     config = ad.adjust_config(config, dev) if hasattr(ad, "adjust_config") else config
+    if requested is not None:
+        meta = _meta_model(config, dt, trust_remote_code)
+        dmap = placement.plan(meta, requested)
+        if placement.spans_devices(dmap):
+            dev = placement.device_of(dmap, _module_name(meta, meta.get_input_embeddings()))
+        else:  # one device: the plain load there
+            dev, dmap = torch.device(next(iter(dmap.values()))), None
+        del meta
+    placed = {} if dmap is None else dict(device_map=placement.for_transformers(dmap))
     try:
         model = AutoModelForCausalLM.from_pretrained(path, config=config, dtype=dt, local_files_only=True,
-                                                     trust_remote_code=trust_remote_code)
+                                                     trust_remote_code=trust_remote_code, **placed)
     except (SafetensorError, OSError, EOFError, pickle.UnpicklingError) as e:
         names = ", ".join(f.name for f in weight_files(path))
         raise BadWeights(f"The weights in {path} ({names}) cannot be read: a weight file is damaged or truncated "
                          f"({type(e).__name__}: {str(e)[:200]}). Copy or download it again.") from None
-    model = model.to(dev).eval()
+    model = (model.to(dev) if dmap is None else model).eval()
     ad.prepare(model)
     tok = None
     if load_tokenizer:
@@ -241,11 +264,25 @@ def load(name_or_path=None, device: Any = "auto", dtype: Any = "auto", trust_rem
     info = ModelInfo(
         name=str(name_or_path or DEMO_NAME), path=str(path), family=family,
         dtype=str(dt).replace("torch.", ""), device=str(dev),
-        kernel_path=_kernel_path(dev), fingerprint=fingerprint(path),
+        kernel_path=_kernel_path(placement.main_device(dmap) if dmap else dev), fingerprint=fingerprint(path),
         num_parameters=sum(p.numel() for p in model.parameters()),
+        device_map=tuple(sorted(dmap.items())) if dmap else (),
         **{k: v for k, v in desc.items() if k not in ("path", "family")},
     )
     return LoadedModel(model=model, adapter=ad, info=info, tokenizer=tok)
+
+
+def _meta_model(config, dtype: torch.dtype, trust_remote_code: bool):
+    """The model class of ``config`` built on the meta device (no memory, no weights): its module names and tensor
+    sizes are what a device map is checked and planned against."""
+    from transformers import AutoModelForCausalLM
+
+    with torch.device("meta"):
+        return AutoModelForCausalLM.from_config(config, dtype=dtype, trust_remote_code=trust_remote_code)
+
+
+def _module_name(model, module) -> str:
+    return next(n for n, m in model.named_modules() if m is module)
 
 
 def from_model(model, name: str = "in-memory", tokenizer=None) -> LoadedModel:

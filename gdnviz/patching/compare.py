@@ -48,7 +48,7 @@ def _hash(ids) -> str:
 
 def patch_key(info, a_ids, b_ids, spec: PatchSpec, heads, continuation) -> str:
     """Memo key (``"patch:<hash>"``) of one comparison: what its result depends on, and ``VERSION``."""
-    d = dict(v=VERSION, fp=info.fingerprint, dtype=info.dtype, device=info.device.split(":")[0], a=_hash(a_ids),
+    d = dict(v=VERSION, fp=info.fingerprint, dtype=info.dtype, device=info.memo_device, a=_hash(a_ids),
              b=_hash(b_ids), heads=[list(h) for h in heads], boundary=spec.boundary, source=spec.source_position,
              L=spec.segment_len, new=spec.max_new_tokens,
              cont=None if continuation is None else _hash(continuation) if continuation else "empty")

@@ -114,7 +114,8 @@ def batched_token_nll(lm, prompts: Sequence, *, segment_len: int = runner.DEFAUL
             nll = []
             for c in range(0, h.shape[0], chunk):
                 logits = lm.adapter.lm_head(lm.model, h[c:c + chunk]).float()
-                nll.append(torch.nn.functional.cross_entropy(logits, tgt[c:c + chunk], reduction="none")
+                nll.append(torch.nn.functional.cross_entropy(logits, tgt[c:c + chunk].to(logits.device),
+                                                             reduction="none")
                            .double().cpu())
             res.append(torch.cat(nll).numpy() if nll else np.zeros(0))
     return res

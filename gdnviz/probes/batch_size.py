@@ -53,5 +53,8 @@ def auto_batch_size(lm, n_tokens: int, new_tokens: int) -> int:
     dev = torch.device(lm.device)
     if dev.type != "cuda":
         return CPU_ROWS
-    free, _ = torch.cuda.mem_get_info(dev)
+    # a model spread over several GPUs (device_map): the least free memory among them, against a whole row (an
+    # over-estimate: each GPU holds only its layers' share)
+    gpus = {dev} | {torch.device(d) for _, d in lm.info.device_map if d.startswith("cuda")}
+    free = min(torch.cuda.mem_get_info(d)[0] for d in sorted(gpus, key=str))
     return max(1, min(MAX_ROWS, int(FREE_SHARE * free // max(1, row_bytes(lm.model, n_tokens, new_tokens)))))

@@ -42,7 +42,8 @@ def token_nll(lm, input_ids, *, segment_len: int = runner.DEFAULT_SEGMENT_LEN, s
     with torch.inference_mode():
         for s in range(0, h.shape[0], chunk):
             logits = lm.adapter.lm_head(lm.model, h[s:s + chunk]).float()
-            nll.append(torch.nn.functional.cross_entropy(logits, tgt[s:s + chunk], reduction="none").double().cpu())
+            nll.append(torch.nn.functional.cross_entropy(logits, tgt[s:s + chunk].to(logits.device),
+                                                         reduction="none").double().cpu())
     return torch.cat(nll).numpy()
 
 

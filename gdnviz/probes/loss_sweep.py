@@ -141,7 +141,7 @@ def _settings(spec: LossSweepSpec, info) -> list[_Setting]:
 def doc_key(info, ids: Sequence[int], trunc: TruncationSpec | None, segment_len: int) -> str:
     """Memo key of one document's per-token losses under one truncation (``"lossdoc:<hash>"``; None: untouched,
     shared by every head set)."""
-    d = dict(v=VERSION, fp=info.fingerprint, dtype=info.dtype, device=str(info.device).split(":")[0],
+    d = dict(v=VERSION, fp=info.fingerprint, dtype=info.dtype, device=info.memo_device,
              ids=hashlib.sha256(np.asarray(list(ids), dtype=np.int64).tobytes()).hexdigest(), n=len(ids),
              trunc=None if trunc is None else trunc.to_list(), L=int(segment_len))
     return "lossdoc:" + content_hash(dict(version=f"loss-docs-v{VERSION}", entry=d))

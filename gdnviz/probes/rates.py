@@ -35,7 +35,7 @@ def _batch(batch_size) -> int | None:
 
 
 def _key(info, task: str, length: int, segment_len: int, batch_size: int | None) -> str:
-    dev = str(getattr(info, "device", "?")).split(":")[0]
+    dev = getattr(info, "memo_device", None) or str(getattr(info, "device", "?")).split(":")[0]
     return PREFIX + content_hash(dict(fp=info.fingerprint, dtype=info.dtype, device=dev, task=task,
                                        length=int(length), L=int(segment_len), batch=_batch(batch_size)))
 
