@@ -21,8 +21,9 @@ float32, without the graphs):
     python bench/bench_decode.py --device cuda --prompt 4096 --batch 16 --steps 64 --profile 8
 
 ``--profile N`` (CUDA): after the timed steps, N more steps of gdnviz's decoder (replays) under ``torch.profiler``: the
-GPU ops per step and the CUDA kernels by total time (where a replayed step's time goes). ``--sdpa math,...``: the
-graphed decoder again with only that SDPA backend enabled (``decode_gdnviz_graph_sdpa`` rows). ``replay_ms``: the
+GPU ops per step and the CUDA kernels by total time (where a replayed step's time goes). ``--sdpa default,math,...``: the
+graphed decoder again with transformers' SDPA (all backends, or only the one named) in place of gdnviz's one-token
+attention kernel (``gdnviz.gpu.decode_attention``): ``decode_gdnviz_graph_sdpa`` rows. ``replay_ms``: the
 steps after the capture alone.
 
 The prompt is random tokens; no truncation.
@@ -30,6 +31,7 @@ The prompt is random tokens; no truncation.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import os
 import sys
 import time
@@ -214,8 +216,8 @@ def main() -> None:
     ap.add_argument("--prompt", type=int, default=4096, help="prompt tokens")
     ap.add_argument("--batch", default="1,4")
     ap.add_argument("--steps", type=int, default=64)
-    ap.add_argument("--sdpa", default="", help="CUDA: also gdnviz's graphed decoder with only these SDPA backends "
-                    "(comma-separated SDPBackend names: math, efficient_attention, cudnn_attention)")
+    ap.add_argument("--sdpa", default="", help="CUDA: also gdnviz's graphed decoder through transformers' SDPA instead of its "
+                    "decode-attention kernel: 'default' (every backend) or SDPBackend names, comma-separated")
     ap.add_argument("--profile", type=int, default=0, help="CUDA: profile this many more steps of gdnviz's decoder")
     a = ap.parse_args()
 
@@ -266,8 +268,16 @@ def run_batch(lm, dev, g, B: int, a, base: dict) -> None:
     for name in (x for x in a.sdpa.split(",") if x and dev.type == "cuda"):
         from torch.nn.attention import SDPBackend, sdpa_kernel
 
-        with sdpa_kernel([getattr(SDPBackend, name.upper())]):
-            gd, ms_gd, dec = gdnviz_static_decode(lm, ids, tokens, True)
+        from gdnviz.gpu import decode_attention
+
+        only = contextlib.nullcontext() if name == "default" else sdpa_kernel([getattr(SDPBackend, name.upper())])
+        keep = decode_attention.supported
+        decode_attention.supported = lambda *args: False  # this row: transformers' SDPA instead of the kernel
+        try:
+            with only:
+                gd, ms_gd, dec = gdnviz_static_decode(lm, ids, tokens, True)
+        finally:
+            decode_attention.supported = keep
         emit(what="decode_gdnviz_graph_sdpa", sdpa=name, batch=B, ms_per_step=round(ms_gd, 3),
              replay_ms=dec.replay_ms and round(dec.replay_ms, 3), max_abs_logit_diff=max_diff(gd, ref),
              replays=dec.replays, **base)

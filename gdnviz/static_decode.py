@@ -31,6 +31,9 @@ nothing, so no state is lost. Mixture-of-experts models capture in bfloat16 with
 ``batched_mm`` experts (a replay equals the eager step bit for bit); float32 ``grouped_mm`` (its fallback copies
 group offsets to the host) and ``eager`` experts (a loop over the experts hit) do not, and fall back.
 
+On CUDA the attention layers of a step attend through :mod:`gdnviz.gpu.decode_attention` (keys split over many
+programs; a float64 reference beside it), where it applies; elsewhere through transformers' SDPA.
+
 Exactness: the eager static step computes what the runner's DynamicCache step computes, except that attention runs
 over the static buffer with an explicit mask (float32 CPU tests: logits within 1e-5, greedy tokens equal, batched
 and truncated, tests/test_static_decode.py); a replay is the eager static step bit for bit (GPU tests). In bfloat16
@@ -44,6 +47,7 @@ import torch
 
 from gdnviz import runner
 from gdnviz.gdn import kernels
+from gdnviz.gpu import decode_attention
 
 __all__ = ["StaticDecoder", "decoder_for", "graph_reason"]
 
@@ -135,6 +139,8 @@ class StaticDecoder:
             raise ValueError(f"the attention mask has {P} columns, the run's GDN layers consumed {self._offset()}")
         self.lm, self.B, self.P, self.steps = lm, B, P, steps
         self.static = static_copy(model, cache, P + steps)
+        if torch.device(dev).type == "cuda":
+            decode_attention.install()
         dtype = next(model.parameters()).dtype
         self.tok = torch.zeros(B, 1, dtype=torch.long, device=dev)
         first = torch.full((B,), P) if positions is None else torch.as_tensor(positions).reshape(B)
@@ -227,7 +233,7 @@ class StaticDecoder:
 
     def _forward(self) -> torch.Tensor:
         lm = self.lm
-        with torch.inference_mode(), runner.run_context(self.ctx):
+        with torch.inference_mode(), runner.run_context(self.ctx), decode_attention.active():
             hidden = lm.adapter.base_forward(lm.model, self.tok, cache=self.static, use_cache=True,
                                              attention_mask=self.mask_arg, position_ids=self.pos)
             return lm.adapter.lm_head(lm.model, hidden[:, -1:])[:, -1].float()
