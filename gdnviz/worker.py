@@ -9,7 +9,9 @@
   traceback in the record and in ``<cache>/worker.log``.
 - A heartbeat thread writes ``hb:<pid>`` every second (state, current job, loaded model) so the app can tell the
   worker is alive; with ``--parent-pid`` the worker exits when that process is gone.
-- At start it fails the jobs of dead workers of this host (``Store.reap_dead``), so no job is lost silently.
+- Takes a job off the queue and marks it running in one store transaction (``Store.claim_job``) and answers it
+  in one (``Store.finish_job``): killed at any instant, the job is queued, claimed by this pid, or answered.
+- At start it fails the jobs claimed by dead workers of this host (``Store.reap_dead``), so no job is lost.
 
 Test-only hooks (environment variables, read at every progress step of a job other than ``inspect``):
 ``GDNVIZ_TEST_OOM=1`` raises ``torch.cuda.OutOfMemoryError`` inside the job; ``GDNVIZ_TEST_CRASH=<code>`` exits
@@ -182,23 +184,13 @@ class Worker:
             raise torch.cuda.OutOfMemoryError(
                 "CUDA out of memory. Tried to allocate 20.00 GiB (GDNVIZ_TEST_OOM: simulated by a test hook)")
 
-    def process(self, jid: str) -> dict | None:
-        """Run one job by id; returns its final record (None when the record is gone)."""
+    def process(self, rec: dict) -> dict | None:
+        """Run one job this worker claimed (``Store.claim_job``'s record); returns its final record."""
         from gdnviz import jobs
 
-        rec = self.store.job(jid)
-        if rec is None:
-            return None
-        if rec["status"] != "queued":  # cancelled while queued, or already handled
-            return rec
-        if self.store.cancel_requested(jid):
-            return self.store.update_job(jid, status="cancelled", finished=time.time(),
-                                         error="cancelled before it started")
-        kind, spec_d = rec["kind"], rec["spec"]
+        jid, kind, spec_d = rec["id"], rec["kind"], rec["spec"]
         self.current = jid
         self.state = f"running {kind}"
-        self.store.update_job(jid, status="running", started=time.time(), worker_pid=self.pid)
-        self.store.set_running(self.pid, jid)
         self.beat()
 
         def progress(done, total, text=""):
@@ -217,16 +209,14 @@ class Worker:
         except Exception as e:  # noqa: BLE001 - every failure becomes a message, never a silent loss
             final = self._failure(kind, spec_d, e)
         except BaseException:  # SystemExit (SIGTERM), KeyboardInterrupt: record it, then stop
-            self.store.update_job(jid, status="failed", finished=time.time(), error_type="WorkerStopped",
+            self.store.finish_job(jid, self.pid, status="failed", finished=time.time(), error_type="WorkerStopped",
                                   error="the worker was stopped while running this job; run it again")
-            self.store.set_running(self.pid, None)
             self.current = None
             raise
         self.current = None
         self.state = "idle"
-        self.store.set_running(self.pid, None)
         final.update(finished=time.time(), seconds=round(time.time() - t0, 3))
-        rec = self.store.update_job(jid, **final)
+        rec = self.store.finish_job(jid, self.pid, **final)
         log.info("job %s (%s) %s in %.2f s%s", jid, kind, final["status"], final["seconds"],
                  f": {final.get('error')}" if final.get("error") else "")
         self.beat()
@@ -253,10 +243,10 @@ class Worker:
         """Process queued jobs until the queue is empty (in this process; tests and batch use)."""
         n = 0
         while max_jobs is None or n < max_jobs:
-            jid = self.store.pop_job()
-            if jid is None:
+            rec = self.store.claim_job(self.pid)
+            if rec is None:
                 break
-            self.process(jid)
+            self.process(rec)
             n += 1
         return n
 
@@ -279,17 +269,17 @@ class Worker:
         log.info("worker %s ready on %s", self.pid, self.store.dir)
         try:
             while not self._stop.is_set():
-                jid = self.store.pop_job()
-                if jid is None:
+                rec = self.store.claim_job(self.pid)
+                if rec is None:
                     if exit_when_idle:
                         break
                     time.sleep(self.poll)
                     continue
-                self.process(jid)
+                self.process(rec)
         finally:
             self._stop.set()
             if self.current:
-                self.store.update_job(self.current, status="failed", finished=time.time(),
+                self.store.finish_job(self.current, self.pid, status="failed", finished=time.time(),
                                       error="the worker was stopped while running this job", error_type="WorkerStopped")
             self.store.worker_gone(self.pid)
 

@@ -304,9 +304,7 @@ def test_worker_crash_mid_job_is_reported(env, tmp_path, monkeypatch):
     dead = subprocess.Popen([sys.executable, "-c", "import sys; sys.exit(3)"])
     dead.wait()
     jid = store.submit("capture", {"model": "x", "documents": []}, label="capture")
-    store.pop_job()
-    store.update_job(jid, status="running", worker_pid=dead.pid, started=time.time())
-    store.set_running(dead.pid, jid)
+    store.claim_job(dead.pid)
     h = WorkerHandle(store, enabled=True)
     h.proc = dead
     spare = []
