@@ -1,7 +1,9 @@
 """Jobs: small frozen specs (what to run) → pure functions calling the library (how) → results (what pages draw).
 
 A spec is a frozen dataclass of plain values (texts, ints, tuples), so it pickles into the queue, hashes into a
-cache key and round-trips through ``spec_to_dict`` / ``spec_from_dict``. ``run(spec, ctx)`` executes one spec with
+cache key and round-trips through ``spec_to_dict`` / ``spec_from_dict``. Every spec names its model with
+``model``, ``device``, ``dtype`` and ``trust_remote_code`` (run the checkpoint's own code; off unless the user
+ticked it), which ``JobContext.model(spec)`` loads. ``run(spec, ctx)`` executes one spec with
 a ``JobContext`` that provides the loaded model, progress reporting (which raises ``JobCancelled`` when the user
 cancelled) and the store for memoised results. The worker (``python -m gdnviz.worker``) is the only caller in the
 app; the CLI and tests can call ``run`` directly.
@@ -75,6 +77,7 @@ class InspectModelJob:
     model: str = "demo"
     device: str = "auto"
     dtype: str = "auto"
+    trust_remote_code: bool = False
 
 
 @dataclass(frozen=True)
@@ -87,6 +90,7 @@ class CaptureJob:
     segment_len: int = 256
     device: str = "auto"
     dtype: str = "auto"
+    trust_remote_code: bool = False
     max_tokens: int = 32768
 
 
@@ -113,6 +117,7 @@ class TruncateCompareJob:
     chat_template: bool = True
     device: str = "auto"
     dtype: str = "auto"
+    trust_remote_code: bool = False
 
 
 @dataclass(frozen=True)
@@ -135,6 +140,7 @@ class LossJob:
     fingerprint: str = ""
     device: str = "auto"
     dtype: str = "auto"
+    trust_remote_code: bool = False
 
 
 @dataclass(frozen=True)
@@ -166,6 +172,7 @@ class SweepJob:
     fingerprint: str = ""
     device: str = "auto"
     dtype: str = "auto"
+    trust_remote_code: bool = False
     max_tokens: int = 32768
 
 
@@ -194,6 +201,7 @@ class ScanJob:
     fingerprint: str = ""
     device: str = "auto"
     dtype: str = "auto"
+    trust_remote_code: bool = False
 
 
 @dataclass(frozen=True)
@@ -221,6 +229,7 @@ class BudgetJob:
     fingerprint: str = ""
     device: str = "auto"
     dtype: str = "auto"
+    trust_remote_code: bool = False
 
 
 @dataclass(frozen=True)
@@ -249,6 +258,7 @@ class PatchJob:
     fingerprint: str = ""
     device: str = "auto"
     dtype: str = "auto"
+    trust_remote_code: bool = False
 
 
 @dataclass(frozen=True)
@@ -269,6 +279,7 @@ class HoldsJob:
     segment_len: int = 256
     device: str = "auto"
     dtype: str = "auto"
+    trust_remote_code: bool = False
 
 
 # --- AttnMapJob (issue 31: the exact attention map on the Head page) ------------------------------------------
@@ -292,6 +303,7 @@ class AttnMapJob:
     segment_len: int = 256
     device: str = "auto"
     dtype: str = "auto"
+    trust_remote_code: bool = False
 # --- end AttnMapJob ----------------------------------------------------------------------------------------------
 
 
@@ -399,12 +411,14 @@ class JobContext:
         self._progress = progress
         self._cancelled = cancelled
 
-    def model(self, name: str, device: str, dtype: str):
+    def model(self, spec):
+        """The loaded model of ``spec`` (its model, device, dtype, trust_remote_code)."""
+        args = (spec.model, spec.device, spec.dtype, bool(spec.trust_remote_code))
         if self._loader is not None:
-            return self._loader(name, device, dtype)
+            return self._loader(*args)
         from gdnviz.models import load
 
-        return load(name, device=device, dtype=dtype)
+        return load(args[0], device=args[1], dtype=args[2], trust_remote_code=args[3])
 
     def cancelled(self) -> bool:
         return bool(self._cancelled and self._cancelled())
@@ -433,7 +447,7 @@ def run_inspect(spec: InspectModelJob, ctx: JobContext) -> dict:
     from gdnviz.models.loader import fingerprint, parse_device, parse_dtype, weight_files
     import torch
 
-    desc = inspect_model(spec.model)
+    desc = inspect_model(spec.model, spec.trust_remote_code)
     path = Path(desc["path"])
     dev = parse_device(spec.device)
     dt = parse_dtype(spec.dtype, dev)
@@ -443,7 +457,7 @@ def run_inspect(spec: InspectModelJob, ctx: JobContext) -> dict:
         name=spec.model, requested_device=spec.device, requested_dtype=spec.dtype,
         device=str(dev), device_type=dev.type, dtype=str(dt).replace("torch.", ""),
         kernel_path=backend_for(dev), cuda_available=bool(torch.cuda.is_available()),
-        fingerprint=fingerprint(path), has_tokenizer_json=(path / "tokenizer.json").exists(),
+        fingerprint=fingerprint(path, spec.trust_remote_code), has_tokenizer_json=(path / "tokenizer.json").exists(),
         weight_bytes=int(sum(f.stat().st_size for f in wf)), weight_files=[f.name for f in wf],
     )
     out["gdn_layers"], out["attn_layers"] = list(out["gdn_layers"]), list(out["attn_layers"])
@@ -469,7 +483,7 @@ def run_capture(spec: CaptureJob, ctx: JobContext) -> dict:
     if not spec.documents:
         raise EmptyDocumentSet("no documents to capture: paste text, upload files or pick a sample document")
     ctx.progress(0, 1, "loading the model")
-    lm = ctx.model(spec.model, spec.device, spec.dtype)
+    lm = ctx.model(spec)
     info = lm.info
     docs = _tokenize_docs(lm, spec.documents, spec.max_tokens)
     dev_type = info.device.split(":")[0]
@@ -535,7 +549,7 @@ def run_truncate(spec: TruncateCompareJob, ctx: JobContext) -> dict:
     from gdnviz.probes.loss import token_nll
 
     ctx.progress(0, 1, "loading the model")
-    lm = ctx.model(spec.model, spec.device, spec.dtype)
+    lm = ctx.model(spec)
     info = lm.info
     tspec = TruncationSpec.from_dict({(int(l), int(h)): int(r) for l, h, r in spec.ranks})
     if not len(tspec):
@@ -634,7 +648,7 @@ def run_loss(spec: LossJob, ctx: JobContext) -> dict:
     if not spec.documents:
         raise EmptyDocumentSet("loss vs rank needs at least one document: capture a document set first")
     ctx.progress(0, 1, "loading the model")
-    lm = ctx.model(spec.model, spec.device, spec.dtype)
+    lm = ctx.model(spec)
     info = lm.info
     docs = _tokenize_docs(lm, spec.documents, None)
     lspec = loss_spec_of(spec)
@@ -715,11 +729,12 @@ def run_sweep_job(spec: SweepJob, ctx: JobContext) -> dict:
             workers["text"] = " · workers: " + ", ".join(f"{a.rsplit(':', 1)[-1]} {n}" for a, n in
                                                          sorted(per_worker.items()))
 
-        ex = cluster.executor(address, spec.model, spec.device, spec.dtype, on_result=on_result)
+        ex = cluster.executor(address, spec.model, spec.device, spec.dtype, spec.trust_remote_code,
+                              on_result=on_result)
         lm = ex.model_view()
     else:
         ctx.progress(0, 1, "loading the model")
-        lm = ctx.model(spec.model, spec.device, spec.dtype)
+        lm = ctx.model(spec)
     info = lm.info
     sspec = sweep_spec_of(spec)
     cells = len(spec.tasks) * len(spec.lengths) * int(spec.n)
@@ -769,7 +784,7 @@ def run_scan_job(spec: ScanJob, ctx: JobContext) -> dict:
     from gdnviz.probes import scan, sweep
 
     ctx.progress(0, 1, "loading the model")
-    lm = ctx.model(spec.model, spec.device, spec.dtype)
+    lm = ctx.model(spec)
     info = lm.info
     sspec = scan_spec_of(spec)
     ctx.progress(0, 1, f"generating {spec.n} {spec.task} prompts and counting the memo")
@@ -793,7 +808,7 @@ def run_budget_job(spec: BudgetJob, ctx: JobContext) -> dict:
     from gdnviz.probes import budget, sweep
 
     ctx.progress(0, 1, "loading the model")
-    lm = ctx.model(spec.model, spec.device, spec.dtype)
+    lm = ctx.model(spec)
     info = lm.info
     if not spec.tolerances:
         raise GDNVizError("no tolerance given: set δ (points), e.g. 1")
@@ -824,7 +839,7 @@ def run_patch_job(spec: PatchJob, ctx: JobContext) -> dict:
     from gdnviz import patching
 
     ctx.progress(0, 1, "loading the model")
-    lm = ctx.model(spec.model, spec.device, spec.dtype)
+    lm = ctx.model(spec)
     if lm.tokenizer is None:
         raise GDNVizError(f"{lm.info.path or lm.info.name} has no tokenizer: save the model's tokenizer beside it")
     L = int(spec.segment_len)
@@ -868,7 +883,7 @@ def run_holds_job(spec: HoldsJob, ctx: JobContext) -> dict:
     if hit is not None:
         return dict(hit, memo_hit=True)
     ctx.progress(0, 3, "loading the model")
-    lm = ctx.model(spec.model, spec.device, spec.dtype)
+    lm = ctx.model(spec)
     info = lm.info
     (name, ids), = _tokenize_docs(lm, [tuple(spec.document)], None)
     got = capture_key(info.fingerprint, ids, L, info.dtype, info.device.split(":")[0])
@@ -915,7 +930,7 @@ def run_attnmap_job(spec: AttnMapJob, ctx: JobContext) -> dict:
     if not todo:
         return dict(out, memo_hit=True)
     ctx.progress(0, 3, "loading the model")
-    lm = ctx.model(spec.model, spec.device, spec.dtype)
+    lm = ctx.model(spec)
     info = lm.info
     (name, ids), = _tokenize_docs(lm, [tuple(spec.document)], None)
     if capture_key(info.fingerprint, ids, L, info.dtype, info.device.split(":")[0]) != spec.doc_key:

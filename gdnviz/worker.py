@@ -79,14 +79,14 @@ def oom_message(kind: str, spec: dict, e: BaseException) -> str:
             f"{str(e).splitlines()[0][:200] if str(e) else 'out of memory'})")
 
 
-def _weights_version(name: str) -> str | None:
+def _weights_version(name: str, trust_remote_code: bool) -> str | None:
     """The fingerprint of the checkpoint ``name`` names, or None when it cannot be found (``load`` then raises the
     error that says why)."""
     from gdnviz.errors import GDNVizError
     from gdnviz.models.loader import fingerprint, resolve
 
     try:
-        return fingerprint(resolve(name))
+        return fingerprint(resolve(name), trust_remote_code)
     except (GDNVizError, OSError):
         return None
 
@@ -107,10 +107,10 @@ class Worker:
         self._stop = threading.Event()
 
     # -- model pool ------------------------------------------------------------------------------------------
-    def model(self, name: str, device: str, dtype: str):
-        """The loaded model for (name, device, dtype), reloaded when its weights changed on disk since it was loaded
-        (the fingerprint only stats the files when they did not)."""
-        key = (str(name), str(device), str(dtype), _weights_version(name))
+    def model(self, name: str, device: str, dtype: str, trust_remote_code: bool = False):
+        """The loaded model for (name, device, dtype, trust_remote_code), reloaded when its weights (or, trusted,
+        its code) changed on disk since it was loaded (the fingerprint only stats the files when they did not)."""
+        key = (str(name), str(device), str(dtype), bool(trust_remote_code), _weights_version(name, trust_remote_code))
         if self._lm is not None and self._lm_key == key:
             return self._lm
         from gdnviz.models import load
@@ -123,7 +123,7 @@ class Worker:
         self._empty_cuda_cache()
         self.state = f"loading {name}"
         self.warm_up_seconds = None
-        lm = load(name, device=device, dtype=dtype)
+        lm = load(name, device=device, dtype=dtype, trust_remote_code=trust_remote_code)
         from gdnviz.warmup import needs_warm_up, warm_up
 
         if needs_warm_up(lm):  # compile and autotune fla's kernels now, not during the user's first document
