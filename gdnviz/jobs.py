@@ -11,7 +11,8 @@ app; the CLI and tests can call ``run`` directly.
 =====================  ==========================================================================================
 spec                   result (a JSON-able dict; big arrays live in the memo)
 =====================  ==========================================================================================
-InspectModelJob        what ``gdnviz.models.inspect_model`` finds + fingerprint, resolved device/dtype, kernel path
+InspectModelJob        what ``gdnviz.models.inspect_model`` finds + fingerprint, resolved device/dtype, kernel path,
+                       the checkpoint's own code files that loading it runs (``remote_code``; [] untrusted)
 CaptureJob             ``run_id`` of a "previous runs" entry; one memo entry per document (CaptureResult bytes)
 TruncateCompareJob     untouched vs truncated greedy answers, RULER scores, next-token loss change on documents
                        (mean of per-document means; none when no documents are given)
@@ -444,7 +445,7 @@ def run_inspect(spec: InspectModelJob, ctx: JobContext) -> dict:
 
     from gdnviz.gdn.kernels import backend_for
     from gdnviz.models import inspect_model
-    from gdnviz.models.loader import fingerprint, parse_device, parse_dtype, weight_files
+    from gdnviz.models.loader import fingerprint, parse_device, parse_dtype, read_raw_config, remote_code, weight_files
     import torch
 
     desc = inspect_model(spec.model, spec.trust_remote_code)
@@ -459,6 +460,8 @@ def run_inspect(spec: InspectModelJob, ctx: JobContext) -> dict:
         kernel_path=backend_for(dev), cuda_available=bool(torch.cuda.is_available()),
         fingerprint=fingerprint(path, spec.trust_remote_code), has_tokenizer_json=(path / "tokenizer.json").exists(),
         weight_bytes=int(sum(f.stat().st_size for f in wf)), weight_files=[f.name for f in wf],
+        remote_code=sorted(f.name for f in path.glob("*.py"))
+        if spec.trust_remote_code and remote_code(read_raw_config(path)) else [],
     )
     out["gdn_layers"], out["attn_layers"] = list(out["gdn_layers"]), list(out["attn_layers"])
     return out
