@@ -94,8 +94,8 @@ with c1:
         if st.session_state.get("trust_remote_code"):
             st.warning("**Remote code is trusted for this model.** If its config.json names code of its own "
                        "(`auto_map`), the worker imports and runs those `.py` files from the model folder on this "
-                       "machine, with your user's permissions: files, network, anything. Tick it only for a "
-                       "folder whose code you have read or whose source you trust.", icon=":material/warning:")
+                       "machine, with your user's permissions: files, network, anything. Keep it ticked only for "
+                       "a folder whose code you have read or whose source you trust.", icon=":material/warning:")
         else:
             st.caption("Only for a checkpoint whose model type is defined by Python code in its folder: ticking "
                        "it runs that code on this machine.")

@@ -233,9 +233,8 @@ def request_inspection() -> dict:
 
 def inspection_next_step(ins: dict) -> str:
     """What to do after the inspection failed with ``ins['error']``."""
-    if ins.get("error_type") == "NeedsRemoteCode":
-        return ("Tick **Trust remote code** on the Model & documents page if you trust this folder's code, or "
-                "pick another model.")
+    if ins.get("error_type") == "NeedsRemoteCode":  # the message says to tick the box
+        return "Or pick another model."
     return ("Pick another model: a folder with config.json + *.safetensors of a Qwen3.5, Qwen3.5-MoE, Qwen3-Next "
             "or fla GatedDeltaNet checkpoint.")
 
