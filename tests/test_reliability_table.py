@@ -54,6 +54,11 @@ def _cases(root: Path):
     def no_weights(ck):
         (ck / "model.safetensors").unlink()
 
+    def own_code(ck):  # a model type only its own (absent) code defines: refused before any code is looked at
+        raw = json.loads((ck / "config.json").read_text())
+        raw.update(model_type="my_gdn", auto_map={"AutoConfig": "modeling_my_gdn.MyGDNConfig"})
+        (ck / "config.json").write_text(json.dumps(raw))
+
     def plain_qwen3(ck):
         (ck / "config.json").write_text(json.dumps({"model_type": "qwen3", "num_hidden_layers": 2}))
 
@@ -106,6 +111,8 @@ def _cases(root: Path):
         ("safetensors: garbled header", "models.load",
          lambda: load(_checkpoint(root, weights(lambda b: b[:8] + b"\x00garbage" + b[16:])), device="cpu",
                       load_tokenizer=False), E.BadWeights, "damaged or truncated"),
+        ("model defined by its own code, box unticked", "models.read_config",
+         lambda: inspect_model(_checkpoint(root, own_code)), E.NeedsRemoteCode, "tick 'Trust remote code'"),
     ]
 
 
