@@ -33,6 +33,11 @@ class UnsupportedFamily(GDNVizError):
     """The config's ``model_type`` is none of the families gdnviz has an adapter for."""
 
 
+class NeedsRemoteCode(GDNVizError):
+    """The checkpoint's model_type is only defined by Python code in its folder (config.json ``auto_map``), and
+    running that code was not allowed (``trust_remote_code``)."""
+
+
 class NotAGDNModel(GDNVizError):
     """The config declares no Gated DeltaNet (``linear_attention``) layers."""
 

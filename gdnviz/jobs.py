@@ -1,7 +1,9 @@
 """Jobs: small frozen specs (what to run) → pure functions calling the library (how) → results (what pages draw).
 
 A spec is a frozen dataclass of plain values (texts, ints, tuples), so it pickles into the queue, hashes into a
-cache key and round-trips through ``spec_to_dict`` / ``spec_from_dict``. ``run(spec, ctx)`` executes one spec with
+cache key and round-trips through ``spec_to_dict`` / ``spec_from_dict``. Every spec names its model with
+``model``, ``device``, ``dtype`` and ``trust_remote_code`` (run the checkpoint's own code; off unless the user
+ticked it), which ``JobContext.model(spec)`` loads. ``run(spec, ctx)`` executes one spec with
 a ``JobContext`` that provides the loaded model, progress reporting (which raises ``JobCancelled`` when the user
 cancelled) and the store for memoised results. The worker (``python -m gdnviz.worker``) is the only caller in the
 app; the CLI and tests can call ``run`` directly.
@@ -9,7 +11,8 @@ app; the CLI and tests can call ``run`` directly.
 =====================  ==========================================================================================
 spec                   result (a JSON-able dict; big arrays live in the memo)
 =====================  ==========================================================================================
-InspectModelJob        what ``gdnviz.models.inspect_model`` finds + fingerprint, resolved device/dtype, kernel path
+InspectModelJob        what ``gdnviz.models.inspect_model`` finds + fingerprint, resolved device/dtype, kernel path,
+                       the checkpoint's own code files that loading it runs (``remote_code``; [] untrusted)
 CaptureJob             ``run_id`` of a "previous runs" entry; one memo entry per document (CaptureResult bytes)
 TruncateCompareJob     untouched vs truncated greedy answers, RULER scores, next-token loss change on documents
                        (mean of per-document means; none when no documents are given)
@@ -76,6 +79,7 @@ class InspectModelJob:
     model: str = "demo"
     device: str = "auto"
     dtype: str = "auto"
+    trust_remote_code: bool = False
 
 
 @dataclass(frozen=True)
@@ -89,6 +93,7 @@ class CaptureJob:
     device: str = "auto"
     dtype: str = "auto"
     device_map: str = ""
+    trust_remote_code: bool = False
     max_tokens: int = 32768
 
 
@@ -116,6 +121,7 @@ class TruncateCompareJob:
     device: str = "auto"
     dtype: str = "auto"
     device_map: str = ""
+    trust_remote_code: bool = False
 
 
 @dataclass(frozen=True)
@@ -139,6 +145,7 @@ class LossJob:
     device: str = "auto"
     dtype: str = "auto"
     device_map: str = ""
+    trust_remote_code: bool = False
 
 
 @dataclass(frozen=True)
@@ -171,6 +178,7 @@ class SweepJob:
     device: str = "auto"
     dtype: str = "auto"
     device_map: str = ""
+    trust_remote_code: bool = False
     max_tokens: int = 32768
 
 
@@ -200,6 +208,7 @@ class ScanJob:
     device: str = "auto"
     dtype: str = "auto"
     device_map: str = ""
+    trust_remote_code: bool = False
 
 
 @dataclass(frozen=True)
@@ -228,6 +237,7 @@ class BudgetJob:
     device: str = "auto"
     dtype: str = "auto"
     device_map: str = ""
+    trust_remote_code: bool = False
 
 
 @dataclass(frozen=True)
@@ -257,6 +267,7 @@ class PatchJob:
     device: str = "auto"
     dtype: str = "auto"
     device_map: str = ""
+    trust_remote_code: bool = False
 
 
 @dataclass(frozen=True)
@@ -278,6 +289,7 @@ class HoldsJob:
     device: str = "auto"
     dtype: str = "auto"
     device_map: str = ""
+    trust_remote_code: bool = False
 
 
 # --- AttnMapJob (issue 31: the exact attention map on the Head page) ------------------------------------------
@@ -302,6 +314,7 @@ class AttnMapJob:
     device: str = "auto"
     dtype: str = "auto"
     device_map: str = ""
+    trust_remote_code: bool = False
 # --- end AttnMapJob ----------------------------------------------------------------------------------------------
 
 
@@ -409,13 +422,15 @@ class JobContext:
         self._progress = progress
         self._cancelled = cancelled
 
-    def model(self, name: str, device: str, dtype: str, device_map: str = ""):
-        """The loaded model; ``device_map``: "" (none), "auto" or a JSON object (``gdnviz.models.placement``)."""
+    def model(self, spec):
+        """The loaded model of ``spec`` (its model, device, dtype, device_map, trust_remote_code); ``device_map``: ""
+        (none), "auto" or a JSON object (``gdnviz.models.placement``)."""
+        args = (spec.model, spec.device, spec.dtype, spec.device_map, bool(spec.trust_remote_code))
         if self._loader is not None:
-            return self._loader(name, device, dtype, device_map)
+            return self._loader(*args)
         from gdnviz.models import load
 
-        return load(name, device=device, dtype=dtype, device_map=device_map or None)
+        return load(args[0], device=args[1], dtype=args[2], device_map=args[3] or None, trust_remote_code=args[4])
 
     def cancelled(self) -> bool:
         return bool(self._cancelled and self._cancelled())
@@ -441,10 +456,10 @@ def run_inspect(spec: InspectModelJob, ctx: JobContext) -> dict:
 
     from gdnviz.gdn.kernels import backend_for
     from gdnviz.models import inspect_model
-    from gdnviz.models.loader import fingerprint, parse_device, parse_dtype, weight_files
+    from gdnviz.models.loader import fingerprint, parse_device, parse_dtype, read_raw_config, remote_code, weight_files
     import torch
 
-    desc = inspect_model(spec.model)
+    desc = inspect_model(spec.model, spec.trust_remote_code)
     path = Path(desc["path"])
     dev = parse_device(spec.device)
     dt = parse_dtype(spec.dtype, dev)
@@ -454,8 +469,10 @@ def run_inspect(spec: InspectModelJob, ctx: JobContext) -> dict:
         name=spec.model, requested_device=spec.device, requested_dtype=spec.dtype,
         device=str(dev), device_type=dev.type, dtype=str(dt).replace("torch.", ""),
         kernel_path=backend_for(dev), cuda_available=bool(torch.cuda.is_available()),
-        fingerprint=fingerprint(path), has_tokenizer_json=(path / "tokenizer.json").exists(),
+        fingerprint=fingerprint(path, spec.trust_remote_code), has_tokenizer_json=(path / "tokenizer.json").exists(),
         weight_bytes=int(sum(f.stat().st_size for f in wf)), weight_files=[f.name for f in wf],
+        remote_code=sorted(f.name for f in path.glob("*.py"))
+        if spec.trust_remote_code and remote_code(read_raw_config(path)) else [],
     )
     out["gdn_layers"], out["attn_layers"] = list(out["gdn_layers"]), list(out["attn_layers"])
     return out
@@ -480,7 +497,7 @@ def run_capture(spec: CaptureJob, ctx: JobContext) -> dict:
     if not spec.documents:
         raise EmptyDocumentSet("no documents to capture: paste text, upload files or pick a sample document")
     ctx.progress(0, 1, "loading the model")
-    lm = ctx.model(spec.model, spec.device, spec.dtype, spec.device_map)
+    lm = ctx.model(spec)
     info = lm.info
     docs = _tokenize_docs(lm, spec.documents, spec.max_tokens)
     dev_type = info.memo_device
@@ -546,7 +563,7 @@ def run_truncate(spec: TruncateCompareJob, ctx: JobContext) -> dict:
     from gdnviz.probes.loss import token_nll
 
     ctx.progress(0, 1, "loading the model")
-    lm = ctx.model(spec.model, spec.device, spec.dtype, spec.device_map)
+    lm = ctx.model(spec)
     info = lm.info
     tspec = TruncationSpec.from_dict({(int(l), int(h)): int(r) for l, h, r in spec.ranks})
     if not len(tspec):
@@ -645,7 +662,7 @@ def run_loss(spec: LossJob, ctx: JobContext) -> dict:
     if not spec.documents:
         raise EmptyDocumentSet("loss vs rank needs at least one document: capture a document set first")
     ctx.progress(0, 1, "loading the model")
-    lm = ctx.model(spec.model, spec.device, spec.dtype, spec.device_map)
+    lm = ctx.model(spec)
     info = lm.info
     docs = _tokenize_docs(lm, spec.documents, None)
     lspec = loss_spec_of(spec)
@@ -731,11 +748,12 @@ def run_sweep_job(spec: SweepJob, ctx: JobContext) -> dict:
             workers["text"] = " · workers: " + ", ".join(f"{a.rsplit(':', 1)[-1]} {n}" for a, n in
                                                          sorted(per_worker.items()))
 
-        ex = cluster.executor(address, spec.model, spec.device, spec.dtype, on_result=on_result)
+        ex = cluster.executor(address, spec.model, spec.device, spec.dtype, spec.trust_remote_code,
+                              on_result=on_result)
         lm = ex.model_view()
     else:
         ctx.progress(0, 1, "loading the model")
-        lm = ctx.model(spec.model, spec.device, spec.dtype, spec.device_map)
+        lm = ctx.model(spec)
     info = lm.info
     sspec = sweep_spec_of(spec)
     cells = len(spec.tasks) * len(spec.lengths) * int(spec.n)
@@ -785,7 +803,7 @@ def run_scan_job(spec: ScanJob, ctx: JobContext) -> dict:
     from gdnviz.probes import scan, sweep
 
     ctx.progress(0, 1, "loading the model")
-    lm = ctx.model(spec.model, spec.device, spec.dtype, spec.device_map)
+    lm = ctx.model(spec)
     info = lm.info
     sspec = scan_spec_of(spec)
     ctx.progress(0, 1, f"generating {spec.n} {spec.task} prompts and counting the memo")
@@ -809,7 +827,7 @@ def run_budget_job(spec: BudgetJob, ctx: JobContext) -> dict:
     from gdnviz.probes import budget, sweep
 
     ctx.progress(0, 1, "loading the model")
-    lm = ctx.model(spec.model, spec.device, spec.dtype, spec.device_map)
+    lm = ctx.model(spec)
     info = lm.info
     if not spec.tolerances:
         raise GDNVizError("no tolerance given: set δ (points), e.g. 1")
@@ -840,7 +858,7 @@ def run_patch_job(spec: PatchJob, ctx: JobContext) -> dict:
     from gdnviz import patching
 
     ctx.progress(0, 1, "loading the model")
-    lm = ctx.model(spec.model, spec.device, spec.dtype, spec.device_map)
+    lm = ctx.model(spec)
     if lm.tokenizer is None:
         raise GDNVizError(f"{lm.info.path or lm.info.name} has no tokenizer: save the model's tokenizer beside it")
     L = int(spec.segment_len)
@@ -884,7 +902,7 @@ def run_holds_job(spec: HoldsJob, ctx: JobContext) -> dict:
     if hit is not None:
         return dict(hit, memo_hit=True)
     ctx.progress(0, 3, "loading the model")
-    lm = ctx.model(spec.model, spec.device, spec.dtype, spec.device_map)
+    lm = ctx.model(spec)
     info = lm.info
     (name, ids), = _tokenize_docs(lm, [tuple(spec.document)], None)
     got = capture_key(info.fingerprint, ids, L, info.dtype, info.memo_device)
@@ -931,7 +949,7 @@ def run_attnmap_job(spec: AttnMapJob, ctx: JobContext) -> dict:
     if not todo:
         return dict(out, memo_hit=True)
     ctx.progress(0, 3, "loading the model")
-    lm = ctx.model(spec.model, spec.device, spec.dtype, spec.device_map)
+    lm = ctx.model(spec)
     info = lm.info
     (name, ids), = _tokenize_docs(lm, [tuple(spec.document)], None)
     if capture_key(info.fingerprint, ids, L, info.dtype, info.memo_device) != spec.doc_key:

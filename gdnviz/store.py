@@ -3,11 +3,12 @@
 
 Layout under the cache directory (``cache/`` at the repository root, or ``$GDNVIZ_CACHE_DIR``)::
 
-    queue/    diskcache.Deque of job ids (FIFO; popleft is atomic across processes)
-    jobs/     diskcache.Cache, eviction 'none': "job:<id>" record, "progress:<id>", "cancel:<id>"
+    jobs/     diskcache.Cache, eviction 'none': "job:<id>" record, "progress:<id>", "cancel:<id>", the queue
+              ("queue-<n>" -> job id, FIFO: ``Cache.push`` / ``pull``) and "running:<pid>" -> the job id a worker
+              has claimed
     memo/     diskcache.Cache (size-limited): content-hash key -> b"GDNV1" + sha256(payload) + payload
     runs/     diskcache.Index: run id -> run entry (what a capture of a document set produced)
-    workers/  diskcache.Cache, eviction 'none': "hb:<pid>" heartbeats, "running:<pid>" -> job id
+    workers/  diskcache.Cache, eviction 'none': "hb:<pid>" heartbeats
     worker.log
 
 A memo entry carries the sha256 of its payload; ``memo_get`` verifies it and treats a mismatch (or an unreadable
@@ -18,8 +19,12 @@ the reader down; a damaged job record reads as a failed job that says so.
 
 Job statuses: queued → running → done | failed | cancelled. A job record is a dict:
 ``id, kind, spec, label, status, created, started, finished, worker_pid, error, error_type, result``.
-Only the worker writes a running job's record; the app writes a record only to submit it, to cancel it while it
-is still queued, and to mark it failed when its worker died (``reap_worker``).
+Each step of a job is one sqlite transaction of ``jobs/``, so a process killed at any instant leaves the job in
+exactly one of three states: queued (record + queue entry: ``submit``), claimed (record "running" by the worker's
+pid + "running:<pid>": ``claim_job`` takes it off the queue and marks it in one step), or answered (terminal
+record, claim gone: ``finish_job``). A claimed job whose worker is gone is answered "failed" (WorkerCrashed) by
+``reap_worker``, never re-queued (it may be the job that killed the worker), and ``finish_job`` and
+``reap_worker`` answer only a job still claimed by that pid, so no job is answered twice.
 """
 from __future__ import annotations
 
@@ -45,6 +50,8 @@ MEMO_MAGIC = b"GDNV1"
 HEARTBEAT_STALE = 30.0
 HEARTBEAT_EVERY = 1.0
 TERMINAL = ("done", "failed", "cancelled")
+#: the prefix of the job queue's keys in ``jobs/``
+QUEUE = "queue"
 
 
 def default_cache_dir() -> Path:
@@ -109,7 +116,6 @@ class Store:
         def checked(name: str) -> diskcache.Cache:
             return diskcache.Cache(str(self.dir / name), eviction_policy="none", timeout=60, disk=CheckedDisk)
 
-        self.queue = diskcache.Deque.fromcache(checked("queue"))
         self.jobs = checked("jobs")
         self.memo = diskcache.Cache(str(self.dir / "memo"), size_limit=int(memo_size_gb * 2 ** 30),
                                     eviction_policy="least-recently-stored", timeout=60)
@@ -121,7 +127,7 @@ class Store:
         return self.dir / "worker.log"
 
     def close(self) -> None:
-        for c in (self.jobs, self.memo, self.workers, self.runs.cache, self.queue.cache):
+        for c in (self.jobs, self.memo, self.workers, self.runs.cache):
             c.close()
 
     @staticmethod
@@ -138,8 +144,9 @@ class Store:
         jid = uuid.uuid4().hex[:16]
         rec = dict(id=jid, kind=kind, spec=spec, label=label or kind, status="queued", created=time.time(),
                    started=None, finished=None, worker_pid=None, error=None, error_type=None, result=None)
-        self.jobs.set(f"job:{jid}", rec)
-        self.queue.append(jid)
+        with self.jobs.transact(retry=True):
+            self.jobs.set(f"job:{jid}", rec)
+            self.jobs.push(jid, prefix=QUEUE, retry=True)
         return jid
 
     def job(self, jid: str) -> dict | None:
@@ -198,24 +205,59 @@ class Store:
         v, why = self._read(self.jobs, f"cancel:{jid}", False)
         return why is not None or bool(v)
 
-    def pop_job(self) -> str | None:
-        """The next queued job id, or None when the queue is empty. A damaged queue entry is dropped (its job, if
-        its id cannot be read, is never run)."""
+    def claim_job(self, pid: int) -> dict | None:
+        """Take the next queued job off the queue and mark it running by worker ``pid``, in one transaction;
+        returns its record (None when the queue is empty). A job cancelled while queued, or whose record cannot
+        be read, is dropped from the queue and not run; one whose cancel flag is set ends "cancelled" here."""
         while True:
-            try:
-                jid = self.queue.popleft()
-            except IndexError:
-                return None
-            except Exception:  # a damaged entry at the front: drop it, or the queue would be stuck behind it
-                for k in self.queue.cache.iterkeys():
-                    self.queue.cache.delete(k)
-                    break
-                continue
-            if isinstance(jid, str):
-                return jid
+            with self.jobs.transact(retry=True):
+                front = self._queue_front()
+                try:
+                    key, jid = self.jobs.pull(prefix=QUEUE, retry=True)
+                except Exception:  # a damaged entry at the front: drop it, or the queue would be stuck behind it
+                    if front is not None and self._queue_front() == front:
+                        self.jobs.delete(front, retry=True)
+                    continue
+                if key is None:
+                    return None
+                rec = self._read(self.jobs, f"job:{jid}")[0] if isinstance(jid, str) else None
+                if not isinstance(rec, dict) or rec.get("status") != "queued":
+                    continue
+                now = time.time()
+                if self.cancel_requested(jid):
+                    self.jobs.set(f"job:{jid}", dict(rec, status="cancelled", finished=now,
+                                                     error="cancelled before it started"))
+                    continue
+                rec = dict(rec, status="running", started=now, worker_pid=pid)
+                self.jobs.set(f"job:{jid}", rec)
+                self.jobs.set(f"running:{pid}", jid)
+                return rec
+
+    def finish_job(self, jid: str, pid: int, **fields) -> dict | None:
+        """Answer the job worker ``pid`` claimed (``fields``: its terminal status, result or error, times) and drop
+        the claim, in one transaction. A job no longer claimed by ``pid`` (reaped meanwhile) is left as it is;
+        returns the job's record either way (None when it is gone)."""
+        with self.jobs.transact(retry=True):
+            rec = self._read(self.jobs, f"job:{jid}")[0]
+            if isinstance(rec, dict) and rec.get("status") == "running" and rec.get("worker_pid") == pid:
+                rec = dict(rec, **fields)
+                self.jobs.set(f"job:{jid}", rec)
+            if self._read(self.jobs, f"running:{pid}")[0] == jid:
+                self.jobs.delete(f"running:{pid}", retry=True)
+        return rec if isinstance(rec, dict) else None
+
+    def _queue_front(self):
+        """The key of the first queue entry (None when there is none), without reading its value."""
+        lo, hi = QUEUE + "-000000000000000", QUEUE + "-999999999999999"
+        rows = self.jobs._sql("SELECT key FROM Cache WHERE ? < key AND key < ? AND raw = 1 ORDER BY key LIMIT 1",
+                              (lo, hi)).fetchall()
+        return rows[0][0] if rows else None
 
     def queued_count(self) -> int:
-        return len(self.queue)
+        """Entries in the queue (a job cancelled while queued counts until a worker drops it)."""
+        lo, hi = QUEUE + "-000000000000000", QUEUE + "-999999999999999"
+        return self.jobs._sql("SELECT COUNT(*) FROM Cache WHERE ? < key AND key < ? AND raw = 1",
+                              (lo, hi)).fetchone()[0]
 
     def wait(self, jid: str, timeout: float = 600.0, poll: float = 0.1) -> dict:
         """Block until the job is done/failed/cancelled (for the CLI and tests); returns its record."""
@@ -236,14 +278,8 @@ class Store:
         self.workers.set(f"hb:{pid}", rec)
 
     def worker_gone(self, pid: int) -> None:
+        """Forget a worker's heartbeat (its claim, if any, stays for ``reap_worker``)."""
         self.workers.delete(f"hb:{pid}")
-        self.workers.delete(f"running:{pid}")
-
-    def set_running(self, pid: int, jid: str | None) -> None:
-        if jid is None:
-            self.workers.delete(f"running:{pid}")
-        else:
-            self.workers.set(f"running:{pid}", jid)
 
     def heartbeats(self) -> list[dict]:
         out = []
@@ -261,31 +297,33 @@ class Store:
                 if now - h.get("time", 0) < stale and (h.get("host") != host or pid_alive(h.get("pid")))]
 
     def reap_worker(self, pid: int, exit_code: int | None = None, restarted: bool = True) -> list[str]:
-        """A worker process is gone: fail the job it was running (with the exit code) and forget it.
-
-        Returns the ids of the jobs marked failed.
-        """
+        """A worker process is gone: fail the job it had claimed (with the exit code), drop the claim and its
+        heartbeat. Returns the ids of the jobs marked failed (at most one)."""
         failed = []
-        jid = self._read(self.workers, f"running:{pid}")[0]
-        candidates = [jid] if isinstance(jid, str) else []
-        for j in candidates:
-            rec = self._read(self.jobs, f"job:{j}")[0]
-            if isinstance(rec, dict) and rec.get("status") == "running" and rec.get("worker_pid") in (pid, None):
-                msg = f"the worker process died while running this job ({describe_exit(exit_code)})"
-                msg += "; it has been restarted" if restarted else ""
-                self.update_job(j, status="failed", finished=time.time(), error=msg, error_type="WorkerCrashed")
-                failed.append(j)
+        msg = f"the worker process died while running this job ({describe_exit(exit_code)})"
+        msg += "; it has been restarted" if restarted else ""
+        with self.jobs.transact(retry=True):
+            jid, why = self._read(self.jobs, f"running:{pid}")
+            if isinstance(jid, str):
+                rec = self._read(self.jobs, f"job:{jid}")[0]
+                if isinstance(rec, dict) and rec.get("status") == "running" and rec.get("worker_pid") == pid:
+                    self.jobs.set(f"job:{jid}", dict(rec, status="failed", finished=time.time(), error=msg,
+                                                     error_type="WorkerCrashed"))
+                    failed.append(jid)
+            if jid is not None or why is not None:
+                self.jobs.delete(f"running:{pid}", retry=True)
         self.worker_gone(pid)
         return failed
 
     def reap_dead(self, restarted: bool = False) -> list[str]:
-        """Reap every worker of this host whose process no longer exists (its exit code is unknown)."""
+        """Reap every worker of this host whose process no longer exists (its exit code is unknown): those with
+        a heartbeat and those with a claim."""
         failed, host = [], socket.gethostname()
         for h in self.heartbeats():
             pid = h.get("pid")
             if h.get("host") == host and not pid_alive(pid):
                 failed += self.reap_worker(pid, None, restarted=restarted)
-        for k in list(self.workers.iterkeys()):
+        for k in list(self.jobs.iterkeys()):
             if isinstance(k, str) and k.startswith("running:"):
                 pid = int(k.split(":", 1)[1])
                 if not pid_alive(pid):

@@ -9,7 +9,9 @@
   traceback in the record and in ``<cache>/worker.log``.
 - A heartbeat thread writes ``hb:<pid>`` every second (state, current job, loaded model) so the app can tell the
   worker is alive; with ``--parent-pid`` the worker exits when that process is gone.
-- At start it fails the jobs of dead workers of this host (``Store.reap_dead``), so no job is lost silently.
+- Takes a job off the queue and marks it running in one store transaction (``Store.claim_job``) and answers it
+  in one (``Store.finish_job``): killed at any instant, the job is queued, claimed by this pid, or answered.
+- At start it fails the jobs claimed by dead workers of this host (``Store.reap_dead``), so no job is lost.
 
 Test-only hooks (environment variables, read at every progress step of a job other than ``inspect``):
 ``GDNVIZ_TEST_OOM=1`` raises ``torch.cuda.OutOfMemoryError`` inside the job; ``GDNVIZ_TEST_CRASH=<code>`` exits
@@ -78,14 +80,14 @@ def oom_message(kind: str, spec: dict, e: BaseException) -> str:
             f"{str(e).splitlines()[0][:200] if str(e) else 'out of memory'})")
 
 
-def _weights_version(name: str) -> str | None:
+def _weights_version(name: str, trust_remote_code: bool) -> str | None:
     """The fingerprint of the checkpoint ``name`` names, or None when it cannot be found (``load`` then raises the
     error that says why)."""
     from gdnviz.errors import GDNVizError
     from gdnviz.models.loader import fingerprint, resolve
 
     try:
-        return fingerprint(resolve(name))
+        return fingerprint(resolve(name), trust_remote_code)
     except (GDNVizError, OSError):
         return None
 
@@ -106,15 +108,17 @@ class Worker:
         self._stop = threading.Event()
 
     # -- model pool ------------------------------------------------------------------------------------------
-    def model(self, name: str, device: str, dtype: str, device_map: str = ""):
-        """The loaded model for (name, device, dtype, device_map), reloaded when its weights changed on disk since it
-        was loaded (the fingerprint only stats the files when they did not). ``device_map``: "", "auto" or a JSON
-        object; the cache key holds its canonical form, so the same map written differently is the same model."""
+    def model(self, name: str, device: str, dtype: str, device_map: str = "", trust_remote_code: bool = False):
+        """The loaded model for (name, device, dtype, device_map, trust_remote_code), reloaded when its weights (or,
+        trusted, its code) changed on disk since it was loaded (the fingerprint only stats the files when they did
+        not). ``device_map``: "", "auto" or a JSON object; the cache key holds its canonical form, so the same map
+        written differently is the same model."""
         from gdnviz.models import placement
 
         dmap = placement.parse(device_map)
         dmap_key = dmap if isinstance(dmap, str) else placement.text(dmap)
-        key = (str(name), str(device), str(dtype), dmap_key, _weights_version(name))
+        key = (str(name), str(device), str(dtype), dmap_key, bool(trust_remote_code),
+               _weights_version(name, trust_remote_code))
         if self._lm is not None and self._lm_key == key:
             return self._lm
         from gdnviz.models import load
@@ -127,7 +131,7 @@ class Worker:
         self._empty_cuda_cache()
         self.state = f"loading {name}"
         self.warm_up_seconds = None
-        lm = load(name, device=device, dtype=dtype, device_map=dmap)
+        lm = load(name, device=device, dtype=dtype, device_map=dmap, trust_remote_code=trust_remote_code)
         from gdnviz.warmup import needs_warm_up, warm_up
 
         if needs_warm_up(lm):  # compile and autotune fla's kernels now, not during the user's first document
@@ -188,23 +192,13 @@ class Worker:
             raise torch.cuda.OutOfMemoryError(
                 "CUDA out of memory. Tried to allocate 20.00 GiB (GDNVIZ_TEST_OOM: simulated by a test hook)")
 
-    def process(self, jid: str) -> dict | None:
-        """Run one job by id; returns its final record (None when the record is gone)."""
+    def process(self, rec: dict) -> dict | None:
+        """Run one job this worker claimed (``Store.claim_job``'s record); returns its final record."""
         from gdnviz import jobs
 
-        rec = self.store.job(jid)
-        if rec is None:
-            return None
-        if rec["status"] != "queued":  # cancelled while queued, or already handled
-            return rec
-        if self.store.cancel_requested(jid):
-            return self.store.update_job(jid, status="cancelled", finished=time.time(),
-                                         error="cancelled before it started")
-        kind, spec_d = rec["kind"], rec["spec"]
+        jid, kind, spec_d = rec["id"], rec["kind"], rec["spec"]
         self.current = jid
         self.state = f"running {kind}"
-        self.store.update_job(jid, status="running", started=time.time(), worker_pid=self.pid)
-        self.store.set_running(self.pid, jid)
         self.beat()
 
         def progress(done, total, text=""):
@@ -223,16 +217,14 @@ class Worker:
         except Exception as e:  # noqa: BLE001 - every failure becomes a message, never a silent loss
             final = self._failure(kind, spec_d, e)
         except BaseException:  # SystemExit (SIGTERM), KeyboardInterrupt: record it, then stop
-            self.store.update_job(jid, status="failed", finished=time.time(), error_type="WorkerStopped",
+            self.store.finish_job(jid, self.pid, status="failed", finished=time.time(), error_type="WorkerStopped",
                                   error="the worker was stopped while running this job; run it again")
-            self.store.set_running(self.pid, None)
             self.current = None
             raise
         self.current = None
         self.state = "idle"
-        self.store.set_running(self.pid, None)
         final.update(finished=time.time(), seconds=round(time.time() - t0, 3))
-        rec = self.store.update_job(jid, **final)
+        rec = self.store.finish_job(jid, self.pid, **final)
         log.info("job %s (%s) %s in %.2f s%s", jid, kind, final["status"], final["seconds"],
                  f": {final.get('error')}" if final.get("error") else "")
         self.beat()
@@ -259,10 +251,10 @@ class Worker:
         """Process queued jobs until the queue is empty (in this process; tests and batch use)."""
         n = 0
         while max_jobs is None or n < max_jobs:
-            jid = self.store.pop_job()
-            if jid is None:
+            rec = self.store.claim_job(self.pid)
+            if rec is None:
                 break
-            self.process(jid)
+            self.process(rec)
             n += 1
         return n
 
@@ -285,17 +277,17 @@ class Worker:
         log.info("worker %s ready on %s", self.pid, self.store.dir)
         try:
             while not self._stop.is_set():
-                jid = self.store.pop_job()
-                if jid is None:
+                rec = self.store.claim_job(self.pid)
+                if rec is None:
                     if exit_when_idle:
                         break
                     time.sleep(self.poll)
                     continue
-                self.process(jid)
+                self.process(rec)
         finally:
             self._stop.set()
             if self.current:
-                self.store.update_job(self.current, status="failed", finished=time.time(),
+                self.store.finish_job(self.current, self.pid, status="failed", finished=time.time(),
                                       error="the worker was stopped while running this job", error_type="WorkerStopped")
             self.store.worker_gone(self.pid)
 

@@ -56,7 +56,8 @@ def hf_cached_models() -> list[tuple[str, str]]:
 
 c1, c2, c3 = st.columns([3, 1, 1])
 with c1:
-    st.radio("Source", list(SOURCES), format_func=SOURCES.get, key="model_source", horizontal=True)
+    st.radio("Source", list(SOURCES), format_func=SOURCES.get, key="model_source", horizontal=True,
+             on_change=C.untrust)
     src = st.session_state["model_source"]
     if src == "demo":
         if not C.demo_installed():
@@ -71,7 +72,7 @@ with c1:
                        "cut every GDN head to rank 1 on the Truncate & compare page and the needle is lost.")
     elif src == "path":
         st.text_input("Checkpoint folder (holds config.json and *.safetensors)", key="model_path",
-                      placeholder="/path/to/Qwen3.5-0.8B")
+                      placeholder="/path/to/Qwen3.5-0.8B", on_change=C.untrust)
     else:
         cached = hf_cached_models()
         if not cached:
@@ -84,8 +85,20 @@ with c1:
             types = dict(cached)
             if st.session_state.get("model_hf") not in ids:
                 st.session_state["model_hf"] = ids[0]
-            st.selectbox("Model in the local cache", ids, key="model_hf",
+            st.selectbox("Model in the local cache", ids, key="model_hf", on_change=C.untrust,
                          format_func=lambda r: f"{r}  ({types.get(r, '?')})")
+    if src != "demo":
+        st.checkbox("Trust remote code", key="trust_remote_code",
+                    help="Off: a checkpoint's own Python code is never run. On: transformers' "
+                         "trust_remote_code=True for this model only (choosing another model unticks it).")
+        if st.session_state.get("trust_remote_code"):
+            st.warning("**Remote code is trusted for this model.** If its config.json names code of its own "
+                       "(`auto_map`), the worker imports and runs those `.py` files from the model folder on this "
+                       "machine, with your user's permissions: files, network, anything. Keep it ticked only for "
+                       "a folder whose code you have read or whose source you trust.", icon=":material/warning:")
+        else:
+            st.caption("Only for a checkpoint whose model type is defined by Python code in its folder: ticking "
+                       "it runs that code on this machine.")
 with c2:
     st.selectbox("Device", ["auto", "cpu", "cuda"], key="device",
                  help="auto: the GPU when the worker sees one, else the CPU")
@@ -102,9 +115,7 @@ elif choice["model"] == "demo" and not C.demo_installed():
 else:
     ins = C.request_inspection()
     if ins.get("error"):
-        C.show_error(f"Cannot use **{choice['model']}**: {ins['error']}",
-                     "Pick another model: a folder with config.json + *.safetensors of a Qwen3.5, Qwen3.5-MoE, "
-                     "Qwen3-Next or fla GatedDeltaNet checkpoint.")
+        C.show_error(f"Cannot use **{choice['model']}**: {ins['error']}", C.inspection_next_step(ins))
     elif ins.get("result") is None:
         st.session_state["_inspect_job"] = ins["job"]
         C.job_panel("_inspect_job", f"Inspecting {Path(choice['model']).name or choice['model']}")
@@ -124,7 +135,9 @@ if info is not None:
                f"{info['num_heads'] * len(gl)} GDN heads · {info['weight_bytes'] / 2 ** 20:,.1f} MiB of weights · "
                f"fingerprint `{info['fingerprint']}`"
                + ("" if info.get("has_tokenizer_json") else " · no tokenizer.json: token counts come from the "
-                                                            "worker"))
+                                                            "worker")
+               + (f" · runs the checkpoint's own code ({', '.join(info['remote_code'])})"
+                  if info.get("remote_code") else ""))
 
 # =============================================================================================================
 # 2. documents
@@ -273,7 +286,7 @@ if st.button("Run capture", type="primary", key="run_capture", disabled=not read
 
     spec = CaptureJob(model=choice["model"], documents=tuple((d["name"], d["text"]) for d in doc_set),
                       segment_len=int(st.session_state["segment_len"]), device=choice["device"],
-                      dtype=choice["dtype"], max_tokens=limit)
+                      dtype=choice["dtype"], trust_remote_code=choice["trust_remote_code"], max_tokens=limit)
     st.session_state["capture_job"] = C.submit("capture", spec_to_dict(spec), label="capture")
     st.session_state.pop("capture_handled", None)
     st.rerun()  # redraw from the top: the sidebar's worker status and the Run button see the new job

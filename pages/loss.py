@@ -26,7 +26,7 @@ if run is None:
     C.empty_state("No capture yet.", "Loss vs rank runs on the documents of a capture: pick a model and documents "
                                      "and run a capture on the **Model & documents** page.")
     st.stop()
-info, model_name, device, dtype, L, table, src = C.run_model(run)
+info, model_name, device, dtype, L, table, src, trust = C.run_model(run)
 gl, H = list(info["gdn_layers"]), int(info["num_heads"])
 rmax = min(int(info["d_k"]), int(info["d_v"]))
 docs = run["documents"]
@@ -86,7 +86,7 @@ go = st.button("Run loss vs rank", type="primary", key="ls_run", icon=":material
 if go and not errors:
     from gdnviz.jobs import LossJob, spec_to_dict
 
-    spec = LossJob(model=model_name, device=device, dtype=dtype, documents=tuple(tuple(d) for d in
+    spec = LossJob(model=model_name, device=device, dtype=dtype, trust_remote_code=trust, documents=tuple(tuple(d) for d in
                                                                                   run["spec"]["documents"]),
                    ranks=tuple(r for r in ranks if r != rmax), heads="all" if st.session_state["ls_heads"] == "all" else tuple(heads),
                    rank_maps=rank_maps, segment_len=L, min_distance=dist,

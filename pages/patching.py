@@ -17,7 +17,7 @@ st.caption("Run prompt B with the chosen heads' states at one segment boundary r
            "(mean −log p per token, nats; Δ = patched − unpatched). Every other head, the attention layers and "
            "every other boundary are untouched. Definitions: docs/attribution.md.")
 
-run, info, model_name, device, dtype, L, table, src = C.page_model("state patching runs on the chosen model.")
+run, info, model_name, device, dtype, L, table, src, trust = C.page_model("state patching runs on the chosen model.")
 gl, H = list(info["gdn_layers"]), int(info["num_heads"])
 st.markdown(f"Model: {src} · GDN layers {', '.join(map(str, gl))} × {H} heads · segment length **L = {L}** "
             "(boundaries at L, 2L, …)")
@@ -70,7 +70,7 @@ running = C.job_active(st.session_state.get("patch_job"))
 if st.button("Run the patch", type="primary", key="pt_run", icon=":material/play_arrow:",
              disabled=bool(errors) or running):
     spec = P.job_dict(model_name, device, dtype, info, source=source, heads=heads, L=L, boundary=int(boundary),
-                      from_a=int(from_a), max_new_tokens=int(new), continuation=cont, **kw)
+                      from_a=int(from_a), max_new_tokens=int(new), continuation=cont, trust_remote_code=trust, **kw)
     st.session_state["patch_job"] = C.submit("patch", spec, label="state patching")
     st.rerun()
 

@@ -23,7 +23,7 @@ st.caption("A **scan** runs one RULER task with one layer or one head cut to ran
            "ranks as small as possible with every task within δ points of the untouched model. Every answer is "
            "stored as it finishes and shared with the Retrieval sweeps page.")
 
-run, info, model_name, device, dtype, L, table, src = C.page_model("scans and budgets run on it here.")
+run, info, model_name, device, dtype, L, table, src, trust = C.page_model("scans and budgets run on it here.")
 gl, H = list(info["gdn_layers"]), int(info["num_heads"])
 rmax = min(int(info["d_k"]), int(info["d_v"]))
 ns = S.model_ns(info)
@@ -89,7 +89,8 @@ if plan is not None:
 for e in errors:
     C.show_error(e)
 scan_form = spec_to_dict(ScanJob(
-    model=model_name, device=device, dtype=dtype, task=sspec.task, length=sspec.length, r=sspec.r, by=sspec.by,
+    model=model_name, device=device, dtype=dtype, trust_remote_code=trust, task=sspec.task, length=sspec.length,
+    r=sspec.r, by=sspec.by,
     keep=sspec.keep, layers=tuple(sspec.layers or ()), n=sspec.n, seed0=sspec.seed0, segment_len=L,
     batch_size=sspec.batch_size, max_new_tokens=int(st.session_state["sc_max_new"]), max_prompts=sspec.max_prompts,
     fingerprint=fp))
@@ -187,7 +188,8 @@ if not tasks:
 bplan = budget_form = None
 if not berrors:
     budget_form = spec_to_dict(BudgetJob(
-        model=model_name, device=device, dtype=dtype, tasks=tuple(tasks), lengths=tuple(lengths),
+        model=model_name, device=device, dtype=dtype, trust_remote_code=trust, tasks=tuple(tasks),
+        lengths=tuple(lengths),
         n=int(st.session_state["bg_n"]), tolerances=tuple(tols), ladder=tuple(ladder), segment_len=L,
         max_new_tokens=int(st.session_state["bg_max_new"]), max_prompts=int(st.session_state["bg_limit"]),
         fingerprint=fp))

@@ -21,7 +21,7 @@ st.caption("For every task, length and rank r: generate n RULER samples, answer 
            "Every sample's result is stored as soon as its batch finishes: a cancelled or crashed sweep resumes "
            "where it stopped, and a repeated one is read back instantly.")
 
-run, info, model_name, device, dtype, L_default, table, src = C.page_model(
+run, info, model_name, device, dtype, L_default, table, src, trust = C.page_model(
     "sweeps run on it here (a capture also lets you choose the heads that forget within a segment).")
 gl, H = list(info["gdn_layers"]), int(info["num_heads"])
 rmax = min(int(info["d_k"]), int(info["d_v"]))
@@ -117,7 +117,8 @@ if not errors:
     from gdnviz.jobs import SweepJob, spec_to_dict, sweep_spec_of
 
     spec = SweepJob(
-        model=model_name, device=device, dtype=dtype, tasks=tuple(tasks), lengths=tuple(lengths),
+        model=model_name, device=device, dtype=dtype, trust_remote_code=trust, tasks=tuple(tasks),
+        lengths=tuple(lengths),
         ranks=tuple(r for r in ranks if r != rmax), n=int(st.session_state["sw_n"]), seed0=seed0,
         heads="all" if st.session_state["sw_heads"] == "all" else tuple(heads), rank_maps=rank_maps, segment_len=L_default,
         batch_size=C.batch_value(st.session_state["sw_batch"]), max_new_tokens=int(st.session_state["sw_max_new"]),

@@ -17,7 +17,7 @@ st.caption("At every segment boundary the chosen heads' states are replaced by t
            "left singular directions; the next segment reads and writes the truncated state, so the cut compounds "
            "(seed 000 §3). Full-attention layers are never touched. The same prompt runs untouched and truncated.")
 
-run, info, model_name, device, dtype, L_default, table, src = C.page_model(
+run, info, model_name, device, dtype, L_default, table, src, trust = C.page_model(
     "the truncation runs on it here (ideally run a capture too, so that heads can be chosen by horizon, or open a "
     "stored run in the sidebar under *Previous runs*).")
 gl, H = list(info["gdn_layers"]), int(info["num_heads"])
@@ -180,7 +180,7 @@ def _form_spec() -> dict:
         loss_docs = tuple(tuple(d) for d in run["spec"]["documents"])
     ruler_mode = st.session_state["tr_prompt_mode"] == "ruler"
     spec = TruncateCompareJob(
-        model=model_name, device=device, dtype=dtype, segment_len=L,
+        model=model_name, device=device, dtype=dtype, trust_remote_code=trust, segment_len=L,
         ranks=tuple((l, h, r) for (l, h), r in sorted(ranks.items())),
         prompt="" if ruler_mode else st.session_state["tr_prompt"],
         task=st.session_state["tr_task"] if ruler_mode else "",

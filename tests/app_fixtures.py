@@ -49,6 +49,64 @@ def build_not_gdn(root: str | os.PathLike) -> Path:
     return out
 
 
+REMOTE_CODE = '''"""A checkpoint's own code (a test fixture): a Qwen3.5 decoder that doubles its token embeddings."""
+from pathlib import Path
+
+from transformers import Qwen3_5ForCausalLM, Qwen3_5TextConfig, Qwen3_5TextModel
+
+with open(MARKER, "a") as fh:  # proof that this code ran
+    fh.write("imported\\n")
+
+
+class MyGDNConfig(Qwen3_5TextConfig):
+    model_type = MODEL_TYPE
+
+
+class MyGDNModel(Qwen3_5TextModel):
+    def forward(self, input_ids=None, inputs_embeds=None, **kw):
+        if inputs_embeds is None:
+            inputs_embeds = 2.0 * self.embed_tokens(input_ids)
+        return super().forward(inputs_embeds=inputs_embeds, **kw)
+
+
+class MyGDNForCausalLM(Qwen3_5ForCausalLM):
+    config_class = MyGDNConfig
+
+    def __init__(self, config):
+        super().__init__(config)
+        self.model = MyGDNModel(config)
+        self.post_init()
+'''
+
+
+def build_remote_code_checkpoint(root: str | os.PathLike, model_type: str = "my_gdn") -> tuple[Path, Path]:
+    """(checkpoint folder, marker file): the tiny checkpoint's weights and tokenizer with its own code
+    (``modeling_my_gdn.py``, named by config.json's ``auto_map``), a Qwen3.5 decoder that doubles its token
+    embeddings. With ``model_type`` "my_gdn" only that code defines the model; with "qwen3_5_text" transformers'
+    built-in class loads it unless remote code is trusted. Importing the code appends a line to the marker."""
+    import shutil
+
+    root = Path(root)
+    src = build_checkpoint(root)
+    out = root / f"remote-code-{model_type}"
+    if out.exists():
+        shutil.rmtree(out)
+    shutil.copytree(src, out)
+    marker = root / f"remote-code-{model_type}.ran"
+    marker.unlink(missing_ok=True)
+    cfg = json.loads((out / "config.json").read_text())
+    cfg["model_type"] = model_type
+    cfg["architectures"] = ["MyGDNForCausalLM"]
+    cfg["auto_map"] = {"AutoConfig": "modeling_my_gdn.MyGDNConfig",
+                       "AutoModelForCausalLM": "modeling_my_gdn.MyGDNForCausalLM"}
+    if model_type != "my_gdn":
+        del cfg["auto_map"]["AutoConfig"]  # the built-in config class; only the model is the checkpoint's own
+    (out / "config.json").write_text(json.dumps(cfg, indent=1))
+    code = REMOTE_CODE.replace("MARKER", repr(str(marker)), 1).replace("MODEL_TYPE", repr(model_type))
+    (out / "modeling_my_gdn.py").write_text(code)
+    return out, marker
+
+
 import pytest  # noqa: E402
 
 

@@ -168,7 +168,7 @@ def test_cancel_a_capture_from_the_page(env, tmp_path):
     jid = at.session_state["capture_job"]
     at.button(key="capture_job_cancel").click().run()
     assert Store(cache).job(jid)["status"] == "cancelled"
-    assert work(cache) == 1  # the worker pops it and leaves it cancelled
+    assert work(cache) == 0 and Store(cache).queued_count() == 0  # the worker drops it from the queue, unrun
     at.run()
     assert Store(cache).job(jid)["status"] == "cancelled"
     assert any("Capture was cancelled" in i for i in texts(at, "info"))
@@ -304,9 +304,7 @@ def test_worker_crash_mid_job_is_reported(env, tmp_path, monkeypatch):
     dead = subprocess.Popen([sys.executable, "-c", "import sys; sys.exit(3)"])
     dead.wait()
     jid = store.submit("capture", {"model": "x", "documents": []}, label="capture")
-    store.pop_job()
-    store.update_job(jid, status="running", worker_pid=dead.pid, started=time.time())
-    store.set_running(dead.pid, jid)
+    store.claim_job(dead.pid)
     h = WorkerHandle(store, enabled=True)
     h.proc = dead
     spare = []

@@ -1,6 +1,6 @@
 """docs/reliability.md, generated: every bad input tried here is refused with its own gdnviz error and a message
-that names the bad value; the store-fuzz, kill-under-load and cross-session cases and the tests that cover them
-(the kill test's counts are read from the record it writes).
+that names the bad value; the store-fuzz, kill-under-load, crash-point and cross-session cases and the tests that
+cover them (the kill and crash-point tests' counts are read from the records they write).
 
 ``test_reliability_table_is_current`` fails when the file differs from what this module generates;
 ``python tests/test_reliability_table.py`` rewrites it. Each row is run, not written down: a case whose error or
@@ -25,6 +25,7 @@ from gdnviz import errors as E  # noqa: E402
 
 DOC = HERE.parent / "docs" / "reliability.md"
 KILL_RECORD = HERE / "records" / "kill_under_load.json"  # written by tests/test_kill_under_load.py
+CRASH_RECORD = HERE / "records" / "crash_points.json"  # written by tests/test_worker_crash_points.py
 
 
 def _checkpoint(root: Path, damage=None) -> Path:
@@ -52,6 +53,11 @@ def _cases(root: Path):
 
     def no_weights(ck):
         (ck / "model.safetensors").unlink()
+
+    def own_code(ck):  # a model type only its own (absent) code defines: refused before any code is looked at
+        raw = json.loads((ck / "config.json").read_text())
+        raw.update(model_type="my_gdn", auto_map={"AutoConfig": "modeling_my_gdn.MyGDNConfig"})
+        (ck / "config.json").write_text(json.dumps(raw))
 
     def plain_qwen3(ck):
         (ck / "config.json").write_text(json.dumps({"model_type": "qwen3", "num_hidden_layers": 2}))
@@ -117,6 +123,8 @@ def _cases(root: Path):
         ("device_map: 'disk'", "models.placement.parse",
          lambda: load(_checkpoint(root), device_map={"": "disk"}, load_tokenizer=False), E.BadDeviceMap,
          "device_map[''] = 'disk'"),
+        ("model defined by its own code, box unticked", "models.read_config",
+         lambda: inspect_model(_checkpoint(root, own_code)), E.NeedsRemoteCode, "tick 'Trust remote code'"),
     ]
 
 
@@ -156,6 +164,40 @@ def _kill_section() -> list[str]:
             f"{k['answered_twice']} | {k['other_failures']} |"]
 
 
+def _crash_points_section() -> list[str]:
+    assert CRASH_RECORD.exists(), f"{CRASH_RECORD} is missing: run `pytest tests/test_worker_crash_points.py`"
+    c = json.loads(CRASH_RECORD.read_text())
+    out = ["",
+           f"## Worker killed after each of its store writes: {c['points']} points, {c['lost']} lost, "
+           f"{c['answered_twice']} answered twice",
+           "",
+           "Every step of a job is one sqlite transaction of the store's `jobs/` table: `submit` writes the record "
+           "and the queue entry, `claim_job` takes the job off the queue, marks it running by the worker's pid and "
+           "records the claim (`running:<pid>`), `finish_job` writes the answer and drops the claim. Killed at any "
+           "instant, a job is therefore queued, claimed by a pid, or answered, never in between. A claimed job "
+           "whose worker is gone is answered \"failed\" (`WorkerCrashed`, with the exit code when the app saw it) "
+           "by `reap_worker` (the app's handle when its child exits, or the next worker's start), and both "
+           "`finish_job` and `reap_worker` write only a job still claimed by that pid, so a job is answered once. "
+           "It is not re-queued: the job may be what killed the worker (the kernel's OOM killer, a crash in a "
+           "native library), and running it again would take the next worker down too; its finished parts "
+           "(memo entries) stay, so running it again recomputes only what was lost.",
+           "",
+           "`tests/test_worker_crash_points.py` (marker `slow`) forks the real worker (`gdnviz.worker.main`) on a "
+           "store with one queued capture job and SIGKILLs it right after its k-th store write (k = 1, 2, ... "
+           "until it exits on its own; each write is one transaction, so these are all the instants it can die "
+           "at), recovers the job as the app does (odd k: the app's handle, even k: the next worker's start), "
+           "then runs a next worker on the same store. Before claim and answer were single transactions, this "
+           "test found three points that stranded the job for ever (after the take: \"queued\"; after marking "
+           "it running and before recording the claim, and after dropping the claim and before the answer: "
+           "\"running\").",
+           "",
+           "| k | the worker was killed right after | job then | recovered by | job at the end |",
+           "|---|---|---|---|---|"]
+    out += [f"| {r['k']} | {r['after']} | {r['at_kill']} | {r['recovered_by']} | {r['final']}"
+            f"{' (' + r['error_type'] + ')' if r['error_type'] else ''} |" for r in c["rows"]]
+    return out
+
+
 def render(rows) -> str:
     from support import store_fuzz
     from test_store_fuzz import KINDS
@@ -189,6 +231,7 @@ def render(rows) -> str:
     out += [f"| {k} | `{area}/` | " + " | ".join("renders" for _ in store_fuzz.HOW) + " |"
             for k, (area, _p) in KINDS.items()]
     out += _kill_section()
+    out += _crash_points_section()
     out += ["",
             "## Sessions: cross-session leaks 0",
             "",

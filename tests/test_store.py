@@ -44,8 +44,27 @@ def test_queue_is_fifo_and_records_merge_progress(store):
     store.set_progress(a, 3, 12, "layer 3")
     rec = store.job(a)
     assert rec["progress"]["fraction"] == pytest.approx(0.25) and rec["progress"]["text"] == "layer 3"
-    assert store.pop_job() == a and store.pop_job() == b and store.pop_job() is None
+    first = store.claim_job(123)
+    assert (first["id"], first["status"], first["worker_pid"]) == (a, "running", 123)
+    assert store.job(a)["status"] == "running" and store.queued_count() == 1
+    assert store.claim_job(123)["id"] == b and store.claim_job(123) is None and store.queued_count() == 0
     assert store.job("nope") is None
+
+
+def test_claim_skips_cancelled_jobs_and_finish_answers_only_the_claimer(store):
+    """A job cancelled while queued is dropped, one whose cancel flag is set ends cancelled at the claim; a
+    finished job is answered once: a second answer (or one from another pid) changes nothing."""
+    a, b, c = (store.submit("capture", {}) for _ in range(3))
+    store.cancel(a)
+    store.jobs.set(f"cancel:{b}", True)  # the flag is set; the queued record not yet changed
+    rec = store.claim_job(7)
+    assert rec["id"] == c and store.job(b)["status"] == "cancelled"
+    assert store.job(b)["error"] == "cancelled before it started"
+    assert store.finish_job(c, 8, status="done", result={"x": 1})["status"] == "running"  # not its claim
+    assert store.finish_job(c, 7, status="done", result={"x": 1})["result"] == {"x": 1}
+    assert store.finish_job(c, 7, status="failed", error="late")["status"] == "done"
+    assert store.reap_worker(7, -9) == [] and store.job(c)["status"] == "done"
+    assert "running:7" not in store.jobs
 
 
 def test_cancel_queued_job_is_immediate(store):
@@ -122,9 +141,7 @@ def test_heartbeats_and_reaping(store):
     assert not pid_alive(dead)
     store.heartbeat(dead, state="running capture")
     jid = store.submit("capture", {})
-    store.pop_job()
-    store.update_job(jid, status="running", worker_pid=dead)
-    store.set_running(dead, jid)
+    assert store.claim_job(dead)["id"] == jid
     assert dead not in [h["pid"] for h in store.live_workers()]
     failed = store.reap_worker(dead, -9, restarted=True)
     assert failed == [jid]
@@ -138,9 +155,8 @@ def test_heartbeats_and_reaping(store):
 def test_reap_dead_finds_jobs_of_vanished_workers(store):
     dead = _dead_pid()
     jid = store.submit("capture", {})
-    store.update_job(jid, status="running", worker_pid=dead)
-    store.set_running(dead, jid)
-    assert store.reap_dead() == [jid]
+    store.claim_job(dead)
+    assert store.reap_dead() == [jid] and store.reap_dead() == []
     assert "exit code unknown" in store.job(jid)["error"]
 
 

@@ -310,9 +310,7 @@ def test_worker_reaps_jobs_of_a_vanished_worker_and_exits_with_its_parent(tmp_pa
     ghost = subprocess.Popen([sys.executable, "-c", "pass"])
     ghost.wait()
     jid = store.submit("capture", {"model": "x", "documents": []})
-    store.pop_job()
-    store.update_job(jid, status="running", worker_pid=ghost.pid)
-    store.set_running(ghost.pid, jid)
+    store.claim_job(ghost.pid)
     parent = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(600)"])
     p = subprocess.Popen([sys.executable, "-m", "gdnviz.worker", "--cache-dir", str(store.dir), "--parent-pid",
                           str(parent.pid)], cwd=str(ROOT), env=_env(), stdout=subprocess.DEVNULL,

@@ -1,6 +1,9 @@
 """Find, inspect and load a GDN hybrid: a local directory, the local Hugging Face cache, or the bundled demo.
 
-Nothing is ever downloaded (``local_files_only=True``); ``trust_remote_code`` is off unless asked.
+Nothing is ever downloaded (``local_files_only=True``); ``trust_remote_code`` is off unless asked. With it on, a
+checkpoint whose config.json ``auto_map`` names code in its folder is loaded with that code (transformers imports
+and runs those ``*.py`` files); its family is the supported family its config class derives from, and its
+fingerprint covers those files, so results of its code are never mixed with those of the built-in classes.
 """
 from __future__ import annotations
 
@@ -15,8 +18,8 @@ from typing import Any
 import torch
 from safetensors import SafetensorError
 
-from gdnviz.errors import (BadConfig, BadDeviceMap, BadWeights, ModelNotFound, NotAGDNModel, NotAModelDirectory,
-                           UnsupportedFamily, WeightsMissing)
+from gdnviz.errors import (BadConfig, BadDeviceMap, BadWeights, ModelNotFound, NeedsRemoteCode, NotAGDNModel,
+                           NotAModelDirectory, UnsupportedFamily, WeightsMissing)
 from gdnviz.models import placement
 from gdnviz.models.info import ModelInfo
 
@@ -95,11 +98,30 @@ def read_raw_config(path: Path) -> dict:
 
 
 def read_config(path: Path, trust_remote_code: bool = False):
+    """(transformers config, raw config.json dict, family) of the checkpoint at ``path``. Raises BadConfig,
+    NeedsRemoteCode (its model_type exists only in its own code, and ``trust_remote_code`` is off),
+    UnsupportedFamily or NotAGDNModel."""
     from transformers import AutoConfig
 
     _register_fla()
     raw = read_raw_config(path)
     model_type = raw.get("model_type")
+    code = remote_code(raw)
+    if model_type not in FAMILIES and code and not _builtin(model_type):
+        if not trust_remote_code:
+            raise NeedsRemoteCode(
+                f"{path}: model_type '{model_type}' is defined only by the checkpoint's own Python code (config.json "
+                f"auto_map: {', '.join(f'{k} → {v}' for k, v in code.items())}), which is not run unless you allow "
+                "it. If you trust this folder, tick 'Trust remote code' on the Model & documents page (CLI: "
+                "--trust-remote-code; library: trust_remote_code=True): its code then runs on this machine.")
+        config = AutoConfig.from_pretrained(path, local_files_only=True, trust_remote_code=True)
+        family = next((FAMILIES[t] for t in _base_model_types(type(config)) if t in FAMILIES), None)
+        if family is None:
+            raise UnsupportedFamily(
+                f"{path}: the checkpoint's own config class {type(config).__name__} (model_type '{model_type}') "
+                f"derives from none of the supported families' configs. Supported families: "
+                f"{supported_families_text()}.")
+        return config, raw, family
     if model_type not in FAMILIES:
         types = raw.get("layer_types") or (raw.get("text_config") or {}).get("layer_types")
         found = _layer_type_summary(types) if types else f"{raw.get('num_hidden_layers', '?')} layers, none declared linear_attention"
@@ -109,7 +131,29 @@ def read_config(path: Path, trust_remote_code: bool = False):
                 f"Supported families: {supported_families_text()}.")
         raise NotAGDNModel(f"model_type '{model_type}' has no Gated DeltaNet layers (found layer types: {found}). "
                            f"gdnviz inspects GDN hybrids: {supported_families_text()}.")
-    return AutoConfig.from_pretrained(path, local_files_only=True, trust_remote_code=trust_remote_code), raw
+    config = AutoConfig.from_pretrained(path, local_files_only=True, trust_remote_code=trust_remote_code)
+    if trust_remote_code and code and type(config).__module__.startswith("transformers_modules"):
+        family = next((FAMILIES[t] for t in _base_model_types(type(config)) if t in FAMILIES), FAMILIES[model_type])
+    else:
+        family = FAMILIES[model_type]
+    return config, raw, family
+
+
+def remote_code(raw: dict) -> dict:
+    """config.json's ``auto_map`` (Auto class -> "module.Class" in the checkpoint's folder), {} when it has none."""
+    m = raw.get("auto_map")
+    return {str(k): str(v) for k, v in m.items()} if isinstance(m, dict) else {}
+
+
+def _builtin(model_type) -> bool:
+    from transformers.models.auto.configuration_auto import CONFIG_MAPPING
+
+    return isinstance(model_type, str) and model_type in CONFIG_MAPPING
+
+
+def _base_model_types(cls) -> list:
+    """The ``model_type`` of each config class ``cls`` derives from, itself first."""
+    return [getattr(c, "model_type", None) for c in cls.__mro__]
 
 
 def _layer_type_summary(types) -> str:
@@ -144,15 +188,22 @@ def weight_files(path: Path) -> list[Path]:
     return files
 
 
-def fingerprint(path: Path) -> str:
+def fingerprint(path: Path, trust_remote_code: bool = False) -> str:
     """16 hex chars of the sha256 of config.json and each weight file's name and whole-file sha256: it changes
     whenever a weight changes, and is the same for a copy of the checkpoint. Each file is read once per version
-    (``gdnviz.models.filehash``); later calls only stat it."""
+    (``gdnviz.models.filehash``); later calls only stat it. With ``trust_remote_code`` and code in the folder
+    (config.json ``auto_map``), the name and bytes of every ``*.py`` file there are hashed too: results computed
+    by the checkpoint's own code never share a key with those of the built-in classes, nor with an edited copy
+    of that code."""
     from gdnviz.models.filehash import file_sha256
 
     h = hashlib.sha256((path / "config.json").read_bytes())
     for f in weight_files(path):
         h.update(f"{f.name}:{f.stat().st_size}:{file_sha256(f)}".encode())
+    if trust_remote_code and remote_code(read_raw_config(path)):
+        h.update(b"trust_remote_code")
+        for f in sorted(path.glob("*.py")):
+            h.update(f.name.encode() + b":" + hashlib.sha256(f.read_bytes()).digest())
     return h.hexdigest()[:16]
 
 
@@ -180,8 +231,7 @@ def parse_device(device: Any) -> torch.device:
 def inspect_model(name_or_path=None, trust_remote_code: bool = False) -> dict:
     """What ``load`` would load, without loading weights: family, layers, heads, widths (a dict for the UI)."""
     path = resolve(name_or_path)
-    config, raw = read_config(path, trust_remote_code)
-    family = FAMILIES[raw["model_type"]]
+    config, raw, family = read_config(path, trust_remote_code)
     ad = adapter_for(family)
     d = ad.describe(config)
     if not d["gdn_layers"]:
@@ -219,8 +269,9 @@ def load(name_or_path=None, device: Any = "auto", dtype: Any = "auto", trust_rem
     "float32", "bfloat16", "float16". device_map: None (the whole model on ``device``), "auto" or
     ``{module name: device}`` (a dict or its JSON text; ``gdnviz.models.placement``): transformers places each
     module there; with a map ``device`` must stay "auto", and "auto" dtype is bf16 when a module runs on a GPU. A map
-    that puts everything on one device is the plain load on that device. Raises ModelNotFound, NotAModelDirectory,
-    WeightsMissing, UnsupportedFamily, NotAGDNModel or BadDeviceMap with a message that says what to do.
+    that puts everything on one device is the plain load on that device. trust_remote_code: run the checkpoint's own
+    code (module docstring). Raises ModelNotFound, NotAModelDirectory, WeightsMissing, NeedsRemoteCode,
+    UnsupportedFamily, NotAGDNModel, BadDeviceMap or BadWeights with a message that says what to do.
     """
     from transformers import AutoModelForCausalLM
 
@@ -228,7 +279,7 @@ def load(name_or_path=None, device: Any = "auto", dtype: Any = "auto", trust_rem
     path = Path(desc["path"])
     family = desc["family"]
     ad = adapter_for(family)
-    config, _ = read_config(path, trust_remote_code)
+    config, _, _ = read_config(path, trust_remote_code)
     requested = placement.parse(device_map)
     dmap = None
     if requested is None:
@@ -264,7 +315,8 @@ def load(name_or_path=None, device: Any = "auto", dtype: Any = "auto", trust_rem
     info = ModelInfo(
         name=str(name_or_path or DEMO_NAME), path=str(path), family=family,
         dtype=str(dt).replace("torch.", ""), device=str(dev),
-        kernel_path=_kernel_path(placement.main_device(dmap) if dmap else dev), fingerprint=fingerprint(path),
+        kernel_path=_kernel_path(placement.main_device(dmap) if dmap else dev),
+        fingerprint=fingerprint(path, trust_remote_code),
         num_parameters=sum(p.numel() for p in model.parameters()),
         device_map=tuple(sorted(dmap.items())) if dmap else (),
         **{k: v for k, v in desc.items() if k not in ("path", "family")},

@@ -47,7 +47,8 @@ def request(run: dict, doc: str, layer: int, head: int, start: int, end: int, at
     spec = AttnMapJob(model=run["model_name"], document=(doc, text), doc_key=d["key"], layer=int(layer),
                       head=int(head), start=int(start), end=int(end), attn_layer=attn_layer, attn_head=attn_head,
                       segment_len=int(run["segment_len"]), device=run["spec"].get("device", "auto"),
-                      dtype=run["spec"].get("dtype", "auto"))
+                      dtype=run["spec"].get("dtype", "auto"),
+                      trust_remote_code=run["spec"].get("trust_remote_code") is True)
     return spec_to_dict(spec), attnmap_keys(d["key"], layer, head, start, end, attn_layer, attn_head)
 
 

@@ -7,7 +7,10 @@ Session keys (``st.session_state``):
 model_source        "demo" | "path" | "hf"  (widget, persisted across pages)
 model_path          local checkpoint folder (widget)      model_hf: org/name in the HF cache (widget)
 device, dtype       "auto" | ... (widgets)
-inspect             {"key": (model, device, dtype), "job": id, "result": dict | None, "error": str | None}
+trust_remote_code   the "Trust remote code" box (widget; off by default, unticked whenever another model is chosen,
+                    never applied to the demo)
+inspect             {"key": (model, device, dtype, trust_remote_code), "job": id, "result": dict | None,
+                    "error": str | None, "error_type": str | None}
 user_docs           [{"name", "text", "source"}] pasted / uploaded documents
 sample_docs         names of bundled samples in the set (widget)
 segment_len         tokens per segment (widget)          max_tokens: per-document token limit (widget)
@@ -63,7 +66,7 @@ IDLE_POLL_SECONDS = 5.0
 DEMO_DIR = Path(__file__).resolve().parent.parent / "assets" / "demo"
 APP_PATH = Path(__file__).resolve().parent.parent.parent / "app.py"
 #: Widget keys kept when the user moves between pages (Streamlit drops the state of widgets not drawn).
-PERSISTED = ("model_source", "model_path", "model_hf", "device", "dtype", "sample_docs", "segment_len",
+PERSISTED = ("model_source", "model_path", "model_hf", "device", "dtype", "trust_remote_code", "sample_docs", "segment_len",
              "max_tokens", "heat_metric", "click_action", "tr_prompt_mode", "tr_task", "tr_target_len", "tr_seed",
              "tr_max_new", "tr_prompt", "tr_loss_docs", "tr_chat", "bud_batch", "bud_state_dtype", "bud_kv_dtype",
              "bud_max_ctx", "head_doc", "sw_tasks", "sw_lengths", "sw_ranks", "sw_n", "sw_batch", "sw_seed0",
@@ -167,10 +170,12 @@ def init_model_state() -> None:
         st.session_state["model_hf"] = d
     st.session_state.setdefault("device", "auto")
     st.session_state.setdefault("dtype", "auto")
+    st.session_state.setdefault("trust_remote_code", False)
 
 
 def model_choice() -> dict:
-    """{"model", "device", "dtype"} as chosen on the Model & documents page (or the defaults)."""
+    """{"model", "device", "dtype", "trust_remote_code"} as chosen on the Model & documents page (or the defaults;
+    the bundled demo is never trusted: it has no code of its own)."""
     init_model_state()
     src = st.session_state.get("model_source", "demo")
     if src == "path":
@@ -180,14 +185,25 @@ def model_choice() -> dict:
     else:
         model = "demo"
     return dict(model=model, device=st.session_state.get("device", "auto"),
-                dtype=st.session_state.get("dtype", "auto"))
+                dtype=st.session_state.get("dtype", "auto"),
+                trust_remote_code=src != "demo" and st.session_state.get("trust_remote_code") is True)
+
+
+def untrust() -> None:
+    """Untick "Trust remote code" (the on_change of every model input: a tick trusts only the model it was given
+    for)."""
+    st.session_state["trust_remote_code"] = False
+
+
+def _choice_key(ch: dict) -> tuple:
+    return ch["model"], ch["device"], ch["dtype"], ch["trust_remote_code"]
 
 
 def inspected() -> dict | None:
     """The inspection result of the current model choice, if it has finished successfully."""
     ins = st.session_state.get("inspect")
     ch = model_choice()
-    if ins and tuple(ins.get("key", ())) == (ch["model"], ch["device"], ch["dtype"]):
+    if ins and tuple(ins.get("key", ())) == _choice_key(ch):
         return ins.get("result")
     return None
 
@@ -195,7 +211,7 @@ def inspected() -> dict | None:
 def request_inspection() -> dict:
     """Submit (once per model choice) and poll the inspection of the chosen model; returns the session entry."""
     ch = model_choice()
-    key = (ch["model"], ch["device"], ch["dtype"])
+    key = _choice_key(ch)
     ins = st.session_state.get("inspect")
     if not ch["model"]:
         return {}
@@ -203,7 +219,7 @@ def request_inspection() -> dict:
         from gdnviz.jobs import InspectModelJob, spec_to_dict
 
         jid = submit("inspect", spec_to_dict(InspectModelJob(**ch)), label=f"inspect {ch['model']}")
-        ins = dict(key=key, job=jid, result=None, error=None)
+        ins = dict(key=key, job=jid, result=None, error=None, error_type=None)
         st.session_state["inspect"] = ins
     if ins.get("result") is None and ins.get("error") is None:
         rec = store().job(ins["job"])
@@ -211,7 +227,16 @@ def request_inspection() -> dict:
             ins["result"] = rec["result"]
         elif rec is not None and rec["status"] in TERMINAL:
             ins["error"] = rec.get("error") or rec["status"]
+            ins["error_type"] = rec.get("error_type")
     return ins
+
+
+def inspection_next_step(ins: dict) -> str:
+    """What to do after the inspection failed with ``ins['error']``."""
+    if ins.get("error_type") == "NeedsRemoteCode":  # the message says to tick the box
+        return "Or pick another model."
+    return ("Pick another model: a folder with config.json + *.safetensors of a Qwen3.5, Qwen3.5-MoE, Qwen3-Next "
+            "or fla GatedDeltaNet checkpoint.")
 
 
 def require_inspected_model(what: str) -> dict | None:
@@ -227,8 +252,7 @@ def require_inspected_model(what: str) -> dict | None:
         return None
     ins = request_inspection()
     if ins.get("error"):
-        show_error(f"Cannot use **{ch['model']}**: {ins['error']}", "Pick another model on the Model & documents "
-                                                                   "page.")
+        show_error(f"Cannot use **{ch['model']}**: {ins['error']}", inspection_next_step(ins))
         page_link("documents", "Go to Model & documents", icon=":material/arrow_forward:")
         return None
     if ins.get("result") is not None:
@@ -524,11 +548,12 @@ def run_overview(run: dict) -> dict:
 
 def run_model(run: dict) -> tuple:
     """What a page that runs the model of ``run`` needs: (info, model name, device, dtype, segment length L, head
-    table or None, a phrase naming the model for the page)."""
+    table or None, a phrase naming the model for the page, trust_remote_code as the run was captured)."""
     spec = run["spec"]
     name = run["model_name"]
     return (run["model"], name, spec.get("device", "auto"), spec.get("dtype", "auto"), int(run["segment_len"]),
-            run_table(run), f"the model of the current run ({Path(str(name)).name})")
+            run_table(run), f"the model of the current run ({Path(str(name)).name})",
+            spec.get("trust_remote_code") is True)
 
 
 def inspected_model(info: dict) -> tuple:
@@ -546,7 +571,7 @@ def inspected_model(info: dict) -> tuple:
         page_link("documents", "Go to Model & documents", icon=":material/arrow_forward:")
         st.stop()
     return (info, name, ch["device"], ch["dtype"], L, None,
-            f"the inspected model ({Path(str(name)).name})")
+            f"the inspected model ({Path(str(name)).name})", ch["trust_remote_code"])
 
 
 class PageModel(NamedTuple):
@@ -559,6 +584,7 @@ class PageModel(NamedTuple):
     L: int
     table: pd.DataFrame | None
     src: str
+    trust_remote_code: bool
 
 
 def page_model(purpose: str) -> PageModel:

@@ -25,7 +25,8 @@ def request(run: dict, doc: str, layer: int, head: int, position: int, top: int)
     pos, L = int(position) or int(d["n_tokens"]), int(run["segment_len"])
     spec = HoldsJob(model=run["model_name"], document=(doc, text), doc_key=d["key"], layer=int(layer), head=int(head),
                     position=pos, top=int(top), segment_len=L, device=run["spec"].get("device", "auto"),
-                    dtype=run["spec"].get("dtype", "auto"))
+                    dtype=run["spec"].get("dtype", "auto"),
+                    trust_remote_code=run["spec"].get("trust_remote_code") is True)
     return spec_to_dict(spec), holds_key(d["key"], layer, head, pos, top, L)
 
 

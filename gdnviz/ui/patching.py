@@ -29,13 +29,14 @@ def check_position(value: int, L: int, what: str) -> None:
 
 def job_dict(model: str, device: str, dtype: str, info: dict, *, source: str, heads: str, L: int, boundary: int,
              from_a: int, max_new_tokens: int, continuation: str, target_len: int = 1024, seed: int = 0,
-             prompt_a: str = "", prompt_b: str = "") -> dict:
+             prompt_a: str = "", prompt_b: str = "", trust_remote_code: bool = False) -> dict:
     """The ``PatchJob`` (as the queue's dict) of the page's settings."""
     from gdnviz.jobs import PatchJob, spec_to_dict
 
     kw = dict(task="niah_single_1", target_len=int(target_len), seed=int(seed)) if source == "needle" else \
         dict(prompt_a=prompt_a, prompt_b=prompt_b)
-    return spec_to_dict(PatchJob(model=model, device=device, dtype=dtype, heads=heads.strip() or "all",
+    return spec_to_dict(PatchJob(model=model, device=device, dtype=dtype, trust_remote_code=trust_remote_code,
+                                 heads=heads.strip() or "all",
                                  boundary=int(boundary), source=int(from_a), continuation=continuation,
                                  max_new_tokens=int(max_new_tokens), segment_len=int(L),
                                  fingerprint=str(info.get("fingerprint") or ""), **kw))

@@ -7,8 +7,8 @@ import os
 import sqlite3
 from pathlib import Path
 
-#: the diskcache directories of a store (gdnviz.store): the queue, job records, memo, previous runs, heartbeats
-AREAS = ("queue", "jobs", "memo", "runs", "workers")
+#: the diskcache directories of a store (gdnviz.store): job records and the queue, memo, previous runs, heartbeats
+AREAS = ("jobs", "memo", "runs", "workers")
 HOW = ("truncate", "garble", "delete")
 
 
