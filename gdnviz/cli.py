@@ -679,7 +679,7 @@ def main(argv=None) -> int:
                     help="run through the app's worker and store (samples memoised there; a rerun resumes)")
     sp.add_argument("--cache-dir", default=None, help="the store for --via-worker (default: $GDNVIZ_CACHE_DIR or ./cache)")
     sp.add_argument("--cluster", default="",
-                    help="answer on a Dask cluster: 'local' (one worker per GPU via dask-cuda; CPU: --workers "
+                    help="answer on a Dask cluster: 'local' (one worker process per GPU; CPU: --workers "
                          "processes) or a scheduler address tcp://HOST:PORT (or a scheduler file .json)")
     sp.add_argument("--workers", type=int, default=2, help="CPU worker processes of --cluster local without GPUs")
     sp.add_argument("--segment-len", type=int, default=256)

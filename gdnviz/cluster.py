@@ -7,9 +7,9 @@ back to this process, which alone writes the memo store, so a worker that dies l
 (Dask reruns them elsewhere) and an interrupted sweep resumes from the store. Batches are formed exactly as in one
 process, so the rows are the same.
 
-Addresses: ``"local"`` (one worker per visible GPU through dask-cuda; without a GPU, ``workers`` CPU worker
-processes) or a scheduler's address (``tcp://HOST:PORT``, or a scheduler file path ending in ``.json``).
-Dask (``distributed``; ``dask-cuda`` for local GPU clusters) is imported only here. Errors: ``ClusterError``.
+Addresses: ``"local"`` (one worker process per visible GPU, each seeing only its own: ``gpu_worker_specs``;
+without a GPU, ``workers`` CPU worker processes) or a scheduler's address (``tcp://HOST:PORT``, or a scheduler file path ending in ``.json``).
+Dask (``distributed``) is imported only here. Errors: ``ClusterError``.
 """
 from __future__ import annotations
 
@@ -37,8 +37,8 @@ def _dask():
     try:
         import distributed
     except ImportError:
-        raise ClusterError("Dask is not installed: `pip install distributed` (and `dask-cuda` for one worker per "
-                           "GPU) to run on a cluster; without --cluster gdnviz runs in this process.") from None
+        raise ClusterError("Dask is not installed: `pip install distributed` to run on a cluster; without --cluster "
+                           "gdnviz runs in this process.") from None
     return distributed
 
 
@@ -109,19 +109,34 @@ def connect(address: str, workers: int = 2, timeout: float = 10.0):
     return c
 
 
+def visible_gpus(count: int) -> list[str]:
+    """The GPUs this process may use, as ``CUDA_VISIBLE_DEVICES`` names them (indices or UUIDs; all ``count``
+    devices when it is unset)."""
+    import os
+
+    env = os.environ.get("CUDA_VISIBLE_DEVICES")
+    if env is None:
+        return [str(i) for i in range(count)]
+    return [d.strip() for d in env.split(",") if d.strip()][:count]
+
+
+def gpu_worker_specs(gpus: list[str]) -> dict:
+    """{worker name: Nanny options} of a local GPU cluster: one single-threaded worker process per GPU, which sees
+    only its GPU (``CUDA_VISIBLE_DEVICES`` set in the worker process before it starts: its ``cuda`` is that GPU)."""
+    return {f"gpu-{g}": {"nthreads": 1, "env": {"CUDA_VISIBLE_DEVICES": g}} for g in gpus}
+
+
 def _connect(address: str, workers: int, timeout: float):
     distributed = _dask()
     if address == "local":
         import torch
 
         if torch.cuda.is_available() and torch.cuda.device_count() > 0:
-            try:
-                from dask_cuda import LocalCUDACluster
-            except ImportError:
-                raise ClusterError("--cluster local on a GPU machine needs dask-cuda (`pip install dask-cuda`) for "
-                                   "one worker per GPU; or start `dask scheduler` and one `dask cuda worker` and "
-                                   "give the scheduler's address.") from None
-            return distributed.Client(LocalCUDACluster(dashboard_address=None))
+            specs = gpu_worker_specs(visible_gpus(torch.cuda.device_count()))
+            cluster = distributed.SpecCluster(
+                scheduler={"cls": distributed.Scheduler, "options": {"dashboard_address": None}},
+                workers={name: {"cls": distributed.Nanny, "options": opts} for name, opts in specs.items()})
+            return distributed.Client(cluster)
         if workers < 1:
             raise ClusterError(f"a local cluster needs at least one worker process, got {workers}")
         cluster = distributed.LocalCluster(n_workers=workers, threads_per_worker=1, processes=True,

@@ -127,3 +127,26 @@ def test_the_app_workers_sweep_job_runs_on_the_configured_cluster(client, lm, tm
     local = sweep.run_sweep(lm, jobs.sweep_spec_of(dataclasses.replace(spec, fingerprint=lm.info.fingerprint)))
     assert [(r["seed"], r["r"], r["pred"]) for r in res["rows"]] == \
         [(int(r.seed), int(r.r), r.pred) for r in local.itertuples()]
+
+
+def _visible():
+    return os.environ.get("CUDA_VISIBLE_DEVICES")
+
+
+def test_gpu_worker_specs_give_each_worker_process_its_own_gpu(monkeypatch):
+    """The local GPU cluster's workers (``gpu_worker_specs``, started as nannies as ``connect("local")`` does on a
+    GPU machine): each worker process sees exactly its own entry of CUDA_VISIBLE_DEVICES. Run with CPU workers
+    here (the variable is what a GPU worker's torch reads at its first CUDA call)."""
+    monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "3,GPU-abc,5")
+    assert cluster.visible_gpus(2) == ["3", "GPU-abc"]
+    monkeypatch.delenv("CUDA_VISIBLE_DEVICES")
+    assert cluster.visible_gpus(3) == ["0", "1", "2"]
+    specs = cluster.gpu_worker_specs(["3", "GPU-abc"])
+    spec = distributed.SpecCluster(
+        scheduler={"cls": distributed.Scheduler, "options": {"dashboard_address": None}},
+        workers={name: {"cls": distributed.Nanny, "options": opts} for name, opts in specs.items()})
+    with spec, distributed.Client(spec) as c:
+        c.wait_for_workers(2, timeout=60)
+        seen = c.run(_visible)
+        names = {w["name"] for w in c.scheduler_info()["workers"].values()}
+    assert sorted(seen.values()) == ["3", "GPU-abc"] and set(names) == {"gpu-3", "gpu-GPU-abc"}
