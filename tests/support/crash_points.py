@@ -104,6 +104,9 @@ def _install(kill_after: int, counted: list, report_fd: int) -> None:
 def _child(kill_after: int, cache_dir: str, report_fd: int) -> None:
     counted: list = []
     _install(kill_after, counted, report_fd)
+    # the machine-wide caches under $GDNVIZ_CACHE_DIR (the weight files' hashes) start empty at every point, so the
+    # worker makes the same writes in every run, whatever earlier runs left there
+    os.environ["GDNVIZ_CACHE_DIR"] = cache_dir
     from gdnviz import worker
 
     try:
