@@ -8,7 +8,8 @@ back to this process, which alone writes the memo store, so a worker that dies l
 process, so the rows are the same.
 
 Addresses: ``"local"`` (one worker process per visible GPU, each seeing only its own: ``gpu_worker_specs``;
-without a GPU, ``workers`` CPU worker processes) or a scheduler's address (``tcp://HOST:PORT``, or a scheduler file path ending in ``.json``).
+without a GPU, ``workers`` CPU worker processes) or a scheduler's address (``tcp://HOST:PORT``, or a scheduler
+file path ending in ``.json``).
 Dask (``distributed``) is imported only here. Errors: ``ClusterError``.
 """
 from __future__ import annotations

@@ -187,6 +187,13 @@ def _row_boundaries(rows: _Rows, offset: int, end: int, L: int) -> dict:
     return groups
 
 
+def step_boundaries(starts, offset: int, L: int) -> dict:
+    """{position: [rows]} of the batch rows (first real token at column ``starts[b]``) that take a boundary after
+    a one-token call at ``offset`` (a decode step): the grouping the segment loop gives that call."""
+    n = len(starts)
+    return _row_boundaries(_Rows(tuple(starts), tuple(max(0, s - offset) for s in starts), (1,) * n), offset, 1, L)
+
+
 def _row_cuts(rows: _Rows, offset: int, T: int, L: int) -> list[int]:
     """The local cuts in (0, T] where some row takes a boundary."""
     return sorted({c for start, lo, hi in set(zip(rows.starts, rows.lo, rows.hi))

@@ -205,13 +205,7 @@ class StaticDecoder:
         boundaries."""
         if not self.ctx.dispatch.acts_at_boundaries():
             return {}
-        L = self.ctx.segment_len
-        groups: dict = {}
-        for b, s in enumerate(self.starts):
-            pos = offset + 1 - s
-            if pos > 0 and pos % L == 0:
-                groups.setdefault(pos, []).append(b)
-        return groups
+        return runner.step_boundaries(self.starts, offset, self.ctx.segment_len)
 
     def _cut_boundary_rows(self, offset: int) -> None:
         """After a replayed step: the boundary of every row that reached one, applied to each GDN layer's state in
@@ -221,12 +215,14 @@ class StaticDecoder:
         if not groups:
             return
         calls, adapter = self.ctx.dispatch, self.lm.adapter
+        dev = self.tok.device
+        groups = [(pos, torch.tensor(rows, device=dev)) for pos, rows in sorted(groups.items())]
         with torch.inference_mode():
             for layer in self.ctx.offsets:
                 state = adapter.get_state(self.static, layer)
                 new = state
-                for pos, rows in sorted(groups.items()):
-                    new = calls.row_boundary(layer, pos, new, torch.tensor(rows, device=state.device))
+                for pos, rows in groups:
+                    new = calls.row_boundary(layer, pos, new, rows)
                 if new is not state:
                     adapter.set_state(self.static, layer, new)
         self.boundary_replays += 1

@@ -107,3 +107,17 @@ def test_kernel_on_cuda_against_the_reference(dtype):
     err = float((got.double() - ref).abs().max())
     print(f"{dtype}: max error {err:.3g}")
     assert err <= (1e-5 if dtype == "float32" else 2e-2) * float(ref.abs().max())
+
+
+def test_install_wraps_sdpa_once():
+    from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
+
+    before = ALL_ATTENTION_FUNCTIONS["sdpa"]
+    try:
+        da.install()
+        da.install()
+        fn = ALL_ATTENTION_FUNCTIONS["sdpa"]
+        inner = getattr(before, "__gdnviz_original__", before)
+        assert fn.__gdnviz_original__ is inner and not hasattr(inner, "__gdnviz_original__")
+    finally:
+        ALL_ATTENTION_FUNCTIONS["sdpa"] = before

@@ -31,7 +31,6 @@ __all__ = ["decode_attention", "reference", "supported", "active", "install", "a
 
 BLOCK = 64  # keys per program
 _ACTIVE: contextvars.ContextVar[bool] = contextvars.ContextVar("gdnviz_decode_attention", default=False)
-_INSTALLED: dict = {}  # name -> transformers' original function
 
 
 @contextlib.contextmanager
@@ -86,8 +85,7 @@ def decode_attention(query, key, value, mask, scale: float) -> torch.Tensor:
     C = triton.cdiv(S, BLOCK)
     dev = query.device
     q = query.reshape(B, Hkv, G, D)
-    k, v = key, value
-    m = mask.reshape(B, S)
+    k, v, m = key, value, mask.reshape(B, S)
     acc = torch.empty(B * Hkv, C, G, D, device=dev, dtype=torch.float32)
     mx = torch.empty(B * Hkv, C, G, device=dev, dtype=torch.float32)
     den = torch.empty(B * Hkv, C, G, device=dev, dtype=torch.float32)
@@ -171,10 +169,8 @@ def attention_function(original):
 
 def install() -> None:
     """Put :func:`attention_function` in front of transformers' "sdpa" attention (once per process)."""
-    if _INSTALLED:
-        return
     from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
 
     orig = ALL_ATTENTION_FUNCTIONS["sdpa"]
-    ALL_ATTENTION_FUNCTIONS["sdpa"] = attention_function(orig)
-    _INSTALLED["sdpa"] = orig
+    if not hasattr(orig, "__gdnviz_original__"):
+        ALL_ATTENTION_FUNCTIONS["sdpa"] = attention_function(orig)
