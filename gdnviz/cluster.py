@@ -22,6 +22,7 @@ from gdnviz.errors import ClusterError, GDNVizError
 
 PLUGIN = "gdnviz-model"
 _MODELS: dict = {}  # in each worker process: model key -> LoadedModel
+_WARM_UP: dict = {}  # in each worker process: model key -> gdnviz.warmup's seconds per step (CUDA only)
 
 
 def code_hash() -> str:
@@ -63,10 +64,15 @@ def _model_plugin_class():
             if self.key in here._MODELS and not isinstance(here._MODELS[self.key], Exception):
                 return  # registered again by a later sweep: the model is loaded already
             try:
-                here._MODELS[self.key] = load(model, device=device, dtype=dtype, trust_remote_code=trust,
-                                              load_tokenizer=True)
+                lm = load(model, device=device, dtype=dtype, trust_remote_code=trust, load_tokenizer=True)
             except Exception as e:  # noqa: BLE001 - reported to the client by _identity
                 here._MODELS[self.key] = e
+                return
+            from gdnviz.warmup import needs_warm_up, warm_up
+
+            if needs_warm_up(lm):  # as the app's worker: compile and autotune now, not in the first batch
+                here._WARM_UP[self.key] = warm_up(lm)
+            here._MODELS[self.key] = lm
 
     return ModelPlugin
 
@@ -81,6 +87,7 @@ def _identity(key) -> dict:
         out["error"] = f"{type(lm).__name__}: {lm}"
     else:
         out["info"] = lm.info
+        out["warm_up"] = _WARM_UP.get(key)
     return out
 
 
@@ -163,7 +170,8 @@ class ModelView:
 
 class ClusterExecutor:
     """``run_sweep``'s executor on a Dask client (module docstring). ``per_worker``: samples answered per worker
-    address so far; ``on_result(address, per_worker)`` is called after each batch."""
+    address so far; ``on_result(address, per_worker)`` is called after each batch; ``warm_up``: per worker address,
+    the kernel warm-up's seconds per step when the worker loaded the model on CUDA (``gdnviz.warmup``)."""
 
     def __init__(self, client, model: str, device: str = "auto", dtype: str = "auto",
                  trust_remote_code: bool = False, on_result=None):
@@ -191,6 +199,7 @@ class ClusterExecutor:
                                f"{', '.join(sorted(fps))}): every worker must see the same files.")
         self.info = next(iter(ident.values()))["info"]
         self.workers = sorted(ident)
+        self.warm_up = {a: d.get("warm_up") for a, d in ident.items() if d.get("warm_up")}  # per worker (CUDA)
 
     def model_view(self) -> ModelView:
         """The sweep's ``lm`` in this process: the workers' ModelInfo and a tokenizer loaded here."""
