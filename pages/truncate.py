@@ -33,6 +33,28 @@ st.subheader("1 · Heads and ranks")
 st.session_state.setdefault("tr_groups", [0])
 all_labels = [C.head_label(l, h) for l in gl for h in range(H)]
 
+# a rank map opened as JSON replaces the groups (before their widgets exist in this run), once per uploaded file
+map_error = None
+with st.expander("Open a rank map (JSON)"):
+    up = st.file_uploader("rank_map.json, as *Head scans & budgets* saves it, or a bare [[layer, head, r], …] list: "
+                          "its heads replace the groups below, one head list per rank", type=["json"],
+                          key="tr_map_file")
+    if up is not None:
+        try:
+            map_ranks, map_note = T.rank_map_from_text(up.getvalue().decode("utf-8", "replace"), info)
+        except (GDNVizError, ValueError) as e:
+            map_error = f"Cannot open {up.name}: {e}"
+        else:
+            if st.session_state.get("tr_map_opened") != up.file_id:
+                C.send_rank_map_to_truncate(map_ranks)
+                st.session_state["tr_map_opened"] = up.file_id
+            st.caption(f"{up.name}: {len(map_ranks)} heads at r = "
+                       + ", ".join(str(r) for r in sorted(set(map_ranks.values()))) + ", now the groups below.")
+            if map_note:
+                st.warning(map_note, icon=":material/warning:")
+if map_error:
+    C.show_error(map_error, "The groups below are unchanged; Run is off until the file is fixed or removed.")
+
 
 def _add_group():
     g = st.session_state["tr_groups"]
@@ -104,10 +126,16 @@ elif not ranks:
 else:
     st.session_state["tr_rank_map"] = {f"{l}:{h}": int(r) for (l, h), r in sorted(ranks.items())}  # for Sweeps
     by_r = pd.Series(ranks).value_counts().sort_index()
-    st.caption(f"**{len(ranks)} of {len(gl) * H} heads** will be truncated: " +
-               ", ".join(f"{n} at r = {r}" for r, n in by_r.items()) +
-               (f" ({sum(1 for r in ranks.values() if r >= rmax)} with r = {rmax} are left untouched)"
-                if any(r >= rmax for r in ranks.values()) else ""))
+    c = st.columns([5, 1])
+    c[0].caption(f"**{len(ranks)} of {len(gl) * H} heads** will be truncated: " +
+                 ", ".join(f"{n} at r = {r}" for r, n in by_r.items()) +
+                 (f" ({sum(1 for r in ranks.values() if r >= rmax)} with r = {rmax} are left untouched)"
+                  if any(r >= rmax for r in ranks.values()) else ""))
+    c[1].download_button("rank_map.json", data=T.rank_map_text(ranks, info), file_name="rank_map.json",
+                         mime="application/json", on_click="ignore", key="tr_map_json", icon=":material/download:",
+                         disabled=all(r >= rmax for r in ranks.values()),
+                         help="these groups as one per-head rank map (heads below r = "
+                              f"{rmax}), the format Head scans & budgets and this page open")
 
 # =============================================================================================================
 # 2. prompt
@@ -168,7 +196,7 @@ if prompt_tokens is not None and prompt_tokens <= L:
 st.subheader("3 · Run")
 typed_empty = st.session_state["tr_prompt_mode"] == "typed" and not st.session_state["tr_prompt"].strip()
 go = st.button("Run untouched and truncated", type="primary", key="tr_run", icon=":material/play_arrow:",
-               disabled=bool(spec_error) or not ranks)
+               disabled=bool(spec_error or map_error) or not ranks)
 
 
 def _form_spec() -> dict:
@@ -191,7 +219,7 @@ def _form_spec() -> dict:
 
 
 try:
-    form_spec = _form_spec() if ranks and not spec_error else None
+    form_spec = _form_spec() if ranks and not (spec_error or map_error) else None
 except (GDNVizError, ValueError):  # the job refuses these settings: it says why when Run is clicked
     form_spec = None
 if go and typed_empty:

@@ -783,6 +783,123 @@ def test_truncate_settings_survive_leaving_the_page_and_a_changed_form_says_the_
     assert [w for w in texts(at, "warning") if "other settings than the form" in w and "heads or ranks" in w]
 
 
+def _upload_map(at, name: str, text: str) -> None:
+    at.file_uploader(key="tr_map_file").set_value([(name, text.encode(), "application/json")]).run()
+
+
+def _submitted_ranks(cache, at) -> list:
+    return [list(x) for x in Store(cache).job(at.session_state["truncate_job"])["spec"]["ranks"]]
+
+
+def test_truncate_groups_at_different_ranks_submit_one_per_head_rank_map(env, populated):
+    """Whole layers, two head lists and a later group overriding one head: the job gets each head's own r."""
+    cache, run = populated
+    env(cache)
+    at = app("truncate", run=run)
+    at.run()
+    at.selectbox(key="tr_g0_mode").set_value("layers").run()
+    at.multiselect(key="tr_g0_layers").set_value([0])
+    at.number_input(key="tr_g0_r").set_value(2).run()
+    at.button(key="tr_add_group").click().run()
+    at.selectbox(key="tr_g1_mode").set_value("heads").run()
+    at.multiselect(key="tr_g1_list").set_value(["L1·H2", "L3·H0"])
+    at.number_input(key="tr_g1_r").set_value(5).run()
+    at.button(key="tr_add_group").click().run()
+    at.selectbox(key="tr_g2_mode").set_value("heads").run()
+    at.multiselect(key="tr_g2_list").set_value(["L0·H1"])
+    at.number_input(key="tr_g2_r").set_value(7)
+    at.number_input(key="tr_target_len").set_value(400).run()
+    assert not at.exception and not texts(at, "error")
+    assert any("6 of 12 heads" in c and "3 at r = 2, 2 at r = 5, 1 at r = 7" in c for c in texts(at, "caption"))
+    at.button(key="tr_run").click().run()
+    want = [[0, 0, 2], [0, 1, 7], [0, 2, 2], [0, 3, 2], [1, 2, 5], [3, 0, 5]]
+    assert _submitted_ranks(cache, at) == want
+    assert at.session_state["tr_rank_map"] == {f"{l}:{h}": r for l, h, r in want}
+
+
+def test_truncate_opens_a_rank_map_json_and_keeps_it_across_pages(env, populated):
+    """An uploaded rank_map.json becomes one head list per rank; the groups survive another page; Run submits the
+    map's per-head ranks."""
+    import json
+
+    cache, run = populated
+    env(cache)
+    at = app("truncate", run=run)
+    at.run()
+    ranks = [[0, 0, 1], [1, 2, 4], [3, 3, 4]]
+    _upload_map(at, "budget.json", json.dumps(dict(format="gdnviz-rank-map-v1", ranks=ranks)))
+    assert not at.exception and not texts(at, "error")
+    assert at.session_state["tr_groups"] == [0, 1]
+    assert [at.selectbox(key=f"tr_g{g}_mode").value for g in (0, 1)] == ["heads", "heads"]
+    assert at.multiselect(key="tr_g1_list").value == ["L1·H2", "L3·H3"] and at.number_input(key="tr_g1_r").value == 4
+    assert any(c.startswith("budget.json: 3 heads at r = 1, 4, now the groups below") for c in texts(at, "caption"))
+    # an edit after the upload is not undone by the file still in the uploader
+    at.number_input(key="tr_g0_r").set_value(2).run()
+    assert at.number_input(key="tr_g0_r").value == 2
+    at.switch_page("pages/heatmap.py").run()
+    at.switch_page("pages/truncate.py").run()
+    assert not at.exception
+    assert at.session_state["tr_groups"] == [0, 1]
+    assert at.multiselect(key="tr_g0_list").value == ["L0·H0"] and at.number_input(key="tr_g0_r").value == 2
+    assert at.multiselect(key="tr_g1_list").value == ["L1·H2", "L3·H3"] and at.number_input(key="tr_g1_r").value == 4
+    at.number_input(key="tr_target_len").set_value(400).run()
+    at.button(key="tr_run").click().run()
+    assert _submitted_ranks(cache, at) == [[0, 0, 2], [1, 2, 4], [3, 3, 4]]
+
+
+def test_truncate_refuses_a_bad_rank_map_and_submits_nothing(env, populated):
+    cache, run = populated
+    env(cache)
+    store = Store(cache)
+    at = app("truncate", run=run)
+    at.run()
+    queued = store.queued_count()
+    for text, message in (("{not json", "the rank map is not JSON"),
+                          ("[[0, 0, 40]]", "rank 40 for layer 0 head 0 is outside 1..16"),
+                          ("[[2, 0, 4]]", "layer 2 is not a Gated DeltaNet layer"),
+                          ("[[0, 7, 4]]", "head 7 out of range"),
+                          ('{"ranks": []}', "the rank map lists no heads")):
+        _upload_map(at, "bad.json", text)
+        assert not at.exception
+        errs = texts(at, "error")
+        assert any(e.startswith(f"Cannot open bad.json: {message}") and "groups below are unchanged" in e
+                   for e in errs), (text, errs)
+        assert at.session_state["tr_groups"] == [0] and at.selectbox(key="tr_g0_mode").value == "all"
+        assert at.button(key="tr_run").proto.disabled  # AppTest, like a browser, cannot click it
+    assert store.queued_count() == queued and "truncate_job" not in at.session_state
+    # the file removed: the groups as they were run again
+    at.file_uploader(key="tr_map_file").set_value([]).run()
+    assert not texts(at, "error") and not at.button(key="tr_run").proto.disabled
+
+
+def test_truncate_a_one_group_rank_map_is_the_single_group_run(env, populated):
+    """All heads at r = 2 as the old single group and as an opened rank map: the same job ranks, so the same memo
+    key: the second run is the first one's result."""
+    cache, run = populated
+    env(cache)
+    at = app("truncate", run=run)
+    at.run()
+    at.number_input(key="tr_g0_r").set_value(2)
+    at.number_input(key="tr_target_len").set_value(400)
+    at.number_input(key="tr_max_new").set_value(6)
+    at.checkbox(key="tr_loss_docs").uncheck().run()
+    at.button(key="tr_run").click().run()
+    first = at.session_state["truncate_job"]
+    work(cache)
+    gl = [0, 1, 3]
+    _upload_map(at, "all2.json", "[" + ", ".join(f"[{l}, {h}, 2]" for l in gl for h in range(4)) + "]")
+    assert at.session_state["tr_groups"] == [0] and at.selectbox(key="tr_g0_mode").value == "heads"
+    at.button(key="tr_run").click().run()
+    second = at.session_state["truncate_job"]
+    assert second != first and _submitted_ranks(cache, at) == [[l, h, 2] for l in gl for h in range(4)]
+    work(cache)
+    at.run()
+    a, b = Store(cache).job(first)["result"], Store(cache).job(second)["result"]
+    assert not a["memo_hit"] and b["memo_hit"] and b["memo_key"] == a["memo_key"]
+    assert (b["untouched"], b["truncated"], b["scores"]) == (a["untouched"], a["truncated"], a["scores"])
+    assert "12 heads truncated" in " ".join(texts(at, "markdown"))
+
+
 def test_truncate_loss_box_unticked_computes_no_loss(env, populated):
     """Unticked, the job gets no loss documents, computes no loss (not even on the prompt) and the page shows none."""
     cache, run = populated

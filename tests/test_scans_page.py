@@ -161,3 +161,12 @@ def test_scan_and_budget_through_the_worker(env, tmp_path):
         assert at.session_state["tr_rank_map"] == want
         assert len(at.session_state["tr_groups"]) == len(set(want.values()))
         assert all(at.session_state[f"tr_g{g}_mode"] == "heads" for g in at.session_state["tr_groups"])
+        # the Truncate page shows those groups and runs exactly the budget's per-head ranks
+        assert not texts(at, "error")
+        assert [at.number_input(key=f"tr_g{g}_r").value for g in at.session_state["tr_groups"]] == \
+            sorted(float(r) for r in set(want.values()))
+        at.switch_page("pages/truncate.py").run()  # AppTest reruns the page it last switched to, not st.switch_page's
+        assert at.multiselect(key="tr_g0_list").value  # the groups are still there
+        at.button(key="tr_run").click().run()
+        sent = Store(cache).job(at.session_state["truncate_job"])["spec"]["ranks"]
+        assert [list(x) for x in sent] == sorted([list(x) for x in summ["rank_map"]])

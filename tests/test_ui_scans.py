@@ -46,3 +46,32 @@ def test_a_rank_map_becomes_truncate_groups_and_back():
     got, counts = resolve(groups, info)
     assert got == ranks and counts == [2, 1, 1]
     assert groups_from_rank_map({}) == []
+
+
+def test_rank_map_json_round_trip_and_its_refusals():
+    """rank_map_text saves the heads below full rank in budget.rank_map_json's format; rank_map_from_text reads it
+    back against the model, and names what is wrong with a bad map (the one rank validator's messages for ranks)."""
+    import json
+
+    from gdnviz.errors import GDNVizError, RankOutOfRange
+    from gdnviz.ui.truncation import rank_map_from_text, rank_map_text
+
+    info = dict(INFO, name="demo", fingerprint="f" * 40)
+    ranks = {(5, 1): 32, (0, 0): 1, (2, 1): 128, (6, 0): 4}
+    text = rank_map_text(ranks, info)
+    d = json.loads(text)
+    assert d["format"] == "gdnviz-rank-map-v1" and d["ranks"] == [[0, 0, 1], [5, 1, 32], [6, 0, 4]]
+    assert rank_map_from_text(text, info) == ({(0, 0): 1, (5, 1): 32, (6, 0): 4}, "")
+    _, note = rank_map_from_text(text, dict(info, fingerprint="0" * 40))
+    assert note.startswith("This rank map was made for another model (demo, fingerprint ffffffffffff)")
+    for bad, err, msg in (("{not json", GDNVizError, "the rank map is not JSON"),
+                          ('{"ranks": "0:0:4"}', GDNVizError, 'needs a list "ranks"'),
+                          ("[[0, 0, 4], [1, 1]]", GDNVizError, r"entry 1 of the rank map's \"ranks\" is \[1, 1\], not"),
+                          ('{"ranks": []}', GDNVizError, "lists no heads"),
+                          ("[[3, 0, 4]]", ValueError, r"layer 3 is not a Gated DeltaNet layer \(GDN layers: \[0, 1"),
+                          ("[[0, 2, 4]]", ValueError, r"head 2 out of range: GDN layers have 2 heads \(0..1\)"),
+                          ("[[0, 0, 0]]", RankOutOfRange, "rank 0 for layer 0 head 0 is outside 1..min"),
+                          ("[[0, 1, 129]]", RankOutOfRange, r"rank 129 for layer 0 head 1 is outside 1..128"),
+                          ("[[0, 1, 2.5]]", RankOutOfRange, "must be an integer ≥ 1; got 2.5")):
+        with pytest.raises(err, match=msg):
+            rank_map_from_text(bad, info)

@@ -457,7 +457,8 @@ def rank_map_json(ranks: dict, info, **meta) -> str:
 
 def rank_map_from_json(text: str, info) -> dict:
     """{(layer, head): r} from ``rank_map_json`` text (or a bare [[layer, head, r], ...] list), validated against
-    the model (GDNVizError / ValueError / RankOutOfRange naming the bad entry)."""
+    the model (GDNVizError: not JSON, no list, an entry that is not [layer, head, r]; ValueError: a layer that is not
+    GDN, a head out of range; RankOutOfRange: a bad rank; each naming the bad entry). An empty list gives {}."""
     try:
         d = json.loads(text)
     except ValueError as e:
@@ -465,6 +466,9 @@ def rank_map_from_json(text: str, info) -> dict:
     items = d.get("ranks") if isinstance(d, dict) else d
     if not isinstance(items, list):
         raise GDNVizError("the rank map JSON needs a list \"ranks\": [[layer, head, r], ...]")
+    for i, e in enumerate(items):
+        if not (isinstance(e, list) and len(e) == 3):
+            raise GDNVizError(f"entry {i} of the rank map's \"ranks\" is {json.dumps(e)[:80]}, not [layer, head, r]")
     ts = TruncationSpec(items)
     ts.validate(info)
     return ts.as_dict()

@@ -5,7 +5,8 @@ A group is ``{"mode": ..., "r": rank, ...}`` (r as typed: an int, or a whole flo
 (``heads``: a list of its own, e.g. one rank of a rank budget: ``groups_from_rank_map``), ``"layers"`` (``layers``:
 [layer, ...]),
 ``"horizon"`` (``filter``: "within" | "beyond" | "range", ``lo``, ``hi`` in tokens; needs a head table) or
-``"all"``. Later groups override earlier ones for a head in both.
+``"all"``. Later groups override earlier ones for a head in both. A rank map saved or opened as JSON is
+``gdnviz.probes.budget``'s ``rank_map.json`` format (``rank_map_text``, ``rank_map_from_text``).
 """
 from __future__ import annotations
 
@@ -51,8 +52,6 @@ def group_heads(group: dict, info: dict, table=None, segment_len: int | None = N
 
 def resolve(groups: list, info: dict, table=None, segment_len: int | None = None) -> tuple[dict, list]:
     """({(layer, head): r}, [number of heads per group]); raises RankOutOfRange / ValueError for bad input."""
-    from types import SimpleNamespace
-
     from gdnviz.truncation import TruncationSpec, check_rank
 
     ranks, counts = {}, []
@@ -64,10 +63,50 @@ def resolve(groups: list, info: dict, table=None, segment_len: int | None = None
         r = int(r) if isinstance(r, float) and r.is_integer() else r  # 4.0 from a number field is 4; 2.5 is refused
         for lh in heads:
             ranks[lh] = check_rank(r, f" for layer {lh[0]} head {lh[1]}", upper=rmax)
-    ns = SimpleNamespace(gdn_layers=tuple(info["gdn_layers"]), num_heads=int(info["num_heads"]),
-                         d_k=int(info["d_k"]), d_v=int(info["d_v"]))
-    TruncationSpec.from_dict(ranks).validate(ns)
+    TruncationSpec.from_dict(ranks).validate(model_shape(info))
     return ranks, counts
+
+
+def model_shape(info: dict):
+    """A page's model info dict as the attributes ``TruncationSpec.validate`` and the rank-map JSON functions read
+    (name, fingerprint, gdn_layers, num_heads, d_k, d_v)."""
+    from types import SimpleNamespace
+
+    return SimpleNamespace(name=str(info.get("name", "")), fingerprint=str(info.get("fingerprint", "")),
+                           gdn_layers=tuple(int(l) for l in info["gdn_layers"]), num_heads=int(info["num_heads"]),
+                           d_k=int(info["d_k"]), d_v=int(info["d_v"]))
+
+
+def rank_map_text(ranks: dict, info: dict) -> str:
+    """``{(layer, head): r}`` as rank_map.json (``budget.rank_map_json``), listing only the heads below
+    min(d_k, d_v): heads not listed stay untouched, as in a budget's map."""
+    from gdnviz.probes.budget import rank_map_json
+
+    rmax = min(int(info["d_k"]), int(info["d_v"]))
+    return rank_map_json({lh: int(r) for lh, r in ranks.items() if int(r) < rmax}, model_shape(info))
+
+
+def rank_map_from_text(text: str, info: dict) -> tuple[dict, str]:
+    """({(layer, head): r}, note) from rank_map.json text (or a bare [[layer, head, r], ...] list), validated against
+    the model by ``budget.rank_map_from_json``. note: "" or one sentence saying the map names another model (same
+    shape, so it applies). Raises GDNVizError (not JSON, no ranks list, a malformed entry, no heads), ValueError
+    (a layer that is not GDN, a head out of range) or RankOutOfRange (a rank that is not an integer in 1..rmax)."""
+    import json
+
+    from gdnviz.errors import GDNVizError
+    from gdnviz.probes.budget import rank_map_from_json
+
+    ranks = rank_map_from_json(text, model_shape(info))
+    if not ranks:
+        raise GDNVizError("the rank map lists no heads, so every head would stay untouched: there is nothing to "
+                          "truncate")
+    d = json.loads(text)
+    fp, mine = (d.get("fingerprint") or "") if isinstance(d, dict) else "", str(info.get("fingerprint", ""))
+    note = ""
+    if fp and mine and fp != mine:
+        note = (f"This rank map was made for another model ({d.get('model') or 'unnamed'}, fingerprint {fp[:12]}); "
+                f"its heads and ranks fit this one, so it is applied as it is.")
+    return ranks, note
 
 
 def groups_from_rank_map(ranks: dict) -> list[dict]:
