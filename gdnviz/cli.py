@@ -5,13 +5,13 @@
                    [--device-map auto|JSON|FILE.json]
     gdnviz sweep MODEL --tasks niah_single_1,vt --lengths 1024,2048 [--ranks 1,4,12,32,128] [--n 20] --out DIR
                  [--heads all|L:H,...|layers:0,1] [--batch N] [--segment-len 256] [--device] [--dtype]
-                 [--via-worker [--cache-dir DIR]]
+                 [--via-worker [--cache-dir DIR] | --cluster local|tcp://HOST:PORT [--workers N]]
     gdnviz loss MODEL DOC.txt [DOC2.txt ...] [--ranks 1,4,12,32] --out DIR [--heads ...] [--min-distance 512]
-                [--segment-len 256]
+                [--segment-len 256] [--cluster local|tcp://HOST:PORT [--workers N]]
     gdnviz scan MODEL --task T --length L --n N --by layer|head --r R [--keep] [--layers 0,1] [--out DIR]
-                [--memo DIR] [--max-prompts 2000]
+                [--memo DIR] [--max-prompts 2000] [--cluster local|tcp://HOST:PORT [--workers N]]
     gdnviz budget MODEL --tasks T1,T2 --lengths L --n N --tolerance D [--ladder 32,12,4,1] [--curve 2,5]
-                  [--out DIR] [--memo DIR] [--max-prompts 2000]
+                  [--out DIR] [--memo DIR] [--max-prompts 2000] [--cluster local|tcp://HOST:PORT [--workers N]]
     gdnviz attribute MODEL DOC.txt --layer L --head H [--position P] [--start 0] [--top 4] --out DIR
     gdnviz patch MODEL (A.txt B.txt | --needle niah_single_1 --length 1024 [--seed0 0] [--n 1]) [--heads all]
                  [--boundary P] [--source P] [--continuation TEXT] [--max-new-tokens 32] --out DIR [--memo DIR]
@@ -28,6 +28,8 @@ sample in DIR/cache, so running it again resumes where it stopped (with ``--via-
 worker and memoises in the app's store instead, so the app's Sweeps page and the CLI share finished samples);
 ``loss`` (``gdnviz.probes.loss_sweep``) writes loss.csv (per setting, r and subset: all predictions and both copy
 subsets), loss_documents.csv, figure.png and settings.json and memoises every (document, setting) in DIR/cache.
+With ``--cluster`` (``sweep``, ``scan``, ``budget``, ``loss``) a Dask cluster's workers answer and this process alone
+writes the memo, then prints the answers per worker (docs/cluster.md).
 
 ``attribute`` (``gdnviz.attribution``) writes contributions.csv (one row per token: position, token text, norm,
 share along the state's top singular directions) and attribution.json (the singular values, the carried-in term's
@@ -233,6 +235,39 @@ def _load_for_probe(args):
     return lm
 
 
+CLUSTER_HELP = ("answer on a Dask cluster: 'local' (one worker process per GPU; CPU: --workers processes) or a "
+                "scheduler address tcp://HOST:PORT (or a scheduler file .json)")
+
+
+def _cluster_args(sp) -> None:
+    """--cluster and --workers, the same on every probe that runs on a Dask cluster."""
+    sp.add_argument("--cluster", default="", help=CLUSTER_HELP)
+    sp.add_argument("--workers", type=int, default=2, help="CPU worker processes of --cluster local without GPUs")
+
+
+def _model_or_cluster(args, what: str) -> tuple:
+    """(lm, executor) of a probe: with --cluster, the cluster's ``gdnviz.cluster.ClusterExecutor`` and its model view
+    (this process loads only the tokenizer); without, the model loaded here and None."""
+    if not args.cluster:
+        return _load_for_probe(args), None
+    from gdnviz import cluster
+
+    if args.device_map:
+        raise GDNVizError("--device-map and --cluster exclude each other: the cluster's workers each hold the "
+                          "whole model on one GPU; a spread model answers in this process")
+    ex = cluster.executor(args.cluster, args.model, args.device, args.dtype, args.trust_remote_code,
+                          workers=args.workers)
+    print(f"{what} on the Dask cluster {args.cluster}: {len(ex.workers)} workers", file=sys.stderr)
+    return ex.model_view(), ex
+
+
+def _print_per_worker(ex, unit: str = "samples") -> None:
+    """The answers each cluster worker gave (nothing without a cluster)."""
+    if ex is not None:
+        print(f"{unit} answered per worker: " + (", ".join(f"{a} {n}" for a, n in sorted(ex.per_worker.items()))
+                                                 or "none (all from the memo)"), file=sys.stderr)
+
+
 def _sweep_args(args) -> dict:
     """The sweep settings of the command line (both paths), validated as far as possible without the model."""
     rank_maps = []
@@ -303,19 +338,7 @@ def cmd_sweep(args) -> int:
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     sa = _sweep_args(args)
-    ex = None
-    if args.cluster:
-        from gdnviz import cluster
-
-        if args.device_map:
-            raise GDNVizError("--device-map and --cluster exclude each other: the cluster's workers each hold the "
-                              "whole model on one GPU; a spread model answers in this process")
-        ex = cluster.executor(args.cluster, args.model, args.device, args.dtype, args.trust_remote_code,
-                              workers=args.workers)
-        print(f"sweep on the Dask cluster {args.cluster}: {len(ex.workers)} workers", file=sys.stderr)
-        lm = ex.model_view()
-    else:
-        lm = _load_for_probe(args)
+    lm, ex = _model_or_cluster(args, "sweep")
     spec = sweep_spec_of(SweepJob(fingerprint=lm.info.fingerprint, **sa))
     settings = dict(spec=spec.to_dict(), model=lm.info.to_dict(), version=sweep.VERSION)
     (out / "settings.json").write_text(json.dumps(settings, indent=2, default=str))
@@ -333,9 +356,7 @@ def cmd_sweep(args) -> int:
         rows = sweep.run_sweep(lm, spec, store=out / "cache", progress=progress, executor=ex)
     finally:
         bar.close()
-    if ex is not None:
-        print("samples answered per worker: " + (", ".join(f"{a} {n}" for a, n in sorted(ex.per_worker.items()))
-                                                 or "none (all from the memo)"), file=sys.stderr)
+    _print_per_worker(ex)
     table = sweep.sweep_table(rows, rmax=min(lm.info.d_k, lm.info.d_v))
     _write_sweep_outputs(out, rows, table, settings, lm.info.name)
     return 0
@@ -370,7 +391,7 @@ def cmd_loss(args) -> int:
     if not args.documents:
         raise EmptyDocumentSet("loss vs rank needs at least one document file")
     texts = [(Path(d).name, read_text_file(d)) for d in args.documents]
-    lm = _load_for_probe(args)
+    lm, ex = _model_or_cluster(args, "loss")
     spec = loss_sweep.LossSweepSpec(model=args.model, ranks=tuple(_int_list(args.ranks, "ranks")) or None,
                                     heads=args.heads, segment_len=args.segment_len, min_distance=args.min_distance,
                                     fingerprint=lm.info.fingerprint)
@@ -379,9 +400,11 @@ def cmd_loss(args) -> int:
     n_set = len(sweep.resolve_ranks(spec.ranks, min(lm.info.d_k, lm.info.d_v)))
     try:
         rows = loss_sweep.run_loss_sweep(lm, docs, spec, store=memo,
-                                         progress=_progress("loss (document x setting)", n_set * len(docs)))
+                                         progress=_progress("loss (document x setting)", n_set * len(docs)),
+                                         executor=ex)
     finally:
         memo.cache.close()
+    _print_per_worker(ex, "(document, setting) runs")
     table = loss_sweep.loss_table(rows, rmax=min(lm.info.d_k, lm.info.d_v))
     print(f"loss: {memo.puts} (document, setting) runs computed, {len(rows) - memo.puts} from the memo "
           f"({out / 'cache'})", file=sys.stderr)
@@ -423,7 +446,7 @@ def cmd_scan(args) -> int:
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     memo = Path(args.memo) if args.memo else out / "cache"
-    lm = _load_for_probe(args)
+    lm, ex = _model_or_cluster(args, "scan")
     layers = tuple(_int_list(args.layers, "layers")) if args.layers else None
     spec = scan.ScanSpec(task=args.task, length=args.length, r=args.r, by=args.by, keep=args.keep, layers=layers,
                          n=args.n, seed0=args.seed0, fingerprint=lm.info.fingerprint, **_common_probe(args))
@@ -438,9 +461,10 @@ def cmd_scan(args) -> int:
         bar.refresh()
 
     try:
-        res = _checked(lambda: scan.run_scan(lm, spec, store=memo, progress=progress))
+        res = _checked(lambda: scan.run_scan(lm, spec, store=memo, progress=progress, executor=ex))
     finally:
         bar.close()
+    _print_per_worker(ex)
     sweep.to_csv(res.table, out / "scan.csv")
     settings = dict(spec=spec.to_dict(), model=lm.info.to_dict(), untouched=res.untouched, all_cut=res.all_cut,
                     computed=res.computed, seconds=round(res.seconds, 3), plan=plan, memo=str(memo))
@@ -467,7 +491,7 @@ def cmd_budget(args) -> int:
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     memo = Path(args.memo) if args.memo else out / "cache"
-    lm = _load_for_probe(args)
+    lm, ex = _model_or_cluster(args, "budget")
     kw = dict(tasks=tuple(t for t in args.tasks.split(",") if t), lengths=tuple(_int_list(args.lengths, "lengths")),
               n=args.n, alpha=args.alpha, ladder=tuple(_int_list(args.ladder, "ladder")) or None, seed0=args.seed0,
               heldout_seed0=args.heldout_seed0, n_heldout=args.n_heldout, state_dtype=args.state_dtype,
@@ -490,9 +514,11 @@ def cmd_budget(args) -> int:
             _bar.refresh()
 
         try:
-            results.append(_checked(lambda: budget.find_budget(lm, spec, store=memo, progress=progress)))
+            results.append(_checked(lambda: budget.find_budget(lm, spec, store=memo, progress=progress,
+                                                               executor=ex)))
         finally:
             bar.close()
+    _print_per_worker(ex)
     res = results[0]
     budget.budget_table(res, lm.info).to_csv(out / "budget.csv", index=False)
     summ = budget.summary(res, lm.info)
@@ -530,6 +556,7 @@ def _probe_args(sp) -> None:
                     help="samples per forward (default: from free GPU memory and prompt length; 8 on CPU)")
     sp.add_argument("--max-new-tokens", type=int, default=0, help="0 = RULER's per task")
     sp.add_argument("--chat", choices=["auto", "on", "off"], default="auto", help="wrap prompts in the chat template")
+    _cluster_args(sp)
     sp.add_argument("--segment-len", type=int, default=256)
     sp.add_argument("--device", default="auto")
     sp.add_argument("--device-map", default="", help=DEVICE_MAP_HELP)
@@ -678,10 +705,7 @@ def main(argv=None) -> int:
     sp.add_argument("--via-worker", action="store_true",
                     help="run through the app's worker and store (samples memoised there; a rerun resumes)")
     sp.add_argument("--cache-dir", default=None, help="the store for --via-worker (default: $GDNVIZ_CACHE_DIR or ./cache)")
-    sp.add_argument("--cluster", default="",
-                    help="answer on a Dask cluster: 'local' (one worker process per GPU; CPU: --workers "
-                         "processes) or a scheduler address tcp://HOST:PORT (or a scheduler file .json)")
-    sp.add_argument("--workers", type=int, default=2, help="CPU worker processes of --cluster local without GPUs")
+    _cluster_args(sp)
     sp.add_argument("--segment-len", type=int, default=256)
     sp.add_argument("--device", default="auto")
     sp.add_argument("--device-map", default="", help=DEVICE_MAP_HELP)
@@ -696,6 +720,7 @@ def main(argv=None) -> int:
                     help="d of the copy subsets (tokens): the preceding bigram occurred earlier, any occurrence "
                          "(copy_any) or the most recent one (copy_recent) more than d tokens back")
     sp.add_argument("--out", required=True, help="output folder")
+    _cluster_args(sp)
     sp.add_argument("--segment-len", type=int, default=256)
     sp.add_argument("--device", default="auto")
     sp.add_argument("--device-map", default="", help=DEVICE_MAP_HELP)

@@ -1,10 +1,12 @@
-"""Sweeps on a Dask cluster: one model per worker process, batches of samples as the unit of work.
+"""Probes on a Dask cluster: one model per worker process, a unit of work (a batch of samples, a document under one
+setting) per task.
 
-``executor(client_or_address, model, device, dtype)`` returns a ``ClusterExecutor`` for ``run_sweep(...,
-executor=ex)`` (with ``ex.model_view()`` as its ``lm``). Every worker loads the model once (a worker plugin) and
-keeps it; each ``gdnviz.probes.sweep.Batch`` is one Dask task answered by ``answer_batch`` on a worker; results come
-back to this process, which alone writes the memo store, so a worker that dies loses at most its batches in flight
-(Dask reruns them elsewhere) and an interrupted sweep resumes from the store. Batches are formed exactly as in one
+``executor(client_or_address, model, device, dtype)`` returns a ``ClusterExecutor`` for the ``executor=`` of
+``run_sweep``, ``run_scan``, ``find_budget`` and ``run_loss_sweep`` (with ``ex.model_view()`` as their ``lm``).
+Every worker loads the model once (a worker plugin) and keeps it; each unit (``gdnviz.probes.sweep.Batch``,
+``gdnviz.probes.loss_sweep.LossUnit``) is one Dask task answered by ``unit.answer(lm)`` on a worker; results come
+back to this process, which alone writes the memo store, so a worker that dies loses at most its units in flight
+(Dask reruns them elsewhere) and an interrupted probe resumes from the store. Units are formed exactly as in one
 process, so the rows are the same.
 
 Addresses: ``"local"`` (one worker process per visible GPU, each seeing only its own: ``gpu_worker_specs``;
@@ -91,16 +93,14 @@ def _identity(key) -> dict:
     return out
 
 
-def _answer_on_worker(key, batch):
-    """A Dask task: one batch answered on this worker's model; returns (worker address, results)."""
+def _answer_on_worker(key, unit):
+    """A Dask task: one unit answered on this worker's model; returns (worker address, ``unit.answer(lm)``)."""
     from distributed import get_worker
-
-    from gdnviz.probes.sweep import answer_batch
 
     lm = _MODELS.get(key)
     if lm is None or isinstance(lm, Exception):
         raise ClusterError(f"worker {get_worker().address} has no model loaded ({lm!r})")
-    return get_worker().address, answer_batch(lm, batch)
+    return get_worker().address, unit.answer(lm)
 
 
 _CLIENTS: dict = {}  # address -> a running Client of this process (a local cluster and its models outlive a sweep)
@@ -161,7 +161,7 @@ def _connect(address: str, workers: int, timeout: float):
 
 
 class ModelView:
-    """What ``run_sweep`` needs of a model in this process when workers answer: ``info`` (the workers') and the
+    """What a probe needs of a model in this process when workers answer: ``info`` (the workers') and the
     tokenizer (loaded here, without weights)."""
 
     def __init__(self, info, tokenizer):
@@ -169,9 +169,10 @@ class ModelView:
 
 
 class ClusterExecutor:
-    """``run_sweep``'s executor on a Dask client (module docstring). ``per_worker``: samples answered per worker
-    address so far; ``on_result(address, per_worker)`` is called after each batch; ``warm_up``: per worker address,
-    the kernel warm-up's seconds per step when the worker loaded the model on CUDA (``gdnviz.warmup``)."""
+    """A probe's executor on a Dask client (module docstring); one may serve several probes in turn.
+    ``per_worker``: answers (``unit.size``: samples, or (document, setting) runs) per worker address so far;
+    ``on_result(address, per_worker)`` is called after each unit; ``warm_up``: per worker address, the kernel
+    warm-up's seconds per step when the worker loaded the model on CUDA (``gdnviz.warmup``)."""
 
     def __init__(self, client, model: str, device: str = "auto", dtype: str = "auto",
                  trust_remote_code: bool = False, on_result=None):
@@ -202,7 +203,7 @@ class ClusterExecutor:
         self.warm_up = {a: d.get("warm_up") for a, d in ident.items() if d.get("warm_up")}  # per worker (CUDA)
 
     def model_view(self) -> ModelView:
-        """The sweep's ``lm`` in this process: the workers' ModelInfo and a tokenizer loaded here."""
+        """The probe's ``lm`` in this process: the workers' ModelInfo and a tokenizer loaded here."""
         from gdnviz.models.loader import load_tokenizer_for, resolve
 
         try:
@@ -213,21 +214,21 @@ class ClusterExecutor:
             raise ClusterError(f"{self.key[0]!r} has no tokenizer this process can load: it builds the prompts")
         return ModelView(self.info, tok)
 
-    def __call__(self, batches):
+    def __call__(self, units):
         from distributed import as_completed
 
         pending = {}
-        for b in batches:
-            pending[self.client.submit(_answer_on_worker, self.key, b, pure=False)] = b
+        for u in units:
+            pending[self.client.submit(_answer_on_worker, self.key, u, pure=False)] = u
         try:
             for fut in as_completed(list(pending)):
                 addr, res = fut.result()
-                b = pending.pop(fut)
-                self.per_worker[addr] += len(res)
+                u = pending.pop(fut)
+                self.per_worker[addr] += u.size
                 if self.on_result is not None:
                     self.on_result(addr, dict(self.per_worker))
-                yield b, res
-        finally:  # a cancel or an error here: nothing left running for a sweep that stopped
+                yield u, res
+        finally:  # a cancel or an error here: nothing left running for a probe that stopped
             if pending:
                 self.client.cancel(list(pending))
 

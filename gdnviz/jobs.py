@@ -44,6 +44,10 @@ token ids, the segment length, the resolved dtype and device type (``ModelInfo.m
 over several devices by a ``device_map``, the map), and the job's parameters. A sweep's cells are
 keyed by ``gdnviz.probes.sweep.cell_key`` alone, a loss sweep's per-document entries by
 ``gdnviz.probes.loss_sweep.doc_key``.
+
+With ``GDNVIZ_CLUSTER`` set, LossJob, SweepJob, ScanJob and BudgetJob answer on that Dask cluster's workers
+(``gdnviz.cluster``; the worker writes the memo, the progress text gives the answers per worker, the result its
+``cluster`` and ``per_worker``).
 """
 from __future__ import annotations
 
@@ -655,14 +659,48 @@ def loss_spec_of(spec: LossJob):
         segment_len=int(spec.segment_len), min_distance=spec.min_distance, fingerprint=spec.fingerprint or None)
 
 
+def _model_or_cluster(spec, ctx: JobContext, what: str) -> tuple:
+    """(lm, executor, workers) of a probe job: on the Dask cluster named by GDNVIZ_CLUSTER when it is set (``lm`` the
+    workers' model view, the executor a ``gdnviz.cluster.ClusterExecutor``), else the model loaded here and None.
+    ``workers["text"]``: " · workers: PORT N, ..." after each unit a worker answered ("" here), for the progress.
+    BadDeviceMap for a device_map on a cluster; ClusterError when the cluster cannot serve the model."""
+    from gdnviz import settings
+
+    address = settings.get("GDNVIZ_CLUSTER")
+    workers = {"text": "", "address": address or None}
+    if not address:
+        ctx.progress(0, 1, "loading the model")
+        return ctx.model(spec), None, workers
+    if spec.device_map:
+        from gdnviz.errors import BadDeviceMap
+
+        raise BadDeviceMap(f"a {what} with a device_map runs in this process: the Dask cluster's workers each hold the "
+                           f"whole model on one GPU (unset GDNVIZ_CLUSTER, or drop device_map {spec.device_map!r})")
+    from gdnviz import cluster
+
+    ctx.progress(0, 1, f"connecting to the Dask cluster {address} and loading the model on its workers")
+
+    def on_result(addr, per_worker):
+        workers["text"] = " · workers: " + ", ".join(f"{a.rsplit(':', 1)[-1]} {n}" for a, n in
+                                                     sorted(per_worker.items()))
+
+    ex = cluster.executor(address, spec.model, spec.device, spec.dtype, spec.trust_remote_code, on_result=on_result)
+    return ex.model_view(), ex, workers
+
+
+def _cluster_result(ex, workers: dict) -> dict:
+    """What a probe job's result says of where it ran: cluster (its address or None), per_worker (answers per worker
+    address, or None in this process)."""
+    return dict(cluster=workers["address"], per_worker=dict(ex.per_worker) if ex is not None else None)
+
+
 def run_loss(spec: LossJob, ctx: JobContext) -> dict:
     from gdnviz.probes import loss_sweep
     from gdnviz.probes.sweep import records, resolve_heads, resolve_ranks
 
     if not spec.documents:
         raise EmptyDocumentSet("loss vs rank needs at least one document: capture a document set first")
-    ctx.progress(0, 1, "loading the model")
-    lm = ctx.model(spec)
+    lm, ex, workers = _model_or_cluster(spec, ctx, "loss sweep")
     info = lm.info
     docs = _tokenize_docs(lm, spec.documents, None)
     lspec = loss_spec_of(spec)
@@ -672,13 +710,14 @@ def run_loss(spec: LossJob, ctx: JobContext) -> dict:
     t0 = time.time()
 
     def describe(text):  # before each (document, setting): say what runs now (and honour a cancel)
-        ctx.progress(done["n"], n, f"{done['n']:,}/{n:,} (document × setting) done · running {text}")
+        ctx.progress(done["n"], n, f"{done['n']:,}/{n:,} (document × setting) done · running {text}"
+                                   f"{workers['text']}")
 
     def progress(d, total):
         done["n"] = d
-        ctx.progress(d, total, f"{d:,}/{total:,} (document × setting) done")
+        ctx.progress(d, total, f"{d:,}/{total:,} (document × setting) done{workers['text']}")
 
-    rows = loss_sweep.run_loss_sweep(lm, docs, lspec, store=memo, describe=describe, progress=progress)
+    rows = loss_sweep.run_loss_sweep(lm, docs, lspec, store=memo, describe=describe, progress=progress, executor=ex)
     rmax = min(info.d_k, info.d_v)
     table = loss_sweep.loss_table(rows, rmax=rmax)
     n_total = len(rows)
@@ -689,7 +728,7 @@ def run_loss(spec: LossJob, ctx: JobContext) -> dict:
         ranks=sorted({int(r) for r in rows["r"].dropna()}), n_heads=len(resolve_heads(lspec.heads, info)),
         documents=[dict(name=n, n_tokens=len(ids)) for n, ids in docs], computed=memo.puts,
         reused=n_total - memo.puts, n_results=n_total, seconds=round(time.time() - t0, 3), dtype=info.dtype,
-        device=info.device, kernel_path=info.kernel_path)
+        device=info.device, kernel_path=info.kernel_path, **_cluster_result(ex, workers))
 
 
 class MemoMapping:
@@ -730,30 +769,7 @@ def run_sweep_job(spec: SweepJob, ctx: JobContext) -> dict:
         if int(L) > int(spec.max_tokens):
             raise DocumentTooLong(f"Sweep length {int(L):,} is over the token limit of {int(spec.max_tokens):,} "
                                   "tokens: lower it, or raise the token limit.")
-    from gdnviz import settings
-
-    address = settings.get("GDNVIZ_CLUSTER")
-    ex, workers = None, {"text": ""}
-    if address and spec.device_map:
-        from gdnviz.errors import BadDeviceMap
-
-        raise BadDeviceMap("a sweep with a device_map runs in this process: the Dask cluster's workers each hold the "
-                           f"whole model on one GPU (unset GDNVIZ_CLUSTER, or drop device_map {spec.device_map!r})")
-    if address:
-        from gdnviz import cluster
-
-        ctx.progress(0, 1, f"connecting to the Dask cluster {address} and loading the model on its workers")
-
-        def on_result(addr, per_worker):
-            workers["text"] = " · workers: " + ", ".join(f"{a.rsplit(':', 1)[-1]} {n}" for a, n in
-                                                         sorted(per_worker.items()))
-
-        ex = cluster.executor(address, spec.model, spec.device, spec.dtype, spec.trust_remote_code,
-                              on_result=on_result)
-        lm = ex.model_view()
-    else:
-        ctx.progress(0, 1, "loading the model")
-        lm = ctx.model(spec)
+    lm, ex, workers = _model_or_cluster(spec, ctx, "sweep")
     info = lm.info
     sspec = sweep_spec_of(spec)
     cells = len(spec.tasks) * len(spec.lengths) * int(spec.n)
@@ -784,8 +800,7 @@ def run_sweep_job(spec: SweepJob, ctx: JobContext) -> dict:
         model=info.to_dict(), model_name=spec.model, rmax=rmax, ranks=sorted({int(r) for r in rows["r"].dropna()}),
         n_heads=len(sweep.resolve_heads(sspec.heads, info)), computed=memo.puts, reused=n_total - memo.puts,
         n_results=n_total, seconds=round(time.time() - t0, 3), dtype=info.dtype, device=info.device,
-        kernel_path=info.kernel_path, cluster=address or None,
-        per_worker=dict(ex.per_worker) if ex is not None else None)
+        kernel_path=info.kernel_path, **_cluster_result(ex, workers))
 
 
 def scan_spec_of(spec: ScanJob):
@@ -802,8 +817,7 @@ def scan_spec_of(spec: ScanJob):
 def run_scan_job(spec: ScanJob, ctx: JobContext) -> dict:
     from gdnviz.probes import scan, sweep
 
-    ctx.progress(0, 1, "loading the model")
-    lm = ctx.model(spec)
+    lm, ex, workers = _model_or_cluster(spec, ctx, "scan")
     info = lm.info
     sspec = scan_spec_of(spec)
     ctx.progress(0, 1, f"generating {spec.n} {spec.task} prompts and counting the memo")
@@ -812,25 +826,25 @@ def run_scan_job(spec: ScanJob, ctx: JobContext) -> dict:
     now = {"text": ""}
 
     def progress(done, total):
-        ctx.progress(done, total, f"answer {done:,}/{total:,} · {now['text']}")
+        ctx.progress(done, total, f"answer {done:,}/{total:,} · {now['text']}{workers['text']}")
 
-    res = scan.run_scan(lm, sspec, store=memo, progress=progress, describe=lambda t: now.update(text=t))
+    res = scan.run_scan(lm, sspec, store=memo, progress=progress, describe=lambda t: now.update(text=t), executor=ex)
     ctx.progress(plan["answers"], plan["answers"], "done")
     return dict(table=scan.table_records(res.table), settings=dict(sspec.to_dict(), fingerprint=info.fingerprint),
                 untouched=res.untouched, all_cut=res.all_cut, computed=res.computed,
                 reused=plan["answers"] - res.computed, n_results=plan["answers"], seconds=round(res.seconds, 3),
                 model=info.to_dict(), model_name=spec.model, rmax=min(info.d_k, info.d_v), dtype=info.dtype,
-                device=info.device, kernel_path=info.kernel_path, version=sweep.VERSION)
+                device=info.device, kernel_path=info.kernel_path, version=sweep.VERSION,
+                **_cluster_result(ex, workers))
 
 
 def run_budget_job(spec: BudgetJob, ctx: JobContext) -> dict:
     from gdnviz.probes import budget, sweep
 
-    ctx.progress(0, 1, "loading the model")
-    lm = ctx.model(spec)
-    info = lm.info
     if not spec.tolerances:
         raise GDNVizError("no tolerance given: set δ (points), e.g. 1")
+    lm, ex, workers = _model_or_cluster(spec, ctx, "budget")
+    info = lm.info
     memo = MemoMapping(ctx.store)
     out, results = [], []
     t0 = time.time()
@@ -843,15 +857,16 @@ def run_budget_job(spec: BudgetJob, ctx: JobContext) -> dict:
             max_new_tokens=int(spec.max_new_tokens) or None, chat_template=spec.chat_template,
             fingerprint=spec.fingerprint or None, max_prompts=int(spec.max_prompts))
         tag = f"δ = {float(tol):g} ({i + 1}/{len(spec.tolerances)})"
-        res = budget.find_budget(lm, bspec, store=memo,
-                                 progress=lambda d, n, text, _t=tag: ctx.progress(d, n, f"{_t} · {text}"))
+        res = budget.find_budget(lm, bspec, store=memo, executor=ex,
+                                 progress=lambda d, n, text, _t=tag: ctx.progress(d, n, f"{_t} · {text}"
+                                                                                        f"{workers['text']}"))
         results.append(res)
         out.append(budget.summary(res, info))
     curve = budget.curve_frame(results, info)
     ctx.progress(1, 1, "done")
     return dict(budgets=out, curve=sweep.records(curve), model=info.to_dict(), model_name=spec.model,
                 rmax=min(info.d_k, info.d_v), computed=memo.puts, seconds=round(time.time() - t0, 3),
-                dtype=info.dtype, device=info.device, kernel_path=info.kernel_path)
+                dtype=info.dtype, device=info.device, kernel_path=info.kernel_path, **_cluster_result(ex, workers))
 
 
 def run_patch_job(spec: PatchJob, ctx: JobContext) -> dict:

@@ -52,7 +52,8 @@ SETTINGS: dict[str, Setting] = {s.name: s for s in (
     Setting("GDNVIZ_WARMUP", "flag", "1",
             "warm the GPU kernels up when a model loads on CUDA (0: the first job pays compilation instead)"),
     Setting("GDNVIZ_CLUSTER", "text", "",
-            "Dask cluster the app's worker runs sweeps on: local, tcp://HOST:PORT or a scheduler file (empty: here)"),
+            "Dask cluster the app's worker runs sweeps, scans, budgets and loss sweeps on: local, tcp://HOST:PORT or a "
+            "scheduler file (empty: here)"),
     Setting("GDNVIZ_NO_WORKER", "flag", "0",
             "1: the app starts no worker process (jobs wait for one started by hand, or tests run them)"),
     Setting("GDNVIZ_POLL_SECONDS", "float", "0.5",

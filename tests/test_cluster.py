@@ -1,5 +1,7 @@
-"""The Dask executor of sweeps (gdnviz.cluster) on a real local cluster of two CPU worker processes, bundled demo
-model: the same rows as one process, resume from the store, a worker killed mid-sweep, and the clear refusals."""
+"""The Dask executor of probes (gdnviz.cluster) on a real local cluster of two CPU worker processes (one cluster for
+the module), bundled demo model: a sweep's, a scan's and a loss sweep's rows and a budget search's result as in one
+process, resume from the store, a worker killed mid-sweep, the CLI's and the app worker's jobs on the cluster, and
+the clear refusals."""
 import dataclasses
 import os
 import signal
@@ -20,6 +22,9 @@ def client():
     c = cluster.connect("local", workers=2)
     c.wait_for_workers(2, timeout=120)
     yield c
+    for other in list(cluster._CLIENTS.values()):  # the clients the CLI and the jobs opened on its address
+        if other is not c:
+            other.close()
     c.close()
     c.cluster.close() if hasattr(c, "cluster") and c.cluster is not None else None
 
@@ -127,6 +132,126 @@ def test_the_app_workers_sweep_job_runs_on_the_configured_cluster(client, lm, tm
     local = sweep.run_sweep(lm, jobs.sweep_spec_of(dataclasses.replace(spec, fingerprint=lm.info.fingerprint)))
     assert [(r["seed"], r["r"], r["pred"]) for r in res["rows"]] == \
         [(int(r.seed), int(r.r), r.pred) for r in local.itertuples()]
+
+
+# --- scan, budget, loss -------------------------------------------------------------------------------------------
+def scan_spec(lm, **kw):
+    from gdnviz.probes import scan
+
+    d = dict(model="demo", fingerprint=lm.info.fingerprint, task="niah_single_1", length=512, r=1, by="layer",
+             layers=(4, 5), n=2, batch_size=2, max_new_tokens=10, segment_len=256)
+    d.update(kw)
+    return scan.ScanSpec(**d)
+
+
+def loss_docs(lm):
+    from gdnviz.documents import sample_documents, tokenize
+
+    texts = [d.text for d in sample_documents()][:2]
+    return [(f"doc{i}", tokenize(lm.tokenizer, t)[:n]) for i, (t, n) in enumerate(zip(texts, (150, 130)))]
+
+
+def test_scan_and_loss_sweep_on_the_cluster_equal_one_process_and_resume(client, lm, one_thread, tmp_path):
+    """The rows of a scan and of a loss sweep answered on the cluster are those of one process, row for row (each
+    unit answered once on a worker); a rerun with the same memo reads everything from it. torch on one thread here,
+    as in the workers, so the losses are bit for bit the same."""
+    from gdnviz.probes import loss_sweep, scan
+
+    ex = cluster.executor(client, "demo", device="cpu", dtype="float32")
+    view = ex.model_view()
+    spec = scan_spec(lm)
+    res = scan.run_scan(view, spec, store=tmp_path / "memo", executor=ex)
+    local = scan.run_scan(lm, spec)
+    assert len(res.rows) == 3 * 2 and res.computed == 6  # untouched, L4 cut, L5 cut x 2 samples
+    assert res.rows.to_dict("records") == local.rows.to_dict("records")
+    assert res.table.to_dict("records") == local.table.to_dict("records") and res.untouched == local.untouched
+    assert sum(ex.per_worker.values()) == 6
+    again = cluster.executor(client, "demo", device="cpu", dtype="float32")
+    res2 = scan.run_scan(view, spec, store=tmp_path / "memo", executor=again)
+    assert res2.computed == 0 and not again.per_worker
+    assert res2.rows.to_dict("records") == res.rows.to_dict("records")
+
+    docs = loss_docs(lm)
+    lspec = loss_sweep.LossSweepSpec(model="demo", ranks=(1,), segment_len=64, min_distance=24,
+                                     fingerprint=lm.info.fingerprint)
+    ex = cluster.executor(client, "demo", device="cpu", dtype="float32")
+    rows = loss_sweep.run_loss_sweep(view, docs, lspec, store=tmp_path / "memo", executor=ex)
+    ref = loss_sweep.run_loss_sweep(lm, docs, lspec)
+    assert len(rows) == 2 * 2 and sum(ex.per_worker.values()) == 4  # 2 documents x (r = 1, untouched)
+    assert rows.to_dict("records") == ref.to_dict("records")
+    again = cluster.executor(client, "demo", device="cpu", dtype="float32")
+    prog = []
+    rows2 = loss_sweep.run_loss_sweep(view, docs, lspec, store=tmp_path / "memo", executor=again,
+                                      progress=lambda d, n: prog.append((d, n)))
+    assert not again.per_worker and prog == [(4, 4)]
+    assert rows2.to_dict("records") == rows.to_dict("records")
+
+
+def test_budget_search_on_the_cluster_finds_the_one_process_budget(client, lm, tmp_path):
+    """A tiny budget search (one rung, no held-out check) whose every sweep runs on the cluster: the same ranks,
+    tests and evaluations as in one process."""
+    from gdnviz.probes import budget
+
+    spec = budget.BudgetSpec(model="demo", tasks=("niah_single_1",), lengths=(512,), n=2, tolerance=60.0,
+                             ladder=(1,), n_heldout=0, max_new_tokens=10, batch_size=4,
+                             fingerprint=lm.info.fingerprint)
+    ex = cluster.executor(client, "demo", device="cpu", dtype="float32")
+    res = budget.find_budget(ex.model_view(), spec, store=tmp_path / "memo", executor=ex)
+    local = budget.find_budget(lm, spec)
+    assert res.ranks == local.ranks and res.search == local.search and res.evaluations == local.evaluations
+    assert sum(ex.per_worker.values()) == res.computed > 0
+
+
+def test_cli_scan_and_loss_on_the_cluster(client, tmp_path, capsys):
+    from gdnviz.cli import main
+    from gdnviz.documents import sample_documents
+
+    common = ["demo", "--device", "cpu", "--dtype", "float32", "--cluster", client.scheduler.address]
+    scan_args = ["scan", *common, "--task", "niah_single_1", "--length", "512", "--layers", "5", "--n", "1",
+                 "--max-new-tokens", "10", "--out", str(tmp_path / "scan")]
+    assert main(scan_args) == 0
+    err = capsys.readouterr().err
+    assert "scan on the Dask cluster tcp://" in err and "samples answered per worker: tcp://" in err
+    assert len((tmp_path / "scan" / "scan.csv").read_text().splitlines()) == 1 + 1  # header, layer 5
+    doc = tmp_path / "doc.txt"
+    doc.write_text(sample_documents()[0].text[:1500])
+    loss_args = ["loss", *common, str(doc), "--ranks", "1", "--segment-len", "64", "--min-distance", "24",
+                 "--out", str(tmp_path / "loss")]
+    assert main(loss_args) == 0
+    err = capsys.readouterr().err
+    assert "loss on the Dask cluster tcp://" in err and "(document, setting) runs answered per worker: tcp://" in err
+    assert len((tmp_path / "loss" / "loss_documents.csv").read_text().splitlines()) == 1 + 2  # r = 1, untouched
+    assert main(loss_args) == 0  # again: all from the memo
+    assert "none (all from the memo)" in capsys.readouterr().err
+    assert main(["scan", "demo", "--task", "vt", "--length", "512", "--cluster", "local", "--device-map", "auto",
+                 "--out", str(tmp_path / "x")]) == 2
+    assert "--device-map and --cluster exclude each other" in capsys.readouterr().err
+
+
+def test_the_app_workers_scan_budget_and_loss_jobs_run_on_the_configured_cluster(client, lm, tmp_path, monkeypatch):
+    """GDNVIZ_CLUSTER set: the scan, budget and loss jobs answer on the cluster's workers, with the answers per worker
+    in their progress and their results, the store's memo written here."""
+    from gdnviz import jobs
+    from gdnviz.documents import sample_documents
+    from gdnviz.errors import BadDeviceMap
+    from gdnviz.store import Store
+
+    monkeypatch.setenv("GDNVIZ_CLUSTER", client.scheduler.address)
+    store = Store(tmp_path / "cache")
+    model = dict(model="demo", device="cpu", dtype="float32")
+    specs = [jobs.ScanJob(task="niah_single_1", length=512, layers=(5,), n=1, max_new_tokens=10, **model),
+             jobs.BudgetJob(tasks=("niah_single_1",), lengths=(512,), n=2, tolerances=(60.0,), ladder=(1,),
+                            n_heldout=0, max_new_tokens=10, batch_size=4, **model),
+             jobs.LossJob(documents=(("doc", sample_documents()[0].text[:1500]),), ranks=(1,), segment_len=64,
+                          min_distance=24, **model)]
+    for spec in specs:
+        texts = []
+        res = jobs.run(spec, jobs.JobContext(store, progress=lambda d, n, t: texts.append(t)))
+        answers = res["budgets"][0]["computed"] if spec.kind == "budget" else res["computed"]  # not its result entry
+        assert res["cluster"] == client.scheduler.address and sum(res["per_worker"].values()) == answers > 0
+        assert any("· workers: " in t for t in texts), (spec.kind, texts)
+    with pytest.raises(BadDeviceMap, match="a scan with a device_map runs in this process"):
+        jobs.run(dataclasses.replace(specs[0], device_map="auto"), jobs.JobContext(store))
 
 
 def _visible():

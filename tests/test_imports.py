@@ -80,7 +80,8 @@ def test_dask_is_imported_only_for_a_cluster():
     import subprocess
     import sys
 
-    code = ("import sys, gdnviz.cli, gdnviz.jobs, gdnviz.worker, gdnviz.probes.sweep, gdnviz.cluster; "
+    code = ("import sys, gdnviz.cli, gdnviz.jobs, gdnviz.worker, gdnviz.probes.sweep, gdnviz.probes.scan, "
+            "gdnviz.probes.budget, gdnviz.probes.loss_sweep, gdnviz.cluster; "
             "bad = sorted(m for m in sys.modules if m.split('.')[0] in ('dask', 'distributed', 'dask_cuda')); "
             "assert not bad, bad")
     subprocess.run([sys.executable, "-c", code], check=True, cwd=PKG.parent)

@@ -229,11 +229,12 @@ def _sweep(spec: BudgetSpec, ranks: dict, seed0: int, n: int, rmax: int) -> swee
                            chat_template_kwargs=spec.chat_template_kwargs, fingerprint=spec.fingerprint)
 
 
-def _evaluate(lm, spec: BudgetSpec, ranks: dict, seed0: int, n: int, memo, progress=None, describe=None) -> list:
+def _evaluate(lm, spec: BudgetSpec, ranks: dict, seed0: int, n: int, memo, progress=None, describe=None,
+              executor=None) -> list:
     """Per (task, length): the test of ``ranks`` against untouched on seeds seed0 .. seed0 + n - 1."""
     rmax = min(lm.info.d_k, lm.info.d_v)
     sspec = _sweep(spec, ranks, seed0, n, rmax)
-    rows = sweep.run_sweep(lm, sspec, store=memo, progress=progress, describe=describe)
+    rows = sweep.run_sweep(lm, sspec, store=memo, progress=progress, describe=describe, executor=executor)
     setting = "budget" if sspec.rank_maps else sweep.UNIFORM
     base = rows[(rows["setting"] == sweep.UNIFORM) & (rows["r"] == rmax)]
     got = rows[rows["setting"] == setting] if setting != sweep.UNIFORM else base
@@ -252,7 +253,7 @@ def _order(sens: pd.DataFrame) -> list[tuple[int, int]]:
     return [(int(l), int(h)) for l, h in zip(worst["layer"], worst["head"])]
 
 
-def sensitivities(lm, spec: BudgetSpec, r: int, memo, progress=None, describe=None) -> pd.DataFrame:
+def sensitivities(lm, spec: BudgetSpec, r: int, memo, progress=None, describe=None, executor=None) -> pd.DataFrame:
     """Per-head cut scans at rank r for every (task, length): layer, head, task, length, delta, se."""
     parts = []
     for task in spec.tasks:
@@ -262,7 +263,7 @@ def sensitivities(lm, spec: BudgetSpec, r: int, memo, progress=None, describe=No
                                max_new_tokens=spec.max_new_tokens, chat_template=spec.chat_template,
                                chat_template_kwargs=spec.chat_template_kwargs, fingerprint=spec.fingerprint,
                                max_prompts=1 << 62)
-            res = scan.run_scan(lm, ss, store=memo, progress=progress, describe=describe)
+            res = scan.run_scan(lm, ss, store=memo, progress=progress, describe=describe, executor=executor)
             parts.append(res.table.assign(task=task, length=int(length))[["layer", "head", "task", "length", "delta",
                                                                           "se"]])
     df = pd.concat(parts, ignore_index=True)
@@ -320,13 +321,14 @@ def _result_key(info, spec: BudgetSpec) -> str:
                                          spec=d))
 
 
-def find_budget(lm, spec: BudgetSpec, store=None, progress: Callable[[int, int, str], None] | None = None
-                ) -> BudgetResult:
+def find_budget(lm, spec: BudgetSpec, store=None, progress: Callable[[int, int, str], None] | None = None,
+                executor=None) -> BudgetResult:
     """Run (or read back) a budget search; see the module docstring. store: a directory, a mapping-like memo or
-    None. progress(done, total, text): after every answer (total is per step). Raises UnknownTask, TaskTooShort,
-    RankOutOfRange, ValueError (tolerance ≤ 0, a bad ladder), TooFewSamples (n < 2) and TooManyPrompts (an upper
-    bound of the answers to generate over ``spec.max_prompts``) before running anything. A stored result of the
-    same spec on the same model is returned at once."""
+    None. progress(done, total, text): after every answer (total is per step). executor: as ``sweep.run_sweep``'s,
+    for every sweep of the search (``lm`` needs only ``info`` and ``tokenizer`` when another executor answers).
+    Raises UnknownTask, TaskTooShort, RankOutOfRange, ValueError (tolerance ≤ 0, a bad ladder), TooFewSamples
+    (n < 2) and TooManyPrompts (an upper bound of the answers to generate over ``spec.max_prompts``) before running
+    anything. A stored result of the same spec on the same model is returned at once."""
     info = lm.info
     ladder = _check(spec, info)
     rmax = min(int(info.d_k), int(info.d_v))
@@ -351,14 +353,15 @@ def find_budget(lm, spec: BudgetSpec, store=None, progress: Callable[[int, int, 
             step["text"] = text
 
         step["text"] = f"sensitivity scans at r = {ladder[-1]}"
-        sens = sensitivities(lm, spec, ladder[-1], memo, prog, lambda t: say(f"sensitivity scan · {t}"))
+        sens = sensitivities(lm, spec, ladder[-1], memo, prog, lambda t: say(f"sensitivity scan · {t}"), executor)
         order = _order(sens)
         current = {lh: rmax for lh in order}
         evaluations = []
 
         def passes(cand: dict, label: str) -> bool:
             say(label)
-            res = _evaluate(lm, spec, cand, spec.seed0, spec.n, memo, prog, lambda t: say(f"{label} · {t}"))
+            res = _evaluate(lm, spec, cand, spec.seed0, spec.n, memo, prog, lambda t: say(f"{label} · {t}"),
+                            executor)
             ok = all(x["passed"] for x in res)
             evaluations.append(dict(label=label, ranks=[[l, h, r] for (l, h), r in sorted(cand.items()) if r < rmax],
                                     passed=ok, tests=res))
@@ -386,12 +389,12 @@ def find_budget(lm, spec: BudgetSpec, store=None, progress: Callable[[int, int, 
                 break
         ranks = {lh: r for lh, r in current.items() if r < rmax}
         say("final budget on the search samples")
-        search = _evaluate(lm, spec, ranks, spec.seed0, spec.n, memo, prog, say)
+        search = _evaluate(lm, spec, ranks, spec.seed0, spec.n, memo, prog, say, executor)
         heldout = []
         if spec.heldout_n:
             say(f"held-out check (seeds {spec.heldout_seed}..)")
             heldout = _evaluate(lm, spec, ranks, spec.heldout_seed, spec.heldout_n, memo, prog,
-                                lambda t: say(f"held-out check · {t}"))
+                                lambda t: say(f"held-out check · {t}"), executor)
         res = BudgetResult(spec=spec, ranks=ranks, search=search, heldout=heldout, evaluations=evaluations,
                            sensitivity=sens, memory=state_memory(info, ranks, spec.state_dtype), rmax=rmax,
                            computed=memo.puts, seconds=time.time() - t0)

@@ -9,6 +9,10 @@ where it stopped, a repeated one recomputes nothing, and the untouched losses of
 reused by every head set, rank list and copy-subset distance. The device type is in the key because the fla and
 torch paths differ by more than a small loss change: a paired difference must not mix them.
 
+Each (document, setting) to compute is one ``LossUnit``, answered by an executor as ``gdnviz.probes.sweep``'s
+batches are (``sweep.local_executor`` in this process by default, ``gdnviz.cluster``'s on a Dask cluster); only
+this process writes the store.
+
 Returns one row per (document, setting) with the mean loss of that document on all its predictions and on each
 copy/induction subset (``gdnviz.probes.loss.copy_mask``, readings "any" and "recent", ``min_distance`` tokens).
 
@@ -32,12 +36,12 @@ from gdnviz import runner
 from gdnviz.errors import DocumentTooShort, EmptyDocumentSet
 from gdnviz.probes.loss import COPY_READINGS, copy_mask, token_nll
 from gdnviz.probes.memo import MemoStore
-from gdnviz.probes.sweep import UNIFORM, resolve_heads, resolve_ranks
+from gdnviz.probes.sweep import UNIFORM, local_executor, resolve_heads, resolve_ranks
 from gdnviz.store import content_hash
 from gdnviz.truncation import TruncationSpec
 
-__all__ = ["LossSweepSpec", "VERSION", "SUBSETS", "SUBSET_LABELS", "ROW_COLUMNS", "TABLE_COLUMNS", "doc_key",
-           "min_tokens", "run_loss_sweep", "loss_table", "loss_figure", "rows_frame", "table_frame"]
+__all__ = ["LossSweepSpec", "LossUnit", "VERSION", "SUBSETS", "SUBSET_LABELS", "ROW_COLUMNS", "TABLE_COLUMNS",
+           "doc_key", "min_tokens", "run_loss_sweep", "loss_table", "loss_figure", "rows_frame", "table_frame"]
 
 VERSION = 1  # of a (document, setting) entry's computation: bump it to invalidate every stored entry
 #: Subsets of the predictions: all of them, and the copy/induction subset in each reading of ``copy_mask``.
@@ -160,49 +164,94 @@ def _label(setting: _Setting, rmax: int) -> str:
     return f"r = {setting.r}" + (" (untouched)" if setting.r == rmax else "")
 
 
+@dataclass(frozen=True)
+class LossUnit:
+    """One unit of work: document ``doc``'s token ids under setting ``slot`` (``trunc``; None: untouched), stored
+    under memo ``key``. ``answer(lm)``: its per-token losses, [len(ids) - 1] float64 nats (``token_nll``)."""
+
+    doc: int
+    slot: int
+    key: str
+    ids: tuple
+    trunc: TruncationSpec | None
+    segment_len: int
+
+    @property
+    def size(self) -> int:
+        """Answers in the unit: one (document, setting) run."""
+        return 1
+
+    def answer(self, lm) -> np.ndarray:
+        return token_nll(lm, list(self.ids), segment_len=self.segment_len, spec=self.trunc)
+
+
+def _row(i: int, name: str, n: int, s: _Setting, masks: dict, nll: np.ndarray) -> dict:
+    row = dict(doc=i, document=name, n_tokens=n, setting=s.name, r=s.r)
+    for sub, m in masks.items():
+        k = int(m.sum())
+        row[f"n_{sub}"], row[f"loss_{sub}"] = k, float(nll[m].mean()) if k else float("nan")
+    return row
+
+
 def run_loss_sweep(lm, documents: Sequence[tuple[str, Sequence[int]]], spec: LossSweepSpec, store=None,
                    progress: Callable[[int, int], None] | None = None,
-                   describe: Callable[[str], None] | None = None) -> pd.DataFrame:
+                   describe: Callable[[str], None] | None = None, executor=None) -> pd.DataFrame:
     """Run (or resume) the sweep over ``documents`` ((name, token ids) pairs); one row per (document, setting)
     (``ROW_COLUMNS``: ``loss_<subset>`` the document's mean loss in nats on that subset, NaN when it is empty, and
-    ``n_<subset>`` its number of predictions).
+    ``n_<subset>`` its number of predictions), documents in order, settings in order within each.
 
     store: a directory (a ``diskcache.Cache`` is opened there), a mapping-like cache (``get`` and item assignment;
-    values are the float64 bytes of the per-token losses) or None (no memo). progress(done, total) is called after
-    every (document, setting), once its losses are stored, so a progress callback that raises (a cancel) loses
-    nothing finished. describe(text) says what runs next. Raises EmptyDocumentSet, DocumentTooShort,
-    RankOutOfRange, BadSegmentLength or ValueError before running anything.
+    values are the float64 bytes of the per-token losses) or None (no memo). progress(done, total) is called once
+    for the memo's entries and after every computed (document, setting), once its losses are stored, so a progress
+    callback that raises (a cancel) loses nothing finished. describe(text) says which (document, setting) is handed
+    to the executor next. executor: None (``sweep.local_executor(lm)``) or ``gdnviz.cluster``'s; ``lm`` needs only
+    ``info`` when another executor answers. Raises EmptyDocumentSet, DocumentTooShort, RankOutOfRange,
+    BadSegmentLength or ValueError before running anything.
     """
     info = lm.info
     docs = _check(spec, info, documents)
     settings = _settings(spec, info)
     rmax = _rmax(info)
+    execute = executor if executor is not None else local_executor(lm)
+    masks = []
+    for _, ids in docs:
+        m = {"all": np.ones(len(ids) - 1, dtype=bool)}
+        m.update({f"copy_{r}": copy_mask(ids, spec.min_distance, r) for r in COPY_READINGS})
+        masks.append(m)
     st = MemoStore(store)
-    rows, done, total = [], 0, len(docs) * len(settings)
+    rows, todo, total = {}, [], len(docs) * len(settings)  # rows: (doc, slot) -> row
     try:
         for i, (name, ids) in enumerate(docs):
-            masks = {"all": np.ones(len(ids) - 1, dtype=bool)}
-            masks.update({f"copy_{r}": copy_mask(ids, spec.min_distance, r) for r in COPY_READINGS})
-            for s in settings:
+            for j, s in enumerate(settings):
                 key = doc_key(info, ids, s.spec, spec.segment_len)
                 nll = _decode(st.get(key), len(ids) - 1)
-                if describe is not None:
-                    describe(f"document {i + 1}/{len(docs)} '{name}' ({len(ids):,} tokens) · {_label(s, rmax)}"
-                             + (" · from the memo" if nll is not None else ""))
                 if nll is None:
-                    nll = token_nll(lm, ids, segment_len=spec.segment_len, spec=s.spec)
-                    st.set(key, nll.astype("<f8").tobytes())
-                row = dict(doc=i, document=name, n_tokens=len(ids), setting=s.name, r=s.r)
-                for sub, m in masks.items():
-                    k = int(m.sum())
-                    row[f"n_{sub}"], row[f"loss_{sub}"] = k, float(nll[m].mean()) if k else float("nan")
-                rows.append(row)
-                done += 1
-                if progress is not None:
-                    progress(done, total)
+                    todo.append(LossUnit(i, j, key, tuple(ids), s.spec, int(spec.segment_len)))
+                else:
+                    rows[(i, j)] = _row(i, name, len(ids), s, masks[i], nll)
+        done = len(rows)
+        if progress is not None and done:
+            progress(done, total)
+
+        def units():
+            for u in todo:
+                if describe is not None:
+                    name, ids = docs[u.doc]
+                    describe(f"document {u.doc + 1}/{len(docs)} '{name}' ({len(ids):,} tokens) · "
+                             f"{_label(settings[u.slot], rmax)}")
+                yield u
+
+        for u, nll in execute(units()):
+            nll = np.asarray(nll, dtype=np.float64)
+            st.set(u.key, nll.astype("<f8").tobytes())
+            name, ids = docs[u.doc]
+            rows[(u.doc, u.slot)] = _row(u.doc, name, len(ids), settings[u.slot], masks[u.doc], nll)
+            done += 1
+            if progress is not None:
+                progress(done, total)
     finally:
         st.close()
-    df = pd.DataFrame(rows, columns=ROW_COLUMNS)
+    df = pd.DataFrame([rows[k] for k in sorted(rows)], columns=ROW_COLUMNS)
     df["r"] = df["r"].astype("Int64")
     return df
 

@@ -222,10 +222,11 @@ def check_limit(to_run: int, limit: int, what: str, total: int) -> None:
 
 
 def run_scan(lm, spec: ScanSpec, store=None, progress: Callable[[int, int], None] | None = None,
-             describe: Callable[[str], None] | None = None) -> ScanResult:
-    """Run (or resume) a scan. store: a directory, a mapping-like memo, or None. progress / describe: as
-    ``sweep.run_sweep``. Raises UnknownTask, RankOutOfRange, EmptyHeadSet, TaskTooShort, ValueError, and
-    TooManyPrompts (more than ``spec.max_prompts`` answers to generate) before running anything."""
+             describe: Callable[[str], None] | None = None, executor=None) -> ScanResult:
+    """Run (or resume) a scan. store: a directory, a mapping-like memo, or None. progress / describe / executor:
+    as ``sweep.run_sweep`` (``lm`` needs only ``info`` and ``tokenizer`` when another executor answers). Raises
+    UnknownTask, RankOutOfRange, EmptyHeadSet, TaskTooShort, ValueError, and TooManyPrompts (more than
+    ``spec.max_prompts`` answers to generate) before running anything."""
     info = lm.info
     sspec = sweep_spec(spec, info)
     st, close = open_store(store)
@@ -234,7 +235,7 @@ def run_scan(lm, spec: ScanSpec, store=None, progress: Callable[[int, int], None
         check_limit(total - cached, spec.max_prompts, "scan", total)
         memo = Counting(st)
         t0 = time.time()
-        rows = sweep.run_sweep(lm, sspec, store=memo, progress=progress, describe=describe)
+        rows = sweep.run_sweep(lm, sspec, store=memo, progress=progress, describe=describe, executor=executor)
         seconds = time.time() - t0
     finally:
         close()

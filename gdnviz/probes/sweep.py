@@ -327,6 +327,15 @@ class Batch:
     new_tokens: int
     segment_len: int
 
+    @property
+    def size(self) -> int:
+        """Answers in the unit (its samples): what an executor counts per worker."""
+        return len(self.idx)
+
+    def answer(self, lm) -> list[dict]:
+        """``answer_batch(lm, self)``: how every executor answers a unit, on a model that holds the weights."""
+        return answer_batch(lm, self)
+
 
 def answer_batch(lm, b: Batch) -> list[dict]:
     """The results of one batch on ``lm`` (one dict per sample: score, pred, n_tokens, n_generated). A batch of
@@ -348,12 +357,13 @@ def answer_batch(lm, b: Batch) -> list[dict]:
 
 
 def local_executor(lm):
-    """The default executor: each batch answered on ``lm`` in this process, in order, one after another.
-    An executor maps an iterable of ``Batch`` to an iterable of ``(batch, results)`` as they finish (any order);
+    """The default executor: each unit answered on ``lm`` in this process, in order, one after another.
+    An executor maps an iterable of units (``Batch``, ``gdnviz.probes.loss_sweep.LossUnit``: anything with
+    ``answer(lm)`` and ``size``) to an iterable of ``(unit, unit.answer(lm))`` as they finish (any order);
     ``gdnviz.cluster`` has the Dask one."""
-    def execute(batches):
-        for b in batches:
-            yield b, answer_batch(lm, b)
+    def execute(units):
+        for u in units:
+            yield u, u.answer(lm)
     return execute
 
 
