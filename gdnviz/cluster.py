@@ -103,6 +103,13 @@ def _answer_on_worker(key, unit):
     return get_worker().address, unit.answer(lm)
 
 
+def _rows_on_worker(key, n_tokens: int, new_tokens: int) -> int:
+    """Run on each worker: ``auto_batch_size`` of its model (its own device's free memory)."""
+    from gdnviz.probes.batch_size import auto_batch_size
+
+    return auto_batch_size(_MODELS[key], n_tokens, new_tokens)
+
+
 _CLIENTS: dict = {}  # address -> a running Client of this process (a local cluster and its models outlive a sweep)
 
 
@@ -213,6 +220,11 @@ class ClusterExecutor:
         if tok is None:
             raise ClusterError(f"{self.key[0]!r} has no tokenizer this process can load: it builds the prompts")
         return ModelView(self.info, tok)
+
+    def batch_size(self, n_tokens: int, new_tokens: int) -> int:
+        """Rows per batch for a sweep that leaves it open: the smallest ``auto_batch_size`` of the workers, each
+        from its own device's free memory (``CPU_ROWS`` on CPU workers), so a batch fits every worker."""
+        return min(self.client.run(_rows_on_worker, self.key, int(n_tokens), int(new_tokens)).values())
 
     def __call__(self, units):
         from distributed import as_completed

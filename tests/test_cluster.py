@@ -59,6 +59,29 @@ def test_cluster_rows_equal_one_process_and_resume(client, lm, tmp_path):
     assert rows2.to_dict("records") == rows.to_dict("records") and not again.per_worker
 
 
+def test_a_sweep_without_a_batch_size_takes_the_workers_choice(client, lm):
+    """batch_size=None on a cluster: the rows per batch are the executor's ``batch_size`` (the smallest
+    ``auto_batch_size`` its workers choose on their own devices: CPU_ROWS on these CPU workers), not a number fixed
+    in this process."""
+    from gdnviz.probes.batch_size import CPU_ROWS
+
+    ex = cluster.executor(client, "demo", device="cpu", dtype="float32")
+    assert ex.batch_size(1024, 32) == CPU_ROWS
+    sizes = []
+
+    class Recording:  # the cluster executor with a batch size of 2, recording the units it is handed
+        def batch_size(self, n_tokens, new_tokens):
+            return 2
+
+        def __call__(self, units):
+            units = list(units)
+            sizes.extend(len(u.idx) for u in units)
+            return ex(units)
+
+    rows = sweep.run_sweep(ex.model_view(), spec_for(lm, batch_size=None), executor=Recording())
+    assert sizes == [2, 1, 2, 1] and len(rows) == 6  # 3 samples x 2 settings, in batches of the executor's 2
+
+
 def test_refusals(client, monkeypatch):
     with pytest.raises(ClusterError, match="no Dask scheduler answers at 'tcp://127.0.0.1:9'"):
         cluster.connect("tcp://127.0.0.1:9", timeout=2)

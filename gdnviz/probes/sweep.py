@@ -63,7 +63,8 @@ class SweepSpec:
     128 clipped to min(d_k, d_v)); the untouched r = min(d_k, d_v) is always added. n: samples per (task, length),
     seeds ``seed0 .. seed0 + n - 1``. heads: "all", "layers:0,1", "L:H,L:H,..." or a tuple of (layer, head).
     rank_maps: ((name, (((layer, head), r), ...)), ...) extra settings. batch_size: samples per batched forward (None:
-    ``gdnviz.probes.batch_size.auto_batch_size`` per (task, length); 8 when another executor answers).
+    ``gdnviz.probes.batch_size.auto_batch_size`` per (task, length) on the device that answers; on a cluster the
+    smallest its workers choose).
     max_new_tokens: None = RULER's per task.
     chat_template / chat_template_kwargs: as ``ruler.generate`` (kwargs as ((key, value), ...)).
     """
@@ -367,12 +368,16 @@ def local_executor(lm):
     return execute
 
 
-def _auto_size(lm, n_tokens: list, new_tokens: int, local: bool) -> int:
-    """Rows per batch when the spec leaves it open: from this device's free memory for the longest prompt (here),
-    ``CPU_ROWS`` (8) when another executor answers (its devices are not known here)."""
-    if not n_tokens or not local:
+def _auto_size(lm, n_tokens: list, new_tokens: int, executor) -> int:
+    """Rows per batch when the spec leaves it open, for the longest prompt: from this device's free memory (no
+    executor), the executor's ``batch_size(n_tokens, new_tokens)`` where it has one (``gdnviz.cluster``: the
+    smallest its workers choose from their own free memory), else ``CPU_ROWS`` (8)."""
+    if not n_tokens:
         return CPU_ROWS
-    return auto_batch_size(lm, max(n_tokens), new_tokens)
+    if executor is None:
+        return auto_batch_size(lm, max(n_tokens), new_tokens)
+    rows = getattr(executor, "batch_size", None)
+    return int(rows(max(n_tokens), new_tokens)) if rows is not None else CPU_ROWS
 
 
 def run_sweep(lm, spec: SweepSpec, store=None, progress: Callable[[int, int], None] | None = None,
@@ -423,7 +428,7 @@ def run_sweep(lm, spec: SweepSpec, store=None, progress: Callable[[int, int], No
                              + (f"{len(todo)} of {len(smp)} samples to generate" if todo else
                                 f"all {len(smp)} samples from the memo"))
                 size = spec.batch_size or _auto_size(lm, [smp[i].n_tokens for i in todo], _max_new(spec, task),
-                                                     executor is None)
+                                                     executor)
                 for b in range(0, len(todo), size):
                     idx = tuple(todo[b:b + size])
                     yield Batch(task, int(length), setting, idx, tuple(tuple(smp[i].input_ids) for i in idx),
