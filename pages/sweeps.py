@@ -115,6 +115,7 @@ st.subheader("3 · Run")
 form_spec = None
 if not errors:
     from gdnviz.jobs import SweepJob, spec_to_dict, sweep_spec_of
+    from gdnviz.probes.sweep import check_prompt_memory
 
     spec = SweepJob(
         model=model_name, device=device, dtype=dtype, trust_remote_code=trust, tasks=tuple(tasks),
@@ -124,8 +125,9 @@ if not errors:
         batch_size=C.batch_value(st.session_state["sw_batch"]), max_new_tokens=int(st.session_state["sw_max_new"]),
         chat_template=chat, fingerprint=str(info.get("fingerprint") or ""), max_tokens=token_limit)
     try:
+        sspec = sweep_spec_of(spec)
+        check_prompt_memory(sspec)  # before the preview builds any prompt
         with st.spinner("Counting the answers in the memo…"):
-            sspec = sweep_spec_of(spec)
             st.caption(S.plan_text(C.sweep_plan(info, sspec), sspec, rmax) + " · "
                        + C.batch_phrase(st.session_state["sw_batch"])
                        + (f". {S.noise_note(sspec.n)}" if S.noise_note(sspec.n) else ""))

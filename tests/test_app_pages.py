@@ -1523,3 +1523,19 @@ def test_head_page_what_this_state_holds_computes_in_the_worker_and_refuses_bad_
     assert any("position 1000000 is outside the document" in e and f"1..{T}" in e for e in errs), errs
     at.number_input(key="holds_pos").set_value(0).run()  # back: the stored result, without recomputing
     assert "Rewrite rate between boundaries" in chart_titles(at) and work(cache) == 0
+
+
+def test_sweep_whose_prompts_cannot_fit_in_memory_is_refused_on_the_page(env, populated):
+    """Every task at 20 lengths near the token limit, n = 10,000: the page says the prompts would not fit in the
+    memory available (before building any) and offers no Run."""
+    cache, run = populated
+    env(cache)
+    at = app("sweeps", run=run)
+    at.run()
+    at.multiselect(key="sw_tasks").set_value(["niah_single_1", "vt", "cwe"])
+    at.text_input(key="sw_lengths").input(", ".join(str(32_768 - i) for i in range(20)))
+    at.number_input(key="sw_n").set_value(10_000).run()
+    assert not at.exception
+    errs = texts(at, "error")
+    assert any("would not fit in memory" in e and "n = 10,000" in e for e in errs), errs
+    assert at.button(key="sw_run").proto.disabled

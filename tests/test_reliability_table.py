@@ -39,10 +39,12 @@ def _checkpoint(root: Path, damage=None) -> Path:
 
 def _cases(root: Path):
     """(bad input, where it is checked, callable that must raise, expected error type, words the message has)."""
+    from gdnviz.jobs import SweepJob, run_sweep_job
     from gdnviz.models import inspect_model, load
     from gdnviz.runner import check_segment_len
     from gdnviz.truncation import check_rank
     from gdnviz.probes import ruler
+    from gdnviz.probes.sweep import SweepSpec, check_prompt_memory
     from gdnviz.ui.sweeps import parse_lengths
 
     def cfg(text):
@@ -91,6 +93,13 @@ def _cases(root: Path):
          "rank 17 is outside 1..16"),
         ("sweep lengths '1024, x'", "ui.sweeps.parse_lengths", lambda: parse_lengths("1024, x"), ValueError, "'x'"),
         ("sweep lengths '0'", "ui.sweeps.parse_lengths", lambda: parse_lengths("0"), ValueError, "0 is not"),
+        ("sweep job: length 99,999,999 (token limit 32,768)", "jobs.run_sweep_job",
+         lambda: run_sweep_job(SweepJob(model="demo", tasks=("vt",), lengths=(1024, 99_999_999)), None),
+         E.DocumentTooLong, "length 99,999,999 is over the token limit of 32,768"),
+        ("sweep: n = 10,000 × 6 tasks × 20 lengths near 32K (64 GiB available)", "probes.sweep.check_prompt_memory",
+         lambda: check_prompt_memory(SweepSpec(model="m", tasks=ruler.TASK_NAMES, n=10_000,
+                                               lengths=tuple(32_768 - i for i in range(20))), available=64 << 30),
+         E.TooManyPrompts, "n = 10,000 samples × 6 task(s) × 20 length(s)"),
         ("RULER task 'needle'", "probes.ruler.generate", lambda: ruler.generate("needle", None, 100, 0),
          E.UnknownTask, "'needle'"),
         ("model 'nobody/nothing'", "models.resolve", lambda: inspect_model("nobody/nothing"), E.ModelNotFound,
