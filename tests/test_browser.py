@@ -44,7 +44,8 @@ def _free_port() -> int:
 
 @contextmanager
 def streamlit_server(cache: Path, default_model: str):
-    """``streamlit run app.py`` on a free port of 127.0.0.1 with ``cache`` as its store; yields its base URL."""
+    """``streamlit run app.py`` on a free port of 127.0.0.1 with ``cache`` as its store; yields its base URL. Its
+    log and pid are in ``cache``/streamlit.log and streamlit.pid."""
     port = _free_port()
     env = dict(os.environ, GDNVIZ_DEFAULT_MODEL=default_model, GDNVIZ_CACHE_DIR=str(cache), PYTHONPATH=str(ROOT))
     for k in ("GDNVIZ_NO_WORKER", "GDNVIZ_TEST_OOM", "GDNVIZ_TEST_CRASH", "GDNVIZ_TEST_JOB_DELAY",
@@ -55,6 +56,7 @@ def streamlit_server(cache: Path, default_model: str):
         [sys.executable, "-m", "streamlit", "run", "app.py", "--server.address", "127.0.0.1", "--server.port",
          str(port), "--server.headless", "true", "--browser.gatherUsageStats", "false",
          "--server.fileWatcherType", "none"], cwd=str(ROOT), env=env, stdout=log, stderr=subprocess.STDOUT)
+    (cache / "streamlit.pid").write_text(str(proc.pid))
     base = f"http://127.0.0.1:{port}"
     t0 = time.time()
     while True:

@@ -1,6 +1,6 @@
 """docs/reliability.md, generated: every bad input tried here is refused with its own gdnviz error and a message
-that names the bad value; the store-fuzz, kill-under-load, crash-point and cross-session cases and the tests that
-cover them (the kill and crash-point tests' counts are read from the records they write).
+that names the bad value; the store-fuzz, kill-under-load, crash-point, large-upload and cross-session cases and
+the tests that cover them (the kill and crash-point tests' counts are read from the records they write).
 
 ``test_reliability_table_is_current`` fails when the file differs from what this module generates;
 ``python tests/test_reliability_table.py`` rewrites it. Each row is run, not written down: a case whose error or
@@ -9,6 +9,7 @@ message changes fails here first.
 from __future__ import annotations
 
 import json
+import re
 import sys
 from pathlib import Path
 
@@ -241,7 +242,16 @@ def render(rows) -> str:
             for k, (area, _p) in KINDS.items()]
     out += _kill_section()
     out += _crash_points_section()
+    bound = re.search(r"^REFUSED_PEAK_MIB = (\d+)", (HERE / "test_large_upload.py").read_text(), re.M).group(1)
     out += ["",
+            "## A 45 MB upload: refused by its size, the server's memory bounded",
+            "",
+            "`tests/test_large_upload.py` (markers `browser`, `slow`) uploads 45,000,000 bytes of UTF-8 prose to a "
+            "real `streamlit run` in Chromium. At the default token limit the file is refused by its size before "
+            f"it is decoded, and the server's peak resident memory grows by less than {bound} MiB (asserted). "
+            "With the limit raised so that it is accepted, it is decoded and tokenised once and later reruns do not "
+            "tokenise it again; that case's time and memory are measured, not bounded (docs/ui-speed.md).",
+            "",
             "## Sessions: cross-session leaks 0",
             "",
             "- `tests/test_app_pages.py::test_a_new_session_is_shown_no_other_sessions_run` (6 pages): a new session "
