@@ -6,6 +6,7 @@ same code the worker runs). Chart clicks are injected through ``at.session_state
 from __future__ import annotations
 
 import io
+import os
 import subprocess
 import sys
 import time
@@ -639,7 +640,8 @@ def test_run_zip(env, populated):
 # --- uipolish: the run zip holds the run's jobs, a README and redraw.py -----------------------------------------
 def test_run_zip_holds_the_runs_truncations_sweeps_and_loss_with_a_readme_and_a_redraw_script(env, tmp_path):
     """A real run on the demo model with a truncation, a sweep and a loss run on it, and a sweep at another L
-    (not this run's): the zip holds the three, as the job results say, and redraw.py runs on the unzipped files."""
+    (not this run's): the zip holds the three, as the job results say, redraw.py runs on the unzipped files and
+    reload_with_gdnviz.py reopens the run with the library."""
     import json
 
     import pandas as pd
@@ -703,6 +705,17 @@ def test_run_zip_holds_the_runs_truncations_sweeps_and_loss_with_a_readme_and_a_
     html = (out / "redrawn_erank_vs_horizon.html").read_text()
     assert "effective rank vs decay horizon" in html and "erank_min" in html
     assert (out / f"redrawn_sweep_{ids['sweep']}.html").exists()
+    # reload_with_gdnviz.py reopens the run itself with the library, from the cache it was made in
+    from gdnviz.summary import document_set_table, overview
+
+    assert "reload_with_gdnviz.py" in readme
+    done = subprocess.run([sys.executable, "reload_with_gdnviz.py"], cwd=out, capture_output=True, text=True,
+                          timeout=300, env=dict(os.environ, PYTHONPATH=str(ROOT)))
+    assert done.returncode == 0, done.stderr
+    table = document_set_table(jobs.load_run_captures(store, run))
+    rho = overview(table, L)["spearman_erank_horizon"]
+    assert f"run {run['run_id']}: 2 document(s), {len(table)} heads, Spearman rho(erank, horizon) = {rho:.4f}" \
+        in done.stdout, done.stdout
 # --- end uipolish ---------------------------------------------------------------------------------------------
 
 
