@@ -188,6 +188,8 @@ if rec is not None and rec["status"] == "done":
     st.markdown("**Score per task, length and r** — RULER string match (%), and in brackets the change vs the "
                 "untouched model ± its paired standard error over the same samples (points)")
     st.dataframe(S.seed000_table(tab, int(res["rmax"])), hide_index=True, width="stretch")
+    if S.prompt_length_note(rows):
+        st.caption(S.prompt_length_note(rows))
     maps_tab = S.rank_map_table(tab)
     if maps_tab is not None:
         st.markdown("**Per-head rank maps** — score (%) with each map, and in brackets the change vs the untouched "

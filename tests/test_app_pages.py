@@ -1118,6 +1118,10 @@ def test_sweeps_run_through_the_worker_shows_the_table_and_figure(env, populated
     assert any("The untouched model scores 0 on niah_single_1 at 400 tokens" in w
                for w in texts(at, "warning")) == floor
     assert chart_titles(at) == [f"{Path(str(res['model_name'])).name}: RULER score vs rank"]
+    sizes = sorted({r["n_tokens"] for r in res["rows"]})  # the target is 400: the page says what the prompts are
+    span = f"{sizes[0]:,}" if len(sizes) == 1 else f"{sizes[0]:,}–{sizes[-1]:,}"
+    assert any(c.startswith("Lengths are targets") and f"at length 400 the prompts have {span} tokens (2 prompts)" in c
+               for c in texts(at, "caption")), texts(at, "caption")
     import json
 
     spec = json.loads(charts(at)[0].proto.spec)

@@ -183,6 +183,22 @@ def done_text(cached: int | None, answers: int) -> str:
     return f"{cached:,} of {answers:,} already done (in the memo)" if cached else "none in the memo yet"
 
 
+def prompt_length_note(rows: pd.DataFrame) -> str | None:
+    """Lengths are targets: per target length, the real prompt token counts (``n_tokens``) over its distinct
+    samples (task, seed), as "873–901 tokens (3 prompts)"; None when the rows carry no counts."""
+    if rows is None or "n_tokens" not in rows or not len(rows):
+        return None
+    per = rows.drop_duplicates(["task", "length", "seed"]).groupby("length")["n_tokens"]
+    parts = []
+    for i, (L, g) in enumerate(per):
+        lo, hi, k = int(g.min()), int(g.max()), len(g)
+        span = f"{lo:,}" if lo == hi else f"{lo:,}–{hi:,}"
+        what = f"{span} tokens ({k} prompt{'' if k == 1 else 's'})"
+        parts.append(f"at length {int(L):,} the prompts have {what}" if i == 0 else f"at {int(L):,}: {what}")
+    return ("Lengths are targets: each sample is the largest whose prompt plus the task's answer budget fits in "
+            "the length, so its prompt is shorter; " + "; ".join(parts) + ".")
+
+
 def noise_note(n: int) -> str | None:
     """Seed 000's warning for small n (None from n = 50 on): what one changed answer does to a 0/100 score."""
     if n >= 50:
