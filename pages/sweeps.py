@@ -65,17 +65,14 @@ seed0, chat = int(st.session_state["sw_seed0"]), ("auto" if st.session_state["sw
 if not tasks:
     errors.append("No tasks chosen: pick at least one RULER task.")
 lengths, ranks = [], []
-from gdnviz.documents import max_tokens_default  # noqa: E402
-
-token_limit = int(st.session_state.get("max_tokens") or max_tokens_default())
+token_limit = C.token_limit()
 try:
     lengths = S.parse_lengths(st.session_state["sw_lengths"])
 except ValueError as e:
     errors.append(str(e))
-too_long = [L for L in lengths if L > token_limit]
+too_long = S.token_limit_error(lengths, token_limit)
 if too_long:  # before any prompt is built: a 99,999,999-token haystack would take minutes and the worker's memory
-    errors.append(f"Length {max(too_long):,} is over the token limit of {token_limit:,} tokens (set on the Model & "
-                  "documents page): lower it, or raise the limit there if the GPU has the memory.")
+    errors.append(too_long)
     lengths = [L for L in lengths if L <= token_limit]
 try:
     ranks = S.parse_ranks(st.session_state["sw_ranks"], rmax)

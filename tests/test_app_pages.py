@@ -1556,3 +1556,41 @@ def test_sweep_whose_prompts_cannot_fit_in_memory_is_refused_on_the_page(env, po
     errs = texts(at, "error")
     assert any("would not fit in memory" in e and "n = 10,000" in e for e in errs), errs
     assert at.button(key="sw_run").proto.disabled
+
+
+def test_scan_and_budget_lengths_over_the_token_limit_are_refused_before_any_prompt(env, populated, monkeypatch):
+    """Head scans & budgets: a scan length or a budget length over the token limit is refused on the page with the
+    sweeps' message, before a prompt of it is built (a 99,999,999-token haystack would take minutes and the
+    server's memory), and neither Run is offered."""
+    from gdnviz.probes import ruler
+
+    real = ruler.generate_many
+
+    def guarded(task, tok, target_len, *a, **kw):
+        assert target_len <= 32_768, f"a {target_len:,}-token prompt was built"
+        return real(task, tok, target_len, *a, **kw)
+
+    monkeypatch.setattr(ruler, "generate_many", guarded)
+    cache, run = populated
+    env(cache)
+    at = app("scans", run=run)
+    at.run()
+    at.number_input(key="sc_length").set_value(99_999_999)
+    at.text_input(key="bg_lengths").input("1024, 99999999").run()
+    assert not at.exception, [e.proto for e in at.exception]
+    errs = texts(at, "error")
+    assert sum("Length 99,999,999 is over the token limit of 32,768 tokens" in e for e in errs) == 2, errs
+    assert at.button(key="sc_run").proto.disabled and at.button(key="bg_run").proto.disabled
+
+
+def test_scan_and_budget_jobs_over_their_token_limit_fail_before_building_prompts(env, tmp_path, tiny_checkpoint):
+    cache = env(tmp_path / "c")
+    store = Store(cache)
+    ids = [store.submit(k, jobs.spec_to_dict(j)) for k, j in (
+        ("scan", jobs.ScanJob(model=str(tiny_checkpoint), task="niah_single_1", length=99_999_999, n=1)),
+        ("budget", jobs.BudgetJob(model=str(tiny_checkpoint), tasks=("vt",), lengths=(1024, 99_999_999), n=2)))]
+    work(cache)
+    for jid in ids:
+        rec = store.job(jid)
+        assert rec["status"] == "failed" and rec["error_type"] == "DocumentTooLong", rec
+        assert "length 99,999,999 is over the token limit of 32,768 tokens" in rec["error"]

@@ -40,7 +40,7 @@ def _checkpoint(root: Path, damage=None) -> Path:
 
 def _cases(root: Path):
     """(bad input, where it is checked, callable that must raise, expected error type, words the message has)."""
-    from gdnviz.jobs import SweepJob, run_sweep_job
+    from gdnviz.jobs import ScanJob, SweepJob, run_scan_job, run_sweep_job
     from gdnviz.models import inspect_model, load
     from gdnviz.runner import check_segment_len
     from gdnviz.truncation import check_rank
@@ -97,6 +97,9 @@ def _cases(root: Path):
         ("sweep job: length 99,999,999 (token limit 32,768)", "jobs.run_sweep_job",
          lambda: run_sweep_job(SweepJob(model="demo", tasks=("vt",), lengths=(1024, 99_999_999)), None),
          E.DocumentTooLong, "length 99,999,999 is over the token limit of 32,768"),
+        ("scan job: length 99,999,999 (token limit 32,768)", "jobs.run_scan_job",
+         lambda: run_scan_job(ScanJob(model="demo", task="vt", length=99_999_999), None),
+         E.DocumentTooLong, "Scan length 99,999,999 is over the token limit of 32,768"),
         ("sweep: n = 10,000 × 6 tasks × 20 lengths near 32K (64 GiB available)", "probes.sweep.check_prompt_memory",
          lambda: check_prompt_memory(SweepSpec(model="m", tasks=ruler.TASK_NAMES, n=10_000,
                                                lengths=tuple(32_768 - i for i in range(20))), available=64 << 30),

@@ -69,6 +69,16 @@ def parse_lengths(text: str) -> list[int]:
     return sorted(set(lengths))
 
 
+def token_limit_error(lengths, limit: int) -> str | None:
+    """The message for the longest of ``lengths`` over the per-document token limit (set on the Model & documents
+    page), None when all fit: checked before any prompt of those lengths is built."""
+    over = [int(L) for L in lengths if int(L) > int(limit)]
+    if not over:
+        return None
+    return (f"Length {max(over):,} is over the token limit of {int(limit):,} tokens (set on the Model & documents "
+            "page): lower it, or raise the limit there if the GPU has the memory.")
+
+
 def task_minimum(task: str, tokenizer, seed0: int = 0, chat_template="auto") -> int:
     """The shortest target length (tokens) at which ``task`` fits with this tokenizer: what ``TaskTooShort``
     reports for an impossible target (the template, the smallest haystack and the tokens to generate)."""
