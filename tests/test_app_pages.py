@@ -1528,6 +1528,10 @@ def test_head_page_what_this_state_holds_computes_in_the_worker_and_refuses_bad_
     assert "%" in metrics["From beyond 64 tokens"] and float(metrics["‖S_old‖ / ‖S‖"]) >= 0
     top = at.dataframe[-1].value
     assert list(top["rank"]) == list(range(1, 13)) and (top["norm"].diff().dropna() <= 0).all()
+    # exported like every other figure: PNG, SVG and the CSV of the contributions / the rewrite rates
+    buttons = {b.key: b.proto.label for b in at.get("download_button")}
+    assert all(buttons.get(f"ch_holds_{f}_{x}") == x.upper() for f in ("along", "dirs", "rewrite")
+               for x in ("png", "svg", "csv")), buttons
     # the same head at another position: not computed, nothing of the other result shown
     at.number_input(key="holds_pos").set_value(128).run()
     assert any("Not computed yet" in i and "after 128 of" in i for i in texts(at, "info"))
