@@ -190,8 +190,9 @@ except ValueError as e:
     berrors.append(str(e))
 if not tasks:
     berrors.append("No tasks chosen: pick at least one RULER task.")
-if SW.token_limit_error(lengths, token_limit):
-    berrors.append(SW.token_limit_error(lengths, token_limit))
+too_long = SW.token_limit_error(lengths, token_limit)
+if too_long:
+    berrors.append(too_long)
 bplan = budget_form = None
 if not berrors:
     budget_form = spec_to_dict(BudgetJob(
