@@ -97,7 +97,8 @@ class TooFewSamples(GDNVizError):
 
 
 class TooManyPrompts(GDNVizError):
-    """A scan or budget would generate more answers than the limit set for it; nothing was run."""
+    """A scan or budget would generate more answers than the limit set for it, or a sweep's prompts would not fit
+    in memory; nothing was run."""
 
 
 # --- running -------------------------------------------------------------------------------------

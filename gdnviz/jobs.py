@@ -191,7 +191,7 @@ class ScanJob:
     """A head sensitivity scan (``gdnviz.probes.scan.ScanSpec``): ``task`` at ``length`` tokens, ``n`` samples, one
     ``by`` ("layer" | "head") unit cut to ``r`` at a time (or, with ``keep``, kept whole with every other head at
     r); ``layers`` = () for every GDN layer. max_new_tokens: 0 = RULER's per task. max_prompts: the most new
-    answers it may generate (TooManyPrompts otherwise, before running)."""
+    answers it may generate (TooManyPrompts otherwise, before running). max_tokens: as ``SweepJob``'s."""
 
     kind: ClassVar[str] = "scan"
     model: str
@@ -213,6 +213,7 @@ class ScanJob:
     dtype: str = "auto"
     device_map: str = ""
     trust_remote_code: bool = False
+    max_tokens: int = 32768
 
 
 @dataclass(frozen=True)
@@ -220,7 +221,7 @@ class BudgetJob:
     """A per-head rank budget (``gdnviz.probes.budget.BudgetSpec``) at each of ``tolerances`` (points; the first is
     the budget, the others add points to the score-vs-memory curve). ladder: () = 32, 12, 4, 1 below
     min(d_k, d_v). n_heldout: -1 = n, 0 = no held-out check.
-    max_prompts: per tolerance."""
+    max_prompts: per tolerance. max_tokens: as ``SweepJob``'s."""
 
     kind: ClassVar[str] = "budget"
     model: str
@@ -242,6 +243,7 @@ class BudgetJob:
     dtype: str = "auto"
     device_map: str = ""
     trust_remote_code: bool = False
+    max_tokens: int = 32768
 
 
 @dataclass(frozen=True)
@@ -762,13 +764,18 @@ def sweep_spec_of(spec: SweepJob):
         fingerprint=spec.fingerprint or None)
 
 
+def check_lengths(what: str, lengths, max_tokens: int) -> None:
+    """DocumentTooLong for the first of a job's RULER ``lengths`` over ``max_tokens``, before any prompt is built."""
+    for L in lengths:
+        if int(L) > int(max_tokens):
+            raise DocumentTooLong(f"{what} length {int(L):,} is over the token limit of {int(max_tokens):,} "
+                                  "tokens: lower it, or raise the token limit.")
+
+
 def run_sweep_job(spec: SweepJob, ctx: JobContext) -> dict:
     from gdnviz.probes import sweep
 
-    for L in spec.lengths:
-        if int(L) > int(spec.max_tokens):
-            raise DocumentTooLong(f"Sweep length {int(L):,} is over the token limit of {int(spec.max_tokens):,} "
-                                  "tokens: lower it, or raise the token limit.")
+    check_lengths("Sweep", spec.lengths, spec.max_tokens)
     lm, ex, workers = _model_or_cluster(spec, ctx, "sweep")
     info = lm.info
     sspec = sweep_spec_of(spec)
@@ -817,6 +824,7 @@ def scan_spec_of(spec: ScanJob):
 def run_scan_job(spec: ScanJob, ctx: JobContext) -> dict:
     from gdnviz.probes import scan, sweep
 
+    check_lengths("Scan", (spec.length,), spec.max_tokens)
     lm, ex, workers = _model_or_cluster(spec, ctx, "scan")
     info = lm.info
     sspec = scan_spec_of(spec)
@@ -841,6 +849,7 @@ def run_scan_job(spec: ScanJob, ctx: JobContext) -> dict:
 def run_budget_job(spec: BudgetJob, ctx: JobContext) -> dict:
     from gdnviz.probes import budget, sweep
 
+    check_lengths("Budget", spec.lengths, spec.max_tokens)
     if not spec.tolerances:
         raise GDNVizError("no tolerance given: set δ (points), e.g. 1")
     lm, ex, workers = _model_or_cluster(spec, ctx, "budget")

@@ -11,7 +11,9 @@ of the zip as {path in the zip: bytes}:
 - ``sweeps/<id>/table.csv | rows.csv | settings.json``, ``scans/<id>/…``, ``loss/<id>/…``,
   ``budgets/<id>/summary.json | curve.csv``;
 - ``README.txt`` (every file, its columns and units) and ``redraw.py`` (pandas + altair, run in the unzipped
-  folder or pasted into a notebook).
+  folder or pasted into a notebook);
+- ``reload_with_gdnviz.py``: a notebook snippet that reopens the run's stored captures with the library, from the
+  cache folder the run was made in (``reload_py``).
 """
 from __future__ import annotations
 
@@ -20,7 +22,7 @@ import time
 
 import pandas as pd
 
-__all__ = ["job_records", "run_files", "REDRAW_PY"]
+__all__ = ["job_records", "run_files", "reload_py", "REDRAW_PY"]
 
 KINDS = ("truncate", "sweep", "scan", "budget", "loss")
 
@@ -130,7 +132,34 @@ def run_files(store, run: dict) -> dict[str, bytes]:
         out["truncations.csv"] = _csv(pd.DataFrame(trunc))
     out["README.txt"] = readme(run, {r["kind"] for r in recs}).encode()
     out["redraw.py"] = REDRAW_PY.encode()
+    out["reload_with_gdnviz.py"] = reload_py(run, store.dir).encode()
     return out
+
+
+def reload_py(run: dict, cache_dir) -> str:
+    """A notebook snippet that reopens ``run`` with the gdnviz library from ``cache_dir`` (the store it is in): its
+    CaptureResults, the head table over its documents and the overview numbers."""
+    return f'''"""Reopen gdnviz run {run['run_id']} with the gdnviz library (a notebook cell, or `python reload_with_gdnviz.py`
+with gdnviz importable): the stored captures, i.e. every GDN head's state spectra at every segment boundary of each
+document, from the cache folder the run was made in. Change CACHE if that folder moved; to recompute the run
+elsewhere, capture the same documents with `gdnviz.capture.capture_document` (README of gdnviz, "The library")."""
+from gdnviz import summary
+from gdnviz.jobs import load_run_captures
+from gdnviz.store import Store
+
+CACHE = {str(cache_dir)!r}
+RUN_ID = {run['run_id']!r}
+
+store = Store(CACHE)
+run = store.run(RUN_ID)
+if run is None:
+    raise SystemExit(f"run {{RUN_ID}} is not in {{CACHE}}: set CACHE to the folder the app stored it in")
+captures = load_run_captures(store, run)  # one gdnviz.capture.CaptureResult per document, in run order
+table = summary.document_set_table(captures)  # per head: each statistic's median, min and max over documents
+overview = summary.overview(table, run["segment_len"])
+print(f"run {{RUN_ID}}: {{len(captures)}} document(s), {{len(table)}} heads, "
+      f"Spearman rho(erank, horizon) = {{overview['spearman_erank_horizon']:.4f}}")
+'''
 
 
 def readme(run: dict, kinds: set) -> str:
@@ -160,6 +189,8 @@ jobs.csv               the jobs below, one row each: id, kind, finished, label, 
 redraw.py              reloads these files with pandas and redraws the main figure (effective rank vs decay
                        horizon per head) and, when there are sweeps, score vs r: `python redraw.py` in the unzipped
                        folder (writes redrawn_*.html), or paste it into a notebook cell.
+reload_with_gdnviz.py  reopens the run itself with the gdnviz library (its captures, the head table, the overview)
+                       from the cache folder it was made in (CACHE at its top): a notebook cell.
 """]
     if not kinds:
         parts.append("No truncation, sweep, scan, budget or loss run of this model at this L is in the cache yet.\n")

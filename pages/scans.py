@@ -67,6 +67,10 @@ with st.expander("More settings"):
     c[0].number_input("First seed", min_value=0, step=1, key="sc_seed0")
     c[1].number_input("New tokens (0 = the task's own)", min_value=0, max_value=4096, step=8, key="sc_max_new")
 errors = []
+token_limit = C.token_limit()
+too_long = SW.token_limit_error([st.session_state["sc_length"]], token_limit)
+if too_long:  # before its prompts are built (the preview builds them)
+    errors.append(too_long)
 sspec = scan.ScanSpec(model=model_name, task=st.session_state["sc_task"], length=int(st.session_state["sc_length"]),
                       r=int(st.session_state["sc_r"]), by=st.session_state["sc_by"],
                       keep=bool(st.session_state["sc_keep"]),
@@ -76,11 +80,12 @@ sspec = scan.ScanSpec(model=model_name, task=st.session_state["sc_task"], length
                       max_new_tokens=int(st.session_state["sc_max_new"]) or None,
                       max_prompts=int(st.session_state["sc_limit"]))
 plan = None
-try:
-    with st.spinner("Counting the answers in the memo…"):
-        plan = scan.plan_scan(ns, tok, sspec, memo, samples=C.sweep_samples(info))
-except (GDNVizError, ValueError) as e:
-    errors.append(str(e))
+if not errors:
+    try:
+        with st.spinner("Counting the answers in the memo…"):
+            plan = scan.plan_scan(ns, tok, sspec, memo, samples=C.sweep_samples(info))
+    except (GDNVizError, ValueError) as e:
+        errors.append(str(e))
 if plan is not None:
     st.caption(S.scan_plan_text(plan, sspec.n) + (f". {SW.noise_note(sspec.n)}" if SW.noise_note(sspec.n) else ""))
     lim = S.over_limit(plan["to_run"], sspec.max_prompts, "scan")
@@ -93,7 +98,7 @@ scan_form = spec_to_dict(ScanJob(
     r=sspec.r, by=sspec.by,
     keep=sspec.keep, layers=tuple(sspec.layers or ()), n=sspec.n, seed0=sspec.seed0, segment_len=L,
     batch_size=sspec.batch_size, max_new_tokens=int(st.session_state["sc_max_new"]), max_prompts=sspec.max_prompts,
-    fingerprint=fp))
+    fingerprint=fp, max_tokens=token_limit))
 running = C.job_active(st.session_state.get("scan_job"))
 if st.button("Run the scan", type="primary", key="sc_run", icon=":material/play_arrow:",
              disabled=bool(errors) or running, help="one scan at a time" if running else None) and not errors:
@@ -185,6 +190,9 @@ except ValueError as e:
     berrors.append(str(e))
 if not tasks:
     berrors.append("No tasks chosen: pick at least one RULER task.")
+too_long = SW.token_limit_error(lengths, token_limit)
+if too_long:
+    berrors.append(too_long)
 bplan = budget_form = None
 if not berrors:
     budget_form = spec_to_dict(BudgetJob(
@@ -192,7 +200,7 @@ if not berrors:
         lengths=tuple(lengths),
         n=int(st.session_state["bg_n"]), tolerances=tuple(tols), ladder=tuple(ladder), segment_len=L,
         max_new_tokens=int(st.session_state["bg_max_new"]), max_prompts=int(st.session_state["bg_limit"]),
-        fingerprint=fp))
+        fingerprint=fp, max_tokens=token_limit))
     bspec = budget.BudgetSpec(model=model_name, tasks=tuple(tasks), lengths=tuple(lengths),
                               n=int(st.session_state["bg_n"]), tolerance=tols[0], ladder=tuple(ladder), segment_len=L,
                               max_new_tokens=int(st.session_state["bg_max_new"]) or None,

@@ -65,17 +65,14 @@ seed0, chat = int(st.session_state["sw_seed0"]), ("auto" if st.session_state["sw
 if not tasks:
     errors.append("No tasks chosen: pick at least one RULER task.")
 lengths, ranks = [], []
-from gdnviz.documents import max_tokens_default  # noqa: E402
-
-token_limit = int(st.session_state.get("max_tokens") or max_tokens_default())
+token_limit = C.token_limit()
 try:
     lengths = S.parse_lengths(st.session_state["sw_lengths"])
 except ValueError as e:
     errors.append(str(e))
-too_long = [L for L in lengths if L > token_limit]
+too_long = S.token_limit_error(lengths, token_limit)
 if too_long:  # before any prompt is built: a 99,999,999-token haystack would take minutes and the worker's memory
-    errors.append(f"Length {max(too_long):,} is over the token limit of {token_limit:,} tokens (set on the Model & "
-                  "documents page): lower it, or raise the limit there if the GPU has the memory.")
+    errors.append(too_long)
     lengths = [L for L in lengths if L <= token_limit]
 try:
     ranks = S.parse_ranks(st.session_state["sw_ranks"], rmax)
@@ -115,6 +112,7 @@ st.subheader("3 · Run")
 form_spec = None
 if not errors:
     from gdnviz.jobs import SweepJob, spec_to_dict, sweep_spec_of
+    from gdnviz.probes.sweep import check_prompt_memory
 
     spec = SweepJob(
         model=model_name, device=device, dtype=dtype, trust_remote_code=trust, tasks=tuple(tasks),
@@ -124,8 +122,9 @@ if not errors:
         batch_size=C.batch_value(st.session_state["sw_batch"]), max_new_tokens=int(st.session_state["sw_max_new"]),
         chat_template=chat, fingerprint=str(info.get("fingerprint") or ""), max_tokens=token_limit)
     try:
+        sspec = sweep_spec_of(spec)
+        check_prompt_memory(sspec)  # before the preview builds any prompt
         with st.spinner("Counting the answers in the memo…"):
-            sspec = sweep_spec_of(spec)
             st.caption(S.plan_text(C.sweep_plan(info, sspec), sspec, rmax) + " · "
                        + C.batch_phrase(st.session_state["sw_batch"])
                        + (f". {S.noise_note(sspec.n)}" if S.noise_note(sspec.n) else ""))
@@ -186,6 +185,8 @@ if rec is not None and rec["status"] == "done":
     st.markdown("**Score per task, length and r** — RULER string match (%), and in brackets the change vs the "
                 "untouched model ± its paired standard error over the same samples (points)")
     st.dataframe(S.seed000_table(tab, int(res["rmax"])), hide_index=True, width="stretch")
+    if S.prompt_length_note(rows):
+        st.caption(S.prompt_length_note(rows))
     maps_tab = S.rank_map_table(tab)
     if maps_tab is not None:
         st.markdown("**Per-head rank maps** — score (%) with each map, and in brackets the change vs the untouched "

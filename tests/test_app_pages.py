@@ -6,6 +6,7 @@ same code the worker runs). Chart clicks are injected through ``at.session_state
 from __future__ import annotations
 
 import io
+import os
 import subprocess
 import sys
 import time
@@ -639,7 +640,8 @@ def test_run_zip(env, populated):
 # --- uipolish: the run zip holds the run's jobs, a README and redraw.py -----------------------------------------
 def test_run_zip_holds_the_runs_truncations_sweeps_and_loss_with_a_readme_and_a_redraw_script(env, tmp_path):
     """A real run on the demo model with a truncation, a sweep and a loss run on it, and a sweep at another L
-    (not this run's): the zip holds the three, as the job results say, and redraw.py runs on the unzipped files."""
+    (not this run's): the zip holds the three, as the job results say, redraw.py runs on the unzipped files and
+    reload_with_gdnviz.py reopens the run with the library."""
     import json
 
     import pandas as pd
@@ -703,6 +705,17 @@ def test_run_zip_holds_the_runs_truncations_sweeps_and_loss_with_a_readme_and_a_
     html = (out / "redrawn_erank_vs_horizon.html").read_text()
     assert "effective rank vs decay horizon" in html and "erank_min" in html
     assert (out / f"redrawn_sweep_{ids['sweep']}.html").exists()
+    # reload_with_gdnviz.py reopens the run itself with the library, from the cache it was made in
+    from gdnviz.summary import document_set_table, overview
+
+    assert "reload_with_gdnviz.py" in readme
+    done = subprocess.run([sys.executable, "reload_with_gdnviz.py"], cwd=out, capture_output=True, text=True,
+                          timeout=300, env=dict(os.environ, PYTHONPATH=str(ROOT)))
+    assert done.returncode == 0, done.stderr
+    table = document_set_table(jobs.load_run_captures(store, run))
+    rho = overview(table, L)["spearman_erank_horizon"]
+    assert f"run {run['run_id']}: 2 document(s), {len(table)} heads, Spearman rho(erank, horizon) = {rho:.4f}" \
+        in done.stdout, done.stdout
 # --- end uipolish ---------------------------------------------------------------------------------------------
 
 
@@ -1222,6 +1235,10 @@ def test_sweeps_run_through_the_worker_shows_the_table_and_figure(env, populated
     assert any("The untouched model scores 0 on niah_single_1 at 400 tokens" in w
                for w in texts(at, "warning")) == floor
     assert chart_titles(at) == [f"{Path(str(res['model_name'])).name}: RULER score vs rank"]
+    sizes = sorted({r["n_tokens"] for r in res["rows"]})  # the target is 400: the page says what the prompts are
+    span = f"{sizes[0]:,}" if len(sizes) == 1 else f"{sizes[0]:,}–{sizes[-1]:,}"
+    assert any(c.startswith("Lengths are targets") and f"at length 400 the prompts have {span} tokens (2 prompts)" in c
+               for c in texts(at, "caption")), texts(at, "caption")
     import json
 
     spec = json.loads(charts(at)[0].proto.spec)
@@ -1628,6 +1645,10 @@ def test_head_page_what_this_state_holds_computes_in_the_worker_and_refuses_bad_
     assert "%" in metrics["From beyond 64 tokens"] and float(metrics["‖S_old‖ / ‖S‖"]) >= 0
     top = at.dataframe[-1].value
     assert list(top["rank"]) == list(range(1, 13)) and (top["norm"].diff().dropna() <= 0).all()
+    # exported like every other figure: PNG, SVG and the CSV of the contributions / the rewrite rates
+    buttons = {b.key: b.proto.label for b in at.get("download_button")}
+    assert all(buttons.get(f"ch_holds_{f}_{x}") == x.upper() for f in ("along", "dirs", "rewrite")
+               for x in ("png", "svg", "csv")), buttons
     # the same head at another position: not computed, nothing of the other result shown
     at.number_input(key="holds_pos").set_value(128).run()
     assert any("Not computed yet" in i and "after 128 of" in i for i in texts(at, "info"))
@@ -1640,3 +1661,57 @@ def test_head_page_what_this_state_holds_computes_in_the_worker_and_refuses_bad_
     assert any("position 1000000 is outside the document" in e and f"1..{T}" in e for e in errs), errs
     at.number_input(key="holds_pos").set_value(0).run()  # back: the stored result, without recomputing
     assert "Rewrite rate between boundaries" in chart_titles(at) and work(cache) == 0
+
+
+def test_sweep_whose_prompts_cannot_fit_in_memory_is_refused_on_the_page(env, populated):
+    """Every task at 20 lengths near the token limit, n = 10,000: the page says the prompts would not fit in the
+    memory available (before building any) and offers no Run."""
+    cache, run = populated
+    env(cache)
+    at = app("sweeps", run=run)
+    at.run()
+    at.multiselect(key="sw_tasks").set_value(["niah_single_1", "vt", "cwe"])
+    at.text_input(key="sw_lengths").input(", ".join(str(32_768 - i) for i in range(20)))
+    at.number_input(key="sw_n").set_value(10_000).run()
+    assert not at.exception
+    errs = texts(at, "error")
+    assert any("would not fit in memory" in e and "n = 10,000" in e for e in errs), errs
+    assert at.button(key="sw_run").proto.disabled
+
+
+def test_scan_and_budget_lengths_over_the_token_limit_are_refused_before_any_prompt(env, populated, monkeypatch):
+    """Head scans & budgets: a scan length or a budget length over the token limit is refused on the page with the
+    sweeps' message, before a prompt of it is built (a 99,999,999-token haystack would take minutes and the
+    server's memory), and neither Run is offered."""
+    from gdnviz.probes import ruler
+
+    real = ruler.generate_many
+
+    def guarded(task, tok, target_len, *a, **kw):
+        assert target_len <= 32_768, f"a {target_len:,}-token prompt was built"
+        return real(task, tok, target_len, *a, **kw)
+
+    monkeypatch.setattr(ruler, "generate_many", guarded)
+    cache, run = populated
+    env(cache)
+    at = app("scans", run=run)
+    at.run()
+    at.number_input(key="sc_length").set_value(99_999_999)
+    at.text_input(key="bg_lengths").input("1024, 99999999").run()
+    assert not at.exception, [e.proto for e in at.exception]
+    errs = texts(at, "error")
+    assert sum("Length 99,999,999 is over the token limit of 32,768 tokens" in e for e in errs) == 2, errs
+    assert at.button(key="sc_run").proto.disabled and at.button(key="bg_run").proto.disabled
+
+
+def test_scan_and_budget_jobs_over_their_token_limit_fail_before_building_prompts(env, tmp_path, tiny_checkpoint):
+    cache = env(tmp_path / "c")
+    store = Store(cache)
+    ids = [store.submit(k, jobs.spec_to_dict(j)) for k, j in (
+        ("scan", jobs.ScanJob(model=str(tiny_checkpoint), task="niah_single_1", length=99_999_999, n=1)),
+        ("budget", jobs.BudgetJob(model=str(tiny_checkpoint), tasks=("vt",), lengths=(1024, 99_999_999), n=2)))]
+    work(cache)
+    for jid in ids:
+        rec = store.job(jid)
+        assert rec["status"] == "failed" and rec["error_type"] == "DocumentTooLong", rec
+        assert "length 99,999,999 is over the token limit of 32,768 tokens" in rec["error"]

@@ -3,7 +3,7 @@ worker process) on a tmp cache directory and the tiny checkpoint.
 
 Flows: a deep link opened before any other session of a fresh server; a capture on a sample document; a click on
 a heatmap cell that lands on that head (and the same URL pasted into a new browser session, which first picks the
-run); a truncation with both answers; a PNG download checked byte by byte; a binary upload refused with a message;
+run); a click on a row of a head's exact attention map; a truncation with both answers; a PNG download checked byte by byte; a binary upload refused with a message;
 two sessions capturing at once, each shown and exporting only its own run.
 The tests of this module run in order and share the server (each later flow uses the earlier capture).
 """
@@ -44,7 +44,8 @@ def _free_port() -> int:
 
 @contextmanager
 def streamlit_server(cache: Path, default_model: str):
-    """``streamlit run app.py`` on a free port of 127.0.0.1 with ``cache`` as its store; yields its base URL."""
+    """``streamlit run app.py`` on a free port of 127.0.0.1 with ``cache`` as its store; yields its base URL. Its
+    log and pid are in ``cache``/streamlit.log and streamlit.pid."""
     port = _free_port()
     env = dict(os.environ, GDNVIZ_DEFAULT_MODEL=default_model, GDNVIZ_CACHE_DIR=str(cache), PYTHONPATH=str(ROOT))
     for k in ("GDNVIZ_NO_WORKER", "GDNVIZ_TEST_OOM", "GDNVIZ_TEST_CRASH", "GDNVIZ_TEST_JOB_DELAY",
@@ -55,6 +56,7 @@ def streamlit_server(cache: Path, default_model: str):
         [sys.executable, "-m", "streamlit", "run", "app.py", "--server.address", "127.0.0.1", "--server.port",
          str(port), "--server.headless", "true", "--browser.gatherUsageStats", "false",
          "--server.fileWatcherType", "none"], cwd=str(ROOT), env=env, stdout=log, stderr=subprocess.STDOUT)
+    (cache / "streamlit.pid").write_text(str(proc.pid))
     base = f"http://127.0.0.1:{port}"
     t0 = time.time()
     while True:
@@ -185,6 +187,35 @@ def test_heatmap_click_lands_on_that_head(server, page, browser):
     pick_run(other, 0)
     other.get_by_role("heading", name="Layer 1 · head 2").wait_for()
     ctx.close()
+
+
+def test_a_click_on_a_row_of_the_exact_attention_map_shows_that_querys_top_keys(server, page):
+    """Head page, *Exact attention map* over queries 64..127 (one drawn cell per query and key): a click on a cell of
+    query row t of the GDN map makes t the query of the top-key tables (the number box, the query's text, the
+    orange rule), on the server's rerun."""
+    base, _ = server
+    page.goto(base + "/head?layer=3&head=1")
+    wait_for_app(page)
+    pick_run(page, 0)
+    page.get_by_role("heading", name="Layer 3 · head 1").wait_for()
+    for label, value in (("First query position", "64"), ("End (exclusive)", "128")):
+        box = page.locator(f"input[aria-label='{label}']")
+        box.fill(value)
+        box.press("Enter")
+        wait_for_app(page)
+    page.locator(".st-key-am_compute button").click()  # the map's Compute (the holds section has one too)
+    gdn = page.get_by_test_id("stVegaLiteChart").filter(has_text="GDN layer 3 head 1: exact map")
+    gdn.wait_for(timeout=SLOW)
+    wait_for_app(page)
+    query = page.locator("input[aria-label='Query position t (or click a row of a map)']")
+    assert query.input_value() == "127"  # a new map starts at its last query
+    t = 70
+    cell = gdn.locator(f"path[aria-label^='key position s (token index): 3; query position t (token index): {t};']")
+    cell.click()
+    page.get_by_text(f"Query t = {t}").wait_for()
+    wait_for_app(page)
+    assert query.input_value() == str(t)
+    assert page.get_by_text("Query t = 127").count() == 0
 
 
 def test_truncation_shows_both_answers(server, page):

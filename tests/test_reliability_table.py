@@ -1,6 +1,6 @@
 """docs/reliability.md, generated: every bad input tried here is refused with its own gdnviz error and a message
-that names the bad value; the store-fuzz, kill-under-load, crash-point and cross-session cases and the tests that
-cover them (the kill and crash-point tests' counts are read from the records they write).
+that names the bad value; the store-fuzz, kill-under-load, crash-point, large-upload and cross-session cases and
+the tests that cover them (the kill and crash-point tests' counts are read from the records they write).
 
 ``test_reliability_table_is_current`` fails when the file differs from what this module generates;
 ``python tests/test_reliability_table.py`` rewrites it. Each row is run, not written down: a case whose error or
@@ -9,6 +9,7 @@ message changes fails here first.
 from __future__ import annotations
 
 import json
+import re
 import sys
 from pathlib import Path
 
@@ -39,10 +40,12 @@ def _checkpoint(root: Path, damage=None) -> Path:
 
 def _cases(root: Path):
     """(bad input, where it is checked, callable that must raise, expected error type, words the message has)."""
+    from gdnviz.jobs import ScanJob, SweepJob, run_scan_job, run_sweep_job
     from gdnviz.models import inspect_model, load
     from gdnviz.runner import check_segment_len
     from gdnviz.truncation import check_rank
     from gdnviz.probes import ruler
+    from gdnviz.probes.sweep import SweepSpec, check_prompt_memory
     from gdnviz.ui.sweeps import parse_lengths
 
     def cfg(text):
@@ -91,6 +94,16 @@ def _cases(root: Path):
          "rank 17 is outside 1..16"),
         ("sweep lengths '1024, x'", "ui.sweeps.parse_lengths", lambda: parse_lengths("1024, x"), ValueError, "'x'"),
         ("sweep lengths '0'", "ui.sweeps.parse_lengths", lambda: parse_lengths("0"), ValueError, "0 is not"),
+        ("sweep job: length 99,999,999 (token limit 32,768)", "jobs.run_sweep_job",
+         lambda: run_sweep_job(SweepJob(model="demo", tasks=("vt",), lengths=(1024, 99_999_999)), None),
+         E.DocumentTooLong, "length 99,999,999 is over the token limit of 32,768"),
+        ("scan job: length 99,999,999 (token limit 32,768)", "jobs.run_scan_job",
+         lambda: run_scan_job(ScanJob(model="demo", task="vt", length=99_999_999), None),
+         E.DocumentTooLong, "Scan length 99,999,999 is over the token limit of 32,768"),
+        ("sweep: n = 10,000 × 6 tasks × 20 lengths near 32K (64 GiB available)", "probes.sweep.check_prompt_memory",
+         lambda: check_prompt_memory(SweepSpec(model="m", tasks=ruler.TASK_NAMES, n=10_000,
+                                               lengths=tuple(32_768 - i for i in range(20))), available=64 << 30),
+         E.TooManyPrompts, "n = 10,000 samples × 6 task(s) × 20 length(s)"),
         ("RULER task 'needle'", "probes.ruler.generate", lambda: ruler.generate("needle", None, 100, 0),
          E.UnknownTask, "'needle'"),
         ("model 'nobody/nothing'", "models.resolve", lambda: inspect_model("nobody/nothing"), E.ModelNotFound,
@@ -232,7 +245,16 @@ def render(rows) -> str:
             for k, (area, _p) in KINDS.items()]
     out += _kill_section()
     out += _crash_points_section()
+    bound = re.search(r"^REFUSED_PEAK_MIB = (\d+)", (HERE / "test_large_upload.py").read_text(), re.M).group(1)
     out += ["",
+            "## A 45 MB upload: refused by its size, the server's memory bounded",
+            "",
+            "`tests/test_large_upload.py` (markers `browser`, `slow`) uploads 45,000,000 bytes of UTF-8 prose to a "
+            "real `streamlit run` in Chromium. At the default token limit the file is refused by its size before "
+            f"it is decoded, and the server's peak resident memory grows by less than {bound} MiB (asserted). "
+            "With the limit raised so that it is accepted, it is decoded and tokenised once and later reruns do not "
+            "tokenise it again; that case's time and memory are measured, not bounded (docs/ui-speed.md).",
+            "",
             "## Sessions: cross-session leaks 0",
             "",
             "- `tests/test_app_pages.py::test_a_new_session_is_shown_no_other_sessions_run` (6 pages): a new session "

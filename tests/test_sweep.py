@@ -287,3 +287,27 @@ def test_batch_size_left_open_is_chosen(lm, counted):
     assert b4 < b16 < b128 and b128 > 2 * 131072**2  # the T × T mask alone
     assert 1e8 < b4 < 2e9 and 1e9 < b16 < 8e9
     assert row_bytes(lm.model, 1024, 12) < b4
+
+
+def test_a_sweep_whose_prompts_cannot_fit_in_memory_is_refused_before_any_is_built(lm, counted, monkeypatch):
+    """n = 10,000 samples of 6 tasks at 20 lengths near the default token limit: about 3.9e10 prompt tokens, far
+    more than any machine holds. Refused with TooManyPrompts (the tokens, the bytes, the memory available) before
+    the first prompt is built; a sweep that fits the memory available is not."""
+    from gdnviz.errors import TooManyPrompts
+    from gdnviz.probes import ruler
+
+    def no_prompts(*a, **kw):
+        raise AssertionError("a prompt was built before the sweep's size was checked")
+
+    lengths = tuple(32_768 - i for i in range(20))
+    big = small_spec(lm, tasks=tuple(ruler.TASK_NAMES), lengths=lengths, n=10_000)
+    need = sweep.prompt_bytes(big)
+    assert need == 10_000 * len(ruler.TASK_NAMES) * sum(lengths) * sweep.PROMPT_BYTES_PER_TOKEN
+    monkeypatch.setattr(ruler, "generate_many", no_prompts)
+    with pytest.raises(TooManyPrompts, match=r"n = 10,000 .* 6 task\(s\) .* 20 length\(s\)") as e:
+        sweep.run_sweep(lm, big)
+    assert "GiB" in str(e.value) and "available" in str(e.value) and "lower n" in str(e.value)
+    with pytest.raises(TooManyPrompts):
+        sweep.check_prompt_memory(small_spec(lm), available=sweep.prompt_bytes(small_spec(lm)))  # needs half
+    sweep.check_prompt_memory(small_spec(lm), available=2 * sweep.prompt_bytes(small_spec(lm)))
+    assert counted == []

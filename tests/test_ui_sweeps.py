@@ -86,3 +86,16 @@ def test_readout_note_names_how_the_truncated_run_ran():
     assert readout_note(["decode-graph", "one-call", "segment-graph"]) == (
         " · truncated run: decode steps replayed from a CUDA graph, one kernel call where no boundary falls, "
         "CUDA-graph windows")
+
+
+def test_prompt_length_note_gives_the_real_prompt_sizes_per_target_length():
+    """Lengths are targets: the note gives each target's real prompt token counts over its distinct samples (one
+    sample answered at several r counts once)."""
+    rows = pd.DataFrame([dict(task=t, length=L, seed=s, r=r, n_tokens=n) for t, L, s, n in (
+        ("vt", 1024, 0, 873), ("vt", 1024, 1, 901), ("niah_single_1", 1024, 0, 880), ("vt", 4096, 0, 3950))
+        for r in (1, 16)])
+    note = S.prompt_length_note(rows)
+    assert note.startswith("Lengths are targets")
+    assert "at length 1,024 the prompts have 873–901 tokens (3 prompts)" in note
+    assert "at 4,096: 3,950 tokens (1 prompt)" in note
+    assert S.prompt_length_note(rows.drop(columns="n_tokens")) is None

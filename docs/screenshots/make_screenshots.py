@@ -131,7 +131,7 @@ def main() -> int:
             def sweeps():  # a small sweep: two tasks, two lengths, seed 000's ranks up to d_k, 2 samples each
                 page.goto(base + "/sweeps")
                 idle()
-                for label, value in (("Lengths (tokens, comma-separated)", "1024, 2048"), ("Samples n", "2"),
+                for label, value in (("Target lengths (tokens, comma-separated)", "1024, 2048"), ("Samples n", "2"),
                                      ("Batch size", "4")):
                     page.locator(f"input[aria-label='{label}']").fill(value)
                     page.keyboard.press("Enter")

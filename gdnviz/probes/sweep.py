@@ -34,7 +34,7 @@ import pandas as pd
 import torch
 
 from gdnviz import runner
-from gdnviz.errors import EmptyDocumentSet, UnknownTask
+from gdnviz.errors import EmptyDocumentSet, TooManyPrompts, UnknownTask
 from gdnviz.truncation import TruncationSpec, check_rank
 from gdnviz.probes import rates, ruler
 from gdnviz.probes.batch import batched_greedy
@@ -45,12 +45,17 @@ from gdnviz.store import content_hash
 __all__ = ["SweepSpec", "Batch", "answer_batch", "local_executor", "DEFAULT_RANKS", "resolve_ranks", "resolve_heads",
            "parse_heads",
            "run_sweep", "sweep_table", "sweep_figure", "to_csv", "csv_frame", "cell_key", "cell_keys", "samples_for",
-           "check_spec", "keys_of", "plan_from_keys", "plan_unbuilt", "count_cached", "records",
+           "check_spec", "check_prompt_memory", "prompt_bytes", "keys_of", "plan_from_keys", "plan_unbuilt",
+           "count_cached", "records",
            "rows_frame", "table_frame", "VERSION"]
 
 VERSION = 1  # of a sweep cell's computation: bump it to invalidate every stored cell
 DEFAULT_RANKS = (1, 4, 12, 32, 128)
 UNIFORM = "uniform"
+#: Memory (bytes) a built prompt holds per token of its target length: its text, its token-id list and the ids'
+#: int objects. tracemalloc over ``ruler.generate_many`` on the demo tokenizer (2026-12-06, 5102c19): 19–36 bytes
+#: per target token held for niah_single_1, vt and cwe at 4K (up to 90 while a prompt is built).
+PROMPT_BYTES_PER_TOKEN = 40
 ROW_COLUMNS = ["task", "length", "setting", "r", "seed", "score", "pred", "answers", "n_tokens", "n_generated"]
 
 
@@ -183,6 +188,32 @@ def check_spec(spec: SweepSpec, info) -> None:
         TruncationSpec(m).validate(info)
         if name == UNIFORM:
             raise ValueError(f"a rank map cannot be called {UNIFORM!r}")
+
+
+def prompt_bytes(spec: SweepSpec) -> int:
+    """An upper bound of the memory the sweep's RULER prompts hold once built (they are all built before the first
+    model call): n × tasks × the summed target lengths × ``PROMPT_BYTES_PER_TOKEN`` (a prompt is at most its
+    target long)."""
+    return int(spec.n) * len(spec.tasks) * sum(int(L) for L in spec.lengths) * PROMPT_BYTES_PER_TOKEN
+
+
+def check_prompt_memory(spec: SweepSpec, available: int | None = None) -> None:
+    """TooManyPrompts when the sweep's prompts (``prompt_bytes``) would take more than half of ``available`` bytes
+    (None: the memory available on this machine now, ``psutil``), the other half being the model's and the run's;
+    nothing is built."""
+    if available is None:
+        import psutil
+
+        available = int(psutil.virtual_memory().available)
+    need = prompt_bytes(spec)
+    if need > available // 2:
+        gib = 1 << 30
+        raise TooManyPrompts(
+            f"the sweep's prompts would not fit in memory: n = {int(spec.n):,} samples × {len(spec.tasks)} task(s) × "
+            f"{len(spec.lengths)} length(s) summing to {sum(int(L) for L in spec.lengths):,} tokens is up to "
+            f"{need // PROMPT_BYTES_PER_TOKEN:,} prompt tokens, about {need / gib:,.1f} GiB while they are held, "
+            f"over half of the {available / gib:,.1f} GiB available on this machine: lower n, or run fewer tasks "
+            "or lengths at a time")
 
 
 # --- settings and keys --------------------------------------------------------------------------------------------
@@ -396,11 +427,13 @@ def run_sweep(lm, spec: SweepSpec, store=None, progress: Callable[[int, int], No
     when another executor answers.
     preparing(built, total): called after each RULER prompt is built (before any model call); like progress, it
     may raise to cancel, so a cancel is honoured while thousands of prompts are built.
-    Raises UnknownTask, TaskTooShort, RankOutOfRange, EmptyDocumentSet, BadSegmentLength before running anything.
+    Raises UnknownTask, TaskTooShort, RankOutOfRange, EmptyDocumentSet, BadSegmentLength, TooManyPrompts (the prompts
+    would not fit in memory: ``check_prompt_memory``) before running anything.
     """
     if lm.tokenizer is None:
         raise ValueError("the sweep needs the model's tokenizer to build RULER prompts")
     check_spec(spec, lm.info)
+    check_prompt_memory(spec)  # before any prompt is built
     samples = _samples(lm, spec, preparing)  # raises TaskTooShort before any model call
     settings = _settings(spec, lm.info)
     total = sum(len(s) for s in samples.values()) * len(settings)

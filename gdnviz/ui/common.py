@@ -368,6 +368,14 @@ def seed_minima(task: str, tokenizer, seed0: int, n: int, target_class: int, cha
     return _seed_minima(*key, task, int(seed0), int(n), int(target_class), chat, budget)
 
 
+def token_limit() -> int:
+    """The session's per-document token limit (the Model & documents page's field, else ``GDNVIZ_MAX_TOKENS``): the
+    longest document, sweep, scan or budget length the pages accept."""
+    from gdnviz.documents import max_tokens_default
+
+    return int(st.session_state.get("max_tokens") or max_tokens_default())
+
+
 # prompts a sweep preview builds on the page, in tokens (tasks × lengths × n, summed target lengths): a RULER prompt
 # costs ~10 µs per token to build on this project's 2-core CPU (2026-12-03), so ~4 s; beyond it the page says how
 # many answers the job needs without reading the memo (the job itself builds and checks every prompt first)

@@ -69,6 +69,16 @@ def parse_lengths(text: str) -> list[int]:
     return sorted(set(lengths))
 
 
+def token_limit_error(lengths, limit: int) -> str | None:
+    """The message for the longest of ``lengths`` over the per-document token limit (set on the Model & documents
+    page), None when all fit: checked before any prompt of those lengths is built."""
+    over = [int(L) for L in lengths if int(L) > int(limit)]
+    if not over:
+        return None
+    return (f"Length {max(over):,} is over the token limit of {int(limit):,} tokens (set on the Model & documents "
+            "page): lower it, or raise the limit there if the GPU has the memory.")
+
+
 def task_minimum(task: str, tokenizer, seed0: int = 0, chat_template="auto") -> int:
     """The shortest target length (tokens) at which ``task`` fits with this tokenizer: what ``TaskTooShort``
     reports for an impossible target (the template, the smallest haystack and the tokens to generate)."""
@@ -181,6 +191,22 @@ def done_text(cached: int | None, answers: int) -> str:
         return ("the memo is read when the job starts (too many prompts to build on this page; the job skips what "
                 "it holds)")
     return f"{cached:,} of {answers:,} already done (in the memo)" if cached else "none in the memo yet"
+
+
+def prompt_length_note(rows: pd.DataFrame) -> str | None:
+    """Lengths are targets: per target length, the real prompt token counts (``n_tokens``) over its distinct
+    samples (task, seed), as "873–901 tokens (3 prompts)"; None when the rows carry no counts."""
+    if rows is None or "n_tokens" not in rows or not len(rows):
+        return None
+    per = rows.drop_duplicates(["task", "length", "seed"]).groupby("length")["n_tokens"]
+    parts = []
+    for i, (L, g) in enumerate(per):
+        lo, hi, k = int(g.min()), int(g.max()), len(g)
+        span = f"{lo:,}" if lo == hi else f"{lo:,}–{hi:,}"
+        what = f"{span} tokens ({k} prompt{'' if k == 1 else 's'})"
+        parts.append(f"at length {int(L):,} the prompts have {what}" if i == 0 else f"at {int(L):,}: {what}")
+    return ("Lengths are targets: each sample is the largest whose prompt plus the task's answer budget fits in "
+            "the length, so its prompt is shorter; " + "; ".join(parts) + ".")
 
 
 def noise_note(n: int) -> str | None:
