@@ -89,14 +89,17 @@ def _write_capture_outputs(out: Path, captures, segment_len: int) -> None:
 def _run_via_worker(spec, cache_dir, label: str, desc: str, unit: str) -> tuple:
     """Submit a job spec to the app's worker through the shared store (starting a worker that exits when idle if
     none is alive on that store), show a progress bar until it ends; returns (store, done job record). Ctrl-C
-    cancels the job (a sweep keeps its finished samples). A failed or cancelled job raises GDNVizError."""
+    cancels the job through the store, as the app's Cancel does, and waits for its answer (at most the worker's
+    ``CANCEL_GRACE`` and a few beats; a second Ctrl-C stops waiting); a sweep keeps its finished samples. A failed
+    or cancelled job raises GDNVizError (also when the worker exited to stop it: it answered it first)."""
     import subprocess
     import time
 
     from tqdm import tqdm
 
     from gdnviz.jobs import spec_to_dict
-    from gdnviz.store import Store
+    from gdnviz.store import HEARTBEAT_EVERY, Store
+    from gdnviz.worker import CANCEL_GRACE
 
     store = Store(cache_dir)
     jid = store.submit(spec.kind, spec_to_dict(spec), label=label)
@@ -105,7 +108,7 @@ def _run_via_worker(spec, cache_dir, label: str, desc: str, unit: str) -> tuple:
         cmd = [sys.executable, "-m", "gdnviz.worker", "--exit-when-idle"]
         if cache_dir:
             cmd += ["--cache-dir", str(cache_dir)]
-        proc = subprocess.Popen(cmd)
+        proc = subprocess.Popen(cmd, start_new_session=True)  # Ctrl-C here cancels through the store, not by signal
     bar = tqdm(total=1, desc=desc, unit=unit, file=sys.stderr, leave=False)
     try:
         while True:
@@ -124,7 +127,13 @@ def _run_via_worker(spec, cache_dir, label: str, desc: str, unit: str) -> tuple:
             time.sleep(0.2)
     except KeyboardInterrupt:
         store.cancel(jid)
-        raise GDNVizError(f"interrupted: asked the worker to cancel job {jid} at its next step") from None
+        bar.close()
+        print(f"interrupted: cancelling job {jid} ...", file=sys.stderr)
+        try:
+            rec = store.wait(jid, timeout=CANCEL_GRACE + 3 * HEARTBEAT_EVERY + 5, poll=0.1)
+        except (TimeoutError, KeyboardInterrupt):
+            raise GDNVizError(f"interrupted: asked the worker to cancel job {jid}; it has not answered yet (see "
+                              f"{store.log_path})") from None
     finally:
         bar.close()
     if rec["status"] != "done":

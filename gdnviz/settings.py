@@ -62,6 +62,9 @@ SETTINGS: dict[str, Setting] = {s.name: s for s in (
     Setting("GDNVIZ_TEST_JOB_DELAY", "float", "0",
             "test hook: the worker sleeps this many seconds at every progress step of a job", "developer",
             minimum=0.0),
+    Setting("GDNVIZ_TEST_STALL_AT", "text", "",
+            "test hook: the worker stalls for good at a job's first progress step whose text contains this (a unit "
+            "that never returns; empty: never)", "developer"),
     Setting("GDNVIZ_TEST_CRASH", "int", "0",
             "test hook: the worker exits with this code mid-job (0: never)", "developer", minimum=0),
     Setting("GDNVIZ_TEST_OOM", "flag", "0",

@@ -52,6 +52,9 @@ HEARTBEAT_EVERY = 1.0
 TERMINAL = ("done", "failed", "cancelled")
 #: the prefix of the job queue's keys in ``jobs/``
 QUEUE = "queue"
+#: the exit code of a worker that recorded its running job cancelled and exited to stop it mid-run
+#: (``gdnviz.worker``'s cancel watcher); the app restarts it as after a crash
+CANCEL_EXIT_CODE = 75
 
 
 def default_cache_dir() -> Path:
@@ -94,9 +97,12 @@ def pid_alive(pid: int | None) -> bool:
 
 
 def describe_exit(code: int | None) -> str:
-    """'exit code 3', 'exit code -9 (killed by SIGKILL)', or 'exit code unknown'."""
+    """'exit code 3', 'exit code -9 (killed by SIGKILL)', 'exit code 75 (it stopped itself to end a cancelled job)',
+    or 'exit code unknown'."""
     if code is None:
         return "exit code unknown"
+    if code == CANCEL_EXIT_CODE:
+        return f"exit code {code} (it stopped itself to end a cancelled job)"
     if code < 0:
         try:
             return f"exit code {code} (killed by {signal.Signals(-code).name})"

@@ -3,7 +3,11 @@
     python -m gdnviz.worker [--cache-dir DIR] [--parent-pid PID] [--exit-when-idle] [--poll 0.2]
 
 - Keeps the last loaded model; reloads when a job names another model, device, dtype or device_map.
-- Writes progress (per document and per GDN layer), honours cancel flags (a cancelled job ends "cancelled").
+- Writes progress (per document and per GDN layer), honours cancel flags (a cancelled job ends "cancelled"): the
+  job stops at its next progress step; one that has not stopped ``CANCEL_GRACE`` seconds after the heartbeat thread
+  saw the flag (inside a long batch, document or model load) is recorded "cancelled" by that thread, in one store
+  transaction that writes only a job still claimed by this pid and not answered, and the process exits with
+  ``store.CANCEL_EXIT_CODE`` (the app restarts it as after a crash). Memo entries stored before stay.
 - Library errors (``gdnviz.errors``, ``ValueError``) end a job "failed" with their user message; out-of-memory
   ends it "failed" with a message that says what to reduce; anything else fails with the exception named and the
   traceback in the record and in ``<cache>/worker.log``.
@@ -15,7 +19,8 @@
 
 Test-only hooks (environment variables, read at every progress step of a job other than ``inspect``):
 ``GDNVIZ_TEST_OOM=1`` raises ``torch.cuda.OutOfMemoryError`` inside the job; ``GDNVIZ_TEST_CRASH=<code>`` exits
-the process with that code mid-job (``os._exit``); ``GDNVIZ_TEST_JOB_DELAY=<seconds>`` sleeps at every step.
+the process with that code mid-job (``os._exit``); ``GDNVIZ_TEST_JOB_DELAY=<seconds>`` sleeps at every step;
+``GDNVIZ_TEST_STALL_AT=<text>`` sleeps for good at the first step whose text contains ``<text>``.
 """
 from __future__ import annotations
 
@@ -30,9 +35,17 @@ import time
 import traceback
 
 from gdnviz import settings
-from gdnviz.store import HEARTBEAT_EVERY, Store, pid_alive
+from gdnviz.store import CANCEL_EXIT_CODE, HEARTBEAT_EVERY, Store, pid_alive
 
 log = logging.getLogger("gdnviz.worker")
+
+#: seconds a running job has, after the heartbeat thread saw its cancel flag, to stop at a progress step before
+#: the worker records it cancelled and exits (the flag is looked at every ``HEARTBEAT_EVERY`` seconds)
+CANCEL_GRACE = 3.0
+#: the error of a job the cancel watcher ended
+CANCEL_RESTART_TEXT = ("cancelled by the user; it did not stop within {grace:g} s (a long batch, document or "
+                       "model load was running), so the worker was restarted to stop it mid-run. Results finished "
+                       "before the cancel are stored: running it again resumes from them")
 
 
 def _is_oom(e: BaseException) -> bool:
@@ -92,6 +105,22 @@ def _weights_version(name: str, trust_remote_code: bool) -> str | None:
         return None
 
 
+def _exit_process(code: int) -> None:
+    """Flush the log and the std streams, then end this process at once (other threads mid-work included)."""
+    logging.shutdown()
+    for stream in (sys.stdout, sys.stderr):
+        try:
+            stream.flush()
+        except Exception:
+            pass
+    os._exit(code)
+
+
+def _recorded(rec: dict | None, fields: dict) -> bool:
+    """Whether ``Store.finish_job``'s returned record is the answer ``fields`` (False: another answer won)."""
+    return isinstance(rec, dict) and all(rec.get(k) == v for k, v in fields.items())
+
+
 class Worker:
     """Owns the loaded model; ``process(job_id)`` runs one job; ``serve()`` loops over the queue."""
 
@@ -106,6 +135,11 @@ class Worker:
         self._lm_key = None
         self.warm_up_seconds: dict | None = None  # gdnviz.warmup's timings for the loaded model (CUDA only)
         self._stop = threading.Event()
+        # held while claiming a job, and by the cancel watcher from its answer to the exit: no job is claimed by a
+        # process that is about to exit
+        self._claim_lock = threading.Lock()
+        self._cancel_seen: tuple[str, float] | None = None  # (job id, when the watcher first saw its cancel flag)
+        self._job_t0 = 0.0
 
     # -- model pool ------------------------------------------------------------------------------------------
     def model(self, name: str, device: str, dtype: str, device_map: str = "", trust_remote_code: bool = False):
@@ -172,12 +206,58 @@ class Worker:
             if self.parent_pid and not pid_alive(self.parent_pid):
                 log.warning("parent process %s is gone: exiting", self.parent_pid)
                 os._exit(0)
+            try:
+                self.watch_cancel()
+            except Exception:  # the store busy for a moment: look again at the next beat
+                log.exception("cancel watcher failed")
+
+    def watch_cancel(self, now: float | None = None) -> bool:
+        """The cancel watcher (the heartbeat thread calls it every beat): when the running job's cancel flag has
+        been set for ``CANCEL_GRACE`` seconds, ``stop_mid_run`` it. Returns False when it did nothing."""
+        jid, now = self.current, time.time() if now is None else now
+        if jid is None or not self.store.cancel_requested(jid):
+            self._cancel_seen = None
+            return False
+        if self._cancel_seen is None or self._cancel_seen[0] != jid:
+            self._cancel_seen = (jid, now)
+            return False
+        if now - self._cancel_seen[1] < CANCEL_GRACE:
+            return False
+        return self.stop_mid_run(jid)
+
+    def stop_mid_run(self, jid: str, exit=None) -> bool:
+        """Record job ``jid`` cancelled (what ``process`` writes for JobCancelled, with ``CANCEL_RESTART_TEXT``) in
+        one transaction that writes only a job still claimed by this pid and not answered, then
+        ``exit(CANCEL_EXIT_CODE)`` (default ``_exit_process``: flush the log, ``os._exit``; the claim lock stays
+        held, so nothing is claimed meanwhile). Returns False, and does not exit, when the job was answered first
+        (it ended on its own)."""
+        with self._claim_lock:
+            fields = dict(status="cancelled", error=CANCEL_RESTART_TEXT.format(grace=CANCEL_GRACE),
+                          finished=time.time())
+            fields["seconds"] = round(fields["finished"] - self._job_t0, 3)
+            rec = self.store.finish_job(jid, self.pid, **fields)
+            if not _recorded(rec, fields):
+                return False
+            kind = rec.get("kind")
+            log.warning("job %s (%s) cancelled in %.2f s: did not stop within %g s of its cancel; exiting with "
+                        "code %d to stop it", jid, kind, fields["seconds"], CANCEL_GRACE, CANCEL_EXIT_CODE)
+            try:
+                self.store.worker_gone(self.pid)
+            except Exception:
+                log.exception("could not drop the heartbeat")
+            (exit or _exit_process)(CANCEL_EXIT_CODE)
+            return True
 
     # -- jobs ------------------------------------------------------------------------------------------------
-    def _hooks(self, kind: str) -> None:
+    def _hooks(self, kind: str, text: str = "") -> None:
         """Test-only fault injection (see the module docstring)."""
         if kind == "inspect":
             return
+        stall = settings.get("GDNVIZ_TEST_STALL_AT")
+        if stall and stall in str(text):
+            log.warning("GDNVIZ_TEST_STALL_AT: stalling for good at %r", text)
+            while True:
+                time.sleep(3600)
         delay = settings.get("GDNVIZ_TEST_JOB_DELAY")
         if delay:
             time.sleep(delay)
@@ -197,13 +277,14 @@ class Worker:
         from gdnviz import jobs
 
         jid, kind, spec_d = rec["id"], rec["kind"], rec["spec"]
+        self._job_t0 = time.time()
         self.current = jid
         self.state = f"running {kind}"
         self.beat()
 
         def progress(done, total, text=""):
             self.store.set_progress(jid, done, total, text)
-            self._hooks(kind)
+            self._hooks(kind, text)
 
         ctx = jobs.JobContext(self.store, jid, model_loader=self.model, progress=progress,
                               cancelled=lambda: self.store.cancel_requested(jid))
@@ -224,10 +305,21 @@ class Worker:
         self.current = None
         self.state = "idle"
         final.update(finished=time.time(), seconds=round(time.time() - t0, 3))
-        rec = self.store.finish_job(jid, self.pid, **final)
-        log.info("job %s (%s) %s in %.2f s%s", jid, kind, final["status"], final["seconds"],
-                 f": {final.get('error')}" if final.get("error") else "")
+        rec = self.answer(jid, kind, final)
         self.beat()
+        return rec
+
+    def answer(self, jid: str, kind: str, final: dict) -> dict | None:
+        """Record ``final`` (status, result or error, times) as job ``jid``'s answer unless it was answered first
+        (by the cancel watcher or a reaper: that answer stands, and the log says this one was not recorded);
+        returns the job's record."""
+        rec = self.store.finish_job(jid, self.pid, **final)
+        if _recorded(rec, final):
+            log.info("job %s (%s) %s in %.2f s%s", jid, kind, final["status"], final["seconds"],
+                     f": {final.get('error')}" if final.get("error") else "")
+        else:
+            log.info("job %s (%s) ended %s after it had been answered %s: not recorded", jid, kind,
+                     final["status"], (rec or {}).get("status"))
         return rec
 
     def _failure(self, kind: str, spec: dict, e: BaseException) -> dict:
@@ -277,7 +369,8 @@ class Worker:
         log.info("worker %s ready on %s", self.pid, self.store.dir)
         try:
             while not self._stop.is_set():
-                rec = self.store.claim_job(self.pid)
+                with self._claim_lock:
+                    rec = self.store.claim_job(self.pid)
                 if rec is None:
                     if exit_when_idle:
                         break
