@@ -207,3 +207,46 @@ def test_patch_writes_the_comparison_and_refuses_bad_heads(tmp_path, capsys):
     assert "(memo)" in capsys.readouterr().err
     assert main([*base, "--heads", "3:0,5:1"]) == 2
     assert "LayerNotGDN: layer 3 (a full-attention layer)" in capsys.readouterr().err
+
+
+@pytest.mark.slow
+def test_ctrl_c_on_sweep_via_worker_cancels_the_job_even_when_the_worker_must_exit_to_stop_it(tmp_path):
+    """Ctrl-C (SIGINT to the CLI alone; the worker it started is in its own session) while the worker is stuck
+    building prompts (the GDNVIZ_TEST_STALL_AT hook: a step that never returns): the CLI cancels through the store,
+    the worker's cancel watcher answers the job "cancelled" and exits, and the CLI reports the cancel, not a crash."""
+    import signal
+
+    from gdnviz.store import CANCEL_EXIT_CODE, Store
+
+    ckpt = tiny_qwen35_checkpoint(tmp_path)
+    cache = tmp_path / "cache"
+    env = dict(os.environ, PYTHONPATH=ROOT, GDNVIZ_TEST_STALL_AT="generating RULER prompts")
+    p = subprocess.Popen([sys.executable, "-m", "gdnviz", "sweep", str(ckpt), "--tasks", "niah_single_1",
+                          "--lengths", "400", "--ranks", "2", "--n", "2", "--batch", "2", "--max-new-tokens", "6",
+                          "--segment-len", "128", "--device", "cpu", "--dtype", "float32", "--out",
+                          str(tmp_path / "o"), "--via-worker", "--cache-dir", str(cache)],
+                         env=env, stderr=subprocess.PIPE, stdout=subprocess.DEVNULL, text=True)
+    store = Store(cache)
+    try:
+        t0 = time.time()
+        while True:
+            assert time.time() - t0 < 300 and p.poll() is None, "the job never reached its prompts"
+            recs = store.read_jobs()[0]
+            if recs and "generating RULER prompts" in str((store.job(recs[0]["id"])["progress"] or {}).get("text")):
+                break
+            time.sleep(0.1)
+        jid = recs[0]["id"]
+        p.send_signal(signal.SIGINT)
+        err = p.communicate(timeout=60)[1]
+        rec = store.job(jid)
+        assert p.returncode == 2, err
+        assert rec["status"] == "cancelled" and "the worker was restarted to stop it mid-run" in rec["error"]
+        assert f"interrupted: cancelling job {jid}" in err and "sweep cancelled: cancelled by the user; it did " \
+            "not stop within 3 s" in err and "Traceback" not in err, err
+        log = store.log_path.read_text()
+        assert f"exiting with code {CANCEL_EXIT_CODE} to stop it" in log, log[-2000:]
+    finally:
+        if p.poll() is None:
+            p.kill()
+        for h in store.live_workers():  # the worker it started, left stuck by a failed assertion
+            os.kill(h["pid"], signal.SIGKILL)

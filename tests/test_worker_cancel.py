@@ -94,6 +94,7 @@ def test_a_job_stuck_in_one_unit_is_cancelled_by_a_restart_and_resumes(handle, t
     assert h.proc.wait(60) == CANCEL_EXIT_CODE
     _report(capsys, f"stuck in one unit: answered {latency:.2f} s after the cancel (grace {CANCEL_GRACE:g} s)")
 
+    t_restart = time.time()
     st = h.check()  # what every page run and poll does: the dead worker is restarted
     assert st["restarts"] == 1 and h.proc.pid != first
     assert st["last_exit"] == describe_exit(CANCEL_EXIT_CODE) and "cancelled job" in st["last_exit"]
@@ -102,6 +103,8 @@ def test_a_job_stuck_in_one_unit_is_cancelled_by_a_restart_and_resumes(handle, t
     assert len(re.findall(rf"job {jid} \(\w+\) (?:done|failed|cancelled) in", log)) == 1, log[-3000:]
 
     _idle(store, h.proc.pid)
+    _report(capsys, f"the restarted worker was idle (PyTorch imported) {time.time() - t_restart:.1f} s after the "
+                    "restart")
     again = store.wait(store.submit(spec.kind, jobs.spec_to_dict(spec)), timeout=300)
     assert again["status"] == "done", again["error"]
     assert again["worker_pid"] == h.proc.pid
