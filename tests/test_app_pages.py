@@ -175,6 +175,31 @@ def test_cancel_a_capture_from_the_page(env, tmp_path):
     assert any("Capture was cancelled" in i for i in texts(at, "info"))
 
 
+def test_a_cancel_mid_step_says_the_worker_restarts_and_then_says_it_did(env, tmp_path):
+    """A running job's cancel says a long step is stopped by restarting the worker; a job the cancel watcher ended
+    shows the watcher's text (gdnviz.worker.CANCEL_RESTART_TEXT), not a bare "cancelled"."""
+    import os
+    import time
+
+    from gdnviz.worker import CANCEL_GRACE, CANCEL_RESTART_TEXT
+
+    cache = env(tmp_path / "c")
+    at = inspected(cache)
+    at.text_area(key="paste_text").input(short_text(100))
+    at.button(key="paste_add").click().run()
+    at.button(key="run_capture").click().run()
+    jid = at.session_state["capture_job"]
+    s = Store(cache)
+    assert s.claim_job(os.getpid())["id"] == jid
+    s.cancel(jid)
+    at.run()
+    assert any("restarting the worker" in c for c in texts(at, "caption"))
+    s.finish_job(jid, os.getpid(), status="cancelled", finished=time.time(),
+                 error=CANCEL_RESTART_TEXT.format(grace=CANCEL_GRACE))
+    at.run()
+    assert any("Capture was cancelled: " in i and "the worker was restarted" in i for i in texts(at, "info"))
+
+
 def test_empty_pasted_text(env, tmp_path):
     env(tmp_path / "c")
     at = app()

@@ -822,13 +822,16 @@ def job_panel(session_key: str, title: str, resume: str | None = None) -> dict |
             st.button("Cancel", key=f"{session_key}_cancel", on_click=s.cancel, args=(jid,),
                       icon=":material/cancel:", disabled=r.get("cancel_requested", False))
             if r.get("cancel_requested"):
-                st.caption("Cancelling at the next step…")
+                st.caption("Cancelling at the next step; a step that takes longer than a few seconds is stopped by "
+                           "restarting the worker (what finished stays stored)…")
         elif active:  # it just finished while we were polling: redraw the whole page with the result
             st.rerun()
         elif status == "failed":
             show_error(f"{title} failed: {r.get('error')}")
         elif status == "cancelled":
-            st.info(f"{title} was cancelled.", icon=":material/cancel:")
+            st.info(f"{title} was cancelled" + (f": {r['error']}" if r.get("error") and
+                                                 r["error"] != "cancelled by the user" else "."),
+                    icon=":material/cancel:")
 
     st.fragment(body, run_every=_poll_seconds() if active else None)()
     rec = s.job(jid)
