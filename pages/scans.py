@@ -36,6 +36,7 @@ if tok is None:
     st.stop()
 memo = MemoMapping(C.store())
 fp = str(info.get("fingerprint") or "")
+planner = C.sweep_planner(info)  # the scan's and the budget's previews build at most PREVIEW_TOKENS of prompts
 
 # =============================================================================================================
 # scan
@@ -79,16 +80,22 @@ sspec = scan.ScanSpec(model=model_name, task=st.session_state["sc_task"], length
                       batch_size=C.batch_value(st.session_state["sc_batch"]), fingerprint=fp or None,
                       max_new_tokens=int(st.session_state["sc_max_new"]) or None,
                       max_prompts=int(st.session_state["sc_limit"]))
+if not errors:  # every sample's smallest prompt, within the preview bound (the job checks the seeds left)
+    len_errors, seeds_note = C.seed_checks([sspec.task], [sspec.length], tok, sspec.seed0, sspec.n,
+                                           sspec.chat_template, info=info)
+    errors += len_errors
+    if seeds_note:
+        st.caption(seeds_note)
 plan = None
 if not errors:
-    try:
+    try:  # the prompts' memory is checked before any is built
         with st.spinner("Counting the answers in the memo…"):
-            plan = scan.plan_scan(ns, tok, sspec, memo, samples=C.sweep_samples(info))
+            plan = scan.plan_scan(ns, tok, sspec, memo, plan=planner)
     except (GDNVizError, ValueError) as e:
         errors.append(str(e))
 if plan is not None:
     st.caption(S.scan_plan_text(plan, sspec.n) + (f". {SW.noise_note(sspec.n)}" if SW.noise_note(sspec.n) else ""))
-    lim = S.over_limit(plan["to_run"], sspec.max_prompts, "scan")
+    lim = S.over_limit(plan["to_run"], sspec.max_prompts, "scan", counted=plan["cached"] is not None)
     if lim:
         errors.append(lim)
 for e in errors:
@@ -205,9 +212,16 @@ if not berrors:
                               n=int(st.session_state["bg_n"]), tolerance=tols[0], ladder=tuple(ladder), segment_len=L,
                               max_new_tokens=int(st.session_state["bg_max_new"]) or None,
                               fingerprint=fp or None, max_prompts=int(st.session_state["bg_limit"]))
-    try:
+    # the search's seeds and the held-out ones after them
+    len_errors, seeds_note = C.seed_checks(tasks, lengths, tok, bspec.seed0, bspec.n + bspec.heldout_n,
+                                           bspec.chat_template, info=info)
+    berrors += len_errors
+    if seeds_note:
+        st.caption(seeds_note)
+if not berrors:
+    try:  # the prompts' memory is checked before any is built
         with st.spinner("Counting the answers in the memo…"):
-            bplan = budget.plan_budget(ns, tok, bspec, memo, samples=C.sweep_samples(info))
+            bplan = budget.plan_budget(ns, tok, bspec, memo, plan=planner)
     except (GDNVizError, ValueError) as e:
         berrors.append(str(e))
 if bplan is not None:

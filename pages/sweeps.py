@@ -83,15 +83,9 @@ if tok is None:
     errors.append(f"{info.get('path') or model_name} has no tokenizer files beside its weights: the RULER prompts "
                   "need the model's tokenizer.")
 elif tasks and lengths:
-    n_seeds = int(st.session_state["sw_n"])
-
-    def _minima(task, target_class):
-        return C.seed_minima(task, tok, seed0, n_seeds, target_class, chat, info=info, n_tasks=len(tasks))
-
-    with st.spinner("Checking the lengths against every sample's smallest prompt…"):
-        errors += S.length_errors(tasks, lengths, tok, seed0, chat,
-                                  minimum=lambda t, k, s, c: C.task_minimum(t, k, s, c, info=info), minima=_minima)
-        seeds_note = S.seed_check_note(tasks, lengths, seed0, n_seeds, _minima)
+    len_errors, seeds_note = C.seed_checks(tasks, lengths, tok, seed0, int(st.session_state["sw_n"]), chat,
+                                           info=info)
+    errors += len_errors
     if seeds_note:
         st.caption(seeds_note)
 if lengths and min(lengths) <= L_default:

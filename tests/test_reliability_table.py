@@ -48,6 +48,10 @@ def _cases(root: Path):
     from gdnviz.runner import check_segment_len
     from gdnviz.truncation import check_rank
     from gdnviz.probes import ruler
+    from gdnviz.probes.budget import BudgetSpec
+    from gdnviz.probes.budget import check_prompt_memory as budget_memory
+    from gdnviz.probes.scan import ScanSpec
+    from gdnviz.probes.scan import check_prompt_memory as scan_memory
     from gdnviz.probes.sweep import SweepSpec, check_prompt_memory
     from gdnviz.ui.sweeps import parse_lengths
 
@@ -107,6 +111,13 @@ def _cases(root: Path):
          lambda: check_prompt_memory(SweepSpec(model="m", tasks=ruler.TASK_NAMES, n=10_000,
                                                lengths=tuple(32_768 - i for i in range(20))), available=64 << 30),
          E.TooManyPrompts, "n = 10,000 samples × 6 task(s) × 20 length(s)"),
+        ("scan: n = 10,000 at 32,768 tokens (4 GiB available)", "probes.scan.check_prompt_memory",
+         lambda: scan_memory(ScanSpec(model="m", task="vt", length=32_768, n=10_000), available=4 << 30),
+         E.TooManyPrompts, "the prompts of this scan would not fit in memory: n = 10,000 samples"),
+        ("budget: n = 10,000 × 2 tasks at 32,768 tokens (4 GiB available)", "probes.budget.check_prompt_memory",
+         lambda: budget_memory(BudgetSpec(model="m", tasks=("niah_single_1", "vt"), lengths=(32_768,), n=10_000),
+                               available=4 << 30),
+         E.TooManyPrompts, "10,000 search and 10,000 held-out samples"),
         ("RULER task 'needle'", "probes.ruler.generate", lambda: ruler.generate("needle", None, 100, 0),
          E.UnknownTask, "'needle'"),
         ("model 'nobody/nothing'", "models.resolve", lambda: inspect_model("nobody/nothing"), E.ModelNotFound,

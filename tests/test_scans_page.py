@@ -33,7 +33,7 @@ def test_scan_plan_and_bad_input(env, tmp_path):
                "**80 to run**, no estimate yet (no earlier run of niah_single_1" in c
                for c in captions(at)), captions(at)
     for key, value, message in (("sc_r", 16, "r = 16 keeps every state untouched"),
-                                ("sc_length", 20, "needs a target length of at least"),
+                                ("sc_length", 20, "Length 20 is too short for niah_single_1: it needs at least"),
                                 ("sc_limit", 10, "over the prompt limit of 10")):
         old = at.number_input(key=key).value
         at.number_input(key=key).set_value(value).run()
@@ -170,3 +170,92 @@ def test_scan_and_budget_through_the_worker(env, tmp_path):
         at.button(key="tr_run").click().run()
         sent = Store(cache).job(at.session_state["truncate_job"])["spec"]["ranks"]
         assert [list(x) for x in sent] == sorted([list(x) for x in summ["rank_map"]])
+
+
+def _counting_prompts(monkeypatch) -> list:
+    """Every ``ruler.generate_many`` call's prompt tokens (n × target length) in a list; a call that takes the
+    total over the page's preview bound fails there (so a page that builds every prompt fails at once)."""
+    from gdnviz.probes import ruler
+    from gdnviz.ui.common import PREVIEW_TOKENS
+
+    built = []
+    real = ruler.generate_many
+
+    def counted(task, tok, target_len, n, *a, **kw):
+        built.append(int(n) * int(target_len))
+        assert sum(built) <= PREVIEW_TOKENS, f"the preview built {sum(built):,} prompt tokens in one run"
+        return real(task, tok, target_len, n, *a, **kw)
+
+    monkeypatch.setattr(ruler, "generate_many", counted)
+    return built
+
+
+def test_a_large_n_builds_at_most_the_preview_bound_and_leaves_the_rest_to_the_job(env, tmp_path, monkeypatch):
+    """n = 5,000 (scan and budget): the page renders, each run builds at most ``PREVIEW_TOKENS`` of prompt tokens
+    (none of these forms: each is over it), and the plans say the job reads the memo for them; the lengths are
+    checked against the smallest prompt of the seeds the bound allows and the caption names those it left to the
+    job. A budget whose search fits but whose held-out samples do not counts the search's answers in the memo and
+    names the held-out ones it left."""
+    from gdnviz.ui.common import PREVIEW_TOKENS
+
+    cache = env(tmp_path / "c")
+    at = scans_page(cache)
+    built = _counting_prompts(monkeypatch)
+    at.number_input(key="sc_length").set_value(1024)
+    at.number_input(key="sc_n").set_value(5000)
+    at.text_input(key="bg_lengths").input("1024")
+    at.number_input(key="bg_n").set_value(5000).run()
+    assert not at.exception, at.exception
+    assert sum(built) <= PREVIEW_TOKENS
+    caps = captions(at)
+    assert any("× 5000 samples = **20,000 answers**: the memo is read when the job starts (too many prompts to "
+               "build on this page; the job skips what it holds), " in c for c in caps), caps
+    assert any("Sensitivity scans 130,000 answers (too many prompts to build on this page: the job reads the memo "
+               "for niah_single_1, vt at 1,024 tokens)" in c for c in caps), caps
+    assert any("niah_single_1 seeds 0.." in c and "of seeds 0..4999; the job checks the other seeds before any "
+               "model call" in c for c in caps), caps
+    assert any("of seeds 0..9999; the job checks the other seeds before any model call" in c for c in caps), caps
+    errs = texts(at, "error")
+    assert any("This scan would run up to 20,000 answers" in e and "over the prompt limit of 2,000" in e
+               for e in errs), errs
+    # the search's 2 × 100 × 1,024 tokens fit the bound, the held-out check's as many more do not
+    assert 2 * 100 * 1024 <= PREVIEW_TOKENS < 4 * 100 * 1024
+    built.clear()
+    at.number_input(key="bg_n").set_value(100).run()
+    assert not at.exception, at.exception
+    assert 0 < sum(built) <= PREVIEW_TOKENS
+    caps = captions(at)
+    assert any("Sensitivity scans 2,600 answers (none in the memo yet)" in c and "the held-out check 400 (too many "
+               "prompts to build on this page: the job reads the memo for niah_single_1, vt at 1,024 tokens)" in c
+               for c in caps), caps
+
+
+def test_scan_and_budget_whose_prompts_cannot_fit_in_memory_are_refused_before_any_prompt(env, tmp_path,
+                                                                                      monkeypatch):
+    """With 4 GiB available, n = 10,000 at 32,768 tokens (about 12 GiB of prompts): the scan and the budget are
+    refused with the sweeps' memory message before a prompt is built, and neither Run is offered."""
+    from types import SimpleNamespace
+
+    import psutil
+
+    from gdnviz.probes import ruler
+
+    cache = env(tmp_path / "c")
+    at = scans_page(cache)
+
+    def no_prompts(*a, **kw):
+        raise AssertionError("a prompt was built before the form's size was checked")
+
+    monkeypatch.setattr(ruler, "generate_many", no_prompts)
+    monkeypatch.setattr(psutil, "virtual_memory", lambda: SimpleNamespace(available=4 << 30))
+    at.number_input(key="sc_length").set_value(32_768)
+    at.number_input(key="sc_n").set_value(10_000)
+    at.text_input(key="bg_lengths").input("32768")
+    at.number_input(key="bg_n").set_value(10_000).run()
+    assert not at.exception, at.exception
+    errs = texts(at, "error")
+    assert any("the prompts of this scan would not fit in memory: n = 10,000 samples × 1 task(s)" in e
+               for e in errs), errs
+    assert any("the prompts of this budget (10,000 search and 10,000 held-out samples per task and length) would "
+               "not fit in memory: n = 20,000 samples × 2 task(s)" in e for e in errs), errs
+    assert at.button(key="sc_run").proto.disabled and at.button(key="bg_run").proto.disabled

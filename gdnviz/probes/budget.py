@@ -49,7 +49,7 @@ from gdnviz.probes.memo import MemoStore
 from gdnviz.store import content_hash
 from gdnviz.truncation import TruncationSpec, check_rank
 
-__all__ = ["BudgetSpec", "BudgetResult", "DEFAULT_LADDER", "find_budget", "plan_budget", "noninferiority",
+__all__ = ["BudgetSpec", "BudgetResult", "DEFAULT_LADDER", "find_budget", "check_prompt_memory", "plan_budget", "noninferiority",
            "state_memory", "head_numbers", "budget_table", "summary", "rank_map_json", "rank_map_from_json",
            "curve_frame", "curve_figure", "STATE_BYTES"]
 
@@ -271,45 +271,59 @@ def sensitivities(lm, spec: BudgetSpec, r: int, memo, progress=None, describe=No
     return df
 
 
-def plan_budget(info, tokenizer, spec: BudgetSpec, store=None, samples=None) -> dict:
+def check_prompt_memory(spec: BudgetSpec, available: int | None = None) -> None:
+    """``sweep.check_prompt_memory`` of the budget's prompts (every task and length on the search's n samples and
+    the held-out ones): TooManyPrompts before any is built."""
+    sweep.check_prompt_memory(
+        sweep.SweepSpec(model=spec.model, tasks=spec.tasks, lengths=spec.lengths, n=spec.n + spec.heldout_n),
+        available, what=f"budget ({spec.n:,} search and {spec.heldout_n:,} held-out samples per task and length)")
+
+
+def plan_budget(info, tokenizer, spec: BudgetSpec, store=None, plan=None) -> dict:
     """Before running: dict(scan_answers, scan_cached, search_max (an upper bound on the search's answers),
-    heldout_answers, heldout_cached, max_to_run, and ``gdnviz.probes.rates.estimate``'s seconds (None when a
-    (task, length) was never measured), answers_per_second, missing for the ``max_to_run`` answers, ladder).
-    ``samples``: as ``sweep.cell_keys``."""
+    heldout_answers, heldout_cached, max_to_run, scan_cells / heldout_cells (``sweep.plan_from_keys``'s cells of
+    the scans and of the held-out check's untouched answers), and ``gdnviz.probes.rates.estimate``'s seconds (None
+    when a (task, length) was never measured), answers_per_second, missing for the ``max_to_run`` answers,
+    ladder). ``plan``: a callable of a ``sweep.SweepSpec`` returning ``plan_from_keys``'s dict (the app's, which may
+    leave a sweep's prompts unbuilt: its cells' cached None; ``scan_cached`` / ``heldout_cached`` are then None,
+    and ``max_to_run`` and the time count those answers as not in the memo). TooManyPrompts
+    (``check_prompt_memory``) before any prompt is built."""
     ladder = _check(spec, info)
+    check_prompt_memory(spec)
     rmax = min(int(info.d_k), int(info.d_v))
-    keys: dict = {}
-    for task in spec.tasks:
-        for length in spec.lengths:
-            ss = scan.ScanSpec(model=spec.model, task=task, length=int(length), r=ladder[-1], by="head",
-                               n=spec.n, seed0=spec.seed0, segment_len=spec.segment_len,
-                               batch_size=spec.batch_size, max_new_tokens=spec.max_new_tokens,
-                               chat_template=spec.chat_template, chat_template_kwargs=spec.chat_template_kwargs,
-                               fingerprint=spec.fingerprint)
-            keys.update(sweep.cell_keys(info, tokenizer, scan.sweep_spec(ss, info), samples))
-    ho_keys = {}
-    if spec.heldout_n:
-        ho_keys = sweep.cell_keys(info, tokenizer, _sweep(spec, {}, spec.heldout_seed, spec.heldout_n, rmax),
-                                  samples)
-    H = len(info.gdn_layers) * int(info.num_heads)
-    per_cell = len(ladder) * (1 + math.ceil(math.log2(max(2, H)))) * spec.n  # the search's bound per (task, length)
-    search_max = per_cell * len(spec.tasks) * len(spec.lengths)
     st, close = scan.open_store(store)
     try:
-        sp = sweep.plan_from_keys(info, keys, spec.segment_len, st, batch_size=spec.batch_size)
-        ho = sweep.plan_from_keys(info, ho_keys, spec.segment_len, st, batch_size=spec.batch_size)
+        if plan is None:
+            def plan(ss):
+                return sweep.plan_from_keys(info, sweep.cell_keys(info, tokenizer, ss), ss.segment_len, st,
+                                            batch_size=ss.batch_size)
+        cells = []
+        for task in spec.tasks:
+            for length in spec.lengths:
+                ss = scan.ScanSpec(model=spec.model, task=task, length=int(length), r=ladder[-1], by="head",
+                                   n=spec.n, seed0=spec.seed0, segment_len=spec.segment_len,
+                                   batch_size=spec.batch_size, max_new_tokens=spec.max_new_tokens,
+                                   chat_template=spec.chat_template, chat_template_kwargs=spec.chat_template_kwargs,
+                                   fingerprint=spec.fingerprint)
+                cells += plan(scan.sweep_spec(ss, info))["cells"]
+        ho_cells = plan(_sweep(spec, {}, spec.heldout_seed, spec.heldout_n, rmax))["cells"] if spec.heldout_n else []
+        H = len(info.gdn_layers) * int(info.num_heads)
+        per_cell = len(ladder) * (1 + math.ceil(math.log2(max(2, H)))) * spec.n  # the search's bound per cell
+        search_max = per_cell * len(spec.tasks) * len(spec.lengths)
         # held-out: the untouched answers (ho's keys) and as many of the budget's, none of them in the memo yet
-        ho_todo = {(c["task"], c["length"]): 2 * c["answers"] - c["cached"] for c in ho["cells"]}
-        to_run = {(c["task"], c["length"]): c["answers"] - c["cached"] + per_cell + ho_todo.get((c["task"],
-                                                                                                c["length"]), 0)
-                  for c in sp["cells"]}
+        ho_todo = {(c["task"], c["length"]): 2 * c["answers"] - (c["cached"] or 0) for c in ho_cells}
+        to_run = {(c["task"], c["length"]): c["answers"] - (c["cached"] or 0) + per_cell
+                  + ho_todo.get((c["task"], c["length"]), 0) for c in cells}
         est = rates.estimate(MemoStore(st), info, to_run, spec.segment_len, spec.batch_size)
     finally:
         close()
-    ho_total, ho_cached = 2 * ho["answers"], ho["cached"]
-    return dict(scan_answers=sp["answers"], scan_cached=sp["cached"], search_max=search_max,
-                heldout_answers=ho_total, heldout_cached=ho_cached, max_to_run=sum(to_run.values()), ladder=ladder,
-                **est)
+
+    def cached(cs):
+        return None if any(c["cached"] is None for c in cs) else sum(c["cached"] for c in cs)
+
+    return dict(scan_answers=sum(c["answers"] for c in cells), scan_cached=cached(cells), search_max=search_max,
+                heldout_answers=2 * sum(c["answers"] for c in ho_cells), heldout_cached=cached(ho_cells),
+                max_to_run=sum(to_run.values()), scan_cells=cells, heldout_cells=ho_cells, ladder=ladder, **est)
 
 
 def _result_key(info, spec: BudgetSpec) -> str:
@@ -327,8 +341,8 @@ def find_budget(lm, spec: BudgetSpec, store=None, progress: Callable[[int, int, 
     None. progress(done, total, text): after every answer (total is per step). executor: as ``sweep.run_sweep``'s,
     for every sweep of the search (``lm`` needs only ``info`` and ``tokenizer`` when another executor answers).
     Raises UnknownTask, TaskTooShort, RankOutOfRange, ValueError (tolerance ≤ 0, a bad ladder), TooFewSamples
-    (n < 2) and TooManyPrompts (an upper bound of the answers to generate over ``spec.max_prompts``) before running
-    anything. A stored result of the same spec on the same model is returned at once."""
+    (n < 2) and TooManyPrompts (an upper bound of the answers to generate over ``spec.max_prompts``, or prompts that
+    would not fit in memory) before running anything. A stored result of the same spec on the same model is returned at once."""
     info = lm.info
     ladder = _check(spec, info)
     rmax = min(int(info.d_k), int(info.d_v))

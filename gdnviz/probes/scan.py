@@ -39,7 +39,7 @@ from gdnviz.probes import rates, ruler, sweep
 from gdnviz.truncation import check_rank
 
 __all__ = ["ScanSpec", "ScanResult", "TABLE_COLUMNS", "DEFAULT_MAX_PROMPTS", "units", "unit_maps", "sweep_spec",
-           "plan_scan", "run_scan", "scan_table", "ranked", "Counting"]
+           "check_prompt_memory", "plan_scan", "run_scan", "scan_table", "ranked", "Counting"]
 
 TABLE_COLUMNS = ["layer", "head", "r", "n", "score", "baseline", "delta", "se"]
 #: The default ceiling on answers a scan or budget may generate in one go (memo hits do not count).
@@ -198,19 +198,32 @@ def open_store(store):
 
 
 # --- plan and run -------------------------------------------------------------------------------------------------
-def plan_scan(info, tokenizer, spec: ScanSpec, store=None, samples=None) -> dict:
+def check_prompt_memory(spec: ScanSpec, available: int | None = None) -> None:
+    """``sweep.check_prompt_memory`` of the scan's prompts (n samples of one task at one length; every setting
+    answers the same prompts): TooManyPrompts before any is built."""
+    sweep.check_prompt_memory(sweep.SweepSpec(model=spec.model, tasks=(spec.task,), lengths=(int(spec.length),),
+                                              n=spec.n), available, what="scan")
+
+
+def plan_scan(info, tokenizer, spec: ScanSpec, store=None, plan=None) -> dict:
     """What the scan will do before it runs: ``sweep.plan_from_keys``'s dict (answers, cached, to_run, cells,
     seconds, answers_per_second, missing; seconds None when this model, device, task and length were never
-    measured) and settings, units. ``samples``: as ``sweep.cell_keys``. Raises what ``run_scan`` raises for bad
-    input (not the prompt limit)."""
+    measured) and settings, units. ``plan``: a callable of the scan's ``sweep.SweepSpec`` returning that dict
+    instead (the app's, which may leave the prompts unbuilt: ``sweep.plan_unbuilt``, cached None). Raises what
+    ``run_scan`` raises for bad input (not the prompt limit), TooManyPrompts (``check_prompt_memory``) before any
+    prompt is built."""
     sspec = sweep_spec(spec, info)
-    st, close = open_store(store)
-    try:
-        plan = sweep.plan_from_keys(info, sweep.cell_keys(info, tokenizer, sspec, samples), spec.segment_len, st,
-                                    batch_size=spec.batch_size)
-    finally:
-        close()
-    return dict(plan, settings=plan["answers"] // max(1, spec.n), units=len(units(spec, info)))
+    check_prompt_memory(spec)
+    if plan is None:
+        st, close = open_store(store)
+        try:
+            p = sweep.plan_from_keys(info, sweep.cell_keys(info, tokenizer, sspec), spec.segment_len, st,
+                                     batch_size=spec.batch_size)
+        finally:
+            close()
+    else:
+        p = plan(sspec)
+    return dict(p, settings=p["answers"] // max(1, spec.n), units=len(units(spec, info)))
 
 
 def check_limit(to_run: int, limit: int, what: str, total: int) -> None:
@@ -226,10 +239,11 @@ def run_scan(lm, spec: ScanSpec, store=None, progress: Callable[[int, int], None
     """Run (or resume) a scan. store: a directory, a mapping-like memo, or None. progress / describe / executor:
     as ``sweep.run_sweep`` (``lm`` needs only ``info`` and ``tokenizer`` when another executor answers). Raises
     UnknownTask, RankOutOfRange, EmptyHeadSet, TaskTooShort, ValueError, and TooManyPrompts (more than
-    ``spec.max_prompts`` answers to generate) before running anything."""
+    ``spec.max_prompts`` answers to generate, or prompts that would not fit in memory) before running anything."""
     info = lm.info
     sspec = sweep_spec(spec, info)
     st, close = open_store(store)
+    check_prompt_memory(spec)
     try:
         total, cached = sweep.count_cached(info, lm.tokenizer, sspec, st)
         check_limit(total - cached, spec.max_prompts, "scan", total)

@@ -197,10 +197,10 @@ def prompt_bytes(spec: SweepSpec) -> int:
     return int(spec.n) * len(spec.tasks) * sum(int(L) for L in spec.lengths) * PROMPT_BYTES_PER_TOKEN
 
 
-def check_prompt_memory(spec: SweepSpec, available: int | None = None) -> None:
+def check_prompt_memory(spec: SweepSpec, available: int | None = None, what: str = "sweep") -> None:
     """TooManyPrompts when the sweep's prompts (``prompt_bytes``) would take more than half of ``available`` bytes
     (None: the memory available on this machine now, ``psutil``), the other half being the model's and the run's;
-    nothing is built."""
+    nothing is built. ``what``: the job the message names ("the prompts of this <what>")."""
     if available is None:
         import psutil
 
@@ -209,8 +209,8 @@ def check_prompt_memory(spec: SweepSpec, available: int | None = None) -> None:
     if need > available // 2:
         gib = 1 << 30
         raise TooManyPrompts(
-            f"the sweep's prompts would not fit in memory: n = {int(spec.n):,} samples × {len(spec.tasks)} task(s) × "
-            f"{len(spec.lengths)} length(s) summing to {sum(int(L) for L in spec.lengths):,} tokens is up to "
+            f"the prompts of this {what} would not fit in memory: n = {int(spec.n):,} samples × {len(spec.tasks)} "
+            f"task(s) × {len(spec.lengths)} length(s) summing to {sum(int(L) for L in spec.lengths):,} tokens is up to "
             f"{need // PROMPT_BYTES_PER_TOKEN:,} prompt tokens, about {need / gib:,.1f} GiB while they are held, "
             f"over half of the {available / gib:,.1f} GiB available on this machine: lower n, or run fewer tasks "
             "or lengths at a time")

@@ -412,23 +412,53 @@ def sweep_samples(info: dict):
     return samples
 
 
-def sweep_plan(info: dict, spec) -> dict:
-    """``gdnviz.probes.sweep.plan_from_keys`` of the sweep ``spec`` (a ``SweepSpec``) on the model ``info`` with
-    the app's memo: the answers it needs, how many the memo holds, the time at the measured rates. Its prompts are
-    built once per (tokenizer, tasks, lengths, n, seed0, chat template), so other ranks or heads cost only their
-    keys; the memo is read on every call. Above ``PREVIEW_TOKENS`` of prompts the page builds none
-    (``sweep.plan_unbuilt``: the counts without the memo's share; the job checks every prompt before any model
-    call). Raises what the sweep raises for bad input; ValueError when the model has no tokenizer."""
+def sweep_planner(info: dict, budget: int = PREVIEW_TOKENS):
+    """A callable of a ``SweepSpec`` returning ``gdnviz.probes.sweep.plan_from_keys``'s dict for it on the model
+    ``info`` with the app's memo (the answers it needs, how many the memo holds, the time at the measured rates),
+    for one page run: the specs it is called with build their prompts while their ``preview_tokens`` summed stay
+    within ``budget``; a spec past it builds none (``sweep.plan_unbuilt``: the counts without the memo's share,
+    its cells' cached None; the job builds and checks every prompt before any model call). Prompts are built once
+    per (tokenizer, tasks, lengths, n, seed0, chat template), so other ranks or heads cost only their keys; the
+    memo is read on every call. Raises what the sweep raises for bad input; ValueError when the model has no
+    tokenizer."""
     from gdnviz.jobs import MemoMapping
     from gdnviz.probes.sweep import check_spec, keys_of, plan_from_keys, plan_unbuilt
 
     samples = sweep_samples(info)
     ns = info_ns(info)
-    check_spec(spec, ns)  # bad settings raise before any prompt is built
-    if preview_tokens(spec) > PREVIEW_TOKENS:
-        return plan_unbuilt(ns, spec, MemoMapping(store()))
-    return plan_from_keys(ns, keys_of(ns, samples(spec), spec), spec.segment_len, MemoMapping(store()),
-                          batch_size=spec.batch_size)
+    left = [int(budget)]
+
+    def plan(spec) -> dict:
+        check_spec(spec, ns)  # bad settings raise before any prompt is built
+        need = preview_tokens(spec)
+        if need > left[0]:
+            return plan_unbuilt(ns, spec, MemoMapping(store()))
+        left[0] -= need
+        return plan_from_keys(ns, keys_of(ns, samples(spec), spec), spec.segment_len, MemoMapping(store()),
+                              batch_size=spec.batch_size)
+
+    return plan
+
+
+def sweep_plan(info: dict, spec) -> dict:
+    """``sweep_planner(info)(spec)``: one sweep's preview, its prompts built up to ``PREVIEW_TOKENS``."""
+    return sweep_planner(info)(spec)
+
+
+def seed_checks(tasks, lengths, tokenizer, seed0: int, n: int, chat, *, info: dict) -> tuple[list[str], str | None]:
+    """(messages, note) of ``gdnviz.ui.sweeps.length_errors`` and ``seed_check_note`` for the samples of seeds
+    ``seed0 .. seed0 + n - 1`` of ``tasks`` at ``lengths``, with the cached minima (``task_minimum``,
+    ``seed_minima``: their smallest prompts stay within ``PREVIEW_TOKENS``); the note names the seeds left to the
+    job. Shown before a preview builds any prompt."""
+    from gdnviz.ui.sweeps import length_errors, seed_check_note
+
+    def minima(task, target_class):
+        return seed_minima(task, tokenizer, seed0, n, target_class, chat, info=info, n_tasks=len(tasks))
+
+    with st.spinner("Checking the lengths against every sample's smallest prompt…"):
+        errs = length_errors(tasks, lengths, tokenizer, seed0, chat,
+                             minimum=lambda t, k, s, c: task_minimum(t, k, s, c, info=info), minima=minima)
+        return errs, seed_check_note(tasks, lengths, seed0, n, minima)
 
 
 def info_ns(info: dict) -> SimpleNamespace:

@@ -11,7 +11,7 @@ from types import SimpleNamespace
 import pandas as pd
 
 from gdnviz.probes import budget, rates, scan
-from gdnviz.ui.sweeps import done_text
+from gdnviz.ui.sweeps import done_text, to_run_text, unread_cells
 
 BY = {"layer": "one layer at a time", "head": "one head at a time"}
 
@@ -24,24 +24,38 @@ def model_ns(info: dict) -> SimpleNamespace:
 
 def scan_plan_text(plan: dict, n: int) -> str:
     return (f"{plan['units']} units → {plan['settings']} settings (the baseline included) × {n} samples = "
-            f"**{plan['answers']:,} answers**: {done_text(plan['cached'], plan['answers'])}, **{plan['to_run']:,} "
-            f"to run**, {rates.eta_text(plan, plan['to_run'])}")
+            f"**{plan['answers']:,} answers**: {done_text(plan['cells'])}, {to_run_text(plan)}")
+
+
+def _memo(cells) -> str:
+    if any(c["cached"] is not None for c in cells):
+        return done_text(cells)
+    return f"too many prompts to build on this page: the job reads the memo for {unread_cells(cells)}"
 
 
 def budget_plan_text(plan: dict) -> str:
-    done = done_text(plan["scan_cached"], plan["scan_answers"])
-    return (f"Sensitivity scans {plan['scan_answers']:,} answers ({done}) "
+    """The budget's preview (``budget.plan_budget``): the cells whose prompts the page did not build are named, and
+    the time then counts their answers as not in the memo."""
+    ho = (f"{plan['heldout_cached']:,} in the memo" if plan["heldout_cached"] is not None
+          else _memo(plan["heldout_cells"]))
+    unread = plan["scan_cached"] is None or plan["heldout_cached"] is None
+    what = "for the most the search can need" + (", none of the answers the page did not count taken as in the "
+                                                 "memo" if unread else "")
+    return (f"Sensitivity scans {plan['scan_answers']:,} answers ({_memo(plan['scan_cells'])}) "
             f"+ the search, at most {plan['search_max']:,} + the held-out check {plan['heldout_answers']:,} "
-            f"({plan['heldout_cached']:,} in the memo): **at most {plan['max_to_run']:,} to run**, "
-            f"{rates.eta_text(plan, plan['max_to_run'])}" + (" (for the most the search can need)"
-                                                             if plan["seconds"] else ""))
+            f"({ho}): **at most {plan['max_to_run']:,} to run**, "
+            f"{rates.eta_text(plan, plan['max_to_run'])}" + (f" ({what})" if plan["seconds"] else ""))
 
 
-def over_limit(to_run: int, limit: int, what: str) -> str | None:
+def over_limit(to_run: int, limit: int, what: str, counted: bool = True) -> str | None:
+    """The message for ``to_run`` answers over the prompt limit; ``counted`` False: the memo was not read (the
+    count is an upper bound)."""
     if to_run <= limit:
         return None
-    return (f"This {what} would run {to_run:,} answers, over the prompt limit of {limit:,}. Lower n, narrow it to "
-            f"fewer layers, or raise the limit if you mean to run it.")
+    return (f"This {what} would run {'' if counted else 'up to '}{to_run:,} answers"
+            + ("" if counted else " (the job reads the memo's share when it starts)")
+            + f", over the prompt limit of {limit:,}. Lower n, narrow it to fewer layers, or raise the limit if you "
+              "mean to run it.")
 
 
 def layers_that_matter(table: pd.DataFrame, min_points: float = 5.0) -> list[int]:

@@ -184,13 +184,31 @@ def head_set(mode: str, info: dict, table=None, segment_len: int | None = None, 
     return sorted(set(T.group_heads(head_group(mode, layers=layers, picked=picked), info, table, segment_len)))
 
 
-def done_text(cached: int | None, answers: int) -> str:
-    """"12 of 40 already done (in the memo)", "none in the memo yet", or (``cached`` None: the prompts were not
-    built, ``gdnviz.probes.sweep.plan_unbuilt``) that the job reads the memo itself."""
-    if cached is None:
+def unread_cells(cells) -> str:
+    """The (task, length) cells of a plan whose prompts the page did not build (cached None), as "vt at 1,024
+    tokens; niah_single_1, vt at 4,096 tokens"."""
+    by_len: dict = {}
+    for c in cells:
+        if c["cached"] is None and c["task"] not in by_len.setdefault(int(c["length"]), []):
+            by_len[int(c["length"])].append(c["task"])
+    return "; ".join(f"{', '.join(ts)} at {L:,} tokens" for L, ts in sorted(by_len.items()))
+
+
+def done_text(cells) -> str:
+    """How many of a plan's answers the memo holds, from its cells (``sweep.plan_from_keys`` /
+    ``sweep.plan_unbuilt``): "12 of 40 already done (in the memo)", "none in the memo yet", or, for cells whose
+    prompts were not built (cached None), that the job reads the memo for them (named when others were counted)."""
+    counted = [c for c in cells if c["cached"] is not None]
+    answers, cached = sum(c["answers"] for c in counted), sum(c["cached"] for c in counted)
+    if not counted:
         return ("the memo is read when the job starts (too many prompts to build on this page; the job skips what "
                 "it holds)")
-    return f"{cached:,} of {answers:,} already done (in the memo)" if cached else "none in the memo yet"
+    done = f"{cached:,} of {answers:,} already done (in the memo)" if cached else "none in the memo yet"
+    if len(counted) == len(cells):
+        return done
+    rest = sum(c["answers"] for c in cells) - answers
+    return (f"{done}; the other {rest:,} are too many prompts to build on this page: the job reads the memo for "
+            f"{unread_cells(cells)}")
 
 
 def prompt_length_note(rows: pd.DataFrame) -> str | None:
@@ -228,10 +246,12 @@ def plan_text(plan: dict, spec, rmax: int) -> str:
     settings = f"{len(rs)} rank{'s' if len(rs) != 1 else ''} ({', '.join(map(str, rs))} = untouched)" + (
         f" + {maps} rank map(s)" if maps else "")
     return (f"{len(spec.tasks)} task(s) × {len(spec.lengths)} length(s) × ({settings}) × {spec.n} samples = "
-            f"**{plan['answers']:,} answers**: {done_text(plan['cached'], plan['answers'])}, " + _to_run(plan))
+            f"**{plan['answers']:,} answers**: {done_text(plan['cells'])}, " + to_run_text(plan))
 
 
-def _to_run(plan: dict) -> str:
+def to_run_text(plan: dict) -> str:
+    """"**28 to run**, about 2 min" of a plan, or, when the memo was not read for all of it (cached None), the
+    time of every answer as an upper bound ("up to 3 min")."""
     eta = rates.eta_text(plan, plan["to_run"])
     if plan["cached"] is not None:
         return f"**{plan['to_run']:,} to run**, {eta}"
