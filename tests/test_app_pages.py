@@ -200,6 +200,16 @@ def test_a_cancel_mid_step_says_the_worker_restarts_and_then_says_it_did(env, tm
     assert any("Capture was cancelled: " in i and "the worker was restarted" in i for i in texts(at, "info"))
 
 
+def test_the_upload_limit_is_said_in_words_before_a_file_is_chosen(env, tmp_path):
+    """The browser refuses a file over server.maxUploadSize with only a red icon (the server never sees it), so the
+    page states the limit in words under the uploader, from the server's own option."""
+    cache = env(tmp_path / "c")
+    at = inspected(cache)
+    limit = at.get("file_uploader")[0].proto.max_upload_size_mb  # what the browser enforces
+    assert limit > 0
+    assert any(f"at most {limit} MB per file" in c and "red icon" in c for c in texts(at, "caption"))
+
+
 def test_empty_pasted_text(env, tmp_path):
     env(tmp_path / "c")
     at = app()
