@@ -400,15 +400,20 @@ def local_executor(lm):
 
 
 def _auto_size(lm, n_tokens: list, new_tokens: int, executor) -> int:
-    """Rows per batch when the spec leaves it open, for the longest prompt: from this device's free memory (no
-    executor), the executor's ``batch_size(n_tokens, new_tokens)`` where it has one (``gdnviz.cluster``: the
-    smallest its workers choose from their own free memory), else ``CPU_ROWS`` (8)."""
+    """Rows per batch when the spec leaves it open. The most rows for the longest prompt come from this device's
+    free memory (no executor), the executor's ``batch_size(n_tokens, new_tokens)`` where it has one
+    (``gdnviz.cluster``: the smallest its workers choose from their own free memory), else ``CPU_ROWS`` (8); the
+    samples are then spread evenly over as few batches as that allows (64 samples at most 61 rows: 2 × 32, not
+    61 + 3: a batch's decode costs nearly the same at 3 rows as at 61)."""
     if not n_tokens:
         return CPU_ROWS
     if executor is None:
-        return auto_batch_size(lm, max(n_tokens), new_tokens)
-    rows = getattr(executor, "batch_size", None)
-    return int(rows(max(n_tokens), new_tokens)) if rows is not None else CPU_ROWS
+        most = auto_batch_size(lm, max(n_tokens), new_tokens)
+    else:
+        rows = getattr(executor, "batch_size", None)
+        most = int(rows(max(n_tokens), new_tokens)) if rows is not None else CPU_ROWS
+    most = max(1, int(most))
+    return -(-len(n_tokens) // -(-len(n_tokens) // most))
 
 
 def run_sweep(lm, spec: SweepSpec, store=None, progress: Callable[[int, int], None] | None = None,
