@@ -98,9 +98,11 @@ def _open_run(browser, base: str, run: dict):
     page.get_by_test_id("stSidebar").get_by_test_id("stSelectbox").click()
     page.get_by_role("option").filter(has_text=re.compile(re.escape(
         str(run["model_name"]).rstrip("/").split("/")[-1]))).first.click()
+    # the pick's rerun may not have started when wait_for_app looks: wait for the run's id itself (TimeoutError if
+    # it never shows), then for the rerun to finish
+    page.get_by_text(run["run_id"]).first.wait_for(state="attached", timeout=60_000)
     wait_for_app(page)
     page.mouse.move(1300, 1500)
-    assert page.get_by_text(run["run_id"]).count() >= 1
     return ctx, page
 
 
