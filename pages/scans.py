@@ -81,11 +81,7 @@ sspec = scan.ScanSpec(model=model_name, task=st.session_state["sc_task"], length
                       max_new_tokens=int(st.session_state["sc_max_new"]) or None,
                       max_prompts=int(st.session_state["sc_limit"]))
 if not errors:  # every sample's smallest prompt, within the preview bound (the job checks the seeds left)
-    len_errors, seeds_note = C.seed_checks([sspec.task], [sspec.length], tok, sspec.seed0, sspec.n,
-                                           sspec.chat_template, info=info)
-    errors += len_errors
-    if seeds_note:
-        st.caption(seeds_note)
+    errors += C.seed_checks([sspec.task], [sspec.length], tok, sspec.seed0, sspec.n, sspec.chat_template, info=info)
 plan = None
 if not errors:
     try:  # the prompts' memory is checked before any is built
@@ -213,11 +209,8 @@ if not berrors:
                               max_new_tokens=int(st.session_state["bg_max_new"]) or None,
                               fingerprint=fp or None, max_prompts=int(st.session_state["bg_limit"]))
     # the search's seeds and the held-out ones after them
-    len_errors, seeds_note = C.seed_checks(tasks, lengths, tok, bspec.seed0, bspec.n + bspec.heldout_n,
-                                           bspec.chat_template, info=info)
-    berrors += len_errors
-    if seeds_note:
-        st.caption(seeds_note)
+    berrors += C.seed_checks(tasks, lengths, tok, bspec.seed0, bspec.n + bspec.heldout_n, bspec.chat_template,
+                             info=info)
 if not berrors:
     try:  # the prompts' memory is checked before any is built
         with st.spinner("Counting the answers in the memo…"):

@@ -83,11 +83,7 @@ if tok is None:
     errors.append(f"{info.get('path') or model_name} has no tokenizer files beside its weights: the RULER prompts "
                   "need the model's tokenizer.")
 elif tasks and lengths:
-    len_errors, seeds_note = C.seed_checks(tasks, lengths, tok, seed0, int(st.session_state["sw_n"]), chat,
-                                           info=info)
-    errors += len_errors
-    if seeds_note:
-        st.caption(seeds_note)
+    errors += C.seed_checks(tasks, lengths, tok, seed0, int(st.session_state["sw_n"]), chat, info=info)
 if lengths and min(lengths) <= L_default:
     st.warning(f"A length of {min(lengths):,} tokens is at most one segment (L = {L_default}): no boundary falls "
                "inside such a prompt, so the truncation cannot act on it.", icon=":material/warning:")

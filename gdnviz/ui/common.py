@@ -445,11 +445,11 @@ def sweep_plan(info: dict, spec) -> dict:
     return sweep_planner(info)(spec)
 
 
-def seed_checks(tasks, lengths, tokenizer, seed0: int, n: int, chat, *, info: dict) -> tuple[list[str], str | None]:
-    """(messages, note) of ``gdnviz.ui.sweeps.length_errors`` and ``seed_check_note`` for the samples of seeds
-    ``seed0 .. seed0 + n - 1`` of ``tasks`` at ``lengths``, with the cached minima (``task_minimum``,
-    ``seed_minima``: their smallest prompts stay within ``PREVIEW_TOKENS``); the note names the seeds left to the
-    job. Shown before a preview builds any prompt."""
+def seed_checks(tasks, lengths, tokenizer, seed0: int, n: int, chat, *, info: dict) -> list[str]:
+    """The messages of ``gdnviz.ui.sweeps.length_errors`` for the samples of seeds ``seed0 .. seed0 + n - 1`` of
+    ``tasks`` at ``lengths``, with the cached minima (``task_minimum``, ``seed_minima``: their smallest prompts stay
+    within ``PREVIEW_TOKENS``); ``seed_check_note`` (the seeds left to the job) is shown here as a caption. Called
+    before a preview builds any prompt."""
     from gdnviz.ui.sweeps import length_errors, seed_check_note
 
     def minima(task, target_class):
@@ -458,7 +458,10 @@ def seed_checks(tasks, lengths, tokenizer, seed0: int, n: int, chat, *, info: di
     with st.spinner("Checking the lengths against every sample's smallest prompt…"):
         errs = length_errors(tasks, lengths, tokenizer, seed0, chat,
                              minimum=lambda t, k, s, c: task_minimum(t, k, s, c, info=info), minima=minima)
-        return errs, seed_check_note(tasks, lengths, seed0, n, minima)
+        note = seed_check_note(tasks, lengths, seed0, n, minima)
+    if note:
+        st.caption(note)
+    return errs
 
 
 def info_ns(info: dict) -> SimpleNamespace:
