@@ -18,7 +18,6 @@ sweeps). On a CPU machine ``--workers`` worker processes answer instead.
 """
 from __future__ import annotations
 
-import argparse
 import gc
 import os
 import sys
@@ -27,7 +26,7 @@ import time
 import torch
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-from bench.common import device_name, emit, retrieval_model, sync  # noqa: E402
+from bench.common import device_name, emit, retrieval_dtype, retrieval_model, retrieval_parser, sync  # noqa: E402
 
 
 def checkpoint(model: str, folder: str, dev, dtype: str) -> str:
@@ -43,11 +42,7 @@ def checkpoint(model: str, folder: str, dev, dtype: str) -> str:
 
 
 def main():
-    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    ap.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
-    ap.add_argument("--model", choices=["demo", "0.8b"], default="0.8b")
-    ap.add_argument("--dtype", default=None, help="bfloat16 (CUDA default) or float32 (CPU default)")
-    ap.add_argument("--task", default="niah_single_1")
+    ap = retrieval_parser(__doc__.split("\n")[0])
     ap.add_argument("--length", type=int, default=4096)
     ap.add_argument("--ranks", default="4")
     ap.add_argument("--n", type=int, default=64)
@@ -65,7 +60,7 @@ def main():
     from gdnviz.warmup import needs_warm_up, warm_up
 
     dev = torch.device(a.device)
-    dtype = a.dtype or ("bfloat16" if dev.type == "cuda" else "float32")
+    dtype = retrieval_dtype(a, dev)
     path = checkpoint(a.model, a.dir, dev, dtype)
     ranks = tuple(int(x) for x in a.ranks.split(",") if x)
 

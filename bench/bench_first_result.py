@@ -11,7 +11,6 @@ tuned), so ``first_result_s - warm.first_result_s`` is what the first sweep stil
 """
 from __future__ import annotations
 
-import argparse
 import os
 import sys
 import time
@@ -19,15 +18,11 @@ import time
 import torch
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-from bench.common import device_name, emit, retrieval_model, sync  # noqa: E402
+from bench.common import device_name, emit, retrieval_dtype, retrieval_model, retrieval_parser, sync  # noqa: E402
 
 
 def main():
-    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    ap.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
-    ap.add_argument("--model", choices=["demo", "0.8b"], default="0.8b")
-    ap.add_argument("--dtype", default=None, help="bfloat16 (CUDA default) or float32 (CPU default)")
-    ap.add_argument("--task", default="niah_single_1")
+    ap = retrieval_parser(__doc__.split("\n")[0])
     ap.add_argument("--length", type=int, default=16384)
     ap.add_argument("--ranks", default="4")
     ap.add_argument("--n", type=int, default=16)
@@ -38,7 +33,7 @@ def main():
     from gdnviz.warmup import needs_warm_up, warm_up
 
     dev = torch.device(a.device)
-    dtype = a.dtype or ("bfloat16" if dev.type == "cuda" else "float32")
+    dtype = retrieval_dtype(a, dev)
     t0 = time.perf_counter()
     lm = retrieval_model(a.model, dev, dtype)
     sync(dev)

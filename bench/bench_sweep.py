@@ -21,7 +21,6 @@ one batch of the first truncated setting (prefill and decode).
 """
 from __future__ import annotations
 
-import argparse
 import os
 import sys
 import time
@@ -29,16 +28,12 @@ import time
 import torch
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-from bench.common import (ceiling_seconds, retrieval_model, device_name, emit, prompt_batches,  # noqa: E402
-                          sync)
+from bench.common import (ceiling_seconds, device_name, emit, prompt_batches, retrieval_dtype,  # noqa: E402
+                          retrieval_model, retrieval_parser, sync)
 
 
 def main():
-    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    ap.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
-    ap.add_argument("--model", choices=["demo", "0.8b"], default="0.8b")
-    ap.add_argument("--dtype", default=None, help="bfloat16 (CUDA default) or float32 (CPU default)")
-    ap.add_argument("--task", default="niah_single_1")
+    ap = retrieval_parser(__doc__.split("\n")[0])
     ap.add_argument("--lengths", default="4096,16384")
     ap.add_argument("--ranks", default="4")
     ap.add_argument("--n", type=int, default=16, help="samples per length")
@@ -54,7 +49,7 @@ def main():
     from gdnviz.probes.sweep import SweepSpec, run_sweep
 
     dev = torch.device(a.device)
-    dtype = a.dtype or ("bfloat16" if dev.type == "cuda" else "float32")
+    dtype = retrieval_dtype(a, dev)
     lm = retrieval_model(a.model, dev, dtype)
     lengths = [int(x) for x in a.lengths.split(",") if x]
     ranks = tuple(int(x) for x in a.ranks.split(",") if x)

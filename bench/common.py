@@ -49,6 +49,25 @@ def run_parser(tokens: int = 16384, description: str | None = None):
     return ap
 
 
+def retrieval_parser(description: str | None = None):
+    """The arguments every retrieval benchmark (sweeps, the cluster, the first result) takes: ``--device`` (CUDA when
+    there is one), ``--model`` (``retrieval_model``'s name), ``--dtype`` and ``--task``; each script adds its own.
+    ``retrieval_dtype(args, device)`` resolves the dtype."""
+    import argparse
+
+    ap = argparse.ArgumentParser(description=description)
+    ap.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
+    ap.add_argument("--model", choices=["demo", "0.8b"], default="0.8b")
+    ap.add_argument("--dtype", default=None, help="bfloat16 (CUDA default) or float32 (CPU default)")
+    ap.add_argument("--task", default="niah_single_1")
+    return ap
+
+
+def retrieval_dtype(args, device) -> str:
+    """``--dtype``, else bfloat16 on CUDA and float32 elsewhere."""
+    return args.dtype or ("bfloat16" if torch.device(device).type == "cuda" else "float32")
+
+
 def sync(device) -> None:
     """Wait for ``device``'s queued work (a no-op on CPU)."""
     dev = torch.device(device)
