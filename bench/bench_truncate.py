@@ -1,9 +1,10 @@
 """Guard benchmark: one boundary's head states truncated by gdnviz.truncation.truncate_states against torch.linalg.svd.
 
 One boundary of Qwen3.5-0.8B = 288 states of 128×128 (18 GDN layers × 16 heads); a truncated run truncates one
-layer's 16 heads at a time. For each r, on n states and on 16: ``truncate_states`` (on CUDA the CUDA kernel; on CPU
-the certified torch path) eagerly and, on CUDA, replayed from a CUDA graph, and the same truncation through
-``torch.linalg.svd`` in float32 and float64 in the same run. One JSON line per measurement:
+layer's 16 heads at a time. For each r, on n states and on 16: ``truncate_states`` (on CUDA the CUDA kernel and
+its exact check against the contract, one host sync; on CPU the certified torch path) eagerly and, on CUDA, the
+kernel as a run's graph window calls it (its states copied for the deferred check) replayed from a CUDA graph, and
+the same truncation through ``torch.linalg.svd`` in float32 and float64 in the same run. One JSON line per measurement:
 
     {"what", "device", "n", "k", "v", "r", "baseline": "torch.linalg.svd", "baseline_ms", "ours_ms", "ratio",
      "max_energy_err", ...}
@@ -28,7 +29,8 @@ import torch
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
 
 from bench.common import emit, sync, time_ms  # noqa: E402
-from gdnviz.truncation import energy_error, truncate_states  # noqa: E402
+from gdnviz.truncation import contract, energy_error, truncate_states  # noqa: E402
+from gdnviz.truncation.dispatch import kernel_truncate  # noqa: E402
 from tests.support.states import gdn_like_states  # noqa: E402
 
 F64 = torch.float64
@@ -74,12 +76,22 @@ def sync_check(S: torch.Tensor, r: int) -> str:
 
 
 def graph_replay_ms(S: torch.Tensor, r: int, warmup: int, repeats: int):
-    """Capture ``truncate_states`` in a CUDA graph; (replay ms, error) — error is set when capture fails."""
-    ms, out = capture_replay_ms(lambda x: truncate_states(x, r), S.clone(), warmup, repeats)
+    """A boundary as a truncated run's graph window makes it: the kernel (``kernel_truncate``) inside
+    ``contract.window``, its states copied for the deferred check, captured in a CUDA graph. (replay ms, error,
+    ms of the deferred check of the call's states on the side stream, timed alone) — error is set when capture
+    fails."""
+    slots = contract.Slots()
+
+    def windowed(x):
+        with contract.window(slots):
+            return kernel_truncate(x, r)
+
+    ms, out = capture_replay_ms(windowed, S.clone(), warmup, repeats)
     if ms is None:
-        return None, out
-    ok = torch.allclose(out, truncate_states(S, r), rtol=0, atol=1e-6 * S.abs().max().item())
-    return ms, None if ok else "replay differs from eager"
+        return None, out, None
+    check_ms = time_ms(lambda: contract.check_window(slots) or contract.counts(S.device), S.device, 1, repeats)
+    ok = torch.allclose(out, kernel_truncate(S, r, iters=None), rtol=0, atol=1e-6 * S.abs().max().item())
+    return ms, None if ok else "replay differs from eager", check_ms
 
 
 def capture_replay_ms(fn, static_in: torch.Tensor, warmup: int, repeats: int):
@@ -161,9 +173,10 @@ def main() -> None:
             best = ms
             if dev.type == "cuda":
                 where = sync_check(S, r)
-                gms, gerr = graph_replay_ms(S, r, warmup, repeats)
+                gms, gerr, cms = graph_replay_ms(S, r, warmup, repeats)
                 emit(what=f"{source}:cuda_checks", device=str(dev), n=n, r=r, host_sync=where,
-                     graph_replay_ms=None if gms is None else round(gms, 4), graph_error=gerr)
+                     graph_replay_ms=None if gms is None else round(gms, 4), graph_error=gerr,
+                     deferred_check_ms=None if cms is None else round(cms, 4))
                 if gms is not None:
                     for prec, bms in base.items():
                         line(f"{source}:cuda_graph:vs_svd_{prec}", dev, S, r, bms, gms, err)

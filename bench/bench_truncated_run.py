@@ -37,7 +37,7 @@ def main():
 
     from gdnviz import runner
     from gdnviz.models import from_model
-    from gdnviz.truncation import TruncationSpec
+    from gdnviz.truncation import TruncationSpec, contract
     from gdnviz.truncation.callback import TruncateCallback
 
     dev = torch.device(args.device)
@@ -73,7 +73,9 @@ def main():
         """One truncated run: every head at rank ``r``, or the per-head ranks of ``r`` when it is a TruncationSpec."""
         spec = r if isinstance(r, TruncationSpec) else TruncationSpec.all_heads(lm.info, r)
         ctx = runner.RunContext(segment_len=L, callbacks=[TruncateCallback(lm.info, spec)], graphs=graphs)
-        out = runner.forward(lm, ids, logits_positions=last, keep_hidden=False, ctx=ctx)
+        # as the probes run it: held to the 1e-5 contract (checked on a side stream, answered again on a breach)
+        out = contract.run_checked(
+            lambda: runner.forward(lm, ids, logits_positions=last, keep_hidden=False, ctx=ctx), spec)
         if holder is not None:
             holder["logp"] = out.logits.float().log_softmax(-1)
             holder["readouts"] = sorted(ctx.readouts)
@@ -86,10 +88,13 @@ def main():
         truncated(r, True, h)
         sync(dev)
         t_first = time.perf_counter() - t0
+        c0 = contract.counts(dev)
         t = timeit(lambda: truncated(r, True), dev, repeats=args.repeats, warmup=0)
+        c1 = contract.counts(dev)
         graphed[r] = h
         emit(what="truncated_run_graph", rank=r, seconds=t, first_call_seconds=t_first, baseline="plain_prefill",
-             ratio=t / t_plain, readouts=h["readouts"], **base)
+             ratio=t / t_plain, readouts=h["readouts"], states_checked=c1["checked"] - c0["checked"],
+             contract_breaches=c1["breaches"] - c0["breaches"], worst_energy_error=c1["worst"], **base)
     if args.mixed_ranks and dev.type == "cuda":
         mixed = [int(x) for x in args.mixed_ranks.split(",")]
         spec_m = TruncationSpec.from_dict({(l, h): mixed[h % len(mixed)] for l in lm.info.gdn_layers

@@ -16,7 +16,7 @@ from dataclasses import dataclass
 import torch
 
 from gdnviz import runner
-from gdnviz.truncation import TruncateCallback, TruncationSpec
+from gdnviz.truncation import TruncateCallback, TruncationSpec, contract
 from gdnviz.static_decode import decoder_for
 
 
@@ -37,8 +37,14 @@ def greedy_generate(lm, prompt_ids, max_new_tokens: int = 32, *, segment_len: in
 
     ``callbacks``: more runner callbacks (``gdnviz.callbacks.BoundaryCallback``, after the truncation) for the
     prefill and every decode step, e.g. ``gdnviz.patching.PatchCallback``."""
+    callbacks = list(callbacks)
+    return contract.run_checked(lambda: _greedy(lm, prompt_ids, max_new_tokens, segment_len, spec, stop_ids,
+                                                callbacks), spec)
+
+
+def _greedy(lm, prompt_ids, max_new_tokens, segment_len, spec, stop_ids, callbacks) -> Generation:
     ids = torch.as_tensor(prompt_ids, dtype=torch.long).reshape(1, -1)
-    callbacks = ([TruncateCallback(lm.info, spec)] if spec is not None and len(spec) else []) + list(callbacks)
+    callbacks = ([TruncateCallback(lm.info, spec)] if spec is not None and len(spec) else []) + callbacks
     ctx = runner.RunContext(segment_len=runner.check_segment_len(segment_len), callbacks=callbacks)
     if stop_ids is None:
         stop_ids = model_stop_ids(lm)

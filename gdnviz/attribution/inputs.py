@@ -13,7 +13,7 @@ import torch
 
 from gdnviz import runner
 from gdnviz.errors import HeadOutOfRange, LayerNotGDN, PositionOutOfRange
-from gdnviz.truncation import TruncateCallback
+from gdnviz.truncation import TruncateCallback, contract
 
 
 @dataclass(frozen=True)
@@ -109,7 +109,12 @@ def head_inputs(lm, input_ids, layer: int, head: int, length: int, spec=None,
         callbacks.insert(0, TruncateCallback(lm.info, spec))
         r = spec.as_dict().get((layer, head))
         rank = r if r is not None and r < min(lm.info.d_k, lm.info.d_v) else None
-    runner.forward(lm, ids[:, :length], segment_len=segment_len, callbacks=callbacks, keep_hidden=False)
+
+    def run():
+        grab.parts.clear()  # a run answered again (``contract.run_checked``) grabs anew
+        runner.forward(lm, ids[:, :length], segment_len=segment_len, callbacks=callbacks, keep_hidden=False)
+
+    contract.run_checked(run, spec)
     q, k, v, g, beta = (torch.cat(p) for p in zip(*grab.parts))
     return HeadInputs(q=q * k.shape[1] ** -0.5, k=k, v=v, g=g, beta=beta, rank=rank,
                       segment_len=segment_len if rank is not None else None)

@@ -26,7 +26,10 @@ the final state copied into the static state buffer. Constraints on the boundary
 before the capture. The first window of a new graph runs eagerly on a side stream — that run is its real result
 and also the capture's warm-up (fla's autotuning for these shapes, lazy constants) — then the body is recorded;
 later windows replay. A callback's ``graph_boundary`` (``gdnviz.callbacks.BoundaryCallback``) provides such
-functions; truncation's ``TruncateCallback`` does.
+functions; truncation's ``TruncateCallback`` does. The body runs under ``gdnviz.truncation.contract.window``: the
+truncation kernel's calls in it copy their states into the window's slots, and after each run of the body (replay,
+eager run or the capture's eager run) ``contract.check_window`` checks them on a side stream against the 1e-5
+contract.
 
 Graphs are cached per (device, shapes, dtypes, L, W, boundary key), a few at a time (``MAX_GRAPHS``,
 least recently used dropped): all layers that truncate the same heads to the same ranks share one graph. A capture
@@ -44,6 +47,7 @@ from typing import Callable
 import torch
 
 from gdnviz.gdn import kernels
+from gdnviz.truncation import contract
 
 WINDOW = 16  # periods per graph replay (4,096 tokens at L = 256)
 MAX_GRAPHS = 6  # e.g. a full and a remainder window for each of three boundary functions
@@ -92,6 +96,7 @@ class _WindowGraph:
         self.state = torch.zeros(st.shape, dtype=torch.float32, device=st.device)
         v = proto["v"]
         self.out = torch.zeros((v.shape[0], n, *v.shape[2:]), dtype=v.dtype, device=v.device)
+        self.slots = contract.Slots()  # the truncation kernel's answers, checked after each run (``contract``)
         self.graph = None
 
     def boundaries_per_window(self, row_starts=None) -> int:
@@ -104,15 +109,17 @@ class _WindowGraph:
         S = self.state
         pre = kernels.intra(b["k"], b["v"], b["g"], b["beta"]) if self.split else None
         L = self.L
-        for i in range(self.W):
-            sl = slice(i * L, (i + 1) * L)
-            if pre is not None:
-                gc, w, u = pre
-                o, S = kernels.segment(b["q"][:, sl], b["k"][:, sl], gc[:, sl], w[:, sl], u[:, sl], S)
-            else:
-                o, S = kernels.core(b["q"][:, sl], b["k"][:, sl], b["v"][:, sl], b["g"][:, sl], b["beta"][:, sl], S)
-            self.out[:, sl].copy_(o)
-            S = self.fn(S, None)
+        with contract.window(self.slots):
+            for i in range(self.W):
+                sl = slice(i * L, (i + 1) * L)
+                if pre is not None:
+                    gc, w, u = pre
+                    o, S = kernels.segment(b["q"][:, sl], b["k"][:, sl], gc[:, sl], w[:, sl], u[:, sl], S)
+                else:
+                    o, S = kernels.core(b["q"][:, sl], b["k"][:, sl], b["v"][:, sl], b["g"][:, sl],
+                                        b["beta"][:, sl], S)
+                self.out[:, sl].copy_(o)
+                S = self.fn(S, None)
         self.state.copy_(S)
 
     def capture(self) -> None:
@@ -126,6 +133,7 @@ class _WindowGraph:
         with torch.cuda.stream(side):
             self.body()
         torch.cuda.current_stream(dev).wait_stream(side)
+        contract.check_window(self.slots)  # the eager run's states (the recording below runs nothing)
         out, end = self.out.clone(), self.state.clone()
         self.state.copy_(start)
         g = torch.cuda.CUDAGraph()
@@ -145,6 +153,7 @@ class _WindowGraph:
             self.graph.replay()
         else:
             self.body()
+        contract.check_window(self.slots)
 
 
 def split_scan(device, L: int) -> bool:

@@ -32,7 +32,7 @@ import torch
 from gdnviz import runner
 from gdnviz.errors import EmptyDocument, EmptyDocumentSet
 from gdnviz.generate import Generation, greedy_generate, model_stop_ids
-from gdnviz.truncation import TruncateCallback, TruncationSpec
+from gdnviz.truncation import TruncateCallback, TruncationSpec, contract
 from gdnviz.static_decode import decoder_for
 
 __all__ = ["pad_left", "batched_forward", "batched_token_nll", "batched_greedy"]
@@ -91,6 +91,9 @@ def batched_forward(lm, prompts: Sequence, *, segment_len: int = runner.DEFAULT_
     """One segmented forward of a left-padded batch; returns (RunOutput, ctx, mask, starts).
 
     Hidden states / logits of row b's token i sit at column ``starts[b] + i``. ``ctx`` continues the run (decode).
+    With a ``spec`` on CUDA, make the whole run (with its decode) through ``truncation.contract.run_checked`` so
+    that a breach of the 1e-5 contract in a graph window answers it again (``batched_greedy`` and
+    ``batched_token_nll`` do).
     """
     _check_isolation(lm)
     ids, mask, starts = pad_left(prompts, pad_id)
@@ -105,7 +108,8 @@ def batched_token_nll(lm, prompts: Sequence, *, segment_len: int = runner.DEFAUL
                       spec: TruncationSpec | None = None, chunk: int = 2048) -> list[np.ndarray]:
     """``gdnviz.probes.loss.token_nll`` for several prompts in one forward: one [len - 1] float64 array each."""
     prompts = _as_lists(prompts)
-    out, _, _, starts = batched_forward(lm, prompts, segment_len=segment_len, spec=spec)
+    out, _, _, starts = contract.run_checked(lambda: batched_forward(lm, prompts, segment_len=segment_len, spec=spec),
+                                             spec)
     res = []
     with torch.inference_mode():
         for b, (p, s) in enumerate(zip(prompts, starts)):
@@ -135,11 +139,17 @@ def batched_greedy(lm, prompts: Sequence, max_new_tokens: int = 32, *,
     if stop_ids is None:
         stop_ids = model_stop_ids(lm)
     stop_ids = set(stop_ids)
+    callbacks = list(callbacks)
     if lm.info.family == "fla":
-        if list(callbacks):
+        if callbacks:
             raise NotImplementedError("extra callbacks are not supported for fla models in batched_greedy")
         return [greedy_generate(lm, p, max_new_tokens, segment_len=segment_len, spec=spec, stop_ids=stop_ids)
                 for p in prompts]
+    return contract.run_checked(lambda: _batched_greedy(lm, prompts, max_new_tokens, segment_len, spec, stop_ids,
+                                                        callbacks, pad_id), spec)
+
+
+def _batched_greedy(lm, prompts, max_new_tokens, segment_len, spec, stop_ids, callbacks, pad_id) -> list[Generation]:
     out, ctx, mask, _ = batched_forward(lm, prompts, segment_len=segment_len, spec=spec, callbacks=callbacks,
                                         use_cache=True, logits_positions="last", keep_hidden=False, pad_id=pad_id)
     B = len(prompts)

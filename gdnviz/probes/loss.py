@@ -24,7 +24,7 @@ import numpy as np
 import torch
 
 from gdnviz import runner
-from gdnviz.truncation import TruncateCallback, TruncationSpec
+from gdnviz.truncation import TruncateCallback, TruncationSpec, contract
 
 #: The readings of "bigram seen more than ``min_distance`` tokens back" (the module docstring defines them).
 COPY_READINGS = ("any", "recent")
@@ -35,7 +35,7 @@ def token_nll(lm, input_ids, *, segment_len: int = runner.DEFAULT_SEGMENT_LEN, s
     """[T-1] float64: −log p(x_{t+1} | x_{≤t}) for t = 0..T-2 with ``spec``'s heads truncated at every boundary."""
     ids = torch.as_tensor(input_ids, dtype=torch.long).reshape(1, -1)
     callbacks = [TruncateCallback(lm.info, spec)] if spec is not None and len(spec) else []
-    out = runner.forward(lm, ids, segment_len=segment_len, callbacks=callbacks)
+    out = contract.run_checked(lambda: runner.forward(lm, ids, segment_len=segment_len, callbacks=callbacks), spec)
     h = out.hidden[0, :-1]
     tgt = ids[0, 1:].to(h.device)
     nll = []

@@ -4,13 +4,16 @@ At every boundary (absolute positions L, 2L, …) the state the next segment rea
 its top-r left singular directions, so the cut compounds along the document. The truncation is
 ``gdnviz.truncation.dispatch``'s: the CUDA kernel where it runs (in the runner's CUDA-graph windows through
 ``graph_boundary``, in its eager loop through ``on_boundary``: the same launches, the same bits), else the certified
-torch path or the exact one.
+torch path or the exact one. The kernel's answers are held to the 1e-5 contract by ``gdnviz.truncation.contract``;
+a run in graph windows must be made through ``contract.run_checked`` to be answered again on a breach (the probes,
+``generate`` and attribution do so).
 """
 from __future__ import annotations
 
 import torch
 
 from gdnviz.truncation import constants as C
+from gdnviz.truncation import contract
 from gdnviz.truncation.dispatch import kernel_runs, kernel_truncate, truncate_states
 from gdnviz.truncation.spec import TruncationSpec
 
@@ -80,13 +83,15 @@ class TruncateCallback:
         """For the runner's graph windows: ``"noop"`` when no head of ``layer`` is truncated; else ``(fn, key)`` with
         ``fn(state [B, H, K, V], rows=None) -> state`` the eager loop's truncation and ``key`` naming what it does (so
         that layers doing the same share a graph). On CUDA only where the CUDA kernel truncates the layer (ranks ≤ 32,
-        K and V in {64, 128}, NVRTC available): then ``fn`` has no host sync; elsewhere on CUDA None (the runner runs
-        its eager loop for the layer). Off CUDA (uncaptured windows) ``fn`` runs ``truncate_states``."""
+        K and V in {64, 128}, NVRTC available): then ``fn`` has no host sync and its answers are checked after each
+        window (``contract``); elsewhere on CUDA None (the runner runs its eager loop for the layer, every answer
+        checked at once). Off CUDA (uncaptured windows) ``fn`` runs ``truncate_states``. None inside
+        ``contract.immediate``."""
         if layer not in self.per_layer:
             return "noop"
         dev = torch.device(device)
         kernel = self._kernel(layer, dev)
-        if dev.type == "cuda" and not kernel:
+        if not contract.deferring() or (dev.type == "cuda" and not kernel):
             return None
         return self._fn(layer, dev, kernel)
 

@@ -44,6 +44,7 @@ FULL_JACOBI_TOL = 1e-8
 # the result certified on the device by the energy-error bound; uncertified states run the full algorithm in a
 # second launch. (block width, ((largest rank, filter steps), ...)); a rank has at most one attempt.
 ATTEMPTS = ((16, ((4, 2),)), (32, ((16, 2),)))
+CONTRACT = 1e-5  # the contract: |retained energy − exact top-r energy| ≤ CONTRACT·‖S‖²_F for every state
 CERT_TOL = 5e-6  # an attempt's answer stands when its energy-error bound is at most this (criterion 1e-5)
 # An attempt's Jacobi stop, by block width: its certificate holds for any orthonormal basis, so a looser stop is
 # paid for by a larger bound, never by a wrong answer (1e-6 at 32 columns left GDN-like states uncertified).

@@ -3,9 +3,12 @@
 Per state, by its rank r, the state shape [K, V] and the device:
 
 * r ≥ min(K, V): the state unchanged (bit for bit).
-* r ≤ 32, CUDA, K and V in {64, 128}, the kernel compiled: the CUDA kernel (``gdnviz.truncation.cuda``; float32 and
-  float64 states as they are, bfloat16 / float16 through float32). No host sync: it is what truncated runs replay
-  in CUDA graphs, and the eager loop and ``truncate_states`` run the same launches, so all give the same bits.
+* r ≤ 32, CUDA, K and V in {64, 128}, the kernel compiled: the CUDA kernel
+  (``gdnviz.truncation.cuda``; float32 and float64 states as they are, bfloat16 / float16 through float32), every
+  answer checked exactly against the 1e-5 contract (``gdnviz.truncation.contract``): at once outside the runner's
+  CUDA-graph windows (the states over the bound answered again on the certified torch path; one host sync), after
+  each window on a side stream inside them (a breach makes the run answer again without windows). Certified
+  answers are the same bits in graph windows, the eager loop and ``truncate_states``.
 * r ≤ 32 and K ≥ 64 otherwise (CPU; CUDA without NVRTC or another shape): the same algorithm in float64 torch
   (``reference.subspace_truncate``), then each state's energy error is bounded (``reference.certificate``) and the
   states whose bound exceeds ``CERT_TOL`` get the exact answer: the 1e-5 contract holds for every state. Syncs.
@@ -18,7 +21,7 @@ import operator
 import torch
 
 from gdnviz.truncation import constants as C
-from gdnviz.truncation import cuda
+from gdnviz.truncation import contract, cuda
 from gdnviz.truncation.ranks import state_ranks
 from gdnviz.truncation.reference import (as_batch, certificate, eigh_truncate, subspace_truncate, exact_truncate)
 
@@ -42,9 +45,31 @@ def _kernel_ready(X: torch.Tensor) -> bool:
 def kernel_truncate(X: torch.Tensor, ranks, iters: int | None = None) -> torch.Tensor:
     """The CUDA kernel on ``X [N, K, V]`` (any float dtype; bfloat16 / float16 through float32), output in X's dtype.
     ``ranks``: an int (1 … 32 or ≥ min(K, V); the certified attempts run) or an int32 CUDA tensor ``[N]`` read only by
-    the kernel. Capture-safe: no host sync, no allocation that depends on data."""
-    Xc = X if X.dtype in cuda.CTYPES else X.float()
-    return cuda.truncate_cuda(Xc.contiguous(), ranks, iters).to(X.dtype)
+    the kernel. With the default steps (``iters`` None) every answer is checked against the contract
+    (``contract``): inside a window (``contract.window``) deferred — capture-safe, no host sync, no allocation
+    that depends on data —, elsewhere at once, the states over the bound answered again by the certified torch path
+    (one host sync). ``iters`` given (benchmarks, tests): the kernel alone, unchecked."""
+    Xc = (X if X.dtype in cuda.CTYPES else X.float()).contiguous()
+    Y = cuda.truncate_cuda(Xc, ranks, iters)
+    if iters is None:
+        slots = contract.active()
+        if slots is not None:
+            slots.record(Xc, Y, ranks)
+        else:
+            Y = _enforce(Xc, Y, ranks)
+    return Y.to(X.dtype)
+
+
+def _enforce(X: torch.Tensor, Y: torch.Tensor, ranks) -> torch.Tensor:
+    """``Y`` with the states whose exact error breaks the contract answered again on the certified torch path."""
+    rt = (torch.full((X.shape[0],), ranks, dtype=torch.long, device=X.device) if isinstance(ranks, int)
+          else ranks.to(torch.long))
+    bad = torch.nonzero(contract.over(contract.exact_errors(X, contract.kept_energy(Y), rt))).flatten()
+    if bad.numel() == 0:  # the host sync
+        return Y
+    # a state over the bound has r < min(K, V) (a kept state is copied: error 0) and r ≤ 32
+    fixed = _subspace(X.index_select(0, bad), rt.index_select(0, bad).tolist(), None, use_kernel=False)
+    return Y.index_copy(0, bad, fixed.to(Y.dtype))
 
 
 def _path(method: str, r: int, m: int, K: int) -> str:
@@ -100,8 +125,9 @@ def truncate_states(states: torch.Tensor, rank, *, method: str = "auto", iters: 
     Raises RankOutOfRange for a rank < 1 or not an integer; ValueError / TypeError for malformed ``states``,
     ``method``, ``iters``, or a per-state rank list of the wrong length.
 
-    Host syncs: none on the CUDA kernel path with one rank (a rank list is copied host→device); the torch and exact
-    paths sync.
+    Host syncs: one on the CUDA kernel path (its exact check against the contract, ``kernel_truncate``; a rank list
+    is also copied host→device); the torch and exact paths sync. With ``iters`` given the kernel's answers are not
+    checked.
     """
     if method not in METHODS:
         raise ValueError(f"method must be one of {METHODS}; got {method!r}.")

@@ -1,0 +1,232 @@
+"""The 1e-5 contract for the CUDA kernel's answers: every state it truncates is checked against the exact answer.
+
+The kernel's certified attempts bound their own error, but its full algorithm is not certified: on nearly flat or
+slowly decaying spectra it can miss the exact top-r energy by more than 1e-5 (docs/kernels-truncation.md). So each
+answer ``Y`` of a state ``S`` at rank ``r`` is checked exactly:
+
+    e = (Σ_{i≤r} λᵢ − ‖Y‖²_F) / ‖S‖²_F,   λ the eigenvalues of S Sᵀ (float64, ``gdnviz.gpu.symeig``),
+
+and ``|e| ≤ CONTRACT`` (1e-5) must hold (a zero state counts as e = 0; a non-finite e is not a breach: NaN states
+have no top-r energy). Two ways, chosen by where the kernel runs:
+
+* **Immediate** (outside a window: ``truncate_states``, the eager segment loop, decode boundaries): the caller
+  (``dispatch.kernel_truncate``) checks the call's states at once with :func:`exact_errors` and answers the ones over
+  the bound again on the certified torch path. One host sync.
+* **Deferred** (inside :func:`window`, the runner's CUDA-graph windows, ``gdnviz.gpu.scan_graph``): the call only
+  keeps ``S`` and writes ``‖Y‖`` into the window's :class:`Slots` (one small kernel, capture-safe). After each run
+  of the window (a replay or an eager run, never a recording) :func:`check_window` copies the slots once and checks
+  the copy on a side stream, overlapping the next window; states over the bound are counted per device. A run takes a :func:`mark` before and asks :func:`breached` after (one
+  host sync each): on a breach the run is answered again without windows, where every call is immediate
+  (:func:`run_checked`). The counters are per device and never reset, so runs in several threads of one
+  process can only cause extra re-answers, never hide a breach.
+"""
+from __future__ import annotations
+
+import contextlib
+import logging
+import threading
+
+import torch
+
+from gdnviz.gpu import symeig
+from gdnviz.truncation import constants as C
+
+F64 = torch.float64
+log = logging.getLogger(__name__)
+
+
+def exact_errors(X: torch.Tensor, kept2: torch.Tensor, ranks: torch.Tensor) -> torch.Tensor:
+    """``e [N]`` float64 (module docstring) of answers with energies ``kept2 [N]`` (``‖Y‖²_F``, float64) for states
+    ``X [N, K, V]`` at ``ranks`` (``[N]`` integer tensor on X's device; ≥ min(K, V) means every direction). No host
+    sync where ``symeig.eigvalsh`` runs its CUDA kernels (float64 CUDA, min(K, V) in {64, 128})."""
+    G = symeig.gram(X)
+    n = G.shape[-1]
+    G, bad = symeig.finite_symmetric(G)
+    lam = symeig.eigvalsh(G)  # ascending
+    keep = torch.arange(n, device=X.device)[None, :] >= (n - ranks.to(torch.long)[:, None])
+    top = (lam * keep).sum(-1)
+    total = G.diagonal(dim1=-2, dim2=-1).sum(-1)
+    e = torch.where(total > 0, (top - kept2) / torch.where(total > 0, total, torch.ones_like(total)),
+                    torch.zeros_like(total))
+    return torch.where(bad | ~torch.isfinite(e), torch.zeros_like(e), e)
+
+
+def over(e: torch.Tensor) -> torch.Tensor:
+    """bool ``[N]``: the errors ``e`` that break the contract."""
+    return e.abs() > C.CONTRACT
+
+
+def kept_energy(Y: torch.Tensor) -> torch.Tensor:
+    """``‖Y‖²_F`` per state, float64 ``[N]`` (one kernel)."""
+    return torch.linalg.vector_norm(Y, dim=(-2, -1), dtype=F64).square()
+
+
+# --------------------------------------------------------------------------------------------- deferred
+class Slots:
+    """A window's record of the states its kernel calls truncated, in call order: slot i holds the i-th call's input
+    ``X [N, K, V]`` (a reference, not a copy: in a captured graph it is the block every replay writes that state
+    into), ``‖Y‖_F`` of its answer (``[N]`` float64, a buffer the call writes) and its ranks (``[N]`` long). The
+    buffers are made on the first run of the window body (which runs eagerly before the capture)."""
+
+    def __init__(self):
+        self.x: list[torch.Tensor] = []
+        self.kept: list[torch.Tensor] = []
+        self.ranks: list[torch.Tensor] = []
+        self.used = 0  # calls recorded in the last run of the body
+
+    def record(self, X: torch.Tensor, Y: torch.Tensor, ranks) -> None:
+        i = self.used
+        if i == len(self.x) or self.kept[i].shape[0] != X.shape[0] or self.kept[i].device != X.device:
+            r = (torch.full((X.shape[0],), ranks, dtype=torch.long, device=X.device) if isinstance(ranks, int)
+                 else ranks.to(torch.long))
+            kept = torch.empty(X.shape[0], dtype=F64, device=X.device)
+            if i == len(self.x):
+                self.x.append(X), self.kept.append(kept), self.ranks.append(r)
+            else:
+                self.kept[i], self.ranks[i] = kept, r
+        self.x[i] = X
+        torch.linalg.vector_norm(Y, dim=(-2, -1), dtype=F64, out=self.kept[i])  # ‖Y‖, squared by the check
+        self.used = i + 1
+
+
+_LOCAL = threading.local()
+
+
+def active() -> Slots | None:
+    """The slots of the window body running in this thread, or None (immediate checks)."""
+    return getattr(_LOCAL, "slots", None)
+
+
+@contextlib.contextmanager
+def window(slots: Slots):
+    """Run a window body with the kernel's checks deferred into ``slots`` (restarted at slot 0)."""
+    prev = active()
+    slots.used = 0
+    _LOCAL.slots = slots
+    try:
+        yield slots
+    finally:
+        _LOCAL.slots = prev
+
+
+class _Device:
+    """One device's side stream and counters (float64 / int64 scalars on the device)."""
+
+    def __init__(self, device: torch.device):
+        self.stream = torch.cuda.Stream(device=device) if device.type == "cuda" else None
+        self.breaches = torch.zeros((), dtype=torch.long, device=device)
+        self.checked = torch.zeros((), dtype=torch.long, device=device)
+        self.worst = torch.zeros((), dtype=F64, device=device)
+
+
+_DEVICES: dict[str, _Device] = {}
+_DEVICES_LOCK = threading.Lock()
+
+
+def _device(device: torch.device) -> _Device:
+    key = str(device)
+    with _DEVICES_LOCK:
+        d = _DEVICES.get(key)
+        if d is None:
+            d = _DEVICES[key] = _Device(device)
+    return d
+
+
+def check_window(slots: Slots) -> None:
+    """Check the states the last run of a window body recorded: call it after a replay or an eager run of the body,
+    never after a recording (recorded calls have not run yet), and not during a capture. The slots are copied on a
+    side stream that the current stream then waits for, so that the next replay may overwrite them; the check itself
+    runs on the side stream. No host sync."""
+    n = slots.used
+    if n == 0:
+        return
+    dev = slots.x[0].device
+    d = _device(dev)
+    cur = torch.cuda.current_stream(dev) if d.stream is not None else None
+    ctx = torch.cuda.stream(d.stream) if d.stream is not None else contextlib.nullcontext()
+    if d.stream is not None:
+        d.stream.wait_stream(cur)
+    if d.stream is not None:
+        for t in (*slots.x[:n], *slots.kept[:n], *slots.ranks[:n]):
+            t.record_stream(d.stream)  # not reused by the allocator before the side stream has read it
+    with ctx:
+        X = torch.cat(slots.x[:n]) if n > 1 else slots.x[0].clone()
+        kept = torch.cat(slots.kept[:n]) if n > 1 else slots.kept[0].clone()
+        kept.square_()
+        if d.stream is not None:
+            cur.wait_stream(d.stream)  # the copies are done before anything on the current stream writes the slots
+        ranks = torch.cat(slots.ranks[:n]) if n > 1 else slots.ranks[0]
+        e = exact_errors(X, kept, ranks)
+        d.breaches.add_(over(e).sum())
+        d.checked.add_(e.numel())
+        torch.maximum(d.worst, e.abs().max(), out=d.worst)
+
+
+def _join(d: _Device, device: torch.device) -> None:
+    if d.stream is not None:
+        torch.cuda.current_stream(device).wait_stream(d.stream)
+
+
+def counts(device) -> dict:
+    """``{"breaches", "checked", "worst"}`` of deferred checks on ``device`` so far (host values; one sync)."""
+    device = torch.device(device)
+    d = _device(device)
+    _join(d, device)
+    return {"breaches": int(d.breaches), "checked": int(d.checked), "worst": float(d.worst)}
+
+
+def mark() -> dict:
+    """The breach count of every device with deferred checks (one sync each): pass it to :func:`breached`."""
+    with _DEVICES_LOCK:
+        devs = list(_DEVICES.items())
+    out = {}
+    for key, d in devs:
+        _join(d, torch.device(key))
+        out[key] = int(d.breaches)
+    return out
+
+
+def breached(since: dict) -> bool:
+    """Whether a deferred check found a state over the bound on any device after ``since`` (a :func:`mark`)."""
+    now = mark()
+    return any(n > since.get(key, 0) for key, n in now.items())
+
+
+# ------------------------------------------------------------------------------------------- runs
+def deferring() -> bool:
+    """Whether truncated runs in this thread may use graph windows (deferred checks): False inside
+    :func:`immediate`."""
+    return not getattr(_LOCAL, "immediate", False)
+
+
+@contextlib.contextmanager
+def immediate():
+    """Within it, ``TruncateCallback`` runs no graph windows: every kernel answer is checked (and mended) at once."""
+    prev = getattr(_LOCAL, "immediate", False)
+    _LOCAL.immediate = True
+    try:
+        yield
+    finally:
+        _LOCAL.immediate = prev
+
+
+def run_checked(run, spec):
+    """``run()`` (a truncated run with ``spec``, e.g. a generation or a forward) held to the contract: if a deferred
+    check found a state over the bound while it ran (:func:`breached`), ``run()`` is called again inside
+    :func:`immediate` and that result returned (logged as a warning; callbacks the run carries see it twice). A
+    None or empty ``spec``, a call nested in another ``run_checked`` or inside :func:`immediate`: just ``run()``.
+    One host sync before and after."""
+    if spec is None or not len(spec) or not deferring() or getattr(_LOCAL, "checking", False):
+        return run()
+    since = mark()
+    _LOCAL.checking = True
+    try:
+        out = run()
+    finally:
+        _LOCAL.checking = False
+    if not breached(since):
+        return out
+    log.warning("a truncated state missed the exact top-r energy by more than %g of its energy in a CUDA-graph "
+                "window; answering the run again with every boundary checked at once", C.CONTRACT)
+    with immediate():
+        return run()
