@@ -668,9 +668,17 @@ def test_truncate_states_on_cuda_is_the_kernel(r):
 def test_truncate_states_on_cuda_mixed_ranks_no_sync_and_graph():
     """Per-state ranks (kept ones and ranks > 32 too): the kernel for ranks ≤ 32 and kept states in one launch, the
     exact path for the rest; a host list and a device tensor give the same bits; one host rank and a device rank
-    tensor through ``kernel_truncate`` do not sync and replay from a CUDA graph."""
+    tensor through ``kernel_truncate`` inside a graph window (``contract.window``: the check deferred) do not sync
+    and replay from a CUDA graph, with the bits of the call outside a window (checked at once)."""
+    from gdnviz.truncation import contract
     from gdnviz.truncation.dispatch import kernel_truncate
     from tests.support.cuda_graph import capture
+
+    slots = contract.Slots()
+
+    def windowed(x, r):
+        with contract.window(slots):
+            return kernel_truncate(x, r)
 
     S = gdn_like_states(288, 128, 128, seed=40).cuda()
     choices = [1, 2, 4, 12, 16, 17, 32, 40, 128, 500]
@@ -683,15 +691,15 @@ def test_truncate_states_on_cuda_mixed_ranks_no_sync_and_graph():
     X = S[:16].float()
     rk = torch.tensor([1, 4, 12, 32] * 4, device="cuda", dtype=torch.int32)
     for r in (rk, 4, 20):
-        kernel_truncate(X, r)
+        windowed(X, r)
         torch.cuda.synchronize()
         torch.cuda.set_sync_debug_mode("error")
         try:
-            kernel_truncate(X, r)
+            windowed(X, r)
         finally:
             torch.cuda.set_sync_debug_mode(0)
     static_in = X.clone()
-    graph, static_out = capture(kernel_truncate, static_in, rk)
+    graph, static_out = capture(windowed, static_in, rk)
     static_in.copy_(gdn_like_states(16, 128, 128, seed=43).float().cuda())
     graph.replay()
     torch.cuda.synchronize()
