@@ -124,6 +124,8 @@ _DEVICES_LOCK = threading.Lock()
 
 
 def _device(device: torch.device) -> _Device:
+    if device.type == "cuda" and device.index is None:
+        device = torch.device("cuda", torch.cuda.current_device())
     key = str(device)
     with _DEVICES_LOCK:
         d = _DEVICES.get(key)
@@ -169,9 +171,8 @@ def _join(d: _Device, device: torch.device) -> None:
 
 def counts(device) -> dict:
     """``{"breaches", "checked", "worst"}`` of deferred checks on ``device`` so far (host values; one sync)."""
-    device = torch.device(device)
-    d = _device(device)
-    _join(d, device)
+    d = _device(torch.device(device))
+    _join(d, d.breaches.device)
     return {"breaches": int(d.breaches), "checked": int(d.checked), "worst": float(d.worst)}
 
 
