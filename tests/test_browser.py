@@ -2,9 +2,10 @@
 worker process) on a tmp cache directory and the tiny checkpoint.
 
 Flows: a deep link opened before any other session of a fresh server; a capture on a sample document; a click on
-a heatmap cell that lands on that head (and the same URL pasted into a new browser session, which first picks the
-run); a click on a row of a head's exact attention map; a truncation with both answers; a PNG download checked byte by byte; a binary upload refused with a message;
-two sessions capturing at once, each shown and exporting only its own run.
+a heatmap cell that lands on that head, whose tabs of figures each draw their charts (and the same URL pasted into
+a new browser session, which first picks the run); a click on a row of a head's exact attention map; a truncation with both answers; a PNG download checked
+byte by byte; a binary upload refused with a message; two sessions capturing at once, each shown and exporting only
+its own run.
 The tests of this module run in order and share the server (each later flow uses the earlier capture).
 """
 from __future__ import annotations
@@ -175,7 +176,19 @@ def test_heatmap_click_lands_on_that_head(server, page, browser):
     page.wait_for_url(re.compile(r"/head\?layer=1&head=2$"), timeout=60_000)
     wait_for_app(page)
     page.get_by_role("heading", name="Layer 1 · head 2").wait_for()
-    assert page.get_by_test_id("stVegaLiteChart").count() == 6  # spectrum, erank along, energy, α, key cone, spread
+    # the figures in tabs: the head opens on its spectrum and effective rank; each tab draws its own when opened
+    charts = page.get_by_test_id("stVegaLiteChart")
+    assert charts.count() == 2
+    for tab, titles in (("Energy kept", ["Energy kept by rank-r truncation"]),
+                        ("Decay α & key cone", ["Per-token decay α of this head", "Key cone of this head"]),
+                        ("Over the documents", ["Per-document spread of this head"]),
+                        ("Spectrum & effective rank", ["Singular spectrum at the document end",
+                                                       "Effective rank along the document"])):
+        page.get_by_role("tab", name=tab).click()
+        for t in titles:
+            charts.filter(has_text=t).wait_for()
+        wait_for_app(page)
+        assert charts.count() == len(titles)
     url = page.url
 
     # the same link pasted into a new browser session

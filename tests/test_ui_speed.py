@@ -5,10 +5,11 @@ starts.
 
 Each time is measured in the page, from the click event (a capture-phase listener on ``document``) to the element
 being present (polled every animation frame; a chart counts once it shows the click's own content, e.g. the new
-statistic's title): "useful" = the first thing that answers the click (the head's
-title, the new truncation set, the redrawn heatmap), "whole" = every chart of the page drawn, no stale element and
-the script finished. Medians of several clicks are printed and written to ``<tmp>/ui_speed.json``; they are
-reported, never asserted (docs/ui-speed.md has the numbers). What is asserted is that each click did what it says.
+statistic's title): "useful" = the first thing that answers the click (the head's title, the new truncation set, the
+redrawn heatmap), "whole" = every chart of the page drawn (on the Head page: the charts of its open tab), no stale
+element and the script finished. Medians of several clicks are printed and written to ``<tmp>/ui_speed.json``; they
+are reported, never asserted (docs/ui-speed.md has the numbers). What is asserted is that each click did what it
+says.
 """
 from __future__ import annotations
 
@@ -40,7 +41,9 @@ CHARTS_DRAWN = """([n, text]) => {
   return cs.some(c => c.textContent.toLowerCase().includes(text.toLowerCase()));
 }"""
 HEATMAP_HINT = "click a cell to open that head"  # the heatmap's subtitle (not on the Head page)
-SPECTRUM = "Singular spectrum at the document end"  # the Head page's first chart
+# the Head page's tabs of figures: a head opens on the first (its spectrum and effective rank, two charts)
+TAB_1, TAB_2, HEAD_CHARTS = "Spectrum & effective rank", "Decay α & key cone", 2
+SPECTRUM, ALPHA = "Singular spectrum at the document end", "Per-token decay α of this head"  # the tabs' first charts
 
 
 def _since_click(page, predicate: str, arg=None, timeout: float = 60_000) -> float:
@@ -137,8 +140,15 @@ def _measure(browser, base: str, run: dict) -> dict:
                 _arm(page)
                 cell.click()
                 rec(f"heatmap cell → head title ({visit} visit)", _since_click(page, _heading(f"Layer {layer} · head {head}")))
-                rec(f"heatmap cell → whole head page ({visit} visit)", _since_click(page, CHARTS_DRAWN, [5, SPECTRUM]))
+                rec(f"heatmap cell → whole head page ({visit} visit)",
+                    _since_click(page, CHARTS_DRAWN, [HEAD_CHARTS, SPECTRUM]))
                 assert page.url.endswith(f"/head?layer={layer}&head={head}")
+                # another tab of figures, then back to the first (where the next head opens)
+                for tab, n, text in ((TAB_2, 2, ALPHA), (TAB_1, HEAD_CHARTS, SPECTRUM)):
+                    _arm(page)
+                    page.get_by_role("tab", name=tab).click()
+                    rec(f"head page tab “{tab}” → drawn" + (f" ({visit} visit)" if tab == TAB_2 else ""),
+                        _since_click(page, CHARTS_DRAWN, [n, text]))
                 _arm(page)
                 page.get_by_role("link", name="Back to the heatmap").click()
                 rec("head page → heatmap drawn", _since_click(page, CHARTS_DRAWN, [1, HEATMAP_HINT]))
@@ -152,7 +162,7 @@ def _measure(browser, base: str, run: dict) -> dict:
             _arm(page)
             page.get_by_role("option", name=str(layer), exact=True).click()
             rec("head page layer select → head title", _since_click(page, _heading(f"Layer {layer} · head")))
-            rec("head page layer select → whole page", _since_click(page, CHARTS_DRAWN, [5, SPECTRUM]))
+            rec("head page layer select → whole page", _since_click(page, CHARTS_DRAWN, [HEAD_CHARTS, SPECTRUM]))
             heads[0] = (layer, heads[0][1])
         page.get_by_role("link", name="Back to the heatmap").click()
         wait_for_app(page)

@@ -69,7 +69,7 @@ APP_PATH = Path(__file__).resolve().parent.parent.parent / "app.py"
 PERSISTED = ("model_source", "model_path", "model_hf", "device", "dtype", "trust_remote_code", "sample_docs", "segment_len",
              "max_tokens", "heat_metric", "click_action", "tr_prompt_mode", "tr_task", "tr_target_len", "tr_seed",
              "tr_max_new", "tr_prompt", "tr_loss_docs", "tr_chat", "bud_batch", "bud_state_dtype", "bud_kv_dtype",
-             "bud_max_ctx", "head_doc", "sw_tasks", "sw_lengths", "sw_ranks", "sw_n", "sw_batch", "sw_seed0",
+             "bud_max_ctx", "head_doc", "head_tab", "sw_tasks", "sw_lengths", "sw_ranks", "sw_n", "sw_batch", "sw_seed0",
              "sw_max_new", "sw_chat", "sw_heads", "sw_layers", "sw_rank_maps", "ls_ranks", "ls_dist", "ls_heads",
              "ls_layers", "ls_rank_maps", "sc_task", "sc_length", "sc_n", "sc_r", "sc_by", "sc_keep", "sc_layers", "sc_limit",
              "sc_batch", "sc_seed0", "sc_max_new", "bg_max_new", "bg_tasks", "bg_lengths", "bg_n", "bg_tol", "bg_curve",
