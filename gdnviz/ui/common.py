@@ -668,6 +668,19 @@ def head_label(layer: int, head: int) -> str:
     return f"L{int(layer)}·H{int(head)}"
 
 
+#: The charts of heads whose click opens (or picks) a head, per page (``PAGES`` key): (the chart's session key, its
+#: selection param). app.py handles their clicks (``handle_head_click``) before it draws anything else.
+HEAD_CLICKS = {"heatmap": ("heat", "cell"), "overview": ("ov_evh", "head")}
+
+
+def handle_head_click(page: str) -> None:
+    """``click_opens_or_picks`` for the chart of heads of ``page`` (``HEAD_CLICKS``; other pages: nothing). Called
+    before the sidebar, so that a click opening a head switches page without drawing the sidebar and the page it
+    leaves."""
+    if page in HEAD_CLICKS:
+        click_opens_or_picks(*HEAD_CLICKS[page])
+
+
 def click_opens_or_picks(state_key: str, param: str) -> None:
     """Handle a click on a chart of heads (selection param ``param`` with fields layer, head, drawn under the key
     ``state_key``) before the page draws anything: in pick mode ("click_action" = "pick") the head is added to /
