@@ -179,15 +179,23 @@ def documents_tab():
 
 
 # one group of figures at a time (the tab kept across heads and pages): only the open tab is built and drawn, so
-# a click on a head shows its numbers and first figures without waiting for the others (docs/ui-speed.md)
+# a click on a head shows its numbers and first figures without waiting for the others; a fragment, so that
+# opening another tab reruns only the tabs (docs/ui-speed.md)
 TABS = {"Spectrum & effective rank": spectrum_tab, "Energy kept": energy_tab, "Decay α & key cone": decay_tab,
         "Over the documents": documents_tab}
-if st.session_state.get("head_tab") not in TABS:
-    st.session_state["head_tab"] = next(iter(TABS))
-for tab, draw in zip(st.tabs(list(TABS), key="head_tab", on_change="rerun"), TABS.values()):
-    if tab.open:
-        with tab:
-            draw()
+
+
+@st.fragment
+def figures():
+    if st.session_state.get("head_tab") not in TABS:
+        st.session_state["head_tab"] = next(iter(TABS))
+    for tab, draw in zip(st.tabs(list(TABS), key="head_tab", on_change="rerun"), TABS.values()):
+        if tab.open:
+            with tab:
+                draw()
+
+
+figures()
 HS.section(run, layer, head, doc)
 AM.section(run, layer, head, doc)
 C.page_link("heatmap", "Back to the heatmap", icon=":material/grid_on:")
