@@ -35,6 +35,7 @@ pages = [
     st.Page(common.PAGES["budget"], title="Cache budget", icon=":material/memory:", url_path="budget"),
 ]
 pg = st.navigation(pages)
+common.handle_head_click(pg.url_path)  # a click on a chart of heads, before anything is drawn
 with st.sidebar:
     st.markdown("### gdnviz\nInside the Gated DeltaNet heads of hybrid LMs")
 common.adopt_finished_capture()

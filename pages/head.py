@@ -92,8 +92,8 @@ st.markdown(f"### Layer {layer} · head {head}  \n"
 
 
 nd = len(names)
-st.caption(f"The numbers below are medians over the {nd} document{'s' if nd != 1 else ''} of this run (min–max in "
-           f"the table at the bottom). The spectrum and the key cone show one document, “{doc}”; the other plots "
+st.caption(f"The numbers below are medians over the {nd} document{'s' if nd != 1 else ''} of this run (their min–max "
+           f"under *Over the documents*). The spectrum and the key cone show one document, “{doc}”; the other plots "
            "draw every document.")
 m = st.columns(6)
 m[0].metric("Effective rank", f"{row['erank']:.1f}", help="exp of the entropy of σ/Σσ: directions carrying the norm")
@@ -111,38 +111,49 @@ if row["horizon"] < L:
 
 tag = f"L{layer}H{head}"
 args = (str(C.store().dir), run["run_id"], tuple(d["key"] for d in run["documents"]), tuple(names), li, head, doc, L)
-a, b = st.columns(2)
-with a:
-    C.chart(*RF.head_figure(*args, "spectrum"), f"{tag}_spectrum", key="ch_spectrum")
-with b:
-    C.chart(*RF.head_figure(*args, "erank_along"), f"{tag}_erank_along", key="ch_along")
-a, b = st.columns(2)
-with a:
-    spec, csv, ek = RF.head_figure(*args, "energy")
-    C.chart(spec, csv, f"{tag}_energy_kept", key="ch_energy")
-with b:
-    st.markdown("**Energy kept at seed 000's ranks, per document**")
-    st.dataframe(ek, hide_index=True, width="stretch",
-                 column_config={c: st.column_config.NumberColumn(format="percent") for c in ek.columns
-                                if c.startswith("r = ")})
-a, b = st.columns(2)
-with a:
-    spec, csv, stats = RF.head_figure(*args, "alpha")
-    C.chart(spec, csv, f"{tag}_alpha", key="ch_alpha")
-    st.dataframe(stats.rename(columns={"mean_alpha": "mean α", "one_minus_mean_alpha": "1 − ᾱ",
-                                       "horizon": "horizon (tokens)", "mean_beta": "mean β", "n_tokens": "tokens"}),
-                 hide_index=True, width="stretch",
-                 column_config={"mean α": st.column_config.NumberColumn(format="%.6f"),
-                                "1 − ᾱ": st.column_config.NumberColumn(format="%.2e"),
-                                "horizon (tokens)": st.column_config.NumberColumn(format="%.1f"),
-                                "mean β": st.column_config.NumberColumn(format="%.3f")})
-with b:
-    spec, csv, kc = RF.head_figure(*args, "keycone")
-    C.chart(spec, csv, f"{tag}_keycone", key="ch_cone")
-    st.caption(f"{doc}: mean key norm {kc['mean_key_norm']:.3f} · key-covariance erank "
-               f"{kc['key_cov_erank']:.1f} · decayed-P erank {kc['decayed_P_erank_sqrt']:.1f} "
-               f"(√eig) / {kc['decayed_P_erank_eig']:.1f} (eig)")
-st.markdown("#### Statistics of this head over the documents")
+
+
+def spectrum_tab():
+    a, b = st.columns(2)
+    with a:
+        C.chart(*RF.head_figure(*args, "spectrum"), f"{tag}_spectrum", key="ch_spectrum")
+    with b:
+        C.chart(*RF.head_figure(*args, "erank_along"), f"{tag}_erank_along", key="ch_along")
+
+
+def energy_tab():
+    a, b = st.columns(2)
+    with a:
+        spec, csv, ek = RF.head_figure(*args, "energy")
+        C.chart(spec, csv, f"{tag}_energy_kept", key="ch_energy")
+    with b:
+        st.markdown("**Energy kept at seed 000's ranks, per document**")
+        st.dataframe(ek, hide_index=True, width="stretch",
+                     column_config={c: st.column_config.NumberColumn(format="percent") for c in ek.columns
+                                    if c.startswith("r = ")})
+
+
+def decay_tab():
+    a, b = st.columns(2)
+    with a:
+        spec, csv, stats = RF.head_figure(*args, "alpha")
+        C.chart(spec, csv, f"{tag}_alpha", key="ch_alpha")
+        st.dataframe(stats.rename(columns={"mean_alpha": "mean α", "one_minus_mean_alpha": "1 − ᾱ",
+                                           "horizon": "horizon (tokens)", "mean_beta": "mean β",
+                                           "n_tokens": "tokens"}),
+                     hide_index=True, width="stretch",
+                     column_config={"mean α": st.column_config.NumberColumn(format="%.6f"),
+                                    "1 − ᾱ": st.column_config.NumberColumn(format="%.2e"),
+                                    "horizon (tokens)": st.column_config.NumberColumn(format="%.1f"),
+                                    "mean β": st.column_config.NumberColumn(format="%.3f")})
+    with b:
+        spec, csv, kc = RF.head_figure(*args, "keycone")
+        C.chart(spec, csv, f"{tag}_keycone", key="ch_cone")
+        st.caption(f"{doc}: mean key norm {kc['mean_key_norm']:.3f} · key-covariance erank "
+                   f"{kc['key_cov_erank']:.1f} · decayed-P erank {kc['decayed_P_erank_sqrt']:.1f} "
+                   f"(√eig) / {kc['decayed_P_erank_eig']:.1f} (eig)")
+
+
 STATS = [("erank", "effective rank", "directions carrying the norm, exp(−Σ p log p), p = σ/Σσ"),
          ("numerical_rank", "numerical rank", "σ above σ_max·128·ε_f32 (counts decayed residue)"),
          ("stable_rank", "stable rank", "‖S‖²_F / ‖S‖²₂"),
@@ -152,15 +163,39 @@ STATS = [("erank", "effective rank", "directions carrying the norm, exp(−Σ p 
          ("key_cov_erank", "key-covariance erank", "covariance of the keys inside the horizon (eig scale)"),
          ("decayed_P_erank", "decayed-P erank (√eig)", "P = Σ_t w_t k_t k_tᵀ, weights = decay² since t"),
          ("decayed_P_erank_eig", "decayed-P erank (eig)", "the same P on the eigenvalue scale")]
-stat_df = pd.DataFrame([dict(statistic=lab, median=float(row[k]), min=float(row[f"{k}_min"]),
-                             max=float(row[f"{k}_max"]), meaning=txt) for k, lab, txt in STATS])
-a, b = st.columns([1, 1])
-with a:
-    st.dataframe(stat_df, hide_index=True, width="stretch",
-                 column_config={c: st.column_config.NumberColumn(format="%.3g") for c in ("median", "min", "max")})
-with b:
-    C.chart(*RF.head_figure(*args, "per_document", min(int(model["d_k"]), int(model["d_v"]))), f"{tag}_per_document",
-            key="ch_perdoc", fixed_size=True)
+
+
+def documents_tab():
+    stat_df = pd.DataFrame([dict(statistic=lab, median=float(row[k]), min=float(row[f"{k}_min"]),
+                                 max=float(row[f"{k}_max"]), meaning=txt) for k, lab, txt in STATS])
+    a, b = st.columns([1, 1])
+    with a:
+        st.markdown("**Statistics of this head over the documents**")
+        st.dataframe(stat_df, hide_index=True, width="stretch",
+                     column_config={c: st.column_config.NumberColumn(format="%.3g") for c in ("median", "min", "max")})
+    with b:
+        C.chart(*RF.head_figure(*args, "per_document", min(int(model["d_k"]), int(model["d_v"]))),
+                f"{tag}_per_document", key="ch_perdoc", fixed_size=True)
+
+
+# one group of figures at a time (the tab kept across heads and pages): only the open tab is built and drawn, so
+# a click on a head shows its numbers and first figures without waiting for the others; a fragment, so that
+# opening another tab reruns only the tabs (docs/ui-speed.md)
+TABS = {"Spectrum & effective rank": spectrum_tab, "Energy kept": energy_tab, "Decay α & key cone": decay_tab,
+        "Over the documents": documents_tab}
+
+
+@st.fragment
+def figures():
+    if st.session_state.get("head_tab") not in TABS:
+        st.session_state["head_tab"] = next(iter(TABS))
+    for tab, draw in zip(st.tabs(list(TABS), key="head_tab", on_change="rerun"), TABS.values()):
+        if tab.open:
+            with tab:
+                draw()
+
+
+figures()
 HS.section(run, layer, head, doc)
 AM.section(run, layer, head, doc)
 C.page_link("heatmap", "Back to the heatmap", icon=":material/grid_on:")

@@ -19,8 +19,8 @@ METRICS = list(F.HEATMAP_METRICS)
 st.session_state.setdefault("heat_metric", "erank")
 metric = st.session_state["heat_metric"]
 
-# a click is handled before anything is drawn: opening a head switches page at once, and a pick is drawn in this run
-C.click_opens_or_picks("heat", "cell")
+# a click on a cell was handled by app.py before anything was drawn (common.HEAD_CLICKS): opening a head switched
+# page at once, and a pick is drawn in this run
 
 c1, c2 = st.columns([3, 2])
 c1.radio("Statistic", METRICS, key="heat_metric", horizontal=True,

@@ -16,7 +16,6 @@ got = C.require_run()
 if got is None:
     st.stop()
 run, table = got
-C.click_opens_or_picks("ov_evh", "head")
 L = int(run["segment_len"])
 ov = C.run_overview(run)
 n_docs = len(run["documents"])

@@ -487,19 +487,34 @@ def test_head_deep_link_in_a_new_session(env, populated):
     assert not at.exception
     assert any("Layer 3 · head 1" in m for m in texts(at, "markdown"))
     assert any(run["run_id"] in m for m in texts(at, "markdown"))
-    assert chart_titles(at) == ["Singular spectrum at the document end", "Effective rank along the document",
-                                "Energy kept by rank-r truncation at the document end",
-                                "Per-token decay α of this head", "Key cone of this head",
-                                "Per-document spread of this head"]
-    assert len(at.get("download_button")) >= 3 * 6
+    # the figures, one tab at a time: only the open tab's figures are built and drawn
+    import json
+
+    labels = [t.label for t in at.tabs]
+    assert labels == ["Spectrum & effective rank", "Energy kept", "Decay α & key cone", "Over the documents"]
+    per_tab = {}
+    specs, n_downloads, frames = {}, 0, []
+    for label in labels:
+        if label != labels[0]:
+            at.session_state["head_tab"] = label
+            at.run()
+            assert not at.exception
+        per_tab[label] = chart_titles(at)
+        specs.update({json.loads(c.proto.spec)["title"]["text"]: json.loads(c.proto.spec) for c in charts(at)})
+        n_downloads += len(at.get("download_button"))
+        frames += [d.value for d in at.dataframe]
+        assert any("Layer 3 · head 1" in m for m in texts(at, "markdown")) and len(at.metric) == 6
+    assert per_tab == {"Spectrum & effective rank": ["Singular spectrum at the document end",
+                                                     "Effective rank along the document"],
+                       "Energy kept": ["Energy kept by rank-r truncation at the document end"],
+                       "Decay α & key cone": ["Per-token decay α of this head", "Key cone of this head"],
+                       "Over the documents": ["Per-document spread of this head"]}
+    assert n_downloads >= 3 * 6  # PNG, SVG, CSV under every figure
     metrics = {m.label: m.value for m in at.metric}
     assert {"Effective rank", "Numerical rank", "Horizon", "Mean key norm", "Key-cov erank",
             "r for 99% energy"} <= set(metrics)
     # which numbers are medians and which plots show one document
     assert any("medians over the 2 documents" in c and "show one document, “alpha”" in c for c in texts(at, "caption"))
-    import json
-
-    specs = {json.loads(c.proto.spec)["title"]["text"]: json.loads(c.proto.spec) for c in charts(at)}
     for t in ("Singular spectrum at the document end", "Key cone of this head"):
         assert specs[t]["title"]["subtitle"][0] == "one document: “alpha”"
     spread = specs["Per-document spread of this head"]
@@ -509,11 +524,17 @@ def test_head_deep_link_in_a_new_session(env, populated):
     x = nr["layer"][0]["encoding"]["x"]
     assert x["axis"]["format"] == "d" and x["scale"]["domain"][1] <= 1.01 * min(run["model"]["d_k"], run["model"]["d_v"])
     # the statistics table has median / min / max per statistic
-    stats = [d.value for d in at.dataframe if "statistic" in d.value.columns][0]
+    stats = [f for f in frames if "statistic" in f.columns][0]
     assert {"effective rank", "decay horizon (tokens)", "key-covariance erank"} <= set(stats["statistic"])
+    # the open tab is kept when another head is opened from the heatmap
+    at.switch_page("pages/heatmap.py").run()
+    at.session_state["heat"] = {"selection": {"cell": [{"layer": 1, "head": 2}]}}
+    at.run()
+    assert not at.exception and any("Layer 1 · head 2" in m for m in texts(at, "markdown"))
+    assert chart_titles(at) == ["Per-document spread of this head"]
     # pick the head from the page
     at.button(key="head_pick").click().run()
-    assert at.session_state["picked_heads"] == [[3, 1]]
+    assert at.session_state["picked_heads"] == [[1, 2]]
 
 
 @pytest.mark.parametrize("layer,head,message", [

@@ -2,9 +2,11 @@
 worker process) on a tmp cache directory and the tiny checkpoint.
 
 Flows: a deep link opened before any other session of a fresh server; a capture on a sample document; a click on
-a heatmap cell that lands on that head (and the same URL pasted into a new browser session, which first picks the
-run); a click on a row of a head's exact attention map; a truncation with both answers; a PNG download checked byte by byte; a binary upload refused with a message;
-two sessions capturing at once, each shown and exporting only its own run.
+a heatmap cell that lands on that head, whose tabs of figures each draw their charts (and the same URL pasted into
+a new browser session, which first picks the run); a click on a point of the overview scatter, in pick mode and in
+open mode; a click on a row of a head's exact attention map; a truncation with both answers; a PNG download checked
+byte by byte; a binary upload refused with a message; two sessions capturing at once, each shown and exporting only
+its own run.
 The tests of this module run in order and share the server (each later flow uses the earlier capture).
 """
 from __future__ import annotations
@@ -175,7 +177,19 @@ def test_heatmap_click_lands_on_that_head(server, page, browser):
     page.wait_for_url(re.compile(r"/head\?layer=1&head=2$"), timeout=60_000)
     wait_for_app(page)
     page.get_by_role("heading", name="Layer 1 · head 2").wait_for()
-    assert page.get_by_test_id("stVegaLiteChart").count() == 6  # spectrum, erank along, energy, α, key cone, spread
+    # the figures in tabs: the head opens on its spectrum and effective rank; each tab draws its own when opened
+    charts = page.get_by_test_id("stVegaLiteChart")
+    assert charts.count() == 2
+    for tab, titles in (("Energy kept", ["Energy kept by rank-r truncation"]),
+                        ("Decay α & key cone", ["Per-token decay α of this head", "Key cone of this head"]),
+                        ("Over the documents", ["Per-document spread of this head"]),
+                        ("Spectrum & effective rank", ["Singular spectrum at the document end",
+                                                       "Effective rank along the document"])):
+        page.get_by_role("tab", name=tab).click()
+        for t in titles:
+            charts.filter(has_text=t).wait_for()
+        wait_for_app(page)
+        assert charts.count() == len(titles)
     url = page.url
 
     # the same link pasted into a new browser session
@@ -187,6 +201,47 @@ def test_heatmap_click_lands_on_that_head(server, page, browser):
     pick_run(other, 0)
     other.get_by_role("heading", name="Layer 1 · head 2").wait_for()
     ctx.close()
+
+
+# the scatter's points: one per head, "horizon: …; erank: …; layer: l; head: h; …" (the min–max bars are <line>s)
+_CLEAR_POINTS = """els => els.flatMap((e, i) => {
+  const r = e.getBoundingClientRect(), x = r.x + r.width / 2, y = r.y + r.height / 2;
+  return document.elementFromPoint(x, y) === e ? [[i, e.getAttribute('aria-label')]] : [];
+})"""
+
+
+def test_overview_scatter_click_picks_or_opens_that_head(server, page):
+    """Overview figures, erank vs horizon: in pick mode a click on a point adds its head to the truncation set (the
+    page stays); in open mode a click on another point opens that head's page."""
+    base, _ = server
+    page.goto(base + "/overview")
+    wait_for_app(page)
+    pick_run(page, 0)
+    chart = page.get_by_test_id("stVegaLiteChart").filter(has_text="Effective rank vs decay horizon")
+    points = chart.locator("path[aria-label^='horizon: ']")
+    points.first.wait_for()
+    chart.scroll_into_view_if_needed()
+    # two points that no other mark covers at their centre (heads with close statistics overlap)
+    clear = [(i, tuple(int(v) for v in re.search(r"; layer: (\d+); head: (\d+);", label).groups()))
+             for i, label in points.evaluate_all(_CLEAR_POINTS)]
+    assert len(clear) >= 2, clear
+    (i_pick, picked), (i_open, opened) = clear[0], clear[-1]
+
+    page.get_by_text("adds / removes it in the truncation set", exact=True).click()
+    wait_for_app(page)
+    points.nth(i_pick).click()
+    page.get_by_text(f"Truncation set (1 head): L{picked[0]}·H{picked[1]}").wait_for()
+    wait_for_app(page)
+    assert "/overview" in page.url
+
+    page.get_by_text("opens that head", exact=True).click()
+    wait_for_app(page)
+    points.nth(i_open).click()
+    page.wait_for_url(re.compile(rf"/head\?layer={opened[0]}&head={opened[1]}$"), timeout=60_000)
+    page.get_by_role("heading", name=f"Layer {opened[0]} · head {opened[1]}").wait_for()
+    wait_for_app(page)
+    # the open-mode click did not add the opened head to the truncation set
+    assert page.get_by_role("button", name="Add to the truncation set").count() == 1
 
 
 def test_a_click_on_a_row_of_the_exact_attention_map_shows_that_querys_top_keys(server, page):

@@ -69,7 +69,7 @@ APP_PATH = Path(__file__).resolve().parent.parent.parent / "app.py"
 PERSISTED = ("model_source", "model_path", "model_hf", "device", "dtype", "trust_remote_code", "sample_docs", "segment_len",
              "max_tokens", "heat_metric", "click_action", "tr_prompt_mode", "tr_task", "tr_target_len", "tr_seed",
              "tr_max_new", "tr_prompt", "tr_loss_docs", "tr_chat", "bud_batch", "bud_state_dtype", "bud_kv_dtype",
-             "bud_max_ctx", "head_doc", "sw_tasks", "sw_lengths", "sw_ranks", "sw_n", "sw_batch", "sw_seed0",
+             "bud_max_ctx", "head_doc", "head_tab", "sw_tasks", "sw_lengths", "sw_ranks", "sw_n", "sw_batch", "sw_seed0",
              "sw_max_new", "sw_chat", "sw_heads", "sw_layers", "sw_rank_maps", "ls_ranks", "ls_dist", "ls_heads",
              "ls_layers", "ls_rank_maps", "sc_task", "sc_length", "sc_n", "sc_r", "sc_by", "sc_keep", "sc_layers", "sc_limit",
              "sc_batch", "sc_seed0", "sc_max_new", "bg_max_new", "bg_tasks", "bg_lengths", "bg_n", "bg_tol", "bg_curve",
@@ -666,6 +666,19 @@ def require_run() -> tuple[dict, pd.DataFrame] | None:
 # =============================================================================================================
 def head_label(layer: int, head: int) -> str:
     return f"L{int(layer)}·H{int(head)}"
+
+
+#: The charts of heads whose click opens (or picks) a head, per page (``PAGES`` key): (the chart's session key, its
+#: selection param). app.py handles their clicks (``handle_head_click``) before it draws anything else.
+HEAD_CLICKS = {"heatmap": ("heat", "cell"), "overview": ("ov_evh", "head")}
+
+
+def handle_head_click(page: str) -> None:
+    """``click_opens_or_picks`` for the chart of heads of ``page`` (``HEAD_CLICKS``; other pages: nothing). Called
+    before the sidebar, so that a click opening a head switches page without drawing the sidebar and the page it
+    leaves."""
+    if page in HEAD_CLICKS:
+        click_opens_or_picks(*HEAD_CLICKS[page])
 
 
 def click_opens_or_picks(state_key: str, param: str) -> None:
