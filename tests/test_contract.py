@@ -162,6 +162,29 @@ def test_a_run_within_the_contract_runs_once(demo, monkeypatch):
     assert contract.counts("cpu")["checked"] - start == windowed  # every state truncated in a window was checked
 
 
+def test_a_failing_deferred_check_falls_back_to_checking_at_once(demo, monkeypatch, caplog):
+    """If the deferred check cannot run, the window counts as breached (the run is answered again, every boundary
+    checked at once) and later runs use no windows."""
+    L = 4
+    x = torch.randint(10, 8000, (1, 2 * 64), generator=torch.Generator().manual_seed(6))
+    spec = TruncationSpec.all_heads(demo.info, 4)
+    _fake_kernel(monkeypatch, lambda X, rr: exact_truncate(X, rr), [])
+    monkeypatch.setattr(contract, "_BROKEN", [])
+
+    def broken(slots):
+        raise RuntimeError("stand-in for a driver failure")
+
+    monkeypatch.setattr(contract, "_check_window", broken)
+    runs = []
+    with caplog.at_level(logging.WARNING, logger="gdnviz.truncation.contract"):
+        contract.run_checked(lambda: runs.append(_forward(demo, x, spec, L)[1].readouts), spec)
+    assert len(runs) == 2 and "segment-graph" in runs[0] and "segment-graph" not in runs[1]
+    assert "deferred check of truncated states failed" in caplog.text
+    assert not contract.deferring()
+    _, ctx = _forward(demo, x, spec, L)
+    assert "segment-graph" not in ctx.readouts
+
+
 def test_run_checked_passes_through_without_a_spec_or_nested():
     assert contract.run_checked(lambda: 7, None) == 7
     assert contract.run_checked(lambda: 8, TruncationSpec({})) == 8

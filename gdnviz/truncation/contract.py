@@ -134,7 +134,30 @@ def _device(device: torch.device) -> _Device:
     return d
 
 
+_BROKEN: list = []  # the first failure of a deferred check in this process (then every run checks at once)
+_HOST_BREACHES = [0]  # windows whose check could not run: counted as breaches, so that their runs are answered again
+
+
 def check_window(slots: Slots) -> None:
+    """:func:`_check_window`, or, if it fails (anything but running out of memory), a logged fallback: the window
+    counts as breached (its run is answered again) and from then on runs check at once (:func:`deferring` False)."""
+    try:
+        _check_window(slots)
+    except torch.OutOfMemoryError:
+        raise
+    except Exception as e:  # a device or driver failure (tests: a stand-in that raises)
+        _fail(e)
+
+
+def _fail(e: Exception) -> None:
+    if not _BROKEN:
+        log.warning("the deferred check of truncated states failed (%r); truncated runs now check every boundary "
+                    "at once, without graph windows", e)
+    _BROKEN.append(repr(e))
+    _HOST_BREACHES[0] += 1
+
+
+def _check_window(slots: Slots) -> None:
     """Check the states the last run of a window body recorded: call it after a replay or an eager run of the body,
     never after a recording (recorded calls have not run yet), and not during a capture. The slots are copied on a
     side stream that the current stream then waits for, so that the next replay may overwrite them; the check itself
@@ -180,7 +203,7 @@ def mark() -> dict:
     """The breach count of every device with deferred checks (one sync each): pass it to :func:`breached`."""
     with _DEVICES_LOCK:
         devs = list(_DEVICES.items())
-    out = {}
+    out = {"host": _HOST_BREACHES[0]}
     for key, d in devs:
         _join(d, torch.device(key))
         out[key] = int(d.breaches)
@@ -196,8 +219,8 @@ def breached(since: dict) -> bool:
 # ------------------------------------------------------------------------------------------- runs
 def deferring() -> bool:
     """Whether truncated runs in this thread may use graph windows (deferred checks): False inside
-    :func:`immediate`."""
-    return not getattr(_LOCAL, "immediate", False)
+    :func:`immediate` and after a deferred check failed (:func:`check_window`)."""
+    return not getattr(_LOCAL, "immediate", False) and not _BROKEN
 
 
 @contextlib.contextmanager
