@@ -4,13 +4,16 @@ On CUDA: from the device's free memory (``torch.cuda.mem_get_info``, the model a
 ``floor(FREE_SHARE · free / row_bytes(...))`` rows, between 1 and ``MAX_ROWS``; elsewhere ``CPU_ROWS``.
 ``row_bytes`` is an upper estimate of one row's peak memory in a batched greedy run (``gdnviz.probes.batch``): the
 attention layers' keys and values twice (the prefill's cache and the decoder's static copy), the GDN states three
-times (cache, static copy, the truncation's scratch), the widest per-layer activations of the prefill, and the
+times (cache, static copy, the truncation's scratch), one graph window of a layer's states twice (the truncation
+check's stage and its copy, ``gdnviz.truncation.contract``), the widest per-layer activations of the prefill, and the
 padded batch's attention mask (T × T, 2 bytes). A batch that still runs out of memory is answered in halves
 (``gdnviz.probes.sweep.answer_batch``), so an estimate that is too small costs time, never the sweep.
 """
 from __future__ import annotations
 
 import torch
+
+from gdnviz.gpu.scan_graph import WINDOW
 
 __all__ = ["auto_batch_size", "row_bytes", "MAX_ROWS", "CPU_ROWS", "FREE_SHARE"]
 
@@ -43,9 +46,10 @@ def row_bytes(model, n_tokens: int, new_tokens: int) -> int:
     T = int(n_tokens) + int(new_tokens)
     kv = 2 * n_attn * 2 * kv_heads * head_dim * T * item
     states = 3 * n_gdn * H * dk * dv * 4
+    checked = 2 * WINDOW * H * dk * dv * 4  # the truncation check's stage and its copy (truncation.contract)
     act = n_tokens * (3 * wide * item + 8 * hidden * 4 + 6 * max(1, H) * max(dk, dv) * 4)
     mask = 2 * n_tokens * n_tokens
-    return int(kv + states + act + mask)
+    return int(kv + states + checked + act + mask)
 
 
 def auto_batch_size(lm, n_tokens: int, new_tokens: int) -> int:

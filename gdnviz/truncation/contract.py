@@ -13,9 +13,9 @@ have no top-r energy). Two ways, chosen by where the kernel runs:
   (``dispatch.kernel_truncate``) checks the call's states at once with :func:`exact_errors` and answers the ones over
   the bound again on the certified torch path. One host sync.
 * **Deferred** (inside :func:`window`, the runner's CUDA-graph windows, ``gdnviz.gpu.scan_graph``): the call only
-  keeps ``S`` and writes ``‖Y‖`` into the window's :class:`Slots` (one small kernel, capture-safe). After each run
-  of the window (a replay or an eager run, never a recording) :func:`check_window` copies the slots once and checks
-  the copy on a side stream, overlapping the next window; states over the bound are counted per device. A run takes a :func:`mark` before and asks :func:`breached` after (one
+  copies ``S`` and writes ``‖Y‖`` into the window's :class:`Slots` (two small kernels, capture-safe). After each
+  run of the window (a replay or an eager run, never a recording) :func:`check_window` copies the slots once and
+  checks the copy on a side stream, overlapping the next window; states over the bound are counted per device. A run takes a :func:`mark` before and asks :func:`breached` after (one
   host sync each): on a breach the run is answered again without windows, where every call is immediate
   (:func:`run_checked`). The counters are per device and never reset, so runs in several threads of one
   process can only cause extra re-answers, never hide a breach.
@@ -33,6 +33,7 @@ from gdnviz.truncation import constants as C
 
 F64 = torch.float64
 log = logging.getLogger(__name__)
+CHUNK = 1024  # states per exact check on the side stream (float64 Gram matrices of 128 × 128: 128 MiB)
 
 
 def exact_errors(X: torch.Tensor, kept2: torch.Tensor, ranks: torch.Tensor) -> torch.Tensor:
@@ -64,9 +65,11 @@ def kept_energy(Y: torch.Tensor) -> torch.Tensor:
 # --------------------------------------------------------------------------------------------- deferred
 class Slots:
     """A window's record of the states its kernel calls truncated, in call order: slot i holds the i-th call's input
-    ``X [N, K, V]`` (a reference, not a copy: in a captured graph it is the block every replay writes that state
-    into), ``‖Y‖_F`` of its answer (``[N]`` float64, a buffer the call writes) and its ranks (``[N]`` long). The
-    buffers are made on the first run of the window body (which runs eagerly before the capture)."""
+    ``X [N, K, V]`` copied into a stage buffer, ``‖Y‖_F`` of its answer (``[N]`` float64) and its ranks (``[N]``
+    long). Buffers are made on the first run of the window body (which runs eagerly before the capture) and written
+    by every replay. Stage buffers are shared by the windows of one device with the same state shape (``_stage``),
+    so cached graphs do not each hold a window of states: runs on one device must not overlap in time (one run at a
+    time per device, as the app's worker, a sweep and a Dask worker run them)."""
 
     def __init__(self):
         self.x: list[torch.Tensor] = []
@@ -76,17 +79,38 @@ class Slots:
 
     def record(self, X: torch.Tensor, Y: torch.Tensor, ranks) -> None:
         i = self.used
-        if i == len(self.x) or self.kept[i].shape[0] != X.shape[0] or self.kept[i].device != X.device:
+        if i == len(self.x) or self.x[i].shape != X.shape or self.x[i].dtype != X.dtype:
             r = (torch.full((X.shape[0],), ranks, dtype=torch.long, device=X.device) if isinstance(ranks, int)
                  else ranks.to(torch.long))
-            kept = torch.empty(X.shape[0], dtype=F64, device=X.device)
+            buf = (_stage(X, i), torch.empty(X.shape[0], dtype=F64, device=X.device), r)
             if i == len(self.x):
-                self.x.append(X), self.kept.append(kept), self.ranks.append(r)
+                self.x.append(buf[0]), self.kept.append(buf[1]), self.ranks.append(buf[2])
             else:
-                self.kept[i], self.ranks[i] = kept, r
-        self.x[i] = X
+                self.x[i], self.kept[i], self.ranks[i] = buf
+        self.x[i].copy_(X)
         torch.linalg.vector_norm(Y, dim=(-2, -1), dtype=F64, out=self.kept[i])  # ‖Y‖, squared by the check
         self.used = i + 1
+
+
+_STAGES: dict = {}  # (device, dtype, shape, slot index) -> buffer; a buffer lives on while a Slots holds it
+_STAGES_LOCK = threading.Lock()
+
+
+def _stage(X: torch.Tensor, i: int) -> torch.Tensor:
+    """The shared stage buffer of slot ``i`` for states shaped like ``X``. Only the last shape per device is kept
+    here (a batch size change replaces it); graphs made for an earlier shape keep theirs alive through their slots."""
+    key = (str(X.device), X.dtype, tuple(X.shape), i)
+    with _STAGES_LOCK:
+        buf = _STAGES.get(key)
+        if buf is None:
+            for k in [k for k in _STAGES if k[0] == key[0] and k[1:3] != key[1:3]]:
+                del _STAGES[k]
+            # made on the device's default stream (the runs' stream), not on a capture's side stream
+            ctx = (torch.cuda.stream(torch.cuda.default_stream(X.device)) if X.is_cuda
+                   else contextlib.nullcontext())
+            with ctx:
+                buf = _STAGES[key] = torch.empty_like(X, memory_format=torch.contiguous_format)
+    return buf
 
 
 _LOCAL = threading.local()
@@ -163,7 +187,7 @@ def _check_window(slots: Slots) -> None:
     side stream that the current stream then waits for, so that the next replay may overwrite them; the check itself
     runs on the side stream. No host sync."""
     n = slots.used
-    if n == 0:
+    if n == 0 or all(x.shape[0] == 0 for x in slots.x[:n]):
         return
     dev = slots.x[0].device
     d = _device(dev)
@@ -181,10 +205,11 @@ def _check_window(slots: Slots) -> None:
         if d.stream is not None:
             cur.wait_stream(d.stream)  # the copies are done before anything on the current stream writes the slots
         ranks = torch.cat(slots.ranks[:n]) if n > 1 else slots.ranks[0]
-        e = exact_errors(X, kept, ranks)
-        d.breaches.add_(over(e).sum())
-        d.checked.add_(e.numel())
-        torch.maximum(d.worst, e.abs().max(), out=d.worst)
+        for a in range(0, X.shape[0], CHUNK):  # bounded float64 working memory (the Gram matrices)
+            e = exact_errors(X[a:a + CHUNK], kept[a:a + CHUNK], ranks[a:a + CHUNK])
+            d.breaches.add_(over(e).sum())
+            d.checked.add_(e.numel())
+            torch.maximum(d.worst, e.abs().max(), out=d.worst)
 
 
 def _join(d: _Device, device: torch.device) -> None:
