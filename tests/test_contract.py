@@ -280,5 +280,5 @@ def test_a_truncated_run_on_cuda_checks_every_state_in_its_windows():
     assert "segment-graph" in ctx.readouts
     got = contract.counts(dev)
     assert len(cbs) == 1 and got["breaches"] == start["breaches"]
-    # boundaries 256 … 3840 (4096 is the run's end, not a boundary) in every GDN layer, every head
+    # every boundary the callback truncated (in every GDN layer), every head
     assert got["checked"] - start["checked"] == cbs[0].n_calls * lm.info.num_heads

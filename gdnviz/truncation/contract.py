@@ -15,10 +15,11 @@ have no top-r energy). Two ways, chosen by where the kernel runs:
 * **Deferred** (inside :func:`window`, the runner's CUDA-graph windows, ``gdnviz.gpu.scan_graph``): the call only
   copies ``S`` and writes ``‖Y‖`` into the window's :class:`Slots` (two small kernels, capture-safe). After each
   run of the window (a replay or an eager run, never a recording) :func:`check_window` copies the slots once and
-  checks the copy on a side stream, overlapping the next window; states over the bound are counted per device. A run takes a :func:`mark` before and asks :func:`breached` after (one
-  host sync each): on a breach the run is answered again without windows, where every call is immediate
-  (:func:`run_checked`). The counters are per device and never reset, so runs in several threads of one
-  process can only cause extra re-answers, never hide a breach.
+  checks the copy on a side stream, overlapping the next window; states over the bound are counted per device.
+  A run takes a :func:`mark` before and asks :func:`breached` after (one host sync each): on a breach the run is
+  answered again without windows, where every call is immediate (:func:`run_checked`). The counters are per
+  device and never reset, so runs in several threads of one process can only cause extra re-answers, never hide a
+  breach.
 """
 from __future__ import annotations
 
