@@ -6,7 +6,14 @@ Without ``--model`` it builds a small random Qwen3.5-architecture checkpoint (9 
 decays spread from a few tokens to thousands, the tests' byte-level BPE tokenizer) in a temporary folder: the
 pictures then show the app, not a trained model's science. Pass ``--model demo`` once the bundled demo model is
 installed. ``--only compare`` captures two pairs of sample documents and shoots only the Compare two runs page;
-``--only heatmap`` captures the four documents and shoots only the Heatmap page (the README's picture).
+``--only heatmap`` captures the four documents and shoots only the Heatmap page (the README's picture);
+``--only head`` captures them and shoots only the Head page: ``head.png`` (its first tab of figures), then
+``head_holds.png`` (What this state holds, computed at the document end), ``head_attnmap.png`` (the Exact
+attention map at its default window, query t = 1,838) and ``head_attnmap_zoom.png`` (the lower end of its key zoom
+moved about 612 keys up; the slider and the maps' subtitles say where it landed), the
+pictures of docs/attribution.md. Those three are cut to their section of the page. Open the zoom picture before
+committing it: the key presses rerun the page many times, and the softmax map can still be an earlier zoom's,
+greyed out (seen 2026-12-07).
 Each PNG is palette-quantised to stay a few hundred KB.
 """
 from __future__ import annotations
@@ -68,7 +75,8 @@ def shrink(path: Path) -> None:
     from PIL import Image
 
     im = Image.open(path).convert("RGB")
-    im.quantize(colors=256, method=Image.Quantize.MEDIANCUT, dither=Image.Dither.NONE).save(path, optimize=True)
+    # octree, not median cut: median cut gives the rare colours of a colour legend a handful of bands
+    im.quantize(colors=256, method=Image.Quantize.FASTOCTREE, dither=Image.Dither.NONE).save(path, optimize=True)
 
 
 def main() -> int:
@@ -77,10 +85,10 @@ def main() -> int:
     ap.add_argument("--out", default=str(ROOT / "docs" / "screenshots"))
     ap.add_argument("--head", default=None,
                     help="LAYER,HEAD for the Head page (default 5,1 with --model demo: its longest-lived head; else 4,3)")
-    ap.add_argument("--only", choices=["sweeps", "compare", "heatmap"], default=None,
+    ap.add_argument("--only", choices=["sweeps", "compare", "heatmap", "head"], default=None,
                     help="only the Retrieval sweeps page (no capture; a tiny sweep on the inspected model), only "
                          "Compare two runs (two captures of the model, two sample documents each), or only the "
-                         "Heatmap (after the four documents' capture)")
+                         "Heatmap (after the four documents' capture), or only the Head page and its two computed sections")
     args = ap.parse_args()
     args.head = [int(x) for x in (args.head or ("5,1" if args.model == "demo" else "4,3")).split(",")]
     out = Path(args.out)
@@ -127,6 +135,47 @@ def main() -> int:
                 page.screenshot(path=str(p))
                 shrink(p)
                 print(f"{p}: {p.stat().st_size // 1024} KB")
+
+            def clip_shot(name: str, top, bottom):  # the main column from locator top's top to bottom's top
+                t, b = top.bounding_box(timeout=60_000), bottom.bounding_box(timeout=60_000)
+                m = page.get_by_test_id("stMainBlockContainer").bounding_box()
+                x0, x1 = max(0, t["x"] - 12), min(m["x"] + m["width"], t["x"] + t["width"] + 12)
+                p = out / f"{name}.png"
+                page.screenshot(path=str(p), clip=dict(x=x0, y=max(0, t["y"] - 12), width=x1 - x0,
+                                                       height=b["y"] - t["y"]))
+                shrink(p)
+                print(f"{p}: {p.stat().st_size // 1024} KB")
+
+            def head_sections():  # What this state holds and the Exact attention map, computed in the worker
+                main = page.get_by_test_id("stMain")
+                page.set_viewport_size({"width": 1440, "height": 7000})  # the whole page in view: clips by boxes
+                idle()
+                page.locator(".st-key-holds_compute button").click()
+                main.get_by_text("Tokens contributing most").wait_for(timeout=1_800_000)
+                idle()
+                page.locator(".st-key-am_compute button").click()
+                main.get_by_text("GDN map: top keys").wait_for(timeout=1_800_000)
+                idle()
+                q = page.locator("input[aria-label='Query position t (or click a row of a map)']")
+                q.fill("1838")
+                q.press("Enter")
+                main.get_by_text("Query t = 1,838").wait_for(timeout=60_000)
+                page.mouse.move(1400, 5)  # no chart toolbar or tooltip in the picture
+                idle()
+                holds_h = main.locator("h4", has_text="What this state holds")
+                am_h = main.locator("h4", has_text="Exact attention map")
+                clip_shot("head_holds", holds_h, am_h)
+                clip_shot("head_attnmap", main.get_by_test_id("stCaptionContainer").filter(has_text="over keys 0.."),
+                          main.get_by_test_id("stPageLink"))
+                q.blur()
+                thumb = main.get_by_test_id("stSlider").get_by_role("slider").first  # the zoom's lower end
+                thumb.focus(timeout=30_000)
+                for _ in range(612 // 4):  # towards keys 612..2,047 (a step is 4 keys); a rerun can swallow a few
+                    page.keyboard.press("ArrowRight")
+                page.mouse.move(1400, 5)
+                idle()
+                print(f"zoom: keys {thumb.input_value()}..2047")  # the slider and the subtitles say it too
+                clip_shot("head_attnmap_zoom", am_h, page.locator(".st-key-ch_am_gdn_png"))
 
             def sweeps():  # a small sweep: two tasks, two lengths, seed 000's ranks up to d_k, 2 samples each
                 page.goto(base + "/sweeps")
@@ -181,16 +230,22 @@ def main() -> int:
                 page.get_by_role("option", name=re.compile(title)).click()
                 page.keyboard.press("Escape")
                 idle()
-            shot("documents", 1500)
+            if args.only is None:
+                shot("documents", 1500)
             page.get_by_role("button", name="Run capture").click()
             page.get_by_text("Captured 4 document").wait_for()
-            open_run_page("/heatmap")
-            shot("heatmap", 1000)
+            if args.only != "head":
+                open_run_page("/heatmap")
+                shot("heatmap", 1000)
             if args.only == "heatmap":
                 b.close()
                 return 0
             open_run_page(f"/head?layer={args.head[0]}&head={args.head[1]}")
-            shot("head", 2500)
+            shot("head", 1900)
+            head_sections()
+            if args.only == "head":
+                b.close()
+                return 0
             open_run_page("/overview")
             shot("overview", 1250)
             open_run_page("/truncate")
