@@ -4,7 +4,8 @@ One boundary of Qwen3.5-0.8B = 288 states of 128×128 (18 GDN layers × 16 heads
 layer's 16 heads at a time. For each r, on n states and on 16: ``truncate_states`` (on CUDA the CUDA kernel and
 its exact check against the contract, one host sync; on CPU the certified torch path) eagerly and, on CUDA, the
 kernel as a run's graph window calls it (its states copied for the deferred check) replayed from a CUDA graph, and
-the same truncation through ``torch.linalg.svd`` in float32 and float64 in the same run. One JSON line per measurement:
+the same truncation through ``torch.linalg.svd`` in float32 and float64 in the same run. One JSON line per
+measurement:
 
     {"what", "device", "n", "k", "v", "r", "baseline": "torch.linalg.svd", "baseline_ms", "ours_ms", "ratio",
      "max_energy_err", ...}

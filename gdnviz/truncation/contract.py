@@ -53,6 +53,14 @@ def exact_errors(X: torch.Tensor, kept2: torch.Tensor, ranks: torch.Tensor) -> t
     return torch.where(bad | ~torch.isfinite(e), torch.zeros_like(e), e)
 
 
+def rank_tensor(ranks, n: int, device) -> torch.Tensor:
+    """long ``[n]`` ranks on ``device`` from the kernel's ranks (an int, or an integer tensor ``[n]`` on the device;
+    no host sync)."""
+    if isinstance(ranks, int):
+        return torch.full((n,), ranks, dtype=torch.long, device=device)
+    return ranks.to(torch.long)
+
+
 def over(e: torch.Tensor) -> torch.Tensor:
     """bool ``[N]``: the errors ``e`` that break the contract."""
     return e.abs() > C.CONTRACT
@@ -81,9 +89,8 @@ class Slots:
     def record(self, X: torch.Tensor, Y: torch.Tensor, ranks) -> None:
         i = self.used
         if i == len(self.x) or self.x[i].shape != X.shape or self.x[i].dtype != X.dtype:
-            r = (torch.full((X.shape[0],), ranks, dtype=torch.long, device=X.device) if isinstance(ranks, int)
-                 else ranks.to(torch.long))
-            buf = (_stage(X, i), torch.empty(X.shape[0], dtype=F64, device=X.device), r)
+            buf = (_stage(X, i), torch.empty(X.shape[0], dtype=F64, device=X.device),
+                   rank_tensor(ranks, X.shape[0], X.device))
             if i == len(self.x):
                 self.x.append(buf[0]), self.kept.append(buf[1]), self.ranks.append(buf[2])
             else:
@@ -196,7 +203,6 @@ def _check_window(slots: Slots) -> None:
     ctx = torch.cuda.stream(d.stream) if d.stream is not None else contextlib.nullcontext()
     if d.stream is not None:
         d.stream.wait_stream(cur)
-    if d.stream is not None:
         for t in (*slots.x[:n], *slots.kept[:n], *slots.ranks[:n]):
             t.record_stream(d.stream)  # not reused by the allocator before the side stream has read it
     with ctx:

@@ -62,8 +62,7 @@ def kernel_truncate(X: torch.Tensor, ranks, iters: int | None = None) -> torch.T
 
 def _enforce(X: torch.Tensor, Y: torch.Tensor, ranks) -> torch.Tensor:
     """``Y`` with the states whose exact error breaks the contract answered again on the certified torch path."""
-    rt = (torch.full((X.shape[0],), ranks, dtype=torch.long, device=X.device) if isinstance(ranks, int)
-          else ranks.to(torch.long))
+    rt = contract.rank_tensor(ranks, X.shape[0], X.device)
     bad = torch.nonzero(contract.over(contract.exact_errors(X, contract.kept_energy(Y), rt))).flatten()
     if bad.numel() == 0:  # the host sync
         return Y
