@@ -122,16 +122,50 @@ def test_v3_gate_init_spreads_horizons():
 
 def test_v3b_is_v3_with_attention_in_every_multikey_sample_and_a_longer_plan():
     """--preset v3b (prepared for the next GPU session, scripts/demo/README.md): v3's architecture; its parsed
-    recipe differs from v3's only in the multi-key samples' attention-drop chance (0) and the planned minutes (24);
-    a command-line value still overrides the recipe."""
+    recipe differs from v3's only in the multi-key samples' attention-drop chance (0), the attention-keep phase
+    (the first 35% of the plan) and the planned minutes (24); a command-line value still overrides the recipe."""
     train = _train_script()
     v3 = train.parse_args(["--out", "x", "--preset", "v3"])
     v3b = train.parse_args(["--out", "x", "--preset", "v3b"])
     assert train.PRESETS["v3b"] == train.PRESETS["v3"]
     diff = {k for k in train.RECIPE_DEFAULTS if getattr(v3, k) != getattr(v3b, k)}
-    assert diff == {"attn_drop_by_task", "plan_minutes"}
+    assert diff == {"attn_drop_by_task", "attn_keep_until", "plan_minutes"}
     assert v3.plan_minutes is None and v3b.plan_minutes == 24.0
     changed = {t for t in v3.attn_drop_by_task if v3.attn_drop_by_task[t] != v3b.attn_drop_by_task[t]}
     assert changed == {"niah_multikey_2", "niah_multikey_3"}
     assert v3b.attn_drop_by_task["niah_multikey_2"] == v3b.attn_drop_by_task["niah_multikey_3"] == 0.0
     assert train.parse_args(["--out", "x", "--preset", "v3b", "--plan-minutes", "10"]).plan_minutes == 10.0
+
+
+def test_v3b_keeps_attention_in_the_first_part_of_the_plan_and_draws_the_same_drops_after_it(tmp_path):
+    """--attn-keep-until (v3b: 0.35 of the plan): no sample's attention is zeroed before the cut; from the cut on,
+    the drop mask and the data are the ones a run without the keep phase draws at that step."""
+    import sys
+
+    import numpy as np
+
+    train = _train_script()
+    sys.path.insert(0, str(Path(train.__file__).parent))  # the data loader imports synth beside train.py
+    assert train.parse_args(["--out", "x", "--preset", "v3b"]).attn_keep_until == 0.35
+    assert train.parse_args(["--out", "x", "--preset", "v3"]).attn_keep_until == 0.0
+    with pytest.raises(SystemExit):
+        train.parse_args(["--out", "x", "--preset", "v3b", "--attn-keep-until", "1.5"])
+    text = tmp_path / "text.npy"
+    np.save(text, np.random.default_rng(0).integers(10, 8000, 200_000).astype(np.int32))
+    tok = str(DEMO_DIR / "tokenizer.json")
+    ids = {"bos": 1, "eos": 2, "pad": 0}
+
+    def batches(keep):
+        a = train.parse_args(["--out", "x", "--preset", "v3b", "--total-steps", "100", "--tokens-per-step", "4096",
+                              "--attn-keep-until", str(keep)])
+        return train.Batches(a, tok, str(text), ids)
+
+    kept, plain = batches(0.35), batches(0.0)
+    assert train.attention_kept(34, kept.a) and not train.attention_kept(35, kept.a)
+    x, _, _, d, st = kept[20]
+    x0, _, _, d0, st0 = plain[20]
+    assert int(d.sum()) == 0 == st["attn_dropped"] and int(d0.sum()) > 0 and bool((x == x0).all())
+    for step in (35, 60):
+        x, _, m, d, _ = kept[step]
+        x0, _, m0, d0, _ = plain[step]
+        assert bool((x == x0).all()) and bool((m == m0).all()) and bool((d == d0).all()) and int(d.sum()) > 0

@@ -85,18 +85,20 @@ RECIPES = {
                attn_drop_by_task="niah_single_1:0.75,vt:0.75,niah_multikey_2:0.1,niah_multikey_3:0.1,cwe:0.25,"
                                  "fwe:0.5,text:0.5",
                gate_init="spread", horizons="2:4096"),
-    # v3 with attention on in every multi-key sample (v3 zeroed it in 10% of them) and a plan of 24 training
-    # minutes (three 8-minute device calls, ~2,200 steps at v3's benchmark) instead of 16 (1,460 steps).
+    # v3 with attention never zeroed in the first 35% of the plan (v1's setting, which learned multi-key by step
+    # 700), then never on a multi-key sample (v3 zeroed it in 10% of them), and a plan of 24 training minutes
+    # (three 8-minute device calls, ~2,200 steps at v3's benchmark) instead of 16 (1,460 steps).
     "v3b": dict(task_weights="niah_single_1:0.12,niah_multikey_2:0.26,niah_multikey_3:0.16,vt:0.14,cwe:0.18,"
                              "fwe:0.14",
                 attn_drop_mode="sample",
                 attn_drop_by_task="niah_single_1:0.75,vt:0.75,niah_multikey_2:0,niah_multikey_3:0,cwe:0.25,"
                                   "fwe:0.5,text:0.5",
-                gate_init="spread", horizons="2:4096", plan_minutes=24.0),
+                attn_keep_until=0.35, gate_init="spread", horizons="2:4096", plan_minutes=24.0),
 }
 RECIPE_DEFAULTS = dict(task_weights="niah_single_1:0.30,niah_multikey_2:0.25,niah_multikey_3:0.05,vt:0.18,"
                                     "cwe:0.11,fwe:0.11",
-                       attn_drop=0.5, attn_drop_mode="layer", attn_drop_by_task="", gate_init="mamba",
+                       attn_drop=0.5, attn_drop_mode="layer", attn_drop_by_task="", attn_keep_until=0.0,
+                       gate_init="mamba",
                        horizons="2:4096", plan_minutes=None)
 TASKS = ("niah_single_1", "niah_multikey_2", "niah_multikey_3", "vt", "cwe", "fwe")
 TASK_IDS = {t: i + 1 for i, t in enumerate(TASKS)}  # answer-mask values (0: not an answer token)
@@ -151,6 +153,9 @@ def parse_args(argv=None):
                          "--attn-drop-by-task gives its task (or 'text')")
     ap.add_argument("--attn-drop-by-task", default=None,
                     help="mode 'sample': 'task:p,...,text:p', the chance that a sample's tokens get no attention")
+    ap.add_argument("--attn-keep-until", type=float, default=None,
+                    help="fraction of the planned steps before which attention is never zeroed (every mode); the "
+                         "drop draws are made all the same, so later steps see the same drops as without it")
     ap.add_argument("--plan-minutes", type=float, default=None,
                     help="with --total-steps auto: the training-loop minutes to plan the steps for, summed over "
                          "all the calls the run will take (default: --minutes, one call)")
@@ -184,6 +189,8 @@ def parse_args(argv=None):
     a.attn_drop_by_task = parse_shares(a.attn_drop_by_task, TASKS + ("text",), "--attn-drop-by-task")
     if a.attn_drop_mode == "sample" and not a.attn_drop_by_task:
         raise SystemExit("--attn-drop-mode sample needs --attn-drop-by-task 'task:p,...'")
+    if not 0.0 <= a.attn_keep_until <= 1.0:
+        raise SystemExit(f"--attn-keep-until {a.attn_keep_until}: need a fraction in [0, 1]")
     lo, hi = (float(x) for x in str(a.horizons).split(":"))
     if not 1.0 < lo < hi:
         raise SystemExit(f"--horizons {a.horizons!r}: need 1 < lo < hi (tokens)")
@@ -234,6 +241,12 @@ def row_lengths(a) -> list[int]:
         out.append(t)
         t *= 2
     return out + [a.max_len]
+
+
+def attention_kept(step: int, a) -> bool:
+    """True while no attention output may be zeroed: steps before ``--attn-keep-until`` x the planned steps (an int
+    by the time batches are drawn: 'auto' is planned before the data loader starts)."""
+    return int(step) < a.attn_keep_until * int(a.total_steps)
 
 
 def shape_at(step: int, a) -> tuple[int, int, int]:
@@ -354,7 +367,8 @@ class Batches:
                     kind = "text"
                 else:
                     L = len(seg)
-                if drop_rng is not None and drop_rng.random() < a.attn_drop_by_task.get(kind, 0.0):
+                if (drop_rng is not None and drop_rng.random() < a.attn_drop_by_task.get(kind, 0.0)
+                        and not attention_kept(step, a)):
                     D[b, pos:pos + L] = 1
                     st["attn_dropped"] += L
                 pos += L
@@ -966,7 +980,8 @@ def main(argv=None) -> int:
             drop["hooks"].set(drop["hooks"].layers, d.to(dev, non_blocking=True))
         else:
             drop["hooks"].set(drop["hooks"].draw(random.Random(a.seed * 7919 + step), a.attn_drop,
-                                                 a.attn_drop_mode) if a.attn_drop > 0 else [])
+                                                 a.attn_drop_mode) if a.attn_drop > 0 and not attention_kept(step, a)
+                              else [])
         with torch.autocast(dev.type, dtype=torch.bfloat16, enabled=dev.type == "cuda"):
             logits = model(input_ids=x, use_cache=False).logits
         drop["hooks"].set(None)
