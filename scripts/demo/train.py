@@ -109,7 +109,7 @@ SHARD_BYTES = 15 * 2 ** 20
 
 def parse_args(argv=None):
     ap = argparse.ArgumentParser(description="Train the gdnviz demo GDN hybrid (see module docstring).")
-    ap.add_argument("--out", required=True, help="checkpoint/log directory (written)")
+    ap.add_argument("--out", default=None, help="checkpoint/log directory (written; required unless --describe)")
     ap.add_argument("--corpus", default="out/demo/corpus", help="dir with train.jsonl.gz and heldout.jsonl.gz")
     ap.add_argument("--tokenizer", default="out/demo/tokenizer")
     ap.add_argument("--pylib", default=None, help="extra sys.path entry (e.g. a carried wonderwords package)")
@@ -179,6 +179,8 @@ def parse_args(argv=None):
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--log-every", type=int, default=10)
     a = ap.parse_args(argv)
+    if a.out is None and not a.describe:
+        ap.error("the following arguments are required: --out")
     sm = a.smoke
     if a.preset is None:
         a.preset = "smoke" if sm else "full"
@@ -807,8 +809,6 @@ def main(argv=None) -> int:
 
     import synth
 
-    out = Path(a.out)
-    out.mkdir(parents=True, exist_ok=True)
     tok_dir = Path(a.tokenizer)
     hf_tok = AutoTokenizer.from_pretrained(str(tok_dir))
     ids = {"bos": hf_tok.bos_token_id, "eos": hf_tok.eos_token_id, "pad": hf_tok.pad_token_id}
@@ -831,6 +831,8 @@ def main(argv=None) -> int:
                           "ship_MB": round(size["ship_bytes"] / 1e6, 2),
                           "recipe": {k: getattr(a, k) for k in RECIPE_DEFAULTS}}), flush=True)
         return 0
+    out = Path(a.out)
+    out.mkdir(parents=True, exist_ok=True)
 
     drop = {}
 
