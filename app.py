@@ -8,7 +8,9 @@ import streamlit as st
 from gdnviz import settings
 from gdnviz.errors import BadSetting
 from gdnviz.ui import common
+from gdnviz.ui.blas import one_blas_thread
 
+one_blas_thread()  # the app's linear algebra is small; many BLAS threads only spin on a busy machine
 st.set_page_config(page_title="gdnviz", page_icon=":material/grid_view:", layout="wide")
 try:
     for s in settings.table():

@@ -64,8 +64,10 @@ def configure(chart, autosize: str = "fit-x"):
     """Shared look. autosize "fit-x": the whole chart (axes, legend) fits the width it is given (the page column,
     or the chart's own width in exports) and keeps its height; "pad" for grids and facets, which keep their size."""
     chart = chart.properties(autosize=alt.AutoSizeParams(type=autosize, contains="padding"))
-    return (chart.configure(font=FONT_FAMILY).configure_axis(**FONT).configure_legend(**FONT, labelLimit=320, titleLimit=0).configure_title(fontSize=14, anchor="start")
-            .configure_view(strokeWidth=0))
+    # one configure call: each configure_* copies the chart
+    return chart.configure(font=FONT_FAMILY, axis=alt.AxisConfig(**FONT),
+                           legend=alt.LegendConfig(**FONT, labelLimit=320, titleLimit=0),
+                           title=alt.TitleConfig(fontSize=14, anchor="start"), view=alt.ViewConfig(strokeWidth=0))
 
 
 # =============================================================================================================
@@ -241,11 +243,9 @@ def per_document_frame(captures, names, li: int, head: int) -> pd.DataFrame:
     from gdnviz.summary import head_table
 
     rows = []
-    H = captures[0].meta["num_heads"]
     labels = SHORT_LABELS
     for cap, name in zip(captures, names):
-        t = head_table(cap)
-        r = t.iloc[li * H + head]
+        r = head_table(cap, only=(li, head)).iloc[0]
         for m in HEATMAP_METRICS:
             rows.append(dict(document=name, metric=m, label=labels[m], value=float(r[m])))
     return pd.DataFrame(rows)

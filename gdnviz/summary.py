@@ -36,24 +36,27 @@ METRICS = {
 }
 
 
-def head_table(capture) -> pd.DataFrame:
-    """One row per GDN head of one document (statistics of the state at the document end)."""
-    sv = capture.sv[-1].astype(np.float64)  # [NL, H, n]
+def head_table(capture, only: tuple[int, int] | None = None) -> pd.DataFrame:
+    """One row per GDN head of one document (statistics of the state at the document end); ``only`` = (GDN layer
+    position, head): that head's row alone, computed for it only."""
+    pick = np.s_[:, :] if only is None else np.s_[only[0]:only[0] + 1, only[1]:only[1] + 1]
+    sv = capture.sv[-1][pick].astype(np.float64)  # [NL, H, n]
     NL, H, _ = sv.shape
-    layers = np.repeat(np.asarray(capture.gdn_layers), H)
-    heads = np.tile(np.arange(H), NL)
-    kc = capture.keycone
+    layers = np.repeat(np.asarray(capture.gdn_layers)[pick[0]], H)
+    heads = np.tile(np.arange(capture.sv.shape[2])[pick[1]], NL)
+    kc = {k: np.asarray(capture.keycone[k])[pick] for k in ("horizon", "mean_key_norm", "key_cov_erank",
+                                                            "decayed_P_erank_sqrt", "decayed_P_erank_eig")}
     df = pd.DataFrame({
         "layer": layers, "head": heads,
         "erank": spectra.effective_rank(sv).ravel(),
         "numerical_rank": spectra.numerical_rank(sv).ravel(),
         "stable_rank": spectra.stable_rank(sv).ravel(),
         "energy_rank99": spectra.rank_for_energy(sv, 0.99).ravel(),
-        "horizon": np.asarray(kc["horizon"]).ravel(),
-        "mean_key_norm": np.asarray(kc["mean_key_norm"]).ravel(),
-        "key_cov_erank": np.asarray(kc["key_cov_erank"]).ravel(),
-        "decayed_P_erank": np.asarray(kc["decayed_P_erank_sqrt"]).ravel(),
-        "decayed_P_erank_eig": np.asarray(kc["decayed_P_erank_eig"]).ravel(),
+        "horizon": kc["horizon"].ravel(),
+        "mean_key_norm": kc["mean_key_norm"].ravel(),
+        "key_cov_erank": kc["key_cov_erank"].ravel(),
+        "decayed_P_erank": kc["decayed_P_erank_sqrt"].ravel(),
+        "decayed_P_erank_eig": kc["decayed_P_erank_eig"].ravel(),
         "state_norm": np.sqrt((sv ** 2).sum(-1)).ravel(),
     })
     for r in ENERGY_RANKS:

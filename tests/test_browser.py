@@ -273,6 +273,48 @@ def test_a_click_on_a_row_of_the_exact_attention_map_shows_that_querys_top_keys(
     assert page.get_by_text("Query t = 127").count() == 0
 
 
+def test_quick_presses_on_the_key_zoom_leave_both_maps_at_the_sliders_zoom(server, page):
+    """Head page, *Exact attention map* at its default window (more keys than drawn cells, so the key zoom is
+    offered): 40 quick arrow-key presses on the zoom's lower end, then the page settles, every map shows the zoom the
+    slider shows and nothing is left stale. The top-key tables and *What this state holds*' token table show all
+    their rows."""
+    base, _ = server
+    page.set_viewport_size({"width": 1400, "height": 5000})  # the whole page in view
+    page.goto(base + "/head?layer=3&head=2")
+    wait_for_app(page)
+    pick_run(page, 0)
+    page.get_by_role("heading", name="Layer 3 · head 2").wait_for()
+    main = page.get_by_test_id("stMain")
+    page.locator(".st-key-am_compute button").click()
+    main.get_by_text("GDN map: top keys").wait_for(timeout=SLOW)
+    wait_for_app(page)
+    maps = main.get_by_test_id("stVegaLiteChart").filter(has_text="query position t")
+    n_maps = maps.count()
+    assert n_maps >= 1
+    slider = main.get_by_test_id("stSlider").filter(has_text="Key positions shown (zoom)")
+    slider.get_by_role("slider").first.focus()
+    for _ in range(40):
+        page.keyboard.press("ArrowRight")
+    wait_for_app(page, 180_000)  # settles (TimeoutError if runs keep coming)
+    page.wait_for_timeout(1000)
+    wait_for_app(page)
+    k0 = int(slider.get_by_test_id("stSliderThumbValue").first.text_content().replace(",", ""))
+    assert k0 > 0
+    zooms = [re.findall(r"zoom: keys ([\d,]+)\.\.", maps.nth(i).text_content()) for i in range(n_maps)]
+    assert zooms == [[f"{k0:,}"]] * n_maps, (k0, zooms)
+    assert page.locator("[data-testid='stMain'] [data-stale='true']").count() == 0
+    # every row of the tables on screen (no inner scrolling): header + rows of 35 px
+    tables = main.get_by_test_id("stDataFrame")
+    keys = [tables.nth(i) for i in range(tables.count())][-n_maps:]  # the top-key tables end the section
+    for tb in keys:
+        assert tb.bounding_box()["height"] >= 11 * 35
+    page.locator(".st-key-holds_compute button").click()
+    main.get_by_text("Tokens contributing most").wait_for(timeout=SLOW)
+    wait_for_app(page)
+    top = main.get_by_test_id("stDataFrame").first  # the section's first table
+    assert top.bounding_box()["height"] >= 13 * 35
+
+
 def test_truncation_shows_both_answers(server, page):
     base, _ = server
     page.goto(base + "/truncate")

@@ -87,6 +87,9 @@ def test_head_table_energy_rank99_is_the_numpy_svd_of_each_final_state():
     assert len(set(want)) > 1  # the heads differ: the test can tell a wrong head order
     ds = summary.document_set_table([cap, cap])
     assert {"energy_rank99", "energy_rank99_min", "energy_rank99_max"} <= set(ds.columns)
+    for li, h in ((0, 0), (NL - 1, H - 1), (NL // 2, H // 2)):  # one head's row alone: the same numbers
+        one = summary.head_table(cap, only=(li, h))
+        pd.testing.assert_frame_equal(one.reset_index(drop=True), t.iloc[[li * H + h]].reset_index(drop=True))
 
 
 # =============================================================================================================
@@ -285,3 +288,44 @@ def test_compare_difference_mismatch_and_sweeps():
     sb = sa.assign(score=[40.0, 100.0, 5.0]).iloc[:2]
     sd = K.sweep_difference(sa, sb)
     assert sd["delta"].tolist() == [30.0, 0.0] and len(sd) == 2
+
+
+def test_one_class_table_builds_the_same_specs_and_builds_the_table_once():
+    """``specs._one_class_table`` (Altair's class table built once, not per channel): in a fresh interpreter, the
+    Head page's figures come out identical with and without it, and with it the table is built once."""
+    import json
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    code = r'''
+import json, numpy as np, pandas as pd
+from altair.utils import schemapi
+from gdnviz import figures as F
+from gdnviz.ui import specs
+sv = np.geomspace(1, 1e-3, 16)
+sp = pd.DataFrame([dict(document=d, index=i + 1, sigma=s * (1 + k), floor=1e-6, numerical_rank=16, erank=7.5,
+                        position=300) for k, d in enumerate("ab") for i, s in enumerate(sv)])
+pdf = pd.DataFrame([dict(document=d, metric=m, label=F.SHORT_LABELS[m], value=v + k)
+                    for k, d in enumerate("ab") for m, v in (("numerical_rank", 12.0), ("erank", 5.5))])
+def build():
+    return [F.spectrum_chart(sp, "a").to_dict(validate=False), F.per_document_chart(pdf, 16).to_dict(validate=False)]
+plain = build()
+specs._one_class_table()
+shared = build()
+n, hash_schema = [0], schemapi._FromDict.hash_schema
+def counted(schema, use_json=True):
+    n[0] += 1
+    return hash_schema(schema, use_json)
+schemapi._FromDict.hash_schema = staticmethod(counted)
+build()
+classes = len(list(schemapi._subclasses(schemapi.SchemaBase)))
+print(json.dumps([plain == shared, n[0], classes]))
+'''
+    root = Path(__file__).resolve().parent.parent
+    out = subprocess.run([sys.executable, "-c", code], cwd=root, capture_output=True, text=True, timeout=300,
+                         env={**__import__("os").environ, "PYTHONPATH": str(root)})
+    assert out.returncode == 0, out.stderr[-2000:]
+    same, hashed, classes = json.loads(out.stdout.strip().splitlines()[-1])
+    assert same
+    assert hashed < classes  # lookups only; a table built per channel hashes every class each time

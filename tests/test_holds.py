@@ -107,6 +107,22 @@ def test_what_it_holds_summary_is_consistent():
         what_it_holds(inp, 101, 25)
 
 
+def test_rewrite_chart_marks_p_with_a_label_inside_the_plot():
+    """The red rule is at p, the state decomposed (the document end by default, not always a boundary); its label
+    sits on the side of the rule that is inside the axis, and the subtitle says which p it is."""
+    from gdnviz.ui import holds_charts as HC
+
+    inp = random_inputs()
+    for p, where, align in ((100, "the document end", "right"), (75, "a segment boundary", "right"),
+                            (30, "between two boundaries", "left")):
+        spec = HC.rewrite_chart(what_it_holds(inp, p, 25, top=2)).to_dict(validate=True)
+        rule, text = [lay for lay in spec["layer"] if lay["mark"]["type"] in ("rule", "text")]
+        marks = {spec["datasets"][lay["data"]["name"]][0]["x"] for lay in (rule, text)}
+        assert marks == {p} and text["mark"]["align"] == align
+        assert spec["datasets"][text["data"]["name"]][0]["label"] == f"p = {p}"
+        assert f"red: p = {p} ({where}), the state decomposed above" in spec["title"]["subtitle"]
+
+
 # --- one real job on the demo model ---------------------------------------------------------------------------
 TEXT = ("The archive kept every letter in a numbered box. The code word for the vault is heliotrope. "
         "Later the clerks moved the boxes twice and lost the index. ") * 6

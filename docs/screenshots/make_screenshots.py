@@ -11,9 +11,7 @@ installed. ``--only compare`` captures two pairs of sample documents and shoots 
 ``head_holds.png`` (What this state holds, computed at the document end), ``head_attnmap.png`` (the Exact
 attention map at its default window, query t = 1,838) and ``head_attnmap_zoom.png`` (the lower end of its key zoom
 moved about 612 keys up; the slider and the maps' subtitles say where it landed), the
-pictures of docs/attribution.md. Those three are cut to their section of the page. Open the zoom picture before
-committing it: the key presses rerun the page many times, and the softmax map can still be an earlier zoom's,
-greyed out (seen 2026-12-07).
+pictures of docs/attribution.md. Those three are cut to their section of the page.
 Each PNG is palette-quantised to stay a few hundred KB.
 """
 from __future__ import annotations

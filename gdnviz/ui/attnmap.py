@@ -64,17 +64,17 @@ def _map(cache_dir: str, key: str):
 
 
 @st.cache_data(show_spinner=False, max_entries=16)
-def figure(cache_dir: str, key: str, kind: str, title: str, subtitle: tuple, keys: tuple | None = None):
-    """(spec, export spec) of one stored map (a pure function of its memo key), over key positions ``keys``
-    (k0, k1) or all."""
+def figure(cache_dir: str, key: str, kind: str, title: str, subtitle: tuple, keys: tuple | None = None,
+           interactive: bool = True) -> dict:
+    """The spec of one stored map (a pure function of its memo key), over key positions ``keys`` (k0, k1) or all;
+    ``interactive`` False: the export's (no click, no query rule), built when a download is clicked."""
     from gdnviz.ui import attnmap_charts as AC
     from gdnviz.ui import specs
 
     w, meta = _map(cache_dir, key)
-    with specs.fast_build(), AC.no_row_limit():
-        return (specs.spec(AC.heatmap(w, meta["start"], kind, title, list(subtitle), keys=keys)),
-                specs.spec(AC.heatmap(w, meta["start"], kind, title, list(subtitle), interactive=False,
-                                      keys=keys)))
+    with specs.fast_build():
+        return specs.spec(AC.heatmap(w, meta["start"], kind, title, list(subtitle), interactive=interactive,
+                                     keys=keys))
 
 
 def csv_bytes(cache_dir: str, key: str) -> bytes:
@@ -87,11 +87,13 @@ def csv_bytes(cache_dir: str, key: str) -> bytes:
     return to_csv(AC.long_frame(w, meta["start"]))
 
 
-def _map_chart(spec: dict, ex: dict, t: int, cache: str, key: str, name: str, chart_key: str) -> None:
-    """A heatmap with the picked query marked, its PNG / SVG downloads, and its CSV (made on click)."""
+def _map_chart(args: tuple, t: int, cache: str, key: str, name: str, chart_key: str) -> None:
+    """The heatmap ``figure(*args)`` with the picked query marked, its PNG / SVG downloads (the export figure, built
+    on click), and its CSV (made on click)."""
     from gdnviz.ui import attnmap_charts as AC
 
-    C.chart(AC.with_query(spec, t), None, name, key=chart_key, on_select="rerun", selection_mode="row", export=ex)
+    C.chart(AC.with_query(figure(*args), t), None, name, key=chart_key, on_select="rerun", selection_mode="row",
+            export=lambda: figure(*args, interactive=False))
     st.download_button("CSV of the whole map (query, key, weight)", data=lambda: csv_bytes(cache, key),
                        file_name=f"{name}.csv", mime="text/csv", on_click="ignore", key=f"{chart_key}_csv",
                        icon=":material/table:")
@@ -211,19 +213,17 @@ def draw(gdn, soft, gkey: str, skey: str | None) -> None:
             keys = (int(k0), int(k1))
     cols = st.columns(2)
     with cols[0]:
-        spec, ex = figure(cache, gkey, "gdn", f"GDN layer {meta['layer']} head {meta['head']}: exact map",
-                          tuple(sub_g), keys)
-        _map_chart(spec, ex, t, cache, gkey, f"{tag}_gdn_map", "ch_am_gdn")
+        _map_chart((cache, gkey, "gdn", f"GDN layer {meta['layer']} head {meta['head']}: exact map", tuple(sub_g),
+                    keys), t, cache, gkey, f"{tag}_gdn_map", "ch_am_gdn")
     if soft is not None:
         p, sm = soft
         who = "mean over heads" if sm["head"] is None else f"head {sm['head']}"
         sub_s = ["softmax_s(q_t·k_s/√d), the layer's post-RoPE q, k: rows sum to 1",
                  "log colour, 10⁻⁴ and below darkest; blank: s > t"]
         with cols[1]:
-            spec, ex = figure(cache, skey, "softmax", f"Softmax: attention layer {sm['layer']}, {who}",
-                              tuple(sub_s), keys)
             stag = f"L{sm['layer']}{'mean' if sm['head'] is None else 'H' + str(sm['head'])}_q{start}-{end - 1}"
-            _map_chart(spec, ex, t, cache, skey, f"{stag}_softmax", "ch_am_soft")
+            _map_chart((cache, skey, "softmax", f"Softmax: attention layer {sm['layer']}, {who}", tuple(sub_s), keys),
+                       t, cache, skey, f"{stag}_softmax", "ch_am_soft")
     c = st.columns([1, 3])
     t = int(c[0].number_input("Query position t (or click a row of a map)", min_value=start, max_value=end - 1,
                               key="am_row", help="the top keys of this query in both maps, below"))
@@ -231,19 +231,20 @@ def draw(gdn, soft, gkey: str, skey: str | None) -> None:
     c[1].html(f"<div style='padding-top:1.9em'><b>Query t = {t:,}</b>: <span style='font-family:monospace'>…"
               f"{_esc(b)}<mark>{_esc(tokens[t])}</mark></span></div>")
     cfg = {"rank": st.column_config.NumberColumn("#", width="small"), "key": "key s", "tokens_back": "t − s",
-           "context": st.column_config.TextColumn("key in context", width="medium"),
+           "context": st.column_config.TextColumn("key in context", width="large",
+                                                  help="the 6 tokens before the key, [the key], the 3 after "
+                                                       "(↵: a newline)"),
            "weight": st.column_config.NumberColumn("w_t,s", format="%.4g"),
            "share": st.column_config.NumberColumn("share of Σ|w|", format="percent")}
-    cols = st.columns(2)
-    with cols[0]:
-        st.markdown("**GDN map: top keys** (largest |w_t,s|)")
-        st.dataframe(AC.top_keys(w, start, tokens, t), hide_index=True, width="stretch", column_config=cfg,
-                     column_order=SHOWN)
+    # one table under the other, each the page's width, so that the key's context is read whole
+    st.markdown("**GDN map: top keys** (largest |w_t,s|)")
+    st.dataframe(AC.top_keys(w, start, tokens, t), hide_index=True, width="stretch", height="content",
+                 column_config=cfg, column_order=SHOWN)
     if soft is not None:
-        with cols[1]:
-            st.markdown("**Softmax: top keys** (largest probability)")
-            st.dataframe(AC.top_keys(p, start, tokens, t), hide_index=True, width="stretch", column_order=SHOWN,
-                         column_config={**cfg, "weight": st.column_config.NumberColumn("p_t,s", format="%.4g")})
+        st.markdown("**Softmax: top keys** (largest probability)")
+        st.dataframe(AC.top_keys(p, start, tokens, t), hide_index=True, width="stretch", height="content",
+                     column_order=SHOWN,
+                     column_config={**cfg, "weight": st.column_config.NumberColumn("p_t,s", format="%.4g")})
 
 
 def _esc(s: str) -> str:

@@ -15,12 +15,10 @@ from gdnviz.figures import configure
 
 MAX_ROWS, MAX_COLS = 128, 256  # cells drawn; larger maps are shown as blocks (the largest |w| of each block)
 WIDTH, HEIGHT = 440, 300
-
-
-def no_row_limit():
-    """Context for turning a heatmap into a spec: its up to MAX_ROWS × MAX_COLS cells exceed Altair's default
-    5,000-row guard."""
-    return alt.data_transformers.enable("default", max_rows=None)
+# A map's up to MAX_ROWS × MAX_COLS cells exceed Altair's 5,000-row guard. The guard is one setting for the whole
+# process: it is switched off once here, never toggled around a build (a toggle in one script thread made the builds
+# of concurrent ones fail with MaxRowsError).
+alt.data_transformers.disable_max_rows()
 
 
 def long_frame(w: np.ndarray, start: int) -> pd.DataFrame:

@@ -12,6 +12,7 @@ from gdnviz.ui import common as C
 from gdnviz.ui import run_figures as RF
 
 TITLE = "What this state holds"
+TOP_TOKENS = 12  # rows of the "Tokens contributing most" table, all shown (no scrolling)
 
 
 def request(run: dict, doc: str, layer: int, head: int, position: int, top: int) -> tuple[dict, str]:
@@ -107,7 +108,7 @@ def draw(res: dict, key: str) -> None:
                 "for its index and norm)")
     st.html(HC.highlighted_html(res))
     st.markdown("**Tokens contributing most** (largest ‖c_t‖_F)")
-    st.dataframe(HC.top_tokens(res, 12), hide_index=True, width="stretch", column_config={
+    st.dataframe(HC.top_tokens(res, TOP_TOKENS), hide_index=True, width="stretch", height="content", column_config={
         "position": "token index", "tokens_back": "tokens before p",
         "norm": st.column_config.NumberColumn("‖c_t‖_F", format="%.3g")})
     C.chart(*RF.holds_figure(cache, key, "directions"), f"{tag}_directions", key="ch_holds_dirs", fixed_size=True)

@@ -155,9 +155,15 @@ def rewrite_chart(res: dict):
                 scale=alt.Scale(domain=[0, max(int(res["T"]), int(res["position"]))], nice=False)),
         y=alt.Y("rate:Q", title="‖S_b − S_(b−L)‖_F / ‖S_(b−L)‖_F", scale=alt.Scale(zero=True)),
         tooltip=[alt.Tooltip("boundary:Q", title="b", format=","), alt.Tooltip("rate:Q", title="rate", format=".3f")])
-    rule = alt.Chart(pd.DataFrame({"x": [int(res["position"])]})).mark_rule(color="#d62728", strokeDash=[4, 3]
-                                                                           ).encode(x="x:Q")
-    return configure(alt.layer(line, rule).properties(width=480, height=220, title=alt.Title(
+    p, T = int(res["position"]), int(res["T"])
+    where = "the document end" if p == T else ("a segment boundary" if p % L == 0 else "between two boundaries")
+    mark = pd.DataFrame({"x": [p], "label": [f"p = {p:,}"]})
+    rule = alt.Chart(mark).mark_rule(color="#d62728", strokeDash=[4, 3]).encode(x="x:Q")
+    # the label left of the rule when the rule is in the right half of the axis (at the document end it is the
+    # axis' last position): it stays inside the plot
+    side = dict(align="right", dx=-4) if p > max(T, p) / 2 else dict(align="left", dx=4)
+    label = alt.Chart(mark).mark_text(**side, y=8, color="#d62728", fontSize=11).encode(x="x:Q", text="label:N")
+    return configure(alt.layer(line, rule, label).properties(width=480, height=220, title=alt.Title(
         "Rewrite rate between boundaries",
         subtitle=[f"how much of the state changes over each {L}-token segment (1 = as much as its size)",
-                  "red: the boundary decomposed above"])))
+                  f"red: p = {p:,} ({where}), the state decomposed above"])))

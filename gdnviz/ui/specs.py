@@ -1,7 +1,8 @@
 """Altair charts as Vega-Lite specs for the page, built without Altair's JSON-schema validation.
 
 Validating a layered chart against the Vega-Lite schema costs 50–300 ms per chart on every rerun (most of the
-time a page took); the chart builders of ``gdnviz.figures`` are validated by tests/test_figures.py instead.
+time a page took); the chart builders of ``gdnviz.figures`` are validated by tests/test_figures.py instead. Inside
+``fast_build`` Altair also looks up its schema classes in one table built once (``_one_class_table``).
 
 ``spec(chart)`` → a plain Vega-Lite dict with its data inline under ``"datasets"`` (lists of records), the form
 vl-convert exports and ``st.cache_data`` stores; ``for_page(spec)`` → the same spec with each dataset a DataFrame,
@@ -14,11 +15,39 @@ from contextlib import contextmanager
 import pandas as pd
 
 
-@contextmanager
-def fast_build():
-    """Altair objects built inside skip their construction-time schema validation."""
+def _one_class_table() -> None:
+    """Make Altair build its table of schema classes once per process instead of once per channel.
+
+    Altair 6.3 turns every channel given as a string or a dict (``x="erank:Q"``, ``"document"`` in a tooltip,
+    ``alt.value(3)``) into its class with ``SchemaBase.from_dict``, which first hashes the JSON of all ~570 schema
+    classes into a lookup table (``_FromDict.__init__``): 2–4 ms per channel, about half of the time a Head page
+    figure took to build. The table depends only on the set of classes, so it is kept per set of classes here (what
+    vega/altair#3547 proposes upstream). The charts built are the same (tests/test_figures.py)."""
     from altair.utils import schemapi
 
+    cls = schemapi._FromDict
+    if getattr(cls, "_one_table", False):
+        return
+    build = cls.__init__
+    tables: dict[tuple, dict] = {}
+
+    def __init__(self, wrapper_classes, /) -> None:
+        key = tuple(wrapper_classes)
+        if key not in tables:
+            build(self, key)
+            tables[key] = self.class_dict
+        self.class_dict = tables[key]
+
+    cls.__init__, cls._one_table = __init__, True
+
+
+@contextmanager
+def fast_build():
+    """Altair objects built inside skip their construction-time schema validation (and share Altair's table of
+    schema classes: ``_one_class_table``)."""
+    from altair.utils import schemapi
+
+    _one_class_table()
     with schemapi.debug_mode(False):
         yield
 
