@@ -92,7 +92,9 @@ def _run_via_worker(spec, cache_dir, label: str, desc: str, unit: str) -> tuple:
     cancels the job through the store, as the app's Cancel does, and waits for its answer (at most the worker's
     ``CANCEL_GRACE`` and a few beats; a second Ctrl-C stops waiting); a sweep keeps its finished samples. A failed
     or cancelled job raises GDNVizError (also when the worker exited to stop it: it answered it first)."""
+    import signal
     import subprocess
+    import threading
     import time
 
     from tqdm import tqdm
@@ -110,8 +112,13 @@ def _run_via_worker(spec, cache_dir, label: str, desc: str, unit: str) -> tuple:
             cmd += ["--cache-dir", str(cache_dir)]
         proc = subprocess.Popen(cmd, start_new_session=True)  # Ctrl-C here cancels through the store, not by signal
     bar = tqdm(total=1, desc=desc, unit=unit, file=sys.stderr, leave=False)
+    # Ctrl-C only sets a flag: a KeyboardInterrupt raised inside the store's SQLite calls or tqdm's lock could leave
+    # either held and hang the cancel below
+    hits: list[int] = []
+    main = threading.current_thread() is threading.main_thread()
+    prev = signal.signal(signal.SIGINT, lambda *_: hits.append(1)) if main else None
     try:
-        while True:
+        while not hits:
             rec = store.job(jid)
             prog = rec.get("progress") or {}
             if prog.get("total"):
@@ -125,17 +132,20 @@ def _run_via_worker(spec, cache_dir, label: str, desc: str, unit: str) -> tuple:
                 raise GDNVizError(f"the worker exited (code {proc.returncode}) before finishing the job; see "
                                   f"{store.log_path}")
             time.sleep(0.2)
-    except KeyboardInterrupt:
-        store.cancel(jid)
-        bar.close()
-        print(f"interrupted: cancelling job {jid} ...", file=sys.stderr)
-        try:
-            rec = store.wait(jid, timeout=CANCEL_GRACE + 3 * HEARTBEAT_EVERY + 5, poll=0.1)
-        except (TimeoutError, KeyboardInterrupt):
-            raise GDNVizError(f"interrupted: asked the worker to cancel job {jid}; it has not answered yet (see "
-                              f"{store.log_path})") from None
+        if hits:
+            store.cancel(jid)
+            bar.close()
+            print(f"interrupted: cancelling job {jid} ...", file=sys.stderr)
+            n, t0 = len(hits), time.time()
+            while (rec := store.job(jid))["status"] not in ("done", "failed", "cancelled"):
+                if len(hits) > n or time.time() - t0 > CANCEL_GRACE + 3 * HEARTBEAT_EVERY + 5:
+                    raise GDNVizError(f"interrupted: asked the worker to cancel job {jid}; it has not answered yet "
+                                      f"(see {store.log_path})")
+                time.sleep(0.1)
     finally:
         bar.close()
+        if prev is not None:
+            signal.signal(signal.SIGINT, prev)
     if rec["status"] != "done":
         what = f"{rec.get('error_type')}: " if rec.get("error_type") else ""
         raise GDNVizError(f"{spec.kind} {rec['status']}: {what}{rec.get('error')}")
