@@ -1,10 +1,12 @@
-"""Heatmap: one statistic for every (layer, head), median over the document set; click a cell to open the head."""
+"""Heatmap: one statistic for every (layer, head), median over the document set; a click on a cell shows that head
+in a panel under the heatmap (or picks it for the truncation set)."""
 from __future__ import annotations
 
 import streamlit as st
 
 from gdnviz import figures as F
 from gdnviz.ui import common as C
+from gdnviz.ui import head_panel
 from gdnviz.ui import run_figures as RF
 
 C.ensure_entrypoint()
@@ -19,8 +21,8 @@ METRICS = list(F.HEATMAP_METRICS)
 st.session_state.setdefault("heat_metric", "erank")
 metric = st.session_state["heat_metric"]
 
-# a click on a cell was handled by app.py before anything was drawn (common.HEAD_CLICKS): opening a head switched
-# page at once, and a pick is drawn in this run
+# a click on a cell was handled by app.py before anything was drawn (common.HEAD_CLICKS): the head it opened is
+# shown in the panel under the heatmap, or its pick in the truncation set, in this run
 
 c1, c2 = st.columns([3, 2])
 c1.radio("Statistic", METRICS, key="heat_metric", horizontal=True,
@@ -29,7 +31,7 @@ c1.radio("Statistic", METRICS, key="heat_metric", horizontal=True,
                                 "energy_rank99": "r for 99% energy",
                                 "key_cov_erank": "key-covariance erank", "decayed_P_erank": "decayed-P erank"}[m])
 with c2:
-    C.click_action_radio()
+    C.click_action_radio("shows it below the heatmap")
 n_docs = len(run["documents"])
 st.caption(f"{F.HEATMAP_METRICS[metric][0]} of each head's state at the document end, median over {n_docs} "
            f"document{'s' if n_docs != 1 else ''} (min–max in the tooltip) · GDN layers only "
@@ -43,6 +45,7 @@ spec, csv = RF.heatmap(str(C.store().dir), run["run_id"], keys, metric, sel, tup
                        st.session_state.get("click_action") == "pick")
 C.chart(spec, csv, f"heatmap_{metric}", key="heat", on_select="rerun", selection_mode="cell", fixed_size=True,
         export=lambda: F.heatmap(F.heatmap_frame(table, metric), metric, interactive=False))
+head_panel.panel(run, table)
 
 picked = C.picked_heads()
 if picked:
