@@ -446,16 +446,16 @@ def test_heatmap_click_shows_the_head_under_the_heatmap(env, populated):
     # another statistic: the panel stays; another cell: the panel shows that head, nothing of the first
     at.radio(key="heat_metric").set_value("horizon").run()
     assert _panel_heading(at)[0].startswith("### Layer 1 · head 2  \n")
-    at.session_state["heat"] = {"selection": {"cell": [{"layer": 3, "head": 0}]}}
+    at.session_state["heat"] = {"selection": {"cell": [{"layer": 0, "head": 3}]}}
     at.run()
-    assert len(_panel_heading(at)) == 1 and _panel_heading(at)[0].startswith("### Layer 3 · head 0  \n")
-    row = table[(table["layer"] == 3) & (table["head"] == 0)].iloc[0]
+    assert len(_panel_heading(at)) == 1 and _panel_heading(at)[0].startswith("### Layer 0 · head 3  \n")
+    row = table[(table["layer"] == 0) & (table["head"] == 3)].iloc[0]
     assert at.metric[0].value == f"{row['erank']:.1f}"
     # the Head page opens on the panel's head; back on the heatmap the panel still shows it
     at.switch_page("pages/head.py").run()
-    assert not at.exception and any(m.startswith("### Layer 3 · head 0") for m in texts(at, "markdown"))
+    assert not at.exception and any(m.startswith("### Layer 0 · head 3") for m in texts(at, "markdown"))
     at.switch_page("pages/heatmap.py").run()
-    assert _panel_heading(at)[0].startswith("### Layer 3 · head 0  \n")
+    assert _panel_heading(at)[0].startswith("### Layer 0 · head 3  \n")
     # closed by its button
     at.button(key="head_panel_close").click().run()
     assert not _panel_heading(at) and len(charts(at)) == 1

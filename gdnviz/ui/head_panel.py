@@ -36,11 +36,14 @@ def _close() -> None:
     st.session_state.pop(OPEN, None)
 
 
-def panel(run: dict, table: pd.DataFrame) -> None:
+def panel(run: dict, table: pd.DataFrame, between) -> None:
     """The open head of ``run`` (``table``: its head table) in a bordered box, or nothing while the panel is
-    closed."""
+    closed. ``between`` (a function) is called after the panel's heading and numbers and before its chart (at once
+    while the panel is closed): the Heatmap page draws its heatmap there, into a container above the panel, so that
+    the heading is sent before the heatmap's update and the spectrum's build."""
     lh = open_head(run)
     if lh is None:
+        between()
         return
     layer, head = lh
     names = [d["name"] for d in run["documents"]]
@@ -54,6 +57,7 @@ def panel(run: dict, table: pd.DataFrame) -> None:
             st.button("Close", key="head_panel_close", on_click=_close, icon=":material/close:", type="tertiary")
         HSum.key_numbers(run, HSum.head_row(table, layer, head), "on the full head page",
                          f"The spectrum shows one document, “{doc}”.")
+        between()
         a, _ = st.columns(2)
         with a:
             spec, csv = RF.head_figure(str(C.store().dir), run["run_id"], tuple(d["key"] for d in run["documents"]),
