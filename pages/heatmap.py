@@ -37,36 +37,36 @@ st.caption(f"{F.HEATMAP_METRICS[metric][0]} of each head's state at the document
            f"document{'s' if n_docs != 1 else ''} (min–max in the tooltip) · GDN layers only "
            f"(full-attention layers {list(run['model']['attn_layers'])} carry no state) · run `{run['run_id']}`")
 
-# the heatmap, with the head panel under it; the panel sends its heading and numbers first and has the heatmap drawn
-# into its place above before the panel's chart (the heading reaches the browser ~30-50 ms sooner: docs/ui-speed.md)
-heat = st.container()
+# the heatmap and the truncation set, with the head panel under them; the panel sends its heading and numbers
+# first, then has these drawn into their place above it, then its chart (docs/ui-speed.md)
+above = st.container()
 
 
-def draw_heatmap():
+def draw_above():
     sel = None
     if st.session_state.get("layer") in run["model"]["gdn_layers"] and st.session_state.get("head") is not None:
         sel = (int(st.session_state["layer"]), int(st.session_state["head"]))
     keys = tuple(d["key"] for d in run["documents"])
     spec, csv = RF.heatmap(str(C.store().dir), run["run_id"], keys, metric, sel, tuple(C.picked_heads()),
                            st.session_state.get("click_action") == "pick")
-    with heat:
+    with above:
         C.chart(spec, csv, f"heatmap_{metric}", key="heat", on_select="rerun", selection_mode="cell",
                 fixed_size=True, export=lambda: F.heatmap(F.heatmap_frame(table, metric), metric, interactive=False))
+        picked = C.picked_heads()
+        if picked:
+            st.markdown(f"**Truncation set** ({len(picked)} head{'s' if len(picked) != 1 else ''}): "
+                        + ", ".join(C.head_label(*p) for p in picked))
+            with st.container(horizontal=True, gap="small"):
+                C.page_link("truncate", "Truncate these heads", icon=":material/content_cut:")
+                if st.button("Clear the set", key="clear_picked"):
+                    st.session_state["picked_heads"] = []
+                    st.rerun()
+        else:
+            st.caption("Switch *Clicking a head* to “adds / removes it in the truncation set” to collect heads for "
+                       "**Truncate & compare**.")
 
 
-head_panel.panel(run, table, draw_heatmap)
-
-picked = C.picked_heads()
-if picked:
-    st.markdown(f"**Truncation set** ({len(picked)} head{'s' if len(picked) != 1 else ''}): " + ", ".join(C.head_label(*p) for p in picked))
-    with st.container(horizontal=True, gap="small"):
-        C.page_link("truncate", "Truncate these heads", icon=":material/content_cut:")
-        if st.button("Clear the set", key="clear_picked"):
-            st.session_state["picked_heads"] = []
-            st.rerun()
-else:
-    st.caption("Switch *Clicking a head* to “adds / removes it in the truncation set” to collect heads for "
-               "**Truncate & compare**.")
+head_panel.panel(run, table, draw_above)
 
 with st.expander("Table of all heads (median, min, max over documents)"):
     cols = ["layer", "head"] + [c for m in METRICS for c in (m, f"{m}_min", f"{m}_max")] + \

@@ -39,8 +39,8 @@ def _close() -> None:
 def panel(run: dict, table: pd.DataFrame, between) -> None:
     """The open head of ``run`` (``table``: its head table) in a bordered box, or nothing while the panel is
     closed. ``between`` (a function) is called after the panel's heading and numbers and before its chart (at once
-    while the panel is closed): the Heatmap page draws its heatmap there, into a container above the panel, so that
-    the heading is sent before the heatmap's update and the spectrum's build."""
+    while the panel is closed): the Heatmap page draws its heatmap and truncation set there, into a container above
+    the panel, so that the heading is sent before the heatmap's update and a pick's set before the spectrum."""
     lh = open_head(run)
     if lh is None:
         between()
