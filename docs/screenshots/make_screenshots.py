@@ -243,7 +243,7 @@ def main() -> int:
                     f"path[aria-label^='value head: {head}; layer (model index): {layer};']").click()
                 page.locator(".st-key-head_panel_box").get_by_role("heading", name=f"Layer {layer} · head {head}").wait_for()
                 page.mouse.move(1400, 50)  # no tooltip of the heatmap in the picture
-                shot("heatmap_panel", 1500)
+                shot("heatmap_panel", 1600)
             if args.only == "heatmap":
                 b.close()
                 return 0

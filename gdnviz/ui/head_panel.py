@@ -58,8 +58,11 @@ def panel(run: dict, table: pd.DataFrame, between) -> None:
         HSum.key_numbers(run, HSum.head_row(table, layer, head), "on the full head page",
                          f"The spectrum shows one document, “{doc}”.")
         between()
-        a, _ = st.columns(2)
+        a, b = st.columns(2)
         with a:
             spec, csv = RF.head_figure(str(C.store().dir), run["run_id"], tuple(d["key"] for d in run["documents"]),
                                        tuple(names), gl.index(layer), head, doc, int(run["segment_len"]), "spectrum")
             C.chart(spec, csv, f"L{layer}H{head}_spectrum", key="head_panel_spectrum", downloads=False)
+        b.caption("**The full head page** adds this head's effective rank along each document, the energy kept by a "
+                  "rank-r truncation, its decay α and key cone, the spread of every statistic over the documents, what "
+                  "its state holds and its exact attention map, each figure with PNG / SVG / CSV downloads.")
