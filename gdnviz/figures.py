@@ -326,7 +326,7 @@ def heatmap(df: pd.DataFrame, metric: str, *, selected: tuple | None = None, pic
             subtitle: str | list | None = None):
     """Layer × head grid coloured by ``value`` (median over documents); min–max in the tooltip. Interactive: click
     selection param ``cell`` (fields layer, head), the open head framed black, the truncation set orange, and a
-    subtitle saying how to use it (``subtitle``: one line or a list of lines; default: a click opens the head).
+    subtitle saying how to use it (``subtitle``: one line or a list of lines; default: a click shows the head below).
     ``interactive=False`` is the exported figure: no hints, no frames. ``color_domain`` (lo, hi) fixes the colour
     scale (two runs side by side on one scale)."""
     label, scale = HEATMAP_METRICS.get(metric, (metric, "linear"))
@@ -359,7 +359,7 @@ def heatmap(df: pd.DataFrame, metric: str, *, selected: tuple | None = None, pic
     elif subtitle is not None:
         sub = ([subtitle] if isinstance(subtitle, str) else list(subtitle)) + [over]
     else:
-        sub = ["click a cell to open that head", "hover for the min–max over documents", over]
+        sub = ["click a cell to see that head below", "hover for the min–max over documents", over]
     return _grid(df, color, tooltip, title or label[:1].upper() + label[1:], sub, selected=selected, picked=picked,
                  interactive=interactive)
 

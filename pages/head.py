@@ -1,12 +1,12 @@
 """Head: one GDN head in detail. Deep link: /head?layer=<model layer index>&head=<value head>."""
 from __future__ import annotations
 
-import numpy as np
 import pandas as pd
 import streamlit as st
 
 from gdnviz.ui import attnmap as AM
 from gdnviz.ui import common as C
+from gdnviz.ui import head_summary as HSum
 from gdnviz.ui import holds as HS
 from gdnviz.ui import run_figures as RF
 
@@ -69,8 +69,7 @@ c1, c2, c3, c4 = st.columns([1, 1, 2, 2])
 c1.selectbox("Layer", gl, key="head_sel_layer", on_change=_on_pick, help="the model's own layer index")
 c2.selectbox("Head", list(range(H)), key="head_sel_head", on_change=_on_pick)
 names = [d["name"] for d in run["documents"]]
-if st.session_state.get("head_doc") not in names:
-    st.session_state["head_doc"] = names[0]
+st.session_state["head_doc"] = HSum.shown_document(names)
 c3.selectbox("Document for the spectrum and the key cone", names, key="head_doc")
 with c4:
     st.write("")
@@ -83,31 +82,12 @@ if caps is None:
     st.stop()
 li = gl.index(layer)
 doc = st.session_state["head_doc"]
-row = table[(table["layer"] == layer) & (table["head"] == head)].iloc[0]
+row = HSum.head_row(table, layer, head)
 L = int(run["segment_len"])
 
-st.markdown(f"### Layer {layer} · head {head}  \n"
-            f"<span style='color:gray'>state {model['d_k']} × {model['d_v']} · {len(names)} document(s) · "
-            f"segment length {L} · run `{run['run_id']}`</span>", unsafe_allow_html=True)
-
-
-nd = len(names)
-st.caption(f"The numbers below are medians over the {nd} document{'s' if nd != 1 else ''} of this run (their min–max "
-           f"under *Over the documents*). The spectrum and the key cone show one document, “{doc}”; the other plots "
-           "draw every document.")
-m = st.columns(6)
-m[0].metric("Effective rank", f"{row['erank']:.1f}", help="exp of the entropy of σ/Σσ: directions carrying the norm")
-m[1].metric("Numerical rank", f"{row['numerical_rank']:.0f}", help="σ above σ_max·128·ε_f32")
-m[2].metric("Horizon", f"{row['horizon']:,.0f} tok" if np.isfinite(row["horizon"]) else "∞", help="1/(1 − ᾱ)")
-m[3].metric("Mean key norm", f"{row['mean_key_norm']:.3f}", help="‖mean of the unit keys‖: 1 = all keys parallel, "
-            "≈ 0 = isotropic")
-m[4].metric("Key-cov erank", f"{row['key_cov_erank']:.1f}", help="effective rank of the covariance of the keys "
-            "written inside the horizon")
-m[5].metric("r for 99% energy", f"{row['energy_rank99']:g}", help="smallest r with Σ_{i≤r} σ_i² ≥ 0.99 Σ σ_i² "
-            "(median over documents)")
-if row["horizon"] < L:
-    st.caption(f"This head forgets within one segment (horizon {row['horizon']:,.0f} < L = {L} tokens): "
-               "truncating it at segment boundaries should change little.")
+HSum.heading(run, layer, head)
+HSum.key_numbers(run, row, "under *Over the documents*", f"The spectrum and the key cone show one document, “{doc}”; "
+                 "the other plots draw every document.")
 
 tag = f"L{layer}H{head}"
 args = (str(C.store().dir), run["run_id"], tuple(d["key"] for d in run["documents"]), tuple(names), li, head, doc, L)

@@ -399,12 +399,92 @@ def test_heatmap_metrics_tooltips_and_click(env, populated):
     assert "…" not in json.dumps(spec["encoding"]["color"]["title"], ensure_ascii=False)
     assert {"heat_png", "heat_svg", "heat_csv"} <= {b.key for b in at.get("download_button")}
 
-    # a click opens that head, with a deep link
+
+
+def _panel_heading(at) -> list[str]:
+    return [m for m in texts(at, "markdown") if m.startswith("### Layer ")]
+
+
+def test_heatmap_click_shows_the_head_under_the_heatmap(env, populated):
+    """A click on a cell (open mode) shows that head in a panel on the Heatmap page itself, in the same run: its
+    heading, the Head page's six key numbers, its singular spectrum and a link to its Head page; the panel stays
+    across a change of statistic and shows the next clicked head."""
+    import json
+
+    cache, run = populated
+    env(cache)
+    at = app("heatmap", run=run)
+    at.run()
+    assert not _panel_heading(at) and chart_titles(at) == ["Effective rank (directions)"]
+    radio = at.radio(key="click_action")
+    assert radio.value == "open" and radio.options[0] == "shows it below the heatmap"
     at.session_state["heat"] = {"selection": {"cell": [{"layer": 1, "head": 2}]}}
     at.run()
     assert not at.exception
-    assert at.query_params["layer"] == ["1"] or at.query_params["layer"] == "1"
-    assert any("Layer 1 · head 2" in m for m in texts(at, "markdown"))
+    assert [t.value for t in at.title] == ["Heatmap"] and "layer" not in at.query_params  # no page switch
+    assert _panel_heading(at) == [m for m in _panel_heading(at) if m.startswith("### Layer 1 · head 2  \n")] != []
+    assert run["run_id"] in _panel_heading(at)[0]
+    assert [m.label for m in at.metric] == ["Effective rank", "Numerical rank", "Horizon", "Mean key norm",
+                                            "Key-cov erank", "r for 99% energy"]
+    from gdnviz.summary import document_set_table
+
+    table = document_set_table(jobs.load_run_captures(Store(cache), run))
+    row = table[(table["layer"] == 1) & (table["head"] == 2)].iloc[0]
+    assert at.metric[0].value == f"{row['erank']:.1f}" and at.metric[5].value == f"{row['energy_rank99']:g}"
+    assert any("medians over the 2 documents of this run" in c and "one document, “alpha”" in c
+               for c in texts(at, "caption"))
+    assert chart_titles(at) == ["Effective rank (directions)", "Singular spectrum at the document end"]
+    spectrum = json.loads(charts(at)[1].proto.spec)
+    assert spectrum["title"]["subtitle"][0] == "one document: “alpha”"
+    links = {l.proto.label: l.proto for l in at.get("page_link")}
+    assert "Open the full head page" in links and links["Open the full head page"].query_string == "layer=1&head=2"
+    heat = json.loads(charts(at)[0].proto.spec)
+    assert heat["title"]["subtitle"][0] == "click a cell to see that head below"
+    data = pa.ipc.open_stream(charts(at)[0].proto.datasets[0].data.data).read_all().to_pandas()
+    assert data.loc[data["frame"] == "open head", ["layer", "head"]].values.tolist() == [[1, 2]]
+
+    # another statistic: the panel stays; another cell: the panel shows that head, nothing of the first
+    at.radio(key="heat_metric").set_value("horizon").run()
+    assert _panel_heading(at)[0].startswith("### Layer 1 · head 2  \n")
+    at.session_state["heat"] = {"selection": {"cell": [{"layer": 0, "head": 3}]}}
+    at.run()
+    assert len(_panel_heading(at)) == 1 and _panel_heading(at)[0].startswith("### Layer 0 · head 3  \n")
+    row = table[(table["layer"] == 0) & (table["head"] == 3)].iloc[0]
+    assert at.metric[0].value == f"{row['erank']:.1f}"
+    # the Head page opens on the panel's head; back on the heatmap the panel still shows it
+    at.switch_page("pages/head.py").run()
+    assert not at.exception and any(m.startswith("### Layer 0 · head 3") for m in texts(at, "markdown"))
+    at.switch_page("pages/heatmap.py").run()
+    assert _panel_heading(at)[0].startswith("### Layer 0 · head 3  \n")
+    # closed by its button
+    at.button(key="head_panel_close").click().run()
+    assert not _panel_heading(at) and len(charts(at)) == 1
+
+
+def test_the_head_panel_follows_the_run(env, tmp_path, tiny_checkpoint):
+    """Another run of the same model: the panel shows that run's numbers of the open head; a run whose model has
+    no such head: the panel is closed (and stays closed on returning)."""
+    from gdnviz.summary import document_set_table
+
+    cache = env(tmp_path / "c")
+    r1 = capture(cache, tiny_checkpoint, (("first", short_text(150, 2)),))
+    r2 = capture(cache, tiny_checkpoint, (("second", short_text(180, 5)),))
+    r3 = capture(cache, "demo", (("third", short_text(120, 1)),))
+    assert 3 not in r3["model"]["gdn_layers"]
+    at = app("heatmap", run=r1)
+    at.run()
+    at.session_state["heat"] = {"selection": {"cell": [{"layer": 3, "head": 1}]}}
+    at.run()
+    assert r1["run_id"] in _panel_heading(at)[0]
+    at.selectbox(key="sb_run").set_value(r2["run_id"]).run()
+    assert len(_panel_heading(at)) == 1 and _panel_heading(at)[0].startswith("### Layer 3 · head 1  \n")
+    assert r2["run_id"] in _panel_heading(at)[0] and r1["run_id"] not in _panel_heading(at)[0]
+    t2 = document_set_table(jobs.load_run_captures(Store(cache), r2))
+    assert at.metric[0].value == f"{t2[(t2['layer'] == 3) & (t2['head'] == 1)].iloc[0]['erank']:.1f}"
+    at.selectbox(key="sb_run").set_value(r3["run_id"]).run()
+    assert not at.exception and not _panel_heading(at) and len(charts(at)) == 1
+    at.selectbox(key="sb_run").set_value(r1["run_id"]).run()
+    assert not _panel_heading(at) and len(charts(at)) == 1
 
 
 def test_heatmap_pick_mode_builds_the_truncation_set(env, populated):
@@ -437,13 +517,14 @@ def test_heatmap_pick_mode_says_what_a_click_does_and_draws_frames_on_top(env, p
     at = app("heatmap", run=run)
     at.run()
     spec, _ = _heatmap_spec_and_data(at)
-    assert spec["title"]["subtitle"][0] == "click a cell to open that head"
+    assert spec["title"]["subtitle"][0] == "click a cell to see that head below"
     at.radio(key="click_action").set_value("pick").run()
     for cell in ({"layer": 0, "head": 1}, {"layer": 0, "head": 2}, {"layer": 1, "head": 1}):
         at.session_state["heat"] = {"selection": {"cell": [cell]}}
         at.run()
     spec, data = _heatmap_spec_and_data(at)
-    assert "open that head" not in " ".join(spec["title"]["subtitle"])
+    assert "see that head" not in " ".join(spec["title"]["subtitle"])
+    assert not _panel_heading(at)  # a pick opens no panel
     assert spec["title"]["subtitle"][0] == "click a cell to add it to / remove it from the truncation set"
     # the framed cells are drawn after every unframed one: no neighbour drawn later covers half of a frame
     framed = (data["frame"] != "none").to_numpy()
@@ -526,9 +607,13 @@ def test_head_deep_link_in_a_new_session(env, populated):
     # the statistics table has median / min / max per statistic
     stats = [f for f in frames if "statistic" in f.columns][0]
     assert {"effective rank", "decay horizon (tokens)", "key-covariance erank"} <= set(stats["statistic"])
-    # the open tab is kept when another head is opened from the heatmap
+    # the open tab is kept when another head is opened from the heatmap's panel
     at.switch_page("pages/heatmap.py").run()
     at.session_state["heat"] = {"selection": {"cell": [{"layer": 1, "head": 2}]}}
+    at.run()
+    link = next(l.proto for l in at.get("page_link") if l.proto.label == "Open the full head page")
+    at.switch_page("pages/head.py")  # the link's page and query
+    at.query_params.update(dict(kv.split("=") for kv in link.query_string.split("&")))
     at.run()
     assert not at.exception and any("Layer 1 · head 2" in m for m in texts(at, "markdown"))
     assert chart_titles(at) == ["Per-document spread of this head"]

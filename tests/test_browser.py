@@ -1,9 +1,10 @@
 """End to end in headless Debian Chromium against a real ``streamlit run app.py`` on 127.0.0.1 (with its real
 worker process) on a tmp cache directory and the tiny checkpoint.
 
-Flows: a deep link opened before any other session of a fresh server; a capture on a sample document; a click on
-a heatmap cell that lands on that head, whose tabs of figures each draw their charts (and the same URL pasted into
-a new browser session, which first picks the run); a click on a point of the overview scatter, in pick mode and in
+Flows: a deep link opened before any other session of a fresh server; a capture on a sample document; clicks on
+heatmap cells that show their head under the heatmap (and one in pick mode that picks), whose link opens the Head
+page, whose tabs of figures each draw their charts (and the same URL pasted into a new browser session, which first
+picks the run); a click on a point of the overview scatter, in pick mode and in
 open mode; a click on a row of a head's exact attention map; a truncation with both answers; a PNG download checked
 byte by byte; a binary upload refused with a message; two sessions capturing at once, each shown and exporting only
 its own run.
@@ -165,18 +166,42 @@ def test_capture_on_a_sample_document(server, page):
     assert page.get_by_role("link", name="Open the heatmap").count() == 1
 
 
-def test_heatmap_click_lands_on_that_head(server, page, browser):
+def test_heatmap_click_shows_the_head_below_and_links_to_its_page(server, page, browser):
+    """A click on a heatmap cell shows that head in the panel under the heatmap (same page): its heading, six key
+    numbers and spectrum; a click on another cell replaces it; a click in pick mode picks and leaves the panel; the
+    panel's link opens the Head page of that head."""
     base, _ = server
     page.goto(base + "/heatmap")
     wait_for_app(page)
     pick_run(page, 0)  # a new browser session: it opens the capture of the session before
     chart = page.get_by_test_id("stVegaLiteChart").first
-    cell = chart.locator("path[aria-label^='value head: 2; layer (model index): 1;']")
-    cell.wait_for()
-    cell.click()
-    page.wait_for_url(re.compile(r"/head\?layer=1&head=2$"), timeout=60_000)
+    panel = page.locator(".st-key-head_panel_box")
+    assert panel.count() == 0
+
+    def cell(layer, head):
+        return chart.locator(f"path[aria-label^='value head: {head}; layer (model index): {layer};']")
+
+    for layer, head, before in ((1, 2, None), (3, 0, (1, 2))):
+        cell(layer, head).click()
+        panel.get_by_role("heading", name=f"Layer {layer} · head {head}").wait_for()
+        wait_for_app(page)
+        assert page.url.endswith("/heatmap")
+        panel.get_by_test_id("stVegaLiteChart").filter(has_text="Singular spectrum at the document end").wait_for()
+        assert panel.get_by_test_id("stVegaLiteChart").count() == 1 and panel.get_by_test_id("stMetric").count() == 6
+        assert page.get_by_role("heading", name=re.compile(r"^Layer \d+ · head \d+")).count() == 1
+        if before:
+            assert page.get_by_role("heading", name=f"Layer {before[0]} · head {before[1]}").count() == 0
+    # pick mode: a click picks the cell, the panel stays on its head
+    page.get_by_text("adds / removes it in the truncation set", exact=True).click()
     wait_for_app(page)
-    page.get_by_role("heading", name="Layer 1 · head 2").wait_for()
+    cell(0, 1).click()
+    page.get_by_text("Truncation set (1 head): L0·H1").wait_for()
+    wait_for_app(page)
+    assert panel.get_by_role("heading", name="Layer 3 · head 0").count() == 1
+    page.get_by_role("link", name="Open the full head page").click()
+    page.wait_for_url(re.compile(r"/head\?layer=3&head=0$"), timeout=60_000)
+    wait_for_app(page)
+    page.get_by_role("heading", name="Layer 3 · head 0").wait_for()
     # the figures in tabs: the head opens on its spectrum and effective rank; each tab draws its own when opened
     charts = page.get_by_test_id("stVegaLiteChart")
     assert charts.count() == 2
@@ -199,7 +224,7 @@ def test_heatmap_click_lands_on_that_head(server, page, browser):
     wait_for_app(other)
     other.get_by_text("No run chosen in this session.").wait_for()  # another session's run is not shown unasked
     pick_run(other, 0)
-    other.get_by_role("heading", name="Layer 1 · head 2").wait_for()
+    other.get_by_role("heading", name="Layer 3 · head 0").wait_for()
     ctx.close()
 
 
@@ -355,7 +380,7 @@ def test_png_download(server, page, tmp_path):
     w, h = struct.unpack(">II", data[16:24])
     assert w > 200 and h > 100 and len(data) > 5_000
     # the exported figure carries no on-screen hint (the chart on the page does)
-    assert page.get_by_text("click a cell to open that head").count() >= 1
+    assert page.get_by_text("click a cell to see that head below").count() >= 1
     with page.expect_download(timeout=120_000) as d:
         page.get_by_test_id("stDownloadButton").get_by_role("button", name="SVG").first.click()
     svg = (tmp_path / "h.svg")

@@ -6,7 +6,9 @@ Without ``--model`` it builds a small random Qwen3.5-architecture checkpoint (9 
 decays spread from a few tokens to thousands, the tests' byte-level BPE tokenizer) in a temporary folder: the
 pictures then show the app, not a trained model's science. Pass ``--model demo`` once the bundled demo model is
 installed. ``--only compare`` captures two pairs of sample documents and shoots only the Compare two runs page;
-``--only heatmap`` captures the four documents and shoots only the Heatmap page (the README's picture);
+``--only heatmap`` captures the four documents and shoots only the Heatmap page: ``heatmap.png`` (the README's
+picture), then ``heatmap_panel.png`` (after a click on the cell of ``--head``: that head in the panel under the
+heatmap);
 ``--only head`` captures them and shoots only the Head page: ``head.png`` (its first tab of figures), then
 ``head_holds.png`` (What this state holds, computed at the document end), ``head_attnmap.png`` (the Exact
 attention map at its default window, query t = 1,838) and ``head_attnmap_zoom.png`` (the lower end of its key zoom
@@ -82,7 +84,8 @@ def main() -> int:
     ap.add_argument("--model", default=None)
     ap.add_argument("--out", default=str(ROOT / "docs" / "screenshots"))
     ap.add_argument("--head", default=None,
-                    help="LAYER,HEAD for the Head page (default 5,1 with --model demo: its longest-lived head; else 4,3)")
+                    help="LAYER,HEAD for the Head page and the Heatmap's panel (default 5,1 with --model demo: its "
+                         "longest-lived head; else 4,3)")
     ap.add_argument("--only", choices=["sweeps", "compare", "heatmap", "head"], default=None,
                     help="only the Retrieval sweeps page (no capture; a tiny sweep on the inspected model), only "
                          "Compare two runs (two captures of the model, two sample documents each), or only the "
@@ -235,6 +238,12 @@ def main() -> int:
             if args.only != "head":
                 open_run_page("/heatmap")
                 shot("heatmap", 1000)
+                layer, head = args.head
+                page.get_by_test_id("stVegaLiteChart").first.locator(
+                    f"path[aria-label^='value head: {head}; layer (model index): {layer};']").click()
+                page.locator(".st-key-head_panel_box").get_by_role("heading", name=f"Layer {layer} · head {head}").wait_for()
+                page.mouse.move(1400, 50)  # no tooltip of the heatmap in the picture
+                shot("heatmap_panel", 1600)
             if args.only == "heatmap":
                 b.close()
                 return 0
