@@ -116,6 +116,13 @@ def wait_for_app(page, timeout: int = 120_000) -> None:
                            timeout=timeout)
 
 
+def settled(locator, n: int, timeout: int = 30_000) -> None:
+    """Assert that ``locator`` matches ``n`` elements once the page has settled: the frontend removes the elements
+    of a finished run's earlier output (stale) a moment after the script state says "not running", so a count
+    read at once can still include them under load."""
+    sync_api.expect(locator).to_have_count(n, timeout=timeout)
+
+
 def pick_run(page, index: int) -> None:
     """Open the ``index``-th run (newest first) of the sidebar's *Previous runs* picker."""
     page.get_by_test_id("stSidebar").get_by_test_id("stSelectbox").click()
@@ -187,24 +194,25 @@ def test_heatmap_click_shows_the_head_below_and_links_to_its_page(server, page, 
         wait_for_app(page)
         assert page.url.endswith("/heatmap")
         panel.get_by_test_id("stVegaLiteChart").filter(has_text="Singular spectrum at the document end").wait_for()
-        assert panel.get_by_test_id("stVegaLiteChart").count() == 1 and panel.get_by_test_id("stMetric").count() == 6
-        assert page.get_by_role("heading", name=re.compile(r"^Layer \d+ · head \d+")).count() == 1
+        settled(panel.get_by_test_id("stVegaLiteChart"), 1)
+        settled(panel.get_by_test_id("stMetric"), 6)
+        settled(page.get_by_role("heading", name=re.compile(r"^Layer \d+ · head \d+")), 1)
         if before:
-            assert page.get_by_role("heading", name=f"Layer {before[0]} · head {before[1]}").count() == 0
+            settled(page.get_by_role("heading", name=f"Layer {before[0]} · head {before[1]}"), 0)
     # pick mode: a click picks the cell, the panel stays on its head
     page.get_by_text("adds / removes it in the truncation set", exact=True).click()
     wait_for_app(page)
     cell(0, 1).click()
     page.get_by_text("Truncation set (1 head): L0·H1").wait_for()
     wait_for_app(page)
-    assert panel.get_by_role("heading", name="Layer 3 · head 0").count() == 1
+    settled(panel.get_by_role("heading", name="Layer 3 · head 0"), 1)
     page.get_by_role("link", name="Open the full head page").click()
     page.wait_for_url(re.compile(r"/head\?layer=3&head=0$"), timeout=60_000)
     wait_for_app(page)
     page.get_by_role("heading", name="Layer 3 · head 0").wait_for()
     # the figures in tabs: the head opens on its spectrum and effective rank; each tab draws its own when opened
     charts = page.get_by_test_id("stVegaLiteChart")
-    assert charts.count() == 2
+    settled(charts, 2)
     for tab, titles in (("Energy kept", ["Energy kept by rank-r truncation"]),
                         ("Decay α & key cone", ["Per-token decay α of this head", "Key cone of this head"]),
                         ("Over the documents", ["Per-document spread of this head"]),
@@ -214,7 +222,7 @@ def test_heatmap_click_shows_the_head_below_and_links_to_its_page(server, page, 
         for t in titles:
             charts.filter(has_text=t).wait_for()
         wait_for_app(page)
-        assert charts.count() == len(titles)
+        settled(charts, len(titles))
     url = page.url
 
     # the same link pasted into a new browser session
