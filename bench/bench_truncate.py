@@ -12,7 +12,9 @@ measurement:
 
 ``ratio`` = baseline_ms / ours_ms; ``max_energy_err`` = max over states of |‖S_r‖² − ‖S_r^exact‖²| / ‖S‖² against a
 float64 SVD (the contract: ≤ 1e-5). On CUDA also where a call first syncs the host (``host_sync``) and whether it
-replays from a graph. States: GDN-like (``tests.support.states.gdn_like_states``, float32) or ``--states`` (.npy).
+replays from a graph, the deferred check's time for one call's states and how many of them it checked exactly
+(``states_checked``) or skipped as certified by the kernel (``states_certified``). States: GDN-like
+(``tests.support.states.gdn_like_states``, float32) or ``--states`` (.npy).
 
     python bench/bench_truncate.py --device cpu --quick
     python bench/bench_truncate.py --device cuda --quick
@@ -78,9 +80,9 @@ def sync_check(S: torch.Tensor, r: int) -> str:
 
 def graph_replay_ms(S: torch.Tensor, r: int, warmup: int, repeats: int):
     """A boundary as a truncated run's graph window makes it: the kernel (``kernel_truncate``) inside
-    ``contract.window``, its states copied for the deferred check, captured in a CUDA graph. (replay ms, error,
-    ms of the deferred check of the call's states on the side stream, timed alone) — error is set when capture
-    fails."""
+    ``contract.window``, its states and ``done`` flags copied for the deferred check, captured in a CUDA graph.
+    (replay ms, error, ms of the deferred check of the call's states on the side stream, timed alone, and
+    ``{"states_checked", "states_certified"}`` of one such check) — error is set when capture fails."""
     slots = contract.Slots()
 
     def windowed(x):
@@ -89,10 +91,14 @@ def graph_replay_ms(S: torch.Tensor, r: int, warmup: int, repeats: int):
 
     ms, out = capture_replay_ms(windowed, S.clone(), warmup, repeats)
     if ms is None:
-        return None, out, None
+        return None, out, None, {}
+    c0 = contract.counts(S.device)
+    contract.check_window(slots)
+    c1 = contract.counts(S.device)
+    split = {"states_checked": c1["checked"] - c0["checked"], "states_certified": c1["certified"] - c0["certified"]}
     check_ms = time_ms(lambda: contract.check_window(slots) or contract.counts(S.device), S.device, 1, repeats)
     ok = torch.allclose(out, kernel_truncate(S, r, iters=None), rtol=0, atol=1e-6 * S.abs().max().item())
-    return ms, None if ok else "replay differs from eager", check_ms
+    return ms, None if ok else "replay differs from eager", check_ms, split
 
 
 def capture_replay_ms(fn, static_in: torch.Tensor, warmup: int, repeats: int):
@@ -174,10 +180,10 @@ def main() -> None:
             best = ms
             if dev.type == "cuda":
                 where = sync_check(S, r)
-                gms, gerr, cms = graph_replay_ms(S, r, warmup, repeats)
+                gms, gerr, cms, split = graph_replay_ms(S, r, warmup, repeats)
                 emit(what=f"{source}:cuda_checks", device=str(dev), n=n, r=r, host_sync=where,
                      graph_replay_ms=None if gms is None else round(gms, 4), graph_error=gerr,
-                     deferred_check_ms=None if cms is None else round(cms, 4))
+                     deferred_check_ms=None if cms is None else round(cms, 4), **split)
                 if gms is not None:
                     for prec, bms in base.items():
                         line(f"{source}:cuda_graph:vs_svd_{prec}", dev, S, r, bms, gms, err)

@@ -8,7 +8,9 @@ Rows (JSON lines): the plain prefill (``model.model``, no cache, no logits: the 
 callbacks; for each ``--ranks`` r the truncated run as gdnviz runs it (on CUDA the segment loop in CUDA-graph
 windows; first call = capture, then the warm median), with its ratio to the plain prefill; with ``--mixed-ranks``
 the heads of every layer at different ranks (graph windows and the eager loop); for ``--eager-rank`` the eager
-segment loop, with the largest |Δ log-prob| against the graphed run at the last 16 positions. ``--profile N`` prints
+segment loop, with the largest |Δ log-prob| against the graphed run at the last 16 positions. The graphed rows
+count the timed runs' states by how the contract's deferred check treated them: ``states_checked`` (exactly) and
+``states_certified`` (skipped: the kernel's attempts certified them). ``--profile N`` prints
 the top N ops of one warm graphed run.
 """
 from __future__ import annotations
@@ -94,7 +96,8 @@ def main():
         graphed[r] = h
         emit(what="truncated_run_graph", rank=r, seconds=t, first_call_seconds=t_first, baseline="plain_prefill",
              ratio=t / t_plain, readouts=h["readouts"], states_checked=c1["checked"] - c0["checked"],
-             contract_breaches=c1["breaches"] - c0["breaches"], worst_energy_error=c1["worst"], **base)
+             states_certified=c1["certified"] - c0["certified"], contract_breaches=c1["breaches"] - c0["breaches"],
+             worst_energy_error=c1["worst"], **base)
     if args.mixed_ranks and dev.type == "cuda":
         mixed = [int(x) for x in args.mixed_ranks.split(",")]
         spec_m = TruncationSpec.from_dict({(l, h): mixed[h % len(mixed)] for l in lm.info.gdn_layers

@@ -125,3 +125,31 @@ def test_cuda_bisection_finds_every_eigenvalue(n):
     if n == 128:
         for name, S in cuda_cases().items():
             assert_matches_svdvals(symeig.svdvals(S), torch.linalg.svdvals(S.double()), name)
+
+
+@needs_gxx
+@pytest.mark.parametrize("n", [64, 128])
+def test_emulated_bisection_skips_the_masked_tridiagonals(n):
+    """A skip mask: masked rows exact zeros (written: the output starts as NaN), the others the same bits as without
+    a mask."""
+    from tests.support import emulated_spectra
+
+    D, E = tridiagonals(n, seed=n + 7)
+    skip = np.array([1, 0, 0, 1, 0, 1], dtype=np.int32)
+    W0 = emulated_spectra.bisect(D, E)
+    W1 = emulated_spectra.bisect(D, E, skip=skip)
+    keep = skip == 0
+    assert (W1[~keep] == 0).all()
+    assert (W1[keep].view("u8") == W0[keep].view("u8")).all()
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+@pytest.mark.parametrize("n", [64, 128])
+def test_cuda_bisection_skip_mask(n):
+    """On the GPU: masked rows exact zeros, the others the same bits as without the mask."""
+    D, E = (torch.from_numpy(a).cuda() for a in tridiagonals(n, seed=3))
+    skip = torch.tensor([True, False, True, False, False, True], device="cuda")
+    W0 = cuda_bisect.bisect(D, E)
+    W1 = cuda_bisect.bisect(D, E, skip=skip)
+    assert not W1[skip].any() and torch.equal(W1[~skip], W0[~skip])

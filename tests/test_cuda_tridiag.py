@@ -7,6 +7,7 @@ with G's eigenvalues (1e-13·λ_max). CUDA: ``symeig.svdvals`` with the kernel m
 numerical ranks), and its eigenvalues equal float64 ``torch.linalg.eigvalsh`` of the same Gram matrices to 1e-12·λ_max
 (exactly, for the zero states).
 """
+import numpy as np
 import pytest
 import torch
 
@@ -77,3 +78,57 @@ def test_emulated_tridiagonal_keeps_the_eigenvalues(n):
     for i in range(4):
         assert (got[i] - want[i]).abs().max().item() <= 1e-13 * scale[i].item(), i
     assert not D[4].any() and not E[4].any()
+
+
+def _skip_cases(n: int):
+    """Gram matrices [4, n, n] (random, graded, random, rank 3) and a skip mask that leaves out two of them."""
+    g = torch.Generator().manual_seed(100 + n)
+    A = torch.randn(4, n, n, generator=g, dtype=torch.float64)
+    G = A @ A.mT
+    Q = torch.linalg.qr(A[1])[0]
+    G[1] = (Q * torch.logspace(0, -16, n, dtype=torch.float64)) @ Q.mT
+    G[3] = A[3][:, :3] @ A[3][:, :3].mT
+    return 0.5 * (G + G.mT), torch.tensor([0, 1, 0, 1], dtype=torch.int32)
+
+
+@needs_gxx
+@pytest.mark.parametrize("n", [64, 128])
+def test_emulated_tridiag_skips_the_masked_matrices(n):
+    """A skip mask (the contract's certified states): the masked matrices' blocks write nothing (their rows stay
+    NaN here; ``tridiag`` starts them at zero), the others the same bits as without a mask; an all-zero mask changes
+    nothing."""
+    from tests.support import emulated_spectra
+
+    G, skip = _skip_cases(n)
+    D0, E0 = emulated_spectra.tridiag(G.numpy())
+    D1, E1 = emulated_spectra.tridiag(G.numpy(), skip.numpy())
+    keep = ~skip.bool().numpy()
+    assert np.isnan(D1[~keep]).all() and np.isnan(E1[~keep]).all()
+    assert (D1[keep].view("u8") == D0[keep].view("u8")).all() and (E1[keep].view("u8") == E0[keep].view("u8")).all()
+    D2, E2 = emulated_spectra.tridiag(G.numpy(), [0, 0, 0, 0])
+    assert (D2.view("u8") == D0.view("u8")).all() and (E2.view("u8") == E0.view("u8")).all()
+
+
+def test_skip_arguments_are_checked():
+    D = torch.zeros(3, 64, dtype=torch.float64)
+    assert cuda_tridiag.skip_args(None, 3, D) == [D, 0]
+    sk, on = cuda_tridiag.skip_args(torch.tensor([True, False, True]), 3, D)
+    assert on == 1 and sk.dtype == torch.int32 and sk.tolist() == [1, 0, 1]
+    for bad in (torch.zeros(2, dtype=torch.int32), torch.zeros(3), torch.zeros(3, 1, dtype=torch.int32)):
+        with pytest.raises(ValueError):
+            cuda_tridiag.skip_args(bad, 3, D)
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+def test_cuda_tridiag_skip_mask():
+    """On the GPU: masked rows exact zeros, the others the same bits as without the mask (288 matrices)."""
+    from gdnviz.gpu import symeig
+
+    S = torch.cat(list(cuda_cases().values()))
+    G = symeig.gram(S)
+    skip = torch.arange(G.shape[0], device=G.device) % 3 == 1
+    D0, E0 = cuda_tridiag.tridiag(G)
+    D1, E1 = cuda_tridiag.tridiag(G, skip)
+    assert not D1[skip].any() and not E1[skip].any()
+    assert torch.equal(D1[~skip], D0[~skip]) and torch.equal(E1[~skip], E0[~skip])

@@ -108,3 +108,40 @@ def test_symeig_cuda_full_size_matches_svdvals():
         # σ agrees to ~1e-8·σ_max (sqrt(ε_f64) of the Gram route); the entropy sums 128 such terms, so erank
         # agrees to ~1e-7 relative (H200, 2026-11-29: worst 1.05e-7 of 288 states): 1e-6 leaves 10× margin.
         np.testing.assert_allclose(spectra.effective_rank(o), spectra.effective_rank(r), rtol=1e-6)
+
+
+def test_symeig_fallback_ignores_a_skip_mask():
+    """The fallback computes every row (a skip mask only saves the kernels' work; callers do not read skipped rows)."""
+    from gdnviz.gpu import symeig
+
+    G = symeig.gram(cases(2, 64, 64, "cpu")["random"])
+    skip = torch.tensor([True, False])
+    assert torch.equal(symeig.eigvalsh(G, skip=skip), symeig.eigvalsh(G))
+
+
+@needs_gxx
+def test_symeig_emulated_kernels_skip_the_masked_matrices():
+    """The fast path emulated with a skip mask: skipped rows zeros, the others the same bits as without a mask."""
+    from gdnviz.gpu import symeig
+    from tests.support import emulated_spectra
+
+    S = torch.cat([cases(1, 64, 64, "cpu")[k] for k in ("decaying", "random", "rank_deficient")])
+    G = symeig.gram(S).numpy()
+    skip = [0, 1, 0]
+    full = emulated_spectra.eigvalsh(G)
+    part = emulated_spectra.eigvalsh(G, skip)
+    assert (part[1] == 0).all()
+    assert (part[[0, 2]].view("u8") == full[[0, 2]].view("u8")).all()
+
+
+@pytest.mark.gpu
+def test_symeig_cuda_skip_mask():
+    """On the GPU: ``eigvalsh(G, skip)`` leaves zeros in the skipped rows and the same bits elsewhere."""
+    from gdnviz.gpu import symeig
+
+    S = torch.cat(list(cuda_cases().values()))
+    G = symeig.gram(S)
+    assert symeig.uses_kernels(G)
+    skip = torch.arange(G.shape[0], device=G.device) % 2 == 0
+    full, part = symeig.eigvalsh(G), symeig.eigvalsh(G, skip=skip)
+    assert not part[skip].any() and torch.equal(part[~skip], full[~skip])

@@ -1,16 +1,18 @@
 """All eigenvalues of many symmetric tridiagonal float64 matrices (n = 64 or 128) by bisection on Sturm counts, on
 CUDA, compiled at run time with NVRTC: the second half of ``gdnviz.gpu.symeig.eigvalsh``.
 
-``bisect(D, E, steps=STEPS)``: float64 CUDA ``D, E [N, n]`` (diagonal; subdiagonal ``E[:, i] = T[i+1, i]``,
-``E[:, n-1]`` ignored), n in :data:`SIZES` → the eigenvalues ``W [N, n]`` float64, ascending; absolute accuracy
-≈ ε_f64·‖T‖. Asynchronous (no host sync). ValueError for any other input; RuntimeError if the kernel cannot be
-compiled (``KERNELS.reason``). Compiled once per (n, device) on first use. Design notes, tests and timings:
-docs/kernels-spectra.md.
+``bisect(D, E, steps=STEPS, skip=None)``: float64 CUDA ``D, E [N, n]`` (diagonal; subdiagonal ``E[:, i] =
+T[i+1, i]``, ``E[:, n-1]`` ignored), n in :data:`SIZES` → the eigenvalues ``W [N, n]`` float64, ascending; absolute
+accuracy ≈ ε_f64·‖T‖. ``skip`` (an integer or bool ``[N]`` on D's device, nonzero = skipped): those blocks write
+zeros and return before any work; the other rows are the same bits as without it. Asynchronous (no host sync).
+ValueError for any other input; RuntimeError if the kernel cannot be compiled (``KERNELS.reason``). Compiled once
+per (n, device) on first use. Design notes, tests and timings: docs/kernels-spectra.md.
 """
 from __future__ import annotations
 
 import torch
 
+from gdnviz.gpu.cuda_tridiag import skip_args
 from gdnviz.gpu.nvrtc import Kernels
 
 SIZES = (64, 128)
@@ -65,13 +67,18 @@ __device__ __forceinline__ void gershgorin(const double* ds, const double* es, d
 # with a margin of 2^400.
 SOURCE = PREAMBLE + r"""
 extern "C" __global__ void __launch_bounds__(NN)
-gdnviz_bisect(const double* __restrict__ D, const double* __restrict__ E, double* __restrict__ W, int steps)
+gdnviz_bisect(const double* __restrict__ D, const double* __restrict__ E, double* __restrict__ W, int steps,
+              const int* SKIP, int skip_on)
 {
     __shared__ double ds[NN];
     __shared__ double es[NN];
     __shared__ double2 de[NN];  // (d_i / sigma, e_{i-1}^2 / sigma^2), e_{-1} = 0
     const int j = threadIdx.x;
     const long long base = (long long)blockIdx.x * NN;
+    if (skip_on && SKIP[blockIdx.x] != 0) {  // a skipped matrix (block-uniform, before any barrier): W = 0
+        W[base + j] = 0.0;
+        return;
+    }
     load_tridiagonal(D, E, base, j, ds, es);
     __syncthreads();
     double a, b, scale, pivmin;
@@ -129,8 +136,9 @@ def kernel(n: int, device: torch.device):
     return KERNELS.get((n, device.index), device, source(n), "gdnviz_bisect")
 
 
-def bisect(D: torch.Tensor, E: torch.Tensor, steps: int = STEPS) -> torch.Tensor:
-    """Ascending eigenvalues ``[N, n]`` of the tridiagonals (D, E) after ``steps`` halvings (module docstring)."""
+def bisect(D: torch.Tensor, E: torch.Tensor, steps: int = STEPS, skip: torch.Tensor | None = None) -> torch.Tensor:
+    """Ascending eigenvalues ``[N, n]`` of the tridiagonals (D, E) after ``steps`` halvings, the tridiagonals with a
+    nonzero ``skip`` entry skipped (module docstring)."""
     if not supports(D) or E.shape != D.shape or E.dtype != D.dtype or E.device != D.device:
         raise ValueError(f"bisect takes float64 CUDA D, E [N, n] with n in {SIZES}; got {D.dtype} {tuple(D.shape)} "
                          f"and {E.dtype} {tuple(E.shape)} on {D.device}")
@@ -139,7 +147,8 @@ def bisect(D: torch.Tensor, E: torch.Tensor, steps: int = STEPS) -> torch.Tensor
     if k is None:
         raise RuntimeError(f"the CUDA bisection kernel is unavailable: {KERNELS.reason}")
     W = torch.empty_like(D)
+    tail = skip_args(skip, N, W)
     if N:
         with torch.cuda.device(D.device):
-            k(grid=(N, 1, 1), block=(n, 1, 1), args=[D.contiguous(), E.contiguous(), W, int(steps)])
+            k(grid=(N, 1, 1), block=(n, 1, 1), args=[D.contiguous(), E.contiguous(), W, int(steps), *tail])
     return W

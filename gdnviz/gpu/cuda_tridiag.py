@@ -1,11 +1,12 @@
 """Householder tridiagonalisation of many symmetric float64 matrices (n = 64 or 128) on CUDA, one thread block per
 matrix, compiled at run time with NVRTC: the first half of ``gdnviz.gpu.symeig.eigvalsh``.
 
-``tridiag(G)``: float64 CUDA symmetric ``G [N, n, n]``, n in :data:`SIZES` → ``(D [N, n], E [N, n])`` float64, the
-diagonal and subdiagonal (``E[:, i] = T[i+1, i]``, ``E[:, n-1] = 0``) of a tridiagonal T similar to G. Asynchronous
-(no host sync). ValueError for any other input; RuntimeError if the kernel cannot be compiled (``KERNELS.reason``).
-The kernel is compiled once per (n, device) on first use (call outside a CUDA-graph capture). Design notes,
-tests and timings: docs/kernels-spectra.md.
+``tridiag(G, skip=None)``: float64 CUDA symmetric ``G [N, n, n]``, n in :data:`SIZES` → ``(D [N, n], E [N, n])``
+float64, the diagonal and subdiagonal (``E[:, i] = T[i+1, i]``, ``E[:, n-1] = 0``) of a tridiagonal T similar to G.
+``skip`` (an integer or bool ``[N]`` on G's device, nonzero = skipped): those blocks return before any work and
+their rows stay zero; the other rows are the same bits as without it. Asynchronous (no host sync). ValueError for any other
+input; RuntimeError if the kernel cannot be compiled (``KERNELS.reason``). The kernel is compiled once per
+(n, device) on first use (call outside a CUDA-graph capture). Design notes, tests and timings: docs/kernels-spectra.md.
 """
 from __future__ import annotations
 
@@ -57,8 +58,12 @@ SOURCE = WARP_SUM + r"""
 #define RB (NN / 32)
 
 extern "C" __global__ void __launch_bounds__(NT, 1)
-gdnviz_tridiag(const double* __restrict__ G, double* __restrict__ D, double* __restrict__ E)
+gdnviz_tridiag(const double* __restrict__ G, double* __restrict__ D, double* __restrict__ E, const int* SKIP,
+               int skip_on)
 {
+    // a skipped matrix: no work, nothing written (tridiag() starts D, E at zero). The test comes first and writes
+    // nothing: placed later, or writing zeros, it costs spills in the step loop for n = 128 (255 registers)
+    if (skip_on && SKIP[blockIdx.x] != 0) return;
     __align__(16) __shared__ double us[NN];     // u (0 for rows <= k)
     __align__(16) __shared__ double pp[2 * NN];  // pp[2 j + h]: half h's partial sum of p_j = (A u)_j (0 for j < k)
     __shared__ double xs[NN];                 // x = A[i][k] for rows i > k, 0 elsewhere
@@ -169,8 +174,21 @@ def kernel(n: int, device: torch.device):
     return KERNELS.get((n, device.index), device, source(n), "gdnviz_tridiag")
 
 
-def tridiag(G: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """``(D [N, n], E [N, n])`` of float64 CUDA symmetric ``G [N, n, n]`` (module docstring)."""
+def skip_args(skip: torch.Tensor | None, N: int, placeholder: torch.Tensor) -> list:
+    """The kernels' last two arguments (``const int* SKIP, int skip_on``) for a skip mask: ``skip`` None → the
+    ``placeholder`` tensor (not read) and 0; else an integer or bool tensor ``[N]`` on the placeholder's device,
+    nonzero = skipped → it as int32 and 1. ValueError for another shape or device."""
+    if skip is None:
+        return [placeholder, 0]
+    if skip.shape != (N,) or skip.device != placeholder.device or skip.is_floating_point() or skip.is_complex():
+        raise ValueError(f"skip must be an integer or bool tensor [{N}] on {placeholder.device}; got {skip.dtype} "
+                         f"{tuple(skip.shape)} on {skip.device}")
+    return [skip.to(torch.int32).contiguous(), 1]
+
+
+def tridiag(G: torch.Tensor, skip: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+    """``(D [N, n], E [N, n])`` of float64 CUDA symmetric ``G [N, n, n]``, matrices with a nonzero ``skip`` entry
+    skipped (module docstring)."""
     if not supports(G):
         raise ValueError(f"tridiag takes float64 CUDA [N, n, n] with n in {SIZES}; got {G.dtype} {tuple(G.shape)} "
                          f"on {G.device}")
@@ -179,9 +197,10 @@ def tridiag(G: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     if k is None:
         raise RuntimeError(f"the CUDA tridiagonalisation kernel is unavailable: {KERNELS.reason}")
     G = G.contiguous()
-    D = torch.empty(N, n, dtype=torch.float64, device=G.device)
-    E = torch.empty_like(D)
+    D = (torch.empty if skip is None else torch.zeros)(N, n, dtype=torch.float64, device=G.device)
+    E = torch.empty_like(D) if skip is None else torch.zeros_like(D)
+    tail = skip_args(skip, N, D)
     if N:
         with torch.cuda.device(G.device):
-            k(grid=(N, 1, 1), block=(2 * n, 1, 1), args=[G, D, E])
+            k(grid=(N, 1, 1), block=(2 * n, 1, 1), args=[G, D, E, *tail])
     return D, E

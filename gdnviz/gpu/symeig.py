@@ -4,7 +4,7 @@ One fast path and its fallback, chosen per call by :func:`uses_kernels`:
 
 * fast path (CUDA, NVIDIA build, n in {64, 128}, both kernels compiled): Householder tridiagonalisation
   (``gdnviz.gpu.cuda_tridiag``) then bisection on Sturm counts (``gdnviz.gpu.cuda_bisect``), one thread block per
-  matrix, no host sync;
+  matrix, no host sync; a skip mask leaves out the matrices whose eigenvalues a caller does not need;
 * fallback (CPU, other n, no NVRTC, a failed compilation, a ROCm build): ``torch.linalg.eigvalsh`` in float64 on the
   matrices' device (LAPACK on the CPU; on CUDA it loops over the batch and may sync the host).
 
@@ -35,13 +35,16 @@ def uses_kernels(G: torch.Tensor) -> bool:
     return cuda_tridiag.kernel(n, dev) is not None and cuda_bisect.kernel(n, dev) is not None
 
 
-def eigvalsh(G: torch.Tensor) -> torch.Tensor:
+def eigvalsh(G: torch.Tensor, skip: torch.Tensor | None = None) -> torch.Tensor:
     """Ascending eigenvalues ``[N, n]`` float64 of symmetric float64 ``G [N, n, n]`` on its device: the CUDA kernels
     where :func:`uses_kernels` (no host sync), else ``torch.linalg.eigvalsh`` (which raises on NaN/inf on the CPU:
-    see :func:`finite_symmetric`)."""
+    see :func:`finite_symmetric`). ``skip`` (bool or integer ``[N]`` on G's device, nonzero = not needed): the
+    kernels do no work for those matrices and leave zeros in their rows (the other rows are the same bits as
+    without ``skip``); the fallback computes every row. Callers must not read the skipped rows."""
     if uses_kernels(G):
-        D, E = cuda_tridiag.tridiag(G)
-        return cuda_bisect.bisect(D, E)
+        sk = None if skip is None else skip.to(torch.int32)
+        D, E = cuda_tridiag.tridiag(G, sk)
+        return cuda_bisect.bisect(D, E, skip=sk)
     return torch.linalg.eigvalsh(G.double())
 
 

@@ -1,21 +1,26 @@
-"""The 1e-5 contract for the CUDA kernel's answers: every state it truncates is checked against the exact answer.
+"""The 1e-5 contract for the CUDA kernel's answers: every state it truncates is certified or checked exactly.
 
 The kernel's certified attempts bound their own error, but its full algorithm is not certified: on nearly flat or
 slowly decaying spectra it can miss the exact top-r energy by more than 1e-5 (docs/kernels-truncation.md). So each
-answer ``Y`` of a state ``S`` at rank ``r`` is checked exactly:
+answer ``Y`` of a state ``S`` at rank ``r`` that no attempt certified is checked exactly:
 
     e = (Σ_{i≤r} λᵢ − ‖Y‖²_F) / ‖S‖²_F,   λ the eigenvalues of S Sᵀ (float64, ``gdnviz.gpu.symeig``),
 
 and ``|e| ≤ CONTRACT`` (1e-5) must hold (a zero state counts as e = 0; a non-finite e is not a breach: NaN states
-have no top-r energy). Two ways, chosen by where the kernel runs:
+have no top-r energy). A state whose ``done`` flag (``cuda.Launched.done``) is exactly 1 was written by a certified
+attempt whose energy-error bound is ≤ ``CERT_TOL`` (5e-6 < 1e-5): the bound is the proof, so it is not checked
+(:func:`certified`; e = 0 in :func:`exact_errors`, and the spectra kernels skip its matrix). A state with any other
+flag, and every state of a call that ran no attempts (per-state device ranks, r > 16, 5 ≤ r ≤ 16 on more states
+than multiprocessors, ``iters`` given), is checked. Two ways, chosen by where the kernel runs:
 
 * **Immediate** (outside a window: ``truncate_states``, the eager segment loop, decode boundaries): the caller
-  (``dispatch.kernel_truncate``) checks the call's states at once with :func:`exact_errors` and answers the ones over
-  the bound again on the certified torch path. One host sync.
+  (``dispatch.kernel_truncate``) checks the call's uncertified states at once with :func:`exact_errors` and answers
+  the ones over the bound again on the certified torch path. One host sync (also when every state is certified).
 * **Deferred** (inside :func:`window`, the runner's CUDA-graph windows, ``gdnviz.gpu.scan_graph``): the call only
-  copies ``S`` and writes ``‖Y‖`` into the window's :class:`Slots` (two small kernels, capture-safe). After each
-  run of the window (a replay or an eager run, never a recording) :func:`check_window` copies the slots once and
-  checks the copy on a side stream, overlapping the next window; states over the bound are counted per device.
+  copies ``S``, its ``done`` flags and ``‖Y‖`` into the window's :class:`Slots` (small kernels, capture-safe). After
+  each run of the window (a replay or an eager run, never a recording) :func:`check_window` copies the slots once and
+  checks the uncertified states of the copy on a side stream, overlapping the next window; states over the bound are
+  counted per device, and so are the states checked and the states certified (:func:`counts`).
   A run takes a :func:`mark` before and asks :func:`breached` after (one host sync each): on a breach the run is
   answered again without windows, where every call is immediate (:func:`run_checked`). The counters are per
   device and never reset, so runs in several threads of one process can only cause extra re-answers, never hide a
@@ -37,14 +42,19 @@ log = logging.getLogger(__name__)
 CHUNK = 1024  # states per exact check on the side stream (float64 Gram matrices of 128 × 128: 128 MiB)
 
 
-def exact_errors(X: torch.Tensor, kept2: torch.Tensor, ranks: torch.Tensor) -> torch.Tensor:
+def exact_errors(X: torch.Tensor, kept2: torch.Tensor, ranks: torch.Tensor,
+                 skip: torch.Tensor | None = None) -> torch.Tensor:
     """``e [N]`` float64 (module docstring) of answers with energies ``kept2 [N]`` (``‖Y‖²_F``, float64) for states
-    ``X [N, K, V]`` at ``ranks`` (``[N]`` integer tensor on X's device; ≥ min(K, V) means every direction). No host
-    sync where ``symeig.eigvalsh`` runs its CUDA kernels (float64 CUDA, min(K, V) in {64, 128})."""
+    ``X [N, K, V]`` at ``ranks`` (``[N]`` integer tensor on X's device; ≥ min(K, V) means every direction).
+    ``skip`` (bool ``[N]`` on X's device, or None): states not checked — e = 0, and the spectra kernels do no work
+    for them. No host sync where ``symeig.eigvalsh`` runs its CUDA kernels (float64 CUDA, min(K, V) in
+    {64, 128})."""
     G = symeig.gram(X)
     n = G.shape[-1]
     G, bad = symeig.finite_symmetric(G)
-    lam = symeig.eigvalsh(G)  # ascending
+    if skip is not None:
+        bad = bad | skip
+    lam = symeig.eigvalsh(G, skip=skip)  # ascending; zeros in the skipped rows (the kernels)
     keep = torch.arange(n, device=X.device)[None, :] >= (n - ranks.to(torch.long)[:, None])
     top = (lam * keep).sum(-1)
     total = G.diagonal(dim1=-2, dim2=-1).sum(-1)
@@ -61,6 +71,13 @@ def rank_tensor(ranks, n: int, device) -> torch.Tensor:
     return ranks.to(torch.long)
 
 
+def certified(done: torch.Tensor, n: int) -> torch.Tensor | None:
+    """bool ``[n]``: the states a kernel call's ``done`` flags (``cuda.Launched.done``, int32) mark as written by a
+    certified attempt (flag exactly 1: its energy-error bound is ≤ ``CERT_TOL`` < ``CONTRACT``, a proof that needs no
+    exact check); None when the call ran no attempts (``done`` empty). No host sync."""
+    return done == 1 if done.numel() == n and n else None
+
+
 def over(e: torch.Tensor) -> torch.Tensor:
     """bool ``[N]``: the errors ``e`` that break the contract."""
     return e.abs() > C.CONTRACT
@@ -74,29 +91,42 @@ def kept_energy(Y: torch.Tensor) -> torch.Tensor:
 # --------------------------------------------------------------------------------------------- deferred
 class Slots:
     """A window's record of the states its kernel calls truncated, in call order: slot i holds the i-th call's input
-    ``X [N, K, V]`` copied into a stage buffer, ``‖Y‖_F`` of its answer (``[N]`` float64) and its ranks (``[N]``
-    long). Buffers are made on the first run of the window body (which runs eagerly before the capture) and written
-    by every replay. Stage buffers are shared by the windows of one device with the same state shape (``_stage``),
-    so cached graphs do not each hold a window of states: runs on one device must not overlap in time (one run at a
-    time per device, as the app's worker, a sweep and a Dask worker run them)."""
+    ``X [N, K, V]`` copied into a stage buffer, ``‖Y‖_F`` of its answer (``[N]`` float64), its ranks (``[N]``
+    long) and its ``done`` flags (``[N]`` int32; zeros when the call ran no attempts). Buffers are made on the first
+    run of the window body (which runs eagerly before the capture) and written by every replay. Stage buffers are
+    shared by the windows of one device with the same state shape (``_stage``), so cached graphs do not each hold a
+    window of states: runs on one device must not overlap in time (one run at a time per device, as the app's
+    worker, a sweep and a Dask worker run them)."""
 
     def __init__(self):
         self.x: list[torch.Tensor] = []
         self.kept: list[torch.Tensor] = []
         self.ranks: list[torch.Tensor] = []
+        self.done: list[torch.Tensor] = []
+        self.flagged: list[bool] = []  # whether done[i] may hold nonzero flags (else it holds zeros)
         self.used = 0  # calls recorded in the last run of the body
 
-    def record(self, X: torch.Tensor, Y: torch.Tensor, ranks) -> None:
+    def record(self, X: torch.Tensor, Y: torch.Tensor, ranks, done: torch.Tensor | None = None) -> None:
+        """Record a kernel call: its input ``X``, answer ``Y``, ranks and ``done`` flags (``cuda.Launched.done``;
+        None or empty: no attempts ran, nothing certified). Capture-safe: fixed shapes, no host sync."""
         i = self.used
+        N = X.shape[0]
         if i == len(self.x) or self.x[i].shape != X.shape or self.x[i].dtype != X.dtype:
-            buf = (_stage(X, i), torch.empty(X.shape[0], dtype=F64, device=X.device),
-                   rank_tensor(ranks, X.shape[0], X.device))
+            buf = (_stage(X, i), torch.empty(N, dtype=F64, device=X.device), rank_tensor(ranks, N, X.device),
+                   torch.zeros(N, dtype=torch.int32, device=X.device))
             if i == len(self.x):
                 self.x.append(buf[0]), self.kept.append(buf[1]), self.ranks.append(buf[2])
+                self.done.append(buf[3]), self.flagged.append(False)
             else:
-                self.x[i], self.kept[i], self.ranks[i] = buf
+                self.x[i], self.kept[i], self.ranks[i], self.done[i], self.flagged[i] = (*buf, False)
         self.x[i].copy_(X)
         torch.linalg.vector_norm(Y, dim=(-2, -1), dtype=F64, out=self.kept[i])  # ‖Y‖, squared by the check
+        if done is not None and done.numel() == N and N:
+            self.done[i].copy_(done)
+            self.flagged[i] = True
+        elif self.flagged[i]:
+            self.done[i].zero_()
+            self.flagged[i] = False
         self.used = i + 1
 
 
@@ -148,6 +178,7 @@ class _Device:
         self.stream = torch.cuda.Stream(device=device) if device.type == "cuda" else None
         self.breaches = torch.zeros((), dtype=torch.long, device=device)
         self.checked = torch.zeros((), dtype=torch.long, device=device)
+        self.certified = torch.zeros((), dtype=torch.long, device=device)
         self.worst = torch.zeros((), dtype=F64, device=device)
 
 
@@ -203,19 +234,23 @@ def _check_window(slots: Slots) -> None:
     ctx = torch.cuda.stream(d.stream) if d.stream is not None else contextlib.nullcontext()
     if d.stream is not None:
         d.stream.wait_stream(cur)
-        for t in (*slots.x[:n], *slots.kept[:n], *slots.ranks[:n]):
+        for t in (*slots.x[:n], *slots.kept[:n], *slots.ranks[:n], *slots.done[:n]):
             t.record_stream(d.stream)  # not reused by the allocator before the side stream has read it
     with ctx:
         X = torch.cat(slots.x[:n]) if n > 1 else slots.x[0].clone()
         kept = torch.cat(slots.kept[:n]) if n > 1 else slots.kept[0].clone()
         kept.square_()
+        skip = certified(torch.cat(slots.done[:n]) if n > 1 else slots.done[0], X.shape[0])
         if d.stream is not None:
             cur.wait_stream(d.stream)  # the copies are done before anything on the current stream writes the slots
         ranks = torch.cat(slots.ranks[:n]) if n > 1 else slots.ranks[0]
         for a in range(0, X.shape[0], CHUNK):  # bounded float64 working memory (the Gram matrices)
-            e = exact_errors(X[a:a + CHUNK], kept[a:a + CHUNK], ranks[a:a + CHUNK])
+            sk = skip[a:a + CHUNK]
+            e = exact_errors(X[a:a + CHUNK], kept[a:a + CHUNK], ranks[a:a + CHUNK], skip=sk)
             d.breaches.add_(over(e).sum())
-            d.checked.add_(e.numel())
+            n_cert = sk.sum()
+            d.certified.add_(n_cert)
+            d.checked.add_(e.numel() - n_cert)
             torch.maximum(d.worst, e.abs().max(), out=d.worst)
 
 
@@ -225,10 +260,13 @@ def _join(d: _Device, device: torch.device) -> None:
 
 
 def counts(device) -> dict:
-    """``{"breaches", "checked", "worst"}`` of deferred checks on ``device`` so far (host values; one sync)."""
+    """``{"breaches", "checked", "certified", "worst"}`` of deferred checks on ``device`` so far (host values; one
+    sync): states over the bound, states checked exactly, states not checked because the kernel certified them,
+    the largest |e| checked."""
     d = _device(torch.device(device))
     _join(d, d.breaches.device)
-    return {"breaches": int(d.breaches), "checked": int(d.checked), "worst": float(d.worst)}
+    return {"breaches": int(d.breaches), "checked": int(d.checked), "certified": int(d.certified),
+            "worst": float(d.worst)}
 
 
 def mark() -> dict:

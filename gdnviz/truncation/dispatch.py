@@ -5,10 +5,11 @@ Per state, by its rank r, the state shape [K, V] and the device:
 * r ≥ min(K, V): the state unchanged (bit for bit).
 * r ≤ 32, CUDA, K and V in {64, 128}, the kernel compiled: the CUDA kernel
   (``gdnviz.truncation.cuda``; float32 and float64 states as they are, bfloat16 / float16 through float32), every
-  answer checked exactly against the 1e-5 contract (``gdnviz.truncation.contract``): at once outside the runner's
-  CUDA-graph windows (the states over the bound answered again on the certified torch path; one host sync), after
-  each window on a side stream inside them (a breach makes the run answer again without windows). Certified
-  answers are the same bits in graph windows, the eager loop and ``truncate_states``.
+  answer that the kernel's certified attempts did not certify checked exactly against the 1e-5 contract
+  (``gdnviz.truncation.contract``): at once outside the runner's CUDA-graph windows (the states over the bound
+  answered again on the certified torch path; one host sync), after each window on a side stream inside them (a
+  breach makes the run answer again without windows). Certified answers are the same bits in graph windows, the
+  eager loop and ``truncate_states``.
 * r ≤ 32 and K ≥ 64 otherwise (CPU; CUDA without NVRTC or another shape): the same algorithm in float64 torch
   (``reference.subspace_truncate``), then each state's energy error is bounded (``reference.certificate``) and the
   states whose bound exceeds ``CERT_TOL`` get the exact answer: the 1e-5 contract holds for every state. Syncs.
@@ -45,25 +46,30 @@ def _kernel_ready(X: torch.Tensor) -> bool:
 def kernel_truncate(X: torch.Tensor, ranks, iters: int | None = None) -> torch.Tensor:
     """The CUDA kernel on ``X [N, K, V]`` (any float dtype; bfloat16 / float16 through float32), output in X's dtype.
     ``ranks``: an int (1 … 32 or ≥ min(K, V); the certified attempts run) or an int32 CUDA tensor ``[N]`` read only by
-    the kernel. With the default steps (``iters`` None) every answer is checked against the contract
-    (``contract``): inside a window (``contract.window``) deferred — capture-safe, no host sync, no allocation
-    that depends on data —, elsewhere at once, the states over the bound answered again by the certified torch path
-    (one host sync). ``iters`` given (benchmarks, tests): the kernel alone, unchecked."""
+    the kernel. With the default steps (``iters`` None) every answer the kernel did not certify (its ``done`` flags,
+    ``contract.certified``) is checked against the contract (``contract``): inside a window (``contract.window``)
+    deferred — capture-safe, no host sync, no allocation that depends on data —, elsewhere at once, the states over
+    the bound answered again by the certified torch path (one host sync). ``iters`` given (benchmarks, tests): the
+    kernel alone, unchecked."""
     Xc = (X if X.dtype in cuda.CTYPES else X.float()).contiguous()
-    Y = cuda.truncate_cuda(Xc, ranks, iters)
+    res = cuda.launch(Xc, ranks, iters)
+    Y = res.out
     if iters is None:
         slots = contract.active()
         if slots is not None:
-            slots.record(Xc, Y, ranks)
+            slots.record(Xc, Y, ranks, res.done)
         else:
-            Y = _enforce(Xc, Y, ranks)
+            Y = _enforce(Xc, Y, ranks, res.done)
     return Y.to(X.dtype)
 
 
-def _enforce(X: torch.Tensor, Y: torch.Tensor, ranks) -> torch.Tensor:
-    """``Y`` with the states whose exact error breaks the contract answered again on the certified torch path."""
+def _enforce(X: torch.Tensor, Y: torch.Tensor, ranks, done: torch.Tensor | None = None) -> torch.Tensor:
+    """``Y`` with the states whose exact error breaks the contract answered again on the certified torch path; the
+    states ``done`` certifies (``contract.certified``: flag 1) are kept unchecked. One host sync."""
     rt = contract.rank_tensor(ranks, X.shape[0], X.device)
-    bad = torch.nonzero(contract.over(contract.exact_errors(X, contract.kept_energy(Y), rt))).flatten()
+    skip = None if done is None else contract.certified(done, X.shape[0])
+    e = contract.exact_errors(X, contract.kept_energy(Y), rt, skip=skip)
+    bad = torch.nonzero(contract.over(e)).flatten()
     if bad.numel() == 0:  # the host sync
         return Y
     # a state over the bound has r < min(K, V) (a kept state is copied: error 0) and r ≤ 32
