@@ -1,5 +1,5 @@
 """Heatmap: one statistic for every (layer, head), median over the document set; a click on a cell shows that head
-in a panel beside the heatmap (under it where the page is too narrow), or picks it for the truncation set."""
+in a panel under the heatmap (or picks it for the truncation set)."""
 from __future__ import annotations
 
 import streamlit as st
@@ -22,7 +22,7 @@ st.session_state.setdefault("heat_metric", "erank")
 metric = st.session_state["heat_metric"]
 
 # a click on a cell was handled by app.py before anything was drawn (common.HEAD_CLICKS): the head it opened is
-# shown in the panel beside the heatmap (its URL: /heatmap?layer=l&head=h), or its pick in the truncation set, in
+# shown in the panel under the heatmap (its URL: /heatmap?layer=l&head=h), or its pick in the truncation set, in
 # this run
 
 c1, c2 = st.columns([3, 2])
@@ -32,29 +32,25 @@ c1.radio("Statistic", METRICS, key="heat_metric", horizontal=True,
                                 "energy_rank99": "r for 99% energy",
                                 "key_cov_erank": "key-covariance erank", "decayed_P_erank": "decayed-P erank"}[m])
 with c2:
-    C.click_action_radio("shows it beside the heatmap")
+    C.click_action_radio("shows it below the heatmap")
 n_docs = len(run["documents"])
 st.caption(f"{F.HEATMAP_METRICS[metric][0]} of each head's state at the document end, median over {n_docs} "
            f"document{'s' if n_docs != 1 else ''} (min–max in the tooltip) · GDN layers only "
            f"(full-attention layers {list(run['model']['attn_layers'])} carry no state) · run `{run['run_id']}`")
 
-# the heatmap and the truncation set at their own width, the head panel beside them in the rest of the row (under
-# them where the row is too narrow: the row wraps), so that a tall heatmap does not push the panel below the first
-# screen; the panel sends its heading and numbers first, then has these drawn into their place, then its chart
-# (docs/ui-speed.md)
-with st.container(horizontal=True, gap="medium"):
-    left = st.container(width="content")
-    beside = st.container(width="stretch")
+# the heatmap and the truncation set, with the head panel under them; the panel sends its heading and numbers
+# first, then has these drawn into their place above it, then its chart (docs/ui-speed.md)
+above = st.container()
 
 
-def draw_heatmap():
+def draw_above():
     sel = None
     if st.session_state.get("layer") in run["model"]["gdn_layers"] and st.session_state.get("head") is not None:
         sel = (int(st.session_state["layer"]), int(st.session_state["head"]))
     keys = tuple(d["key"] for d in run["documents"])
     spec, csv = RF.heatmap(str(C.store().dir), run["run_id"], keys, metric, sel, tuple(C.picked_heads()),
                            st.session_state.get("click_action") == "pick")
-    with left:
+    with above:
         C.chart(spec, csv, f"heatmap_{metric}", key="heat", on_select="rerun", selection_mode="cell",
                 fixed_size=True, export=lambda: F.heatmap(F.heatmap_frame(table, metric), metric, interactive=False))
         picked = C.picked_heads()
@@ -71,8 +67,7 @@ def draw_heatmap():
                        "**Truncate & compare**.")
 
 
-with beside:
-    head_panel.panel(run["model"], run, table, draw_heatmap)
+head_panel.panel(run["model"], run, table, draw_above)
 
 with st.expander("Table of all heads (median, min, max over documents)"):
     cols = ["layer", "head"] + [c for m in METRICS for c in (m, f"{m}_min", f"{m}_max")] + \

@@ -417,7 +417,7 @@ def test_heatmap_click_shows_the_head_under_the_heatmap(env, populated):
     at.run()
     assert not _panel_heading(at) and chart_titles(at) == ["Effective rank (directions)"]
     radio = at.radio(key="click_action")
-    assert radio.value == "open" and radio.options[0] == "shows it beside the heatmap"
+    assert radio.value == "open" and radio.options[0] == "shows it below the heatmap"
     at.session_state["heat"] = {"selection": {"cell": [{"layer": 1, "head": 2}]}}
     at.run()
     assert not at.exception
@@ -440,7 +440,7 @@ def test_heatmap_click_shows_the_head_under_the_heatmap(env, populated):
     links = {l.proto.label: l.proto for l in at.get("page_link")}
     assert "Open the full head page" in links and links["Open the full head page"].query_string == "layer=1&head=2"
     heat = json.loads(charts(at)[0].proto.spec)
-    assert heat["title"]["subtitle"][0] == "click a cell to see that head beside the heatmap"
+    assert heat["title"]["subtitle"][0] == "click a cell to see that head below"
     data = pa.ipc.open_stream(charts(at)[0].proto.datasets[0].data.data).read_all().to_pandas()
     assert data.loc[data["frame"] == "open head", ["layer", "head"]].values.tolist() == [[1, 2]]
 
@@ -557,7 +557,7 @@ def test_heatmap_pick_mode_says_what_a_click_does_and_draws_frames_on_top(env, p
     at = app("heatmap", run=run)
     at.run()
     spec, _ = _heatmap_spec_and_data(at)
-    assert spec["title"]["subtitle"][0] == "click a cell to see that head beside the heatmap"
+    assert spec["title"]["subtitle"][0] == "click a cell to see that head below"
     at.radio(key="click_action").set_value("pick").run()
     for cell in ({"layer": 0, "head": 1}, {"layer": 0, "head": 2}, {"layer": 1, "head": 1}):
         at.session_state["heat"] = {"selection": {"cell": [cell]}}

@@ -8,7 +8,7 @@ being present (polled every animation frame; a chart counts once it shows the cl
 statistic's title, or is a chart drawn after the click): "useful" = the first thing that answers the click (the
 head's title in the heatmap's panel or on the Head page, the new truncation set, the redrawn heatmap), "whole" =
 every chart of the page drawn (the heatmap and its panel's spectrum; on the Head page: the charts of its open tab), no
-stale element and the script finished. A heatmap click shows its head in the panel beside the heatmap; the Head page
+stale element and the script finished. A heatmap click shows its head in the panel under the heatmap; the Head page
 is timed from the panel's link "Open the full head page". Medians of several clicks are printed and written to
 ``<tmp>/ui_speed.json``; they are reported, never asserted (docs/ui-speed.md has the numbers). What is asserted is
 that each click did what it says.
@@ -42,7 +42,7 @@ CHARTS_DRAWN = """([n, text]) => {
   if (cs.length < n || !cs.every(c => c.querySelector('svg.marks, canvas.marks'))) return false;
   return cs.some(c => c.textContent.toLowerCase().includes(text.toLowerCase()));
 }"""
-HEATMAP_HINT = "click a cell to see that head beside the heatmap"  # the heatmap's subtitle (not on the Head page)
+HEATMAP_HINT = "click a cell to see that head below"  # the heatmap's subtitle (not on the Head page)
 # the Head page's tabs of figures: a head opens on the first (its spectrum and effective rank, two charts)
 TAB_1, TAB_2, HEAD_CHARTS = "Spectrum & effective rank", "Decay α & key cone", 2
 SPECTRUM, ALPHA = "Singular spectrum at the document end", "Per-token decay α of this head"  # the tabs' first charts

@@ -21,7 +21,6 @@ from gdnviz.ui import head_summary as HSum
 from gdnviz.ui import run_figures as RF
 
 OPEN = "head_panel"
-SPECTRUM_WIDTH = 440  # px
 WRITTEN = "head_panel_url"  # the (layer, head) strings this session last wrote to the URL (None: it removed them)
 
 
@@ -122,8 +121,7 @@ def panel(model: dict, run: dict | None, table: pd.DataFrame | None, between) ->
         HSum.key_numbers(run, HSum.head_row(table, layer, head), "on the full head page",
                          f"The spectrum shows one document, “{doc}”.")
         between()
-        with st.container(horizontal=True, gap="medium"):  # the caption beside the spectrum, or under it
-            a, b = st.container(width=SPECTRUM_WIDTH), st.container(width="stretch")
+        a, b = st.columns(2)
         with a:
             spec, csv = RF.head_figure(str(C.store().dir), run["run_id"], tuple(d["key"] for d in run["documents"]),
                                        tuple(names), gl.index(layer), head, doc, int(run["segment_len"]), "spectrum")

@@ -7,9 +7,6 @@ import pandas as pd
 import streamlit as st
 
 
-METRIC_WIDTH = 140  # px of each key number
-
-
 def shown_document(names: list[str]) -> str:
     """The document of the Head page's one-document figures (spectrum, key cone): the session's choice
     ("head_doc") if it is one of the run's ``names``, else the first."""
@@ -39,9 +36,7 @@ def key_numbers(run: dict, row: pd.Series, min_max: str, one_document: str) -> N
     L = int(run["segment_len"])
     st.caption(f"The numbers below are medians over the {nd} document{'s' if nd != 1 else ''} of this run (their "
                f"min–max {min_max}). {one_document}")
-    # a row of six where the width allows, else wrapped onto more rows (the Heatmap's panel beside the heatmap)
-    with st.container(horizontal=True, gap="small", horizontal_alignment="left"):
-        m = [st.container(width=METRIC_WIDTH) for _ in range(6)]
+    m = st.columns(6)
     m[0].metric("Effective rank", f"{row['erank']:.1f}", help="exp of the entropy of σ/Σσ: directions carrying the norm")
     m[1].metric("Numerical rank", f"{row['numerical_rank']:.0f}", help="σ above σ_max·128·ε_f32")
     m[2].metric("Horizon", f"{row['horizon']:,.0f} tok" if np.isfinite(row["horizon"]) else "∞", help="1/(1 − ᾱ)")

@@ -29,11 +29,11 @@ def _table(cache_dir: str, run_id: str, keys: tuple):
 def heatmap(cache_dir: str, run_id: str, keys: tuple, metric: str, selected: tuple | None, picked: tuple,
             pick_mode: bool) -> tuple[dict, bytes]:
     """(spec, CSV) of the heatmap of ``metric``; ``selected`` framed black, ``picked`` orange; the subtitle says
-    what a click does (show the head in the panel beside the heatmap, or add / remove it in the truncation set when
+    what a click does (show the head in the panel under the heatmap, or add / remove it in the truncation set when
     ``pick_mode``)."""
     df = F.heatmap_frame(_table(cache_dir, run_id, keys), metric)
     sub = ["click a cell to add it to / remove it from the truncation set" if pick_mode
-           else "click a cell to see that head beside the heatmap", "hover for the min–max over documents"]
+           else "click a cell to see that head below", "hover for the min–max over documents"]
     with specs.fast_build():
         ch = F.heatmap(df, metric, selected=selected, picked=picked, subtitle=sub)
     return specs.spec(ch), F.to_csv(df)
