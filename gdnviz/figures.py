@@ -398,7 +398,7 @@ def scan_heatmap(df: pd.DataFrame, *, keep: bool, title: str, selected: tuple | 
     n = int(df["n"].max()) if len(df) else 0
     sub = f"Δ = mean over the same {n} samples of (score − baseline); red: lower, blue: higher"
     if interactive:
-        sub += " · click a cell to open that head · hover for the paired SE"
+        sub += " · click a cell to see that head below · hover for the paired SE"
     return _grid(df, color, tooltip, title, sub, selected=selected, picked=(), interactive=interactive)
 
 

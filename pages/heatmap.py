@@ -22,7 +22,8 @@ st.session_state.setdefault("heat_metric", "erank")
 metric = st.session_state["heat_metric"]
 
 # a click on a cell was handled by app.py before anything was drawn (common.HEAD_CLICKS): the head it opened is
-# shown in the panel under the heatmap, or its pick in the truncation set, in this run
+# shown in the panel under the heatmap (its URL: /heatmap?layer=l&head=h), or its pick in the truncation set, in
+# this run
 
 c1, c2 = st.columns([3, 2])
 c1.radio("Statistic", METRICS, key="heat_metric", horizontal=True,
@@ -66,7 +67,7 @@ def draw_above():
                        "**Truncate & compare**.")
 
 
-head_panel.panel(run, table, draw_above)
+head_panel.panel(run["model"], run, table, draw_above)
 
 with st.expander("Table of all heads (median, min, max over documents)"):
     cols = ["layer", "head"] + [c for m in METRICS for c in (m, f"{m}_min", f"{m}_max")] + \

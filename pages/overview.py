@@ -1,5 +1,5 @@
-"""Overview figures: erank vs horizon (a click on a point opens its head, or picks it), the horizon histogram, and the
-share of heads forgetting within a segment."""
+"""Overview figures: erank vs horizon (a click on a point shows its head in a panel under the figures, or picks it),
+the horizon histogram, and the share of heads forgetting within a segment."""
 from __future__ import annotations
 
 import numpy as np
@@ -7,6 +7,7 @@ import streamlit as st
 
 from gdnviz import figures as F
 from gdnviz.ui import common as C
+from gdnviz.ui import head_panel
 from gdnviz.ui import run_figures as RF
 
 C.ensure_entrypoint()
@@ -38,19 +39,32 @@ m[3].metric("Median num. rank", f"{ov['numerical_rank_median']:.0f}",
             help=f"of min(d_k, d_v) = {min(run['model']['d_k'], run['model']['d_v'])}")
 m[4].metric("Max erank", f"{ov['erank_max']:.1f}")
 
-a, b = st.columns(2)
-with a:
-    rmax = min(int(run["model"]["d_k"]), int(run["model"]["d_v"]))
-    spec, csv = RF.erank_vs_horizon(str(C.store().dir), run["run_id"], tuple(d["key"] for d in run["documents"]),
-                                    float(rho), rmax, tuple(float(x) for x in ov["spearman_ci95"]))
-    C.click_action_radio()
-    C.chart(spec, csv, "erank_vs_horizon", key="ov_evh", on_select="rerun", selection_mode="head")
-    picked = C.picked_heads()
-    if picked:
-        st.caption(f"Truncation set ({len(picked)} head{'s' if len(picked) != 1 else ''}): "
-                   + ", ".join(C.head_label(*p) for p in picked))
-with b:
-    C.chart(F.horizon_hist_chart(table, L), table[["layer", "head", "horizon"]], "horizon_histogram", key="ov_hist")
+# the scatter (a click shows its head in the panel under these figures, or picks it; app.py handled it before
+# anything was drawn: common.HEAD_CLICKS) and the horizon histogram, drawn into their place above the panel after
+# its heading and numbers (head_panel.panel)
+above = st.container()
+
+
+def draw_above():
+    with above:
+        a, b = st.columns(2)
+        with a:
+            rmax = min(int(run["model"]["d_k"]), int(run["model"]["d_v"]))
+            spec, csv = RF.erank_vs_horizon(str(C.store().dir), run["run_id"],
+                                            tuple(d["key"] for d in run["documents"]), float(rho), rmax,
+                                            tuple(float(x) for x in ov["spearman_ci95"]))
+            C.click_action_radio("shows it below these figures")
+            C.chart(spec, csv, "erank_vs_horizon", key="ov_evh", on_select="rerun", selection_mode="head")
+            picked = C.picked_heads()
+            if picked:
+                st.caption(f"Truncation set ({len(picked)} head{'s' if len(picked) != 1 else ''}): "
+                           + ", ".join(C.head_label(*p) for p in picked))
+        with b:
+            C.chart(F.horizon_hist_chart(table, L), table[["layer", "head", "horizon"]], "horizon_histogram",
+                    key="ov_hist")
+
+
+head_panel.panel(run["model"], run, table, draw_above)
 fl = F.forgetting_by_layer_frame(table, L)
 C.chart(F.forgetting_chart(fl, L), fl, "forgetting_by_layer", key="ov_forget")
 kc = table[["layer", "head", "erank", "horizon", "mean_key_norm", "key_cov_erank"]]

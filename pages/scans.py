@@ -13,6 +13,7 @@ from gdnviz import figures as F  # noqa: E402
 from gdnviz.jobs import BudgetJob, MemoMapping, ScanJob, spec_to_dict  # noqa: E402
 from gdnviz.plotstyle import human_bytes  # noqa: E402
 from gdnviz.probes import budget, ruler, scan, sweep  # noqa: E402
+from gdnviz.ui import head_panel  # noqa: E402
 from gdnviz.ui import scans as S  # noqa: E402
 from gdnviz.ui import sweeps as SW  # noqa: E402
 
@@ -127,16 +128,21 @@ if rec is not None and rec["status"] == "done":
     what = "kept whole, every other head at" if keep else "cut to"
     title = f"{Path(str(res['model_name'])).name}: one {sp['by']} {what} r = {sp['r']}"
     hdf = F.scan_heatmap_frame(tab, gl, H)
-    ev = C.chart(F.scan_heatmap(hdf, keep=keep, title=title), hdf, "scan_heatmap", key="sc_heat",
-                 on_select="rerun", selection_mode="cell", fixed_size=True,
-                 export=F.scan_heatmap(hdf, keep=keep, title=title, interactive=False))
-    cell = C.parse_cell(ev)
-    if cell is not None and st.session_state.get("sc_heat_handled") != cell:
-        st.session_state["sc_heat_handled"] = cell
-        st.session_state["layer"], st.session_state["head"] = cell
-        st.switch_page(C.PAGES["head"], query_params={"layer": str(cell[0]), "head": str(cell[1])})
-    elif cell is None:
-        st.session_state.pop("sc_heat_handled", None)
+    heat = st.container()
+
+    def draw_heat():  # the scan heatmap, framing the open head, above the head panel (head_panel.panel)
+        sel = ((int(st.session_state["layer"]), int(st.session_state["head"]))
+               if st.session_state.get(head_panel.OPEN) else None)
+        with heat:
+            C.chart(F.scan_heatmap(hdf, keep=keep, title=title, selected=sel), hdf, "scan_heatmap", key="sc_heat",
+                    on_select="rerun", selection_mode="cell", fixed_size=True,
+                    export=F.scan_heatmap(hdf, keep=keep, title=title, interactive=False))
+
+    # a click on a cell was handled by app.py (common.HEAD_CLICKS): its head is shown in the panel under the
+    # heatmap, with the numbers of this session's run when that run is of the scanned model
+    scanned = str(rec["spec"].get("fingerprint") or "")
+    same = run is not None and scanned != "" and scanned == str(run["model"].get("fingerprint") or "")
+    head_panel.panel(info, run if same else None, table if same else None, draw_heat)
     st.markdown("**Ranked** — " + ("largest gain from keeping the unit whole first" if keep else
                                    "largest drop from cutting the unit first"))
     st.dataframe(S.ranked_view(tab, keep), hide_index=True, width="stretch",

@@ -421,7 +421,8 @@ def test_heatmap_click_shows_the_head_under_the_heatmap(env, populated):
     at.session_state["heat"] = {"selection": {"cell": [{"layer": 1, "head": 2}]}}
     at.run()
     assert not at.exception
-    assert [t.value for t in at.title] == ["Heatmap"] and "layer" not in at.query_params  # no page switch
+    assert [t.value for t in at.title] == ["Heatmap"]  # no page switch
+    assert _url_head(at) == ("1", "2")  # the page's URL holds the open head
     assert _panel_heading(at) == [m for m in _panel_heading(at) if m.startswith("### Layer 1 · head 2  \n")] != []
     assert run["run_id"] in _panel_heading(at)[0]
     assert [m.label for m in at.metric] == ["Effective rank", "Numerical rank", "Horizon", "Mean key norm",
@@ -456,9 +457,48 @@ def test_heatmap_click_shows_the_head_under_the_heatmap(env, populated):
     assert not at.exception and any(m.startswith("### Layer 0 · head 3") for m in texts(at, "markdown"))
     at.switch_page("pages/heatmap.py").run()
     assert _panel_heading(at)[0].startswith("### Layer 0 · head 3  \n")
-    # closed by its button
+    # closed by its button, which takes the head out of the URL
+    assert _url_head(at) == ("0", "3")
     at.button(key="head_panel_close").click().run()
     assert not _panel_heading(at) and len(charts(at)) == 1
+    assert _url_head(at) == (None, None)
+
+
+def _url_head(at) -> tuple:
+    """(layer, head) of the page's query params as AppTest holds them (strings), None where absent."""
+    def one(k):
+        v = at.query_params.get(k)
+        return v[0] if isinstance(v, list) and v else v
+    return one("layer"), one("head")
+
+
+@pytest.mark.parametrize("page", ["heatmap", "overview"])
+def test_a_reload_or_shared_link_reopens_the_head_panel(env, populated, page):
+    """The page's URL with ?layer=l&head=h (a reload, a link sent to a colleague: a new session) opens the panel on
+    that head; a click on another head then moves the URL to it; a link to no head of the model says so and opens
+    nothing."""
+    cache, run = populated
+    env(cache)
+    at = app(page, run=run, layer=3, head=1)
+    at.run()
+    assert not at.exception
+    assert len(_panel_heading(at)) == 1 and _panel_heading(at)[0].startswith("### Layer 3 · head 1  \n")
+    assert _url_head(at) == ("3", "1")
+    state, param = {"heatmap": ("heat", "cell"), "overview": ("ov_evh", "head")}[page]
+    at.session_state[state] = {"selection": {param: [{"layer": 0, "head": 2}]}}
+    at.run()
+    assert _panel_heading(at)[0].startswith("### Layer 0 · head 2  \n") and _url_head(at) == ("0", "2")
+    at.run()  # the URL this session wrote does not take the panel back to the head of the link
+    assert _panel_heading(at)[0].startswith("### Layer 0 · head 2  \n")
+    at.button(key="head_panel_close").click().run()
+    assert not _panel_heading(at) and _url_head(at) == (None, None)
+    at.run()
+    assert not _panel_heading(at)
+
+    bad = app(page, run=run, layer=2, head=1)  # layer 2 is full attention in the tiny model
+    bad.run()
+    assert not bad.exception and not _panel_heading(bad)
+    assert any("layer='2', head='1'" in e for e in texts(bad, "error")) and _url_head(bad) == (None, None)
 
 
 def test_the_head_panel_follows_the_run(env, tmp_path, tiny_checkpoint):
@@ -690,10 +730,20 @@ def test_overview_scatter_opens_or_picks_the_clicked_head_and_shows_its_spread(e
     at.run()
     assert not at.exception and at.session_state["picked_heads"] == [[3, 2]]
     assert any("Truncation set (1 head): L3·H2" in c for c in texts(at, "caption"))
+    assert not _panel_heading(at)  # a pick opens no panel
     at.radio(key="click_action").set_value("open").run()
+    assert at.radio(key="click_action").options[0] == "shows it below these figures"
     at.session_state["ov_evh"] = {"selection": {"head": [{"layer": 1, "head": 0}]}}
     at.run()
-    assert not at.exception and any("Layer 1 · head 0" in m for m in texts(at, "markdown"))
+    # the head shows in the panel under the scatter, on the Overview page, with the Head page's numbers
+    assert not at.exception and [t.value for t in at.title] == ["Overview figures"]
+    assert len(_panel_heading(at)) == 1 and _panel_heading(at)[0].startswith("### Layer 1 · head 0  \n")
+    assert [m.label for m in at.metric][-6:] == ["Effective rank", "Numerical rank", "Horizon", "Mean key norm",
+                                                 "Key-cov erank", "r for 99% energy"]
+    assert "Singular spectrum at the document end" in chart_titles(at) and _url_head(at) == ("1", "0")
+    links = {l.proto.label: l.proto for l in at.get("page_link")}
+    assert links["Open the full head page"].query_string == "layer=1&head=0"
+    assert at.session_state["picked_heads"] == [[3, 2]]  # the open-mode click picked nothing
 
 
 def test_cache_budget(env, populated):

@@ -1,5 +1,6 @@
 """The Head scans & budgets page (AppTest, jobs run in-process by the real Worker on the tiny checkpoint): the
-plan, bad input refused with its message, a scan and a budget through the worker, the heatmap click, the hand-off
+plan, bad input refused with its message, a scan and a budget through the worker, the heatmap click (the head
+panel under the heatmap), the hand-off
 of a budget to Retrieval sweeps."""
 from __future__ import annotations
 
@@ -7,9 +8,9 @@ import json
 
 import pyarrow as pa
 
-from app_fixtures import tiny_checkpoint  # noqa: F401  (fixture)
+from app_fixtures import short_text, tiny_checkpoint  # noqa: F401  (fixture)
 from gdnviz.store import Store
-from test_app_pages import app, charts, chart_titles, env, texts, work  # noqa: F401  (fixtures)
+from test_app_pages import app, capture, charts, chart_titles, env, texts, work  # noqa: F401  (fixtures)
 
 
 def captions(at) -> list[str]:
@@ -84,7 +85,7 @@ def test_scan_and_budget_previews_build_their_prompts_once_per_form(env, tmp_pat
     assert built[-1] == 5 and any("× 7 samples = **" in c for c in captions(at))
 
 
-def test_scan_and_budget_through_the_worker(env, tmp_path):
+def test_scan_and_budget_through_the_worker(env, tmp_path, tiny_checkpoint):
     cache = env(tmp_path / "c")
     at = scans_page(cache)
     at.number_input(key="sc_length").set_value(400)
@@ -120,12 +121,34 @@ def test_scan_and_budget_through_the_worker(env, tmp_path):
                for w in texts(at, "warning")), texts(at, "warning")
     at.number_input(key="sc_n").set_value(2).run()
     assert not texts(at, "warning")
-    # a click on the scan heatmap opens that head
+    # a click on the scan heatmap shows that head in the panel under it, on this page (pick mode is not offered
+    # here: the Heatmap's choice does not apply); no capture of the model yet: the panel says so
+    at.session_state["click_action"] = "pick"
     at.session_state["sc_heat"] = {"selection": {"cell": [{"layer": 1, "head": 2}]}}
     at.run()
-    assert not at.exception  # on the Head page (its deep link; with no capture yet it says what to run)
+    assert not at.exception and [t.value for t in at.title] == ["Head scans & budgets"]
     assert at.query_params["layer"] in (["1"], "1") and at.query_params["head"] in (["2"], "2")
     assert (at.session_state["layer"], at.session_state["head"]) == (1, 2)
+    assert "picked_heads" not in at.session_state or not at.session_state["picked_heads"]
+    heading = [m for m in texts(at, "markdown") if m.startswith("### Layer ")]
+    assert len(heading) == 1 and heading[0].startswith("### Layer 1 · head 2  \n")
+    assert "no capture of this model is open in this session" in heading[0]
+    spec = json.loads([c for c in charts(at) if c.key == "sc_heat"][0].proto.spec)
+    assert "click a cell to see that head below" in spec["title"]["subtitle"]
+    # a capture of the scanned model in this session: the panel shows the head's numbers, spectrum and link
+    run = capture(cache, tiny_checkpoint, (("alpha", short_text(200, 0)),))
+    at.session_state["run_id"] = run["run_id"]
+    at.run()
+    assert not at.exception
+    heading = [m for m in texts(at, "markdown") if m.startswith("### Layer ")]
+    assert len(heading) == 1 and heading[0].startswith("### Layer 1 · head 2  \n") and run["run_id"] in heading[0]
+    assert [m.label for m in at.metric][:6] == ["Effective rank", "Numerical rank", "Horizon", "Mean key norm",
+                                                "Key-cov erank", "r for 99% energy"]
+    assert "Singular spectrum at the document end" in chart_titles(at)
+    links = {l.proto.label: l.proto for l in at.get("page_link")}
+    assert links["Open the full head page"].query_string == "layer=1&head=2"
+    at.button(key="head_panel_close").click().run()
+    assert not [m for m in texts(at, "markdown") if m.startswith("### Layer ")] and "layer" not in at.query_params
     # budget
     at = scans_page(cache)
     at.multiselect(key="bg_tasks").set_value(["niah_single_1"])

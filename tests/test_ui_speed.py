@@ -175,7 +175,7 @@ def _measure(browser, base: str, run: dict) -> dict:
                 rec(f"heatmap cell → panel title ({visit} visit)", _since_click(page, _heading(title, panel=True)))
                 rec(f"heatmap cell → whole panel ({visit} visit)",
                     _since_click(page, PANEL_DRAWN, [title, PANEL_CHARTS, SPECTRUM]))
-                assert page.url.endswith("/heatmap")
+                assert page.url.endswith(f"/heatmap?layer={layer}&head={head}")
                 # the panel's link to the Head page
                 _arm(page)
                 page.get_by_role("link", name="Open the full head page").click()

@@ -9,6 +9,8 @@ installed. ``--only compare`` captures two pairs of sample documents and shoots 
 ``--only heatmap`` captures the four documents and shoots only the Heatmap page: ``heatmap.png`` (the README's
 picture), then ``heatmap_panel.png`` (after a click on the cell of ``--head``: that head in the panel under the
 heatmap);
+``--only overview`` captures them and shoots only the Overview figures: ``overview.png``, then
+``overview_panel.png`` (after a click on the point of ``--head``: the head panel under the figures);
 ``--only head`` captures them and shoots only the Head page: ``head.png`` (its first tab of figures), then
 ``head_holds.png`` (What this state holds, computed at the document end), ``head_attnmap.png`` (the Exact
 attention map at its default window, query t = 1,838) and ``head_attnmap_zoom.png`` (the lower end of its key zoom
@@ -86,10 +88,11 @@ def main() -> int:
     ap.add_argument("--head", default=None,
                     help="LAYER,HEAD for the Head page and the Heatmap's panel (default 5,1 with --model demo: its "
                          "longest-lived head; else 4,3)")
-    ap.add_argument("--only", choices=["sweeps", "compare", "heatmap", "head"], default=None,
+    ap.add_argument("--only", choices=["sweeps", "compare", "heatmap", "head", "overview"], default=None,
                     help="only the Retrieval sweeps page (no capture; a tiny sweep on the inspected model), only "
                          "Compare two runs (two captures of the model, two sample documents each), or only the "
-                         "Heatmap (after the four documents' capture), or only the Head page and its two computed sections")
+                         "Heatmap (after the four documents' capture), or only the Head page and its two computed "
+                         "sections, or only the Overview figures (and its head panel)")
     args = ap.parse_args()
     args.head = [int(x) for x in (args.head or ("5,1" if args.model == "demo" else "4,3")).split(",")]
     out = Path(args.out)
@@ -178,6 +181,16 @@ def main() -> int:
                 print(f"zoom: keys {thumb.input_value()}..2047")  # the slider and the subtitles say it too
                 clip_shot("head_attnmap_zoom", am_h, page.locator(".st-key-ch_am_gdn_png"))
 
+            def overview():  # the page, then a click on the point of --head: that head in the panel under the figures
+                open_run_page("/overview")
+                shot("overview", 1250)
+                layer, head = args.head
+                page.get_by_test_id("stVegaLiteChart").filter(has_text="Effective rank vs decay horizon").locator(
+                    f"path[aria-label*='; layer: {layer}; head: {head};']").click(force=True)  # a point over it wins
+                page.locator(".st-key-head_panel_box").get_by_role("heading").first.wait_for()
+                page.mouse.move(1400, 50)
+                shot("overview_panel", 2000)
+
             def sweeps():  # a small sweep: two tasks, two lengths, seed 000's ranks up to d_k, 2 samples each
                 page.goto(base + "/sweeps")
                 idle()
@@ -235,6 +248,10 @@ def main() -> int:
                 shot("documents", 1500)
             page.get_by_role("button", name="Run capture").click()
             page.get_by_text("Captured 4 document").wait_for()
+            if args.only == "overview":
+                overview()
+                b.close()
+                return 0
             if args.only != "head":
                 open_run_page("/heatmap")
                 shot("heatmap", 1000)
@@ -253,8 +270,7 @@ def main() -> int:
             if args.only == "head":
                 b.close()
                 return 0
-            open_run_page("/overview")
-            shot("overview", 1250)
+            overview()
             open_run_page("/truncate")
             page.locator("input[aria-label='Length (tokens)']").fill("1500")
             page.keyboard.press("Enter")

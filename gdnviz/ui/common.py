@@ -18,7 +18,8 @@ capture_job         id of the capture job of this session (capture_handled: the 
 run_id              the run shown on every page: this session's last capture or the run the user picked (None:
                     no run; a page never falls back to another session's run)
 layer, head         the open head
-head_panel          True while the Heatmap shows the open head in its panel under the heatmap (``gdnviz.ui.head_panel``)
+head_panel          True while the pages with a chart of heads show the open head in a panel under it
+                    (``gdnviz.ui.head_panel``; head_panel_url: the layer and head it last wrote to the URL)
 picked_heads        [[layer, head], ...] the truncation set built by clicks
 truncate_job        id of the truncation job of this session
 sweep_job           id of the sweep job of this session (the Sweeps page's widgets are ``sw_*``)
@@ -670,27 +671,26 @@ def head_label(layer: int, head: int) -> str:
 
 
 #: The charts of heads whose click opens (or picks) a head, per page (``PAGES`` key): (the chart's session key, its
-#: selection param, where a click that opens a head shows it: "panel" under the chart, in the same script run
-#: (``gdnviz.ui.head_panel``), or "page", the Head page). app.py handles their clicks (``handle_head_click``) before
-#: it draws anything else.
-HEAD_CLICKS = {"heatmap": ("heat", "cell", "panel"), "overview": ("ov_evh", "head", "page")}
+#: selection param, whether the page offers pick mode, the "Clicking a head" choice). A click that opens a head shows
+#: it in the head panel under the chart, in the same script run (``gdnviz.ui.head_panel``). app.py handles these
+#: clicks (``handle_head_click``) before it draws anything else.
+HEAD_CLICKS = {"heatmap": ("heat", "cell", True), "overview": ("ov_evh", "head", True),
+               "scans": ("sc_heat", "cell", False)}
 
 
 def handle_head_click(page: str) -> None:
     """``click_opens_or_picks`` for the chart of heads of ``page`` (``HEAD_CLICKS``; other pages: nothing). Called
-    before the sidebar, so that a click opening the Head page switches page without drawing the sidebar and the
-    page it leaves."""
+    before the sidebar and the page, so that the page draws the click's head panel (or pick) in this run."""
     if page in HEAD_CLICKS:
         click_opens_or_picks(*HEAD_CLICKS[page])
 
 
-def click_opens_or_picks(state_key: str, param: str, opens: str) -> None:
+def click_opens_or_picks(state_key: str, param: str, picks: bool) -> None:
     """Handle a click on a chart of heads (selection param ``param`` with fields layer, head, drawn under the key
-    ``state_key``) before the page draws anything: in pick mode ("click_action" = "pick") the head is added to /
-    removed from the truncation set and the page goes on; otherwise the head becomes the open head ("layer",
-    "head") and, with ``opens`` = "panel", the page goes on with its head panel open ("head_panel"), or with
-    ``opens`` = "page" the Head page opens on it. A selection is handled once (it stays the chart's value until
-    another click)."""
+    ``state_key``) before the page draws anything: in pick mode ("click_action" = "pick", on a page that offers it:
+    ``picks``) the head is added to / removed from the truncation set; otherwise the head becomes the open head
+    ("layer", "head") and the head panel is opened ("head_panel"). A selection is handled once (it stays the chart's
+    value until another click)."""
     cell = parse_cell(st.session_state.get(state_key), param)
     handled = f"{state_key}_handled"
     if cell is None:
@@ -700,17 +700,14 @@ def click_opens_or_picks(state_key: str, param: str, opens: str) -> None:
         return
     st.session_state[handled] = cell
     layer, head = cell
-    if st.session_state.get("click_action") == "pick":
+    if picks and st.session_state.get("click_action") == "pick":
         toggle_pick(layer, head)
         return
     st.session_state["layer"], st.session_state["head"] = layer, head
-    if opens == "panel":
-        st.session_state["head_panel"] = True
-        return
-    st.switch_page(PAGES["head"], query_params={"layer": str(layer), "head": str(head)})
+    st.session_state["head_panel"] = True
 
 
-def click_action_radio(opens: str = "opens that head") -> None:
+def click_action_radio(opens: str) -> None:
     """The "Clicking a head" choice (session key "click_action", shared by the Heatmap and Overview); ``opens``:
     what the choice "open" does on this page, in words."""
     st.session_state.setdefault("click_action", "open")

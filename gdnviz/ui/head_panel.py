@@ -1,12 +1,16 @@
-"""The Heatmap's head panel: a click on a cell (not in pick mode) shows that head under the heatmap in the same
-script run, without a page switch: its heading and six key numbers (``head_summary``, as on the Head page), the
-singular spectrum of the document the Head page shows (the Head page's cached figure), and a link to the full
-Head page.
+"""The head panel of the pages with a chart of heads (Heatmap, Overview figures, Head scans & budgets): a click on a
+head (not in pick mode) shows it under the chart in the same script run, without a page switch: its heading and six
+key numbers (``head_summary``, as on the Head page), the singular spectrum of the document the Head page shows (the
+Head page's cached figure), and a link to the full Head page.
 
 ``common.click_opens_or_picks`` opens it: the clicked head becomes the session's open head ("layer", "head") and
 "head_panel" is set. The panel always shows the current run's numbers of the open head, so it stays open across
-a change of statistic or of page, follows a head changed on the Head page, and is closed when the run shown has
-no such head (another model's run)."""
+a change of statistic or of page, follows a head changed on the Head page, and is closed when the model of the
+page's chart has no such head (another model's run).
+
+The page's URL holds the open head (query params ``layer`` and ``head``, as on the Head page) while the panel is open
+and neither while it is closed, so a reload or a shared link reopens the same panel. Query params that this session
+did not write there itself (a reload or a pasted link: a new session) open the panel on their head."""
 from __future__ import annotations
 
 import pandas as pd
@@ -17,39 +21,98 @@ from gdnviz.ui import head_summary as HSum
 from gdnviz.ui import run_figures as RF
 
 OPEN = "head_panel"
+WRITTEN = "head_panel_url"  # the (layer, head) strings this session last wrote to the URL (None: it removed them)
 
 
-def open_head(run: dict) -> tuple[int, int] | None:
-    """(layer, head) the panel shows for ``run``: the open head while the panel is open and the head is one of the
-    run's model; else None, and the panel is closed."""
-    if not st.session_state.get(OPEN):
+def _valid(model: dict, layer, head) -> bool:
+    return layer in model["gdn_layers"] and head is not None and 0 <= int(head) < int(model["num_heads"])
+
+
+def _int(v) -> int | None:
+    try:
+        return int(str(v))
+    except (TypeError, ValueError):
         return None
-    model = run["model"]
-    layer, head = st.session_state.get("layer"), st.session_state.get("head")
-    if layer in model["gdn_layers"] and head is not None and 0 <= int(head) < int(model["num_heads"]):
-        return int(layer), int(head)
+
+
+def _from_url(model: dict) -> None:
+    """Open the panel on the head of the URL's query params when this session did not write them there (a
+    reload, a pasted link); an error names a link that is no head of ``model``."""
+    q = (st.query_params.get("layer"), st.query_params.get("head"))
+    if q == (None, None) or q == st.session_state.get(WRITTEN):
+        return
+    st.session_state[WRITTEN] = q
+    layer, head = _int(q[0]), _int(q[1])
+    if layer is not None and head is not None and _valid(model, layer, head):
+        st.session_state["layer"], st.session_state["head"] = layer, head
+        st.session_state[OPEN] = True
+        return
     st.session_state.pop(OPEN, None)
-    return None
+    C.show_error(f"The link asks for layer={q[0]!r}, head={q[1]!r}, which is no GDN head of this model.",
+                 f"GDN layers: {list(model['gdn_layers'])}; heads 0–{int(model['num_heads']) - 1}. Click a head "
+                 "to show it here.")
+
+
+def _to_url(lh: tuple[int, int] | None) -> None:
+    """Write the open head ``lh`` to the URL's query params, or remove them while the panel is closed."""
+    if lh is None:
+        for k in ("layer", "head"):
+            if k in st.query_params:
+                del st.query_params[k]
+        st.session_state[WRITTEN] = None
+        return
+    q = (str(lh[0]), str(lh[1]))
+    if (st.query_params.get("layer"), st.query_params.get("head")) != q:
+        st.query_params.update(layer=q[0], head=q[1])
+    st.session_state[WRITTEN] = q
+
+
+def open_head(model: dict) -> tuple[int, int] | None:
+    """(layer, head) the panel shows for a chart of the heads of ``model`` (its "gdn_layers", "num_heads"): the
+    open head while the panel is open and the head is one of ``model``'s; else None, and the panel is closed. The
+    URL's head, when this session did not write it, opens the panel first; the result is written to the URL."""
+    _from_url(model)
+    lh = None
+    if st.session_state.get(OPEN):
+        layer, head = st.session_state.get("layer"), st.session_state.get("head")
+        if _valid(model, layer, head):
+            lh = int(layer), int(head)
+        else:
+            st.session_state.pop(OPEN, None)
+    _to_url(lh)
+    return lh
 
 
 def _close() -> None:
     st.session_state.pop(OPEN, None)
 
 
-def panel(run: dict, table: pd.DataFrame, between) -> None:
-    """The open head of ``run`` (``table``: its head table) in a bordered box, or nothing while the panel is
-    closed. ``between`` (a function) is called after the panel's heading and numbers and before its chart (at once
-    while the panel is closed): the Heatmap page draws its heatmap and truncation set there, into a container above
-    the panel, so that the heading is sent before the heatmap's update and a pick's set before the spectrum."""
-    lh = open_head(run)
+def panel(model: dict, run: dict | None, table: pd.DataFrame | None, between) -> None:
+    """The open head of a chart of the heads of ``model`` in a bordered box, or nothing while the panel is closed.
+    ``run`` (``table``: its head table) is a run of ``model`` whose numbers the panel shows, or None: the panel
+    then says that no capture of this model is open in this session. ``between`` (a function) is called after the
+    panel's heading and numbers and before its chart (at once while the panel is closed): the page draws its chart
+    of heads there, into a container above the panel, so that the heading is sent before the chart's update."""
+    lh = open_head(model)
     if lh is None:
         between()
         return
     layer, head = lh
-    names = [d["name"] for d in run["documents"]]
-    doc = HSum.shown_document(names)
-    gl = list(run["model"]["gdn_layers"])
     with st.container(border=True, key="head_panel_box"):
+        if run is None:
+            st.markdown(f"### Layer {layer} · head {head}  \n<span style='color:gray'>state {model['d_k']} × "
+                        f"{model['d_v']} · no capture of this model is open in this session</span>",
+                        unsafe_allow_html=True)
+            with st.container(horizontal=True, gap="small", vertical_alignment="center"):
+                C.page_link("documents", "Capture documents with this model", icon=":material/arrow_forward:")
+                st.button("Close", key="head_panel_close", on_click=_close, icon=":material/close:", type="tertiary")
+            st.caption("A head's effective rank, horizon, key cone and spectrum come from a capture: run one on "
+                       "**Model & documents**, or open one of this model under *Previous runs* in the sidebar.")
+            between()
+            return
+        names = [d["name"] for d in run["documents"]]
+        doc = HSum.shown_document(names)
+        gl = list(model["gdn_layers"])
         HSum.heading(run, layer, head)
         with st.container(horizontal=True, gap="small", vertical_alignment="center"):
             C.page_link("head", "Open the full head page", icon=":material/open_in_full:",
