@@ -65,12 +65,14 @@ def test_card_without_markers_is_refused_before_measuring(tmp_path):
         ev.main(["--card-from", str(tmp_path / "missing.json")])
 
 
-def test_v3_card_tables_are_its_saved_evaluation():
-    """scripts/demo/cards/v3.md's tables are what --card-from renders from cards/v3.eval.json (not hand-edited)."""
+@pytest.mark.parametrize("card", ["v3", "v3b"])
+def test_card_tables_are_its_saved_evaluation(card):
+    """scripts/demo/cards/<card>.md's tables are what --card-from renders from cards/<card>.eval.json (not
+    hand-edited)."""
     ev = _evaluate_script()
     cards = ROOT / "scripts" / "demo" / "cards"
-    res = json.loads((cards / "v3.eval.json").read_text())
-    text = (cards / "v3.md").read_text()
-    head, tail = ev.card_split(cards / "v3.md")
+    res = json.loads((cards / f"{card}.eval.json").read_text())
+    text = (cards / f"{card}.md").read_text()
+    head, tail = ev.card_split(cards / f"{card}.md")
     assert text == head + "\n\n" + ev.markdown(res) + "\n" + tail
     assert res["seed000"]["overview"]["n_heads"] == 32 and res["n"] == 20
