@@ -22,31 +22,10 @@ gl = list(model["gdn_layers"])
 H = int(model["num_heads"])
 
 
-def _int(v):
-    try:
-        return int(str(v))
-    except (TypeError, ValueError):
-        return None
-
-
-# the head: query parameters (a pasted link) win, then this session's choice, then the first GDN head
-qp_layer, qp_head = st.query_params.get("layer"), st.query_params.get("head")
-layer, head = st.session_state.get("layer"), st.session_state.get("head")
-if qp_layer is not None or qp_head is not None:
-    ql, qh = _int(qp_layer), _int(qp_head)
-    if ql is None or qh is None:
-        C.show_error(f"The link asks for layer={qp_layer!r}, head={qp_head!r}: both must be integers.",
-                     f"GDN layers of this run: {gl}; heads 0–{H - 1}. Showing the head with the largest effective rank instead.")
-    elif ql not in gl:
-        C.show_error(f"Layer {ql} is not a Gated DeltaNet layer of this model.",
-                     f"GDN layers: {gl} (full-attention layers {list(model['attn_layers'])} have no state). "
-                     "Showing the head with the largest effective rank instead.")
-    elif not 0 <= qh < H:
-        C.show_error(f"Head {qh} is out of range: GDN layers of this model have {H} heads (0–{H - 1}).",
-                     "Showing the head with the largest effective rank instead.")
-    else:
-        layer, head = ql, qh
-if layer not in gl or head is None or not 0 <= int(head) < H:
+# the head: query parameters (a pasted link) win, then this session's choice, then the head with the largest erank
+layer, head = HSum.head_from_url(model, "Showing the head with the largest effective rank instead.") or (
+    st.session_state.get("layer"), st.session_state.get("head"))
+if not HSum.is_head(model, layer, head):
     # nothing chosen yet: open the head with the largest effective rank of this run (the one using the most of
     # its state), not an arbitrary first head
     top = table.sort_values(["erank", "layer", "head"], ascending=[False, True, True], na_position="last").iloc[0]

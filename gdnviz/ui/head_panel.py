@@ -24,17 +24,6 @@ OPEN = "head_panel"
 WRITTEN = "head_panel_url"  # the (layer, head) strings this session last wrote to the URL (None: it removed them)
 
 
-def _valid(model: dict, layer, head) -> bool:
-    return layer in model["gdn_layers"] and head is not None and 0 <= int(head) < int(model["num_heads"])
-
-
-def _int(v) -> int | None:
-    try:
-        return int(str(v))
-    except (TypeError, ValueError):
-        return None
-
-
 def _from_url(model: dict) -> None:
     """Open the panel on the head of the URL's query params when this session did not write them there (a
     reload, a pasted link); an error names a link that is no head of ``model``."""
@@ -42,15 +31,12 @@ def _from_url(model: dict) -> None:
     if q == (None, None) or q == st.session_state.get(WRITTEN):
         return
     st.session_state[WRITTEN] = q
-    layer, head = _int(q[0]), _int(q[1])
-    if layer is not None and head is not None and _valid(model, layer, head):
-        st.session_state["layer"], st.session_state["head"] = layer, head
-        st.session_state[OPEN] = True
+    lh = HSum.head_from_url(model, "Click a head to show it here.")
+    if lh is None:
+        st.session_state.pop(OPEN, None)
         return
-    st.session_state.pop(OPEN, None)
-    C.show_error(f"The link asks for layer={q[0]!r}, head={q[1]!r}, which is no GDN head of this model.",
-                 f"GDN layers: {list(model['gdn_layers'])}; heads 0–{int(model['num_heads']) - 1}. Click a head "
-                 "to show it here.")
+    st.session_state["layer"], st.session_state["head"] = lh
+    st.session_state[OPEN] = True
 
 
 def _to_url(lh: tuple[int, int] | None) -> None:
@@ -75,7 +61,7 @@ def open_head(model: dict) -> tuple[int, int] | None:
     lh = None
     if st.session_state.get(OPEN):
         layer, head = st.session_state.get("layer"), st.session_state.get("head")
-        if _valid(model, layer, head):
+        if HSum.is_head(model, layer, head):
             lh = int(layer), int(head)
         else:
             st.session_state.pop(OPEN, None)
@@ -103,9 +89,16 @@ def panel(model: dict, run: dict | None, table: pd.DataFrame | None, between) ->
             st.markdown(f"### Layer {layer} · head {head}  \n<span style='color:gray'>state {model['d_k']} × "
                         f"{model['d_v']} · no capture of this model is open in this session</span>",
                         unsafe_allow_html=True)
-            with st.container(horizontal=True, gap="small", vertical_alignment="center"):
+        else:
+            HSum.heading(run, layer, head)
+        with st.container(horizontal=True, gap="small", vertical_alignment="center"):
+            if run is None:
                 C.page_link("documents", "Capture documents with this model", icon=":material/arrow_forward:")
-                st.button("Close", key="head_panel_close", on_click=_close, icon=":material/close:", type="tertiary")
+            else:
+                C.page_link("head", "Open the full head page", icon=":material/open_in_full:",
+                            query_params={"layer": str(layer), "head": str(head)})
+            st.button("Close", key="head_panel_close", on_click=_close, icon=":material/close:", type="tertiary")
+        if run is None:
             st.caption("A head's effective rank, horizon, key cone and spectrum come from a capture: run one on "
                        "**Model & documents**, or open one of this model under *Previous runs* in the sidebar.")
             between()
@@ -113,11 +106,6 @@ def panel(model: dict, run: dict | None, table: pd.DataFrame | None, between) ->
         names = [d["name"] for d in run["documents"]]
         doc = HSum.shown_document(names)
         gl = list(model["gdn_layers"])
-        HSum.heading(run, layer, head)
-        with st.container(horizontal=True, gap="small", vertical_alignment="center"):
-            C.page_link("head", "Open the full head page", icon=":material/open_in_full:",
-                        query_params={"layer": str(layer), "head": str(head)})
-            st.button("Close", key="head_panel_close", on_click=_close, icon=":material/close:", type="tertiary")
         HSum.key_numbers(run, HSum.head_row(table, layer, head), "on the full head page",
                          f"The spectrum shows one document, “{doc}”.")
         between()

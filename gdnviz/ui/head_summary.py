@@ -1,10 +1,51 @@
-"""A head at a glance, shared by the Head page and the Heatmap's head panel: its heading, its six key numbers
-(medians over the run's documents) and the document that its one-document figures show."""
+"""A head at a glance, shared by the Head page and the head panel of the pages with a chart of heads: the head a
+link names, its heading, its six key numbers (medians over the run's documents) and the document that its
+one-document figures show."""
 from __future__ import annotations
 
 import numpy as np
 import pandas as pd
 import streamlit as st
+
+from gdnviz.ui import common as C
+
+
+def is_head(model: dict, layer, head) -> bool:
+    """Whether (``layer``, ``head``) names a GDN head of ``model`` (its "gdn_layers" and "num_heads")."""
+    return (layer in model["gdn_layers"] and head is not None and str(head).lstrip("-").isdigit()
+            and 0 <= int(head) < int(model["num_heads"]))
+
+
+def _int(v) -> int | None:
+    try:
+        return int(str(v))
+    except (TypeError, ValueError):
+        return None
+
+
+def head_from_url(model: dict, instead: str) -> tuple[int, int] | None:
+    """The GDN head of ``model`` that the page URL's query params ``layer`` and ``head`` name, as (layer, head);
+    None when the URL names neither. When they name no GDN head of ``model``, shows an error saying what is wrong
+    with the link and then ``instead`` (a sentence: what the page shows in its place), and returns None."""
+    ql, qh = st.query_params.get("layer"), st.query_params.get("head")
+    if ql is None and qh is None:
+        return None
+    layer, head = _int(ql), _int(qh)
+    if layer is not None and head is not None and is_head(model, layer, head):
+        return layer, head
+    gl, H = list(model["gdn_layers"]), int(model["num_heads"])
+    link = f"The link asks for layer={ql!r}, head={qh!r}"
+    if layer is None or head is None:
+        C.show_error(f"{link}: both must be integers.", f"GDN layers of this model: {gl}; heads 0–{H - 1}. {instead}")
+    elif layer not in gl:
+        attn = list(model.get("attn_layers", []))
+        C.show_error(f"{link}. Layer {layer} is not a Gated DeltaNet layer of this model.",
+                     f"GDN layers: {gl}" + (f" (full-attention layers {attn} have no state)" if attn else "")
+                     + f". {instead}")
+    else:
+        C.show_error(f"{link}. Head {head} is out of range: GDN layers of this model have {H} heads (0–{H - 1}).",
+                     instead)
+    return None
 
 
 def shown_document(names: list[str]) -> str:
