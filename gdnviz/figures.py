@@ -591,11 +591,13 @@ def rho_text(rho: float | None, ci: Iterable[float] | None = None) -> str:
 
 
 def erank_vs_horizon_chart(table: pd.DataFrame, rho: float | None = None, rank_max: int | None = None,
-                           ci: Iterable[float] | None = None, interactive: bool = False):
+                           ci: Iterable[float] | None = None, interactive: bool = False,
+                           selected: tuple[int, int] | None = None):
     """Effective rank vs decay horizon per head (log–log), with the y = x line, the ceiling min(d_k, d_v), each
     head's min–max effective rank over documents (vertical bars, when the table has them) and Spearman ρ with its
     bootstrap interval ``ci`` (``summary.overview``'s ``spearman_ci95``); layers coloured by ``layer_scale``.
-    ``interactive``: a click selects a point (selection param ``head``, fields layer, head)."""
+    ``interactive``: a click selects a point (selection param ``head``, fields layer, head), and the head
+    ``selected`` (layer, head), the app's open head, is ringed black."""
     cols = ["layer", "head", "erank", "horizon"] + [c for c in ("erank_min", "erank_max") if c in table]
     df = table[cols].copy()
     df = df[np.isfinite(df["horizon"]) & (df["erank"] > 0)]
@@ -628,7 +630,12 @@ def erank_vs_horizon_chart(table: pd.DataFrame, rho: float | None = None, rank_m
     if "erank_min" in df:
         layers.append(alt.Chart(df).mark_rule(opacity=0.45).encode(
             x=alt.X("horizon:Q", scale=xs), y=alt.Y("erank_min:Q", scale=ys), y2="erank_max:Q",
-            color=alt.Color("layer:O", scale=alt.Scale(scheme="viridis"), legend=None), tooltip=tooltip))
+            color=alt.Color("layer:O", title="layer", scale=layer_scale(df["layer"])), tooltip=tooltip))
+    ring = df[(df["layer"] == selected[0]) & (df["head"] == selected[1])] if interactive and selected else df[:0]
+    if len(ring):  # under the points, so that a click still lands on the point
+        layers.append(alt.Chart(ring).mark_point(shape="circle", size=260, filled=False, color="black",
+                                                 strokeWidth=2).encode(
+            x=alt.X("horizon:Q", scale=xs), y=alt.Y("erank:Q", scale=ys), tooltip=tooltip))
     layers.append(pts)
     if rank_max:
         cap = pd.DataFrame({"y": [float(rank_max)], "label": [f"min(d_k, d_v) = {rank_max}"]})
@@ -641,6 +648,7 @@ def erank_vs_horizon_chart(table: pd.DataFrame, rho: float | None = None, rank_m
         "Effective rank vs decay horizon",
         subtitle=[f"one point per head ({over}) · dashed: y = x"]
         + (["bar: the head's min–max over documents"] if "erank_min" in df else [])
+        + ([f"ringed: layer {selected[0]} head {selected[1]}, shown below"] if len(ring) else [])
         + [f"Spearman ρ = {rho_text(rho, ci)}, bootstrap over heads"])))
 
 

@@ -50,11 +50,13 @@ def draw_above():
         a, b = st.columns(2)
         with a:
             rmax = min(int(run["model"]["d_k"]), int(run["model"]["d_v"]))
+            ci = tuple(float(x) for x in ov["spearman_ci95"])
+            lh = head_panel.open_head(run["model"])  # the open head, ringed
             spec, csv = RF.erank_vs_horizon(str(C.store().dir), run["run_id"],
-                                            tuple(d["key"] for d in run["documents"]), float(rho), rmax,
-                                            tuple(float(x) for x in ov["spearman_ci95"]))
+                                            tuple(d["key"] for d in run["documents"]), float(rho), rmax, ci, lh)
             C.click_action_radio("shows it below these figures")
-            C.chart(spec, csv, "erank_vs_horizon", key="ov_evh", on_select="rerun", selection_mode="head")
+            C.chart(spec, csv, "erank_vs_horizon", key="ov_evh", on_select="rerun", selection_mode="head",
+                    export=lambda: F.erank_vs_horizon_chart(table, float(rho), rmax, ci))
             picked = C.picked_heads()
             if picked:
                 st.caption(f"Truncation set ({len(picked)} head{'s' if len(picked) != 1 else ''}): "

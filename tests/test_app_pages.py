@@ -744,6 +744,21 @@ def test_overview_scatter_opens_or_picks_the_clicked_head_and_shows_its_spread(e
     links = {l.proto.label: l.proto for l in at.get("page_link")}
     assert links["Open the full head page"].query_string == "layer=1&head=0"
     assert at.session_state["picked_heads"] == [[3, 2]]  # the open-mode click picked nothing
+    # the open head is ringed on the scatter (under its point), and the subtitle says so; Close removes the ring
+    spec = json.loads(charts(at)[0].proto.spec)
+    rings = [l for l in spec["layer"] if l.get("mark", {}).get("filled") is False]
+    assert len(rings) == 1 and "ringed: layer 1 head 0, shown below" in spec["title"]["subtitle"]
+    pts = [l for l in spec["layer"] if l.get("name") in spec["params"][0]["views"]][0]  # the clickable points
+    assert spec["layer"].index(rings[0]) < spec["layer"].index(pts)
+    data = {d.name: d.data.data for d in charts(at)[0].proto.datasets}  # Arrow IPC bytes, sent apart from the spec
+    ring_rows = pa.ipc.open_stream(data[rings[0]["data"]["name"]]).read_all().to_pandas()
+    assert list(zip(ring_rows["layer"], ring_rows["head"])) == [(1, 0)]
+    # the min–max bars take the points' colours (one colour per layer)
+    bars = [l for l in spec["layer"] if l["encoding"].get("y2", {}).get("field") == "erank_max"][0]
+    assert bars["encoding"]["color"]["scale"] == pts["encoding"]["color"]["scale"]
+    at.button(key="head_panel_close").click().run()
+    spec = json.loads(charts(at)[0].proto.spec)
+    assert not [l for l in spec["layer"] if l.get("mark", {}).get("filled") is False]
 
 
 def test_cache_budget(env, populated):

@@ -260,6 +260,43 @@ _CLEAR_POINTS = """els => els.flatMap((e, i) => {
 })"""
 
 
+def test_a_click_scrolls_the_panel_numbers_into_view_under_a_tall_chart(server, browser):
+    """In a window too short for the heatmap and the panel (the panel starts below the fold), a click on a cell
+    scrolls the page just far enough to show the panel's key numbers, the heading above them; a later click on a
+    cell that is in view leaves the numbers in view."""
+    base, _ = server
+    ctx = browser.new_context(viewport={"width": 1400, "height": 1400})
+    page = ctx.new_page()
+    page.set_default_timeout(60_000)
+    try:
+        page.goto(base + "/heatmap")
+        wait_for_app(page)
+        pick_run(page, 0)
+        page.set_viewport_size({"width": 1400, "height": 640})  # short: the panel will start below the fold
+        chart = page.get_by_test_id("stVegaLiteChart").first
+        chart.locator("path[aria-label^='value head: ']").first.wait_for()
+        panel = page.locator(".st-key-head_panel_box")
+
+        def in_view(locator) -> bool:
+            b = locator.bounding_box()
+            return b is not None and b["y"] >= 0 and b["y"] + b["height"] <= 640 + 1
+
+        for layer, head in ((1, 2), (0, 1)):
+            cell = chart.locator(f"path[aria-label^='value head: {head}; layer (model index): {layer};']")
+            cell.scroll_into_view_if_needed()
+            cell.click()
+            panel.get_by_role("heading", name=f"Layer {layer} · head {head}").wait_for()
+            wait_for_app(page)
+            settled(panel.get_by_test_id("stMetric"), 6)
+            numbers = panel.get_by_test_id("stMetric").last
+            page.wait_for_function("el => { const b = el.getBoundingClientRect(); return b.top >= 0 && "
+                                   "b.bottom <= window.innerHeight + 1; }", arg=numbers.element_handle(),
+                                   timeout=10_000)
+            assert in_view(numbers)
+    finally:
+        ctx.close()
+
+
 def test_overview_scatter_click_picks_or_opens_that_head(server, page):
     """Overview figures, erank vs horizon: in pick mode a click on a point adds its head to the truncation set (the
     page stays); in open mode a click on another point shows that head in the panel under the figures (the page

@@ -205,6 +205,18 @@ def test_log_axes_use_one_notation_and_ticks_that_do_not_collide():
         assert all(b / a >= 2 for a, b in zip(vals, vals[1:]))  # at most 1-2-5 steps: no label on 3, 4, 6 …
 
 
+def test_the_scatter_rings_the_open_head_only_when_interactive():
+    t = _table()
+    l, h = int(t["layer"].iloc[0]), int(t["head"].iloc[0])
+
+    def rings(spec):
+        return [x for x in spec["layer"] if isinstance(x.get("mark"), dict) and x["mark"].get("filled") is False]
+
+    assert len(rings(F.erank_vs_horizon_chart(t, 0.9, 128, interactive=True, selected=(l, h)).to_dict())) == 1
+    assert not rings(F.erank_vs_horizon_chart(t, 0.9, 128, selected=(l, h)).to_dict())  # an export: no UI hints
+    assert not rings(F.erank_vs_horizon_chart(t, 0.9, 128, interactive=True, selected=(99, 0)).to_dict())
+
+
 def test_human_bytes():
     assert PS.human_bytes(0) == "0 B" and PS.human_bytes(512) == "512 B"
     assert PS.human_bytes(12 * 1024) == "12.0 KiB" and PS.human_bytes(1.5 * 2 ** 30) == "1.50 GiB"

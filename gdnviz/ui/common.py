@@ -19,7 +19,8 @@ run_id              the run shown on every page: this session's last capture or 
                     no run; a page never falls back to another session's run)
 layer, head         the open head
 head_panel          True while the pages with a chart of heads show the open head in a panel under it
-                    (``gdnviz.ui.head_panel``; head_panel_url: the layer and head it last wrote to the URL)
+                    (``gdnviz.ui.head_panel``; head_panel_url: the layer and head it last wrote to the URL;
+                    head_panel_reveal: a click opened it in this run, so the page scrolls its numbers into view)
 picked_heads        [[layer, head], ...] the truncation set built by clicks
 truncate_job        id of the truncation job of this session
 sweep_job           id of the sweep job of this session (the Sweeps page's widgets are ``sw_*``)
@@ -705,6 +706,7 @@ def click_opens_or_picks(state_key: str, param: str, picks: bool) -> None:
         return
     st.session_state["layer"], st.session_state["head"] = layer, head
     st.session_state["head_panel"] = True
+    st.session_state["head_panel_reveal"] = True
 
 
 def click_action_radio(opens: str) -> None:

@@ -22,6 +22,22 @@ from gdnviz.ui import run_figures as RF
 
 OPEN = "head_panel"
 WRITTEN = "head_panel_url"  # the (layer, head) strings this session last wrote to the URL (None: it removed them)
+REVEAL = "head_panel_reveal"  # set by a click that opened the panel: scroll its numbers into view once
+
+# Scrolls the panel's key numbers (else the panel) into view by the least distance, once they are drawn: under a tall
+# heatmap the panel starts below the fold, and this keeps as much of the chart in view as it can. ``NONCE`` makes
+# each click's script a new element (head_panel_reveals counts them), so that the frontend runs it again.
+_REVEAL_JS = """<script data-nonce="NONCE">(function () {
+  let tries = 0;
+  function go() {
+    const box = document.querySelector('.st-key-head_panel_box');
+    const metrics = box ? box.querySelectorAll('[data-testid="stMetric"]') : [];
+    if ((!box || (HAS_NUMBERS && !metrics.length)) && tries++ < 40) { setTimeout(go, 50); return; }
+    const target = metrics.length ? metrics[metrics.length - 1] : box;
+    if (target) target.scrollIntoView({block: 'nearest'});
+  }
+  go();
+})();</script>"""
 
 
 def _from_url(model: dict) -> None:
@@ -73,6 +89,15 @@ def _close() -> None:
     st.session_state.pop(OPEN, None)
 
 
+def _reveal(has_numbers: bool) -> None:
+    """Once per click that opened the panel: scroll its key numbers (``has_numbers``; else the panel) into view."""
+    n = st.session_state.pop(REVEAL, None)
+    if n:
+        st.session_state["head_panel_reveals"] = k = st.session_state.get("head_panel_reveals", 0) + 1
+        st.html(_REVEAL_JS.replace("NONCE", str(k)).replace("HAS_NUMBERS", "true" if has_numbers else "false"),
+                unsafe_allow_javascript=True)
+
+
 def panel(model: dict, run: dict | None, table: pd.DataFrame | None, between) -> None:
     """The open head of a chart of the heads of ``model`` in a bordered box, or nothing while the panel is closed.
     ``run`` (``table``: its head table) is a run of ``model`` whose numbers the panel shows, or None: the panel
@@ -102,6 +127,7 @@ def panel(model: dict, run: dict | None, table: pd.DataFrame | None, between) ->
             st.caption("A head's effective rank, horizon, key cone and spectrum come from a capture: run one on "
                        "**Model & documents**, or open one of this model under *Previous runs* in the sidebar.")
             between()
+            _reveal(False)
             return
         names = [d["name"] for d in run["documents"]]
         doc = HSum.shown_document(names)
@@ -117,3 +143,4 @@ def panel(model: dict, run: dict | None, table: pd.DataFrame | None, between) ->
         b.caption("**The full head page** adds this head's effective rank along each document, the energy kept by a "
                   "rank-r truncation, its decay α and key cone, the spread of every statistic over the documents, what "
                   "its state holds and its exact attention map, each figure with PNG / SVG / CSV downloads.")
+        _reveal(True)

@@ -84,12 +84,12 @@ def head_figure(cache_dir: str, run_id: str, keys: tuple, names: tuple, li: int,
 
 @st.cache_data(show_spinner=False, max_entries=64)
 def erank_vs_horizon(cache_dir: str, run_id: str, keys: tuple, rho: float, rank_max: int,
-                     ci: tuple = ()) -> tuple[dict, bytes]:
+                     ci: tuple = (), selected: tuple | None = None) -> tuple[dict, bytes]:
     """(spec, CSV) of the Overview's effective rank vs horizon scatter (ρ's interval ``ci``), its points clickable
-    (param ``head``)."""
+    (param ``head``), the open head ``selected`` (layer, head) ringed."""
     table = _table(cache_dir, run_id, keys)
     with specs.fast_build():
-        ch = F.erank_vs_horizon_chart(table, rho, rank_max, ci or None, interactive=True)
+        ch = F.erank_vs_horizon_chart(table, rho, rank_max, ci or None, interactive=True, selected=selected)
     return specs.spec(ch), F.to_csv(table[["layer", "head", "erank", "erank_min", "erank_max", "horizon"]])
 
 
