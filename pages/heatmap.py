@@ -43,7 +43,7 @@ st.caption(f"{F.HEATMAP_METRICS[metric][0]} of each head's state at the document
 above = st.container()
 
 
-def draw_above():
+def draw_above(_lh):  # the heatmap frames the session's head (st.session_state) even while the panel is closed
     sel = None
     if st.session_state.get("layer") in run["model"]["gdn_layers"] and st.session_state.get("head") is not None:
         sel = (int(st.session_state["layer"]), int(st.session_state["head"]))

@@ -45,13 +45,12 @@ m[4].metric("Max erank", f"{ov['erank_max']:.1f}")
 above = st.container()
 
 
-def draw_above():
+def draw_above(lh):  # lh: the panel's open head, ringed on the scatter
     with above:
         a, b = st.columns(2)
         with a:
             rmax = min(int(run["model"]["d_k"]), int(run["model"]["d_v"]))
             ci = tuple(float(x) for x in ov["spearman_ci95"])
-            lh = head_panel.open_head(run["model"])  # the open head, ringed
             spec, csv = RF.erank_vs_horizon(str(C.store().dir), run["run_id"],
                                             tuple(d["key"] for d in run["documents"]), float(rho), rmax, ci, lh)
             C.click_action_radio("shows it below these figures")

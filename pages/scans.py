@@ -130,11 +130,9 @@ if rec is not None and rec["status"] == "done":
     hdf = F.scan_heatmap_frame(tab, gl, H)
     heat = st.container()
 
-    def draw_heat():  # the scan heatmap, framing the open head, above the head panel (head_panel.panel)
-        sel = ((int(st.session_state["layer"]), int(st.session_state["head"]))
-               if st.session_state.get(head_panel.OPEN) else None)
+    def draw_heat(lh):  # the scan heatmap, framing the panel's open head lh, above the head panel (head_panel.panel)
         with heat:
-            C.chart(F.scan_heatmap(hdf, keep=keep, title=title, selected=sel), hdf, "scan_heatmap", key="sc_heat",
+            C.chart(F.scan_heatmap(hdf, keep=keep, title=title, selected=lh), hdf, "scan_heatmap", key="sc_heat",
                     on_select="rerun", selection_mode="cell", fixed_size=True,
                     export=F.scan_heatmap(hdf, keep=keep, title=title, interactive=False))
 

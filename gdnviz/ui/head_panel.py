@@ -91,8 +91,7 @@ def _close() -> None:
 
 def _reveal(has_numbers: bool) -> None:
     """Once per click that opened the panel: scroll its key numbers (``has_numbers``; else the panel) into view."""
-    n = st.session_state.pop(REVEAL, None)
-    if n:
+    if st.session_state.pop(REVEAL, None):
         st.session_state["head_panel_reveals"] = k = st.session_state.get("head_panel_reveals", 0) + 1
         st.html(_REVEAL_JS.replace("NONCE", str(k)).replace("HAS_NUMBERS", "true" if has_numbers else "false"),
                 unsafe_allow_javascript=True)
@@ -101,12 +100,13 @@ def _reveal(has_numbers: bool) -> None:
 def panel(model: dict, run: dict | None, table: pd.DataFrame | None, between) -> None:
     """The open head of a chart of the heads of ``model`` in a bordered box, or nothing while the panel is closed.
     ``run`` (``table``: its head table) is a run of ``model`` whose numbers the panel shows, or None: the panel
-    then says that no capture of this model is open in this session. ``between`` (a function) is called after the
-    panel's heading and numbers and before its chart (at once while the panel is closed): the page draws its chart
-    of heads there, into a container above the panel, so that the heading is sent before the chart's update."""
+    then says that no capture of this model is open in this session. ``between(lh)`` is called after the
+    panel's heading and numbers and before its chart (at once while the panel is closed), with the head the panel
+    shows (``open_head``: (layer, head), or None while it is closed): the page draws its chart of heads there, into
+    a container above the panel, so that the heading is sent before the chart's update."""
     lh = open_head(model)
     if lh is None:
-        between()
+        between(None)
         return
     layer, head = lh
     with st.container(border=True, key="head_panel_box"):
@@ -126,7 +126,7 @@ def panel(model: dict, run: dict | None, table: pd.DataFrame | None, between) ->
         if run is None:
             st.caption("A head's effective rank, horizon, key cone and spectrum come from a capture: run one on "
                        "**Model & documents**, or open one of this model under *Previous runs* in the sidebar.")
-            between()
+            between(lh)
             _reveal(False)
             return
         names = [d["name"] for d in run["documents"]]
@@ -134,7 +134,7 @@ def panel(model: dict, run: dict | None, table: pd.DataFrame | None, between) ->
         gl = list(model["gdn_layers"])
         HSum.key_numbers(run, HSum.head_row(table, layer, head), "on the full head page",
                          f"The spectrum shows one document, “{doc}”.")
-        between()
+        between(lh)
         a, b = st.columns(2)
         with a:
             spec, csv = RF.head_figure(str(C.store().dir), run["run_id"], tuple(d["key"] for d in run["documents"]),

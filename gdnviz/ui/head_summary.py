@@ -10,17 +10,17 @@ import streamlit as st
 from gdnviz.ui import common as C
 
 
-def is_head(model: dict, layer, head) -> bool:
-    """Whether (``layer``, ``head``) names a GDN head of ``model`` (its "gdn_layers" and "num_heads")."""
-    return (layer in model["gdn_layers"] and head is not None and str(head).lstrip("-").isdigit()
-            and 0 <= int(head) < int(model["num_heads"]))
-
-
 def _int(v) -> int | None:
     try:
         return int(str(v))
     except (TypeError, ValueError):
         return None
+
+
+def is_head(model: dict, layer, head) -> bool:
+    """Whether (``layer``, ``head``) names a GDN head of ``model`` (its "gdn_layers" and "num_heads")."""
+    h = _int(head)
+    return layer in model["gdn_layers"] and h is not None and 0 <= h < int(model["num_heads"])
 
 
 def head_from_url(model: dict, instead: str) -> tuple[int, int] | None:
