@@ -31,10 +31,9 @@ def batched_svdvals(states: torch.Tensor, extra: torch.Tensor | None = None):
     the eigenvalues of their float64 Gram matrices (``symeig``; error ≈ sqrt(ε_f64)·σ_max absolute, far below the
     numerical-rank threshold σ_max·128·ε_f32). The reference is float64 ``torch.linalg.svdvals``.
 
-    A state with a NaN or inf entry gets NaN singular values, without a host sync. Where the CUDA kernels run on
-    float16/32 states it is found from its Gram matrix's diagonal (a NaN/inf entry makes its row's sum of squares
-    NaN/inf; finite float32 entries cannot overflow it in float64) and its kernel output replaced; elsewhere its
-    Gram matrix is formed from zeros (LAPACK raises on NaN).
+    A state whose Gram matrix has a NaN or inf entry (a NaN/inf state entry; for float64 states also an overflow)
+    gets NaN singular values, without a host sync: ``symeig.finite_gram`` flags it and hands the solver zeros
+    (LAPACK raises on NaN).
 
     ``extra``: float64 symmetric matrices ``[M, n, n]`` whose eigenvalues are wanted too; they join the Gram matrices
     in the same solve (one launch of each kernel). Returns ``(sv, eigvals [M, n])`` then, eigenvalues ascending with
@@ -46,12 +45,8 @@ def batched_svdvals(states: torch.Tensor, extra: torch.Tensor | None = None):
         if extra.shape[-2:] != (n, n):
             raise ValueError(f"extra matrices must be [M, {n}, {n}]; got {tuple(extra.shape)}")
         A, bad = symeig.finite_symmetric(extra.to(device=flat.device, dtype=torch.float64))
-    G = symeig.gram(flat)
-    if flat.dtype != torch.float64 and symeig.uses_kernels(G):
-        ok = torch.isfinite(G.diagonal(dim1=-2, dim2=-1)).all(-1)  # [N]
-    else:
-        ok = torch.isfinite(flat).all(-1).all(-1)  # [N]
-        G = torch.where(ok[:, None, None], G, torch.zeros((), dtype=G.dtype, device=G.device))
+    G, bad_g = symeig.finite_gram(flat)
+    ok = ~bad_g
     if extra is not None:
         G = torch.cat([G, A])
     lam = symeig.eigvalsh(G)

@@ -119,15 +119,17 @@ def test_second_process_loads_from_disk(monkeypatch, tmp_path):
 
 def test_prebuild_lists_the_builds_runs_select_and_skips_cached_ones(monkeypatch, tmp_path):
     from gdnviz.truncation import cuda as ct
+    from gdnviz.gpu import cuda_gram
     from gdnviz.gpu.prebuild import default_sources, missing, prebuild
 
     monkeypatch.setenv("GDNVIZ_KERNEL_CACHE", str(tmp_path))
     monkeypatch.setattr(nvrtc, "_BINARIES", {})
     src = default_sources()
     names = [n for _, n in src]
-    assert names == ["gdnviz_truncate", "gdnviz_truncate", "gdnviz_tridiag", "gdnviz_bisect"]
+    assert names == ["gdnviz_truncate", "gdnviz_truncate", "gdnviz_gram", "gdnviz_tridiag", "gdnviz_bisect"]
     assert src[0][0] == ct.source(128, 128, "float", 16)  # what cuda.kernel builds
-    assert len(default_sources(profile=True, dtypes=("float", "double"))) == 10
+    assert src[2][0] == cuda_gram.source(128, 128, "float")  # what cuda_gram.kernel builds
+    assert len(default_sources(profile=True, dtypes=("float", "double"))) == 12
     assert [n for _, n in default_sources(64, 32)] == ["gdnviz_tridiag", "gdnviz_bisect"]  # V = 32: no truncation
     assert missing(src, "90") == src
     nvrtc.write_cached(str(tmp_path / (nvrtc.cache_key(src[0][0], "90") + ".cubin")), b"bin")

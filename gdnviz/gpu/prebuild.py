@@ -17,9 +17,9 @@ def default_sources(K: int = 128, V: int = 128, profile: bool = False, dtypes: t
                     spectra: bool = True) -> list[tuple[str, str]]:
     """``[(source, entry)]`` of the builds runs on ``[K, V]`` states select with this process's switches: the
     truncation kernel's two block widths (its Gram and projection entries share each source) for ``dtypes``
-    ("float", "double"), optionally their ``GDNVIZ_PROFILE`` builds; the spectra's tridiagonalisation and bisection
-    for ``K`` (``spectra``). Shapes the kernels do not support are left out."""
-    from gdnviz.gpu import cuda_bisect, cuda_tridiag
+    ("float", "double"), optionally their ``GDNVIZ_PROFILE`` builds; the spectra's Gram matrices (for ``dtypes``),
+    tridiagonalisation and bisection for ``K`` (``spectra``). Shapes the kernels do not support are left out."""
+    from gdnviz.gpu import cuda_bisect, cuda_gram, cuda_tridiag
 
     out = []
     if K in tc.DIMS and V in tc.DIMS:
@@ -30,6 +30,8 @@ def default_sources(K: int = 128, V: int = 128, profile: bool = False, dtypes: t
                 if profile:
                     out.append(("#define GDNVIZ_PROFILE\n" + src, "gdnviz_truncate"))
     if spectra:
+        if K in cuda_gram.DIMS and V in cuda_gram.DIMS:
+            out += [(cuda_gram.source(K, V, ctype), "gdnviz_gram") for ctype in dtypes]
         if K in cuda_tridiag.SIZES:
             out.append((cuda_tridiag.source(K), "gdnviz_tridiag"))
         if K in cuda_bisect.SIZES:

@@ -49,15 +49,14 @@ def exact_errors(X: torch.Tensor, kept2: torch.Tensor, ranks: torch.Tensor,
     ``skip`` (bool ``[N]`` on X's device, or None): states not checked — e = 0, and the spectra kernels do no work
     for them. No host sync where ``symeig.eigvalsh`` runs its CUDA kernels (float64 CUDA, min(K, V) in
     {64, 128})."""
-    G = symeig.gram(X)
+    G, bad = symeig.finite_gram(X, skip=skip)  # skipped rows unwritten on the kernel path: never read below
     n = G.shape[-1]
-    G, bad = symeig.finite_symmetric(G)
     if skip is not None:
         bad = bad | skip
     lam = symeig.eigvalsh(G, skip=skip)  # ascending; zeros in the skipped rows (the kernels)
     keep = torch.arange(n, device=X.device)[None, :] >= (n - ranks.to(torch.long)[:, None])
-    top = (lam * keep).sum(-1)
-    total = G.diagonal(dim1=-2, dim2=-1).sum(-1)
+    top = torch.where(bad, torch.zeros((), dtype=F64, device=X.device), (lam * keep).sum(-1))
+    total = torch.where(bad, torch.zeros((), dtype=F64, device=X.device), G.diagonal(dim1=-2, dim2=-1).sum(-1))
     e = torch.where(total > 0, (top - kept2) / torch.where(total > 0, total, torch.ones_like(total)),
                     torch.zeros_like(total))
     return torch.where(bad | ~torch.isfinite(e), torch.zeros_like(e), e)

@@ -1,4 +1,4 @@
-"""The spectra's CUDA kernels (``gdnviz.gpu.cuda_tridiag``, ``gdnviz.gpu.cuda_bisect``) run on the CPU through
+"""The spectra's CUDA kernels (``gdnviz.gpu.cuda_gram``, ``gdnviz.gpu.cuda_tridiag``, ``gdnviz.gpu.cuda_bisect``) run on the CPU through
 ``tests.support.cuda_emul`` (g++, CUDA's threads emulated): the same sources and launches as on the GPU, NumPy in and
 out. Needs g++ (``cuda_emul.available()``).
 """
@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import numpy as np
 
-from gdnviz.gpu import cuda_bisect, cuda_tridiag
+from gdnviz.gpu import cuda_bisect, cuda_gram, cuda_tridiag
 from tests.support.cuda_emul import Emulated
 
 
@@ -19,6 +19,21 @@ def _skip_args(skip, N: int) -> list:
     if skip.shape != (N,):
         raise ValueError(f"skip must have shape ({N},); got {skip.shape}")
     return [skip, 1]
+
+
+def gram(X: np.ndarray, skip=None) -> tuple[np.ndarray, np.ndarray]:
+    """``(G [N, n, n], bad [N] int32)`` of float32 / float64 states ``X [N, K, V]``, as ``cuda_gram.gram``
+    (``skip``: N ints, nonzero = skipped). ``G`` starts as NaN and ``bad`` as -1: the kernel writes every entry but
+    the skipped matrices' rows of ``G``."""
+    N, K, V = X.shape
+    ctype = {np.dtype(np.float32): "float", np.dtype(np.float64): "double"}[X.dtype]
+    emu = Emulated(cuda_gram.source(K, V, ctype), "gdnviz_gram",
+                   [f"const {ctype}*", "double*", "int*", "const int*", "int"])
+    n = min(K, V)
+    G, bad = np.full((N, n, n), np.nan), np.full(N, -1, dtype=np.int32)
+    emu.launch(N, cuda_gram.THREADS, [np.ascontiguousarray(X), G, bad, *_skip_args(skip, N)],
+               shared_mem=cuda_gram.smem_bytes(K, V, ctype))
+    return G, bad
 
 
 def tridiag(G: np.ndarray, skip=None) -> tuple[np.ndarray, np.ndarray]:
