@@ -43,10 +43,8 @@ st.caption(f"{F.HEATMAP_METRICS[metric][0]} of each head's state at the document
 above = st.container()
 
 
-def draw_above(_lh):  # the heatmap frames the session's head (st.session_state) even while the panel is closed
-    sel = None
-    if st.session_state.get("layer") in run["model"]["gdn_layers"] and st.session_state.get("head") is not None:
-        sel = (int(st.session_state["layer"]), int(st.session_state["head"]))
+def draw_above(lh):  # the heatmap frames the head the panel shows (none while it is closed), as the other pages do
+    sel = lh
     keys = tuple(d["key"] for d in run["documents"])
     spec, csv = RF.heatmap(str(C.store().dir), run["run_id"], keys, metric, sel, tuple(C.picked_heads()),
                            st.session_state.get("click_action") == "pick")
