@@ -213,8 +213,9 @@ with tab_u:
         st.session_state["upload_errors"] = errs
         st.session_state["upload_gen"] = st.session_state.get("upload_gen", 0) + 1
         st.rerun()
-    for e in st.session_state.get("upload_errors", []):
-        C.show_error(e)
+# below the tabs, not in the Upload tab: the rerun that makes a new uploader may show the first tab again
+for e in st.session_state.get("upload_errors", []):
+    C.show_error(e)
 for note in st.session_state.get("doc_notes", []):
     st.info(note, icon=":material/info:")
 
