@@ -76,3 +76,19 @@ def test_card_tables_are_its_saved_evaluation(card):
     head, tail = ev.card_split(cards / f"{card}.md")
     assert text == head + "\n\n" + ev.markdown(res) + "\n" + tail
     assert res["seed000"]["overview"]["n_heads"] == 32 and res["n"] == 20
+
+
+def test_gdn_only_truncation_on_the_demo_model(tmp_path, one_thread):
+    """scripts/demo/gdn_only_truncation.py on the shipped demo model: with the attention layers' outputs zeroed the GDN
+    heads still answer niah_single_1 at 1K, and every GDN head cut to r = 1 at every boundary loses those answers;
+    the JSON holds every answer."""
+    spec = importlib.util.spec_from_file_location("demo_gdn_only", ROOT / "scripts" / "demo" / "gdn_only_truncation.py")
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+    out = tmp_path / "gdn_only.json"
+    mod.main(["--model", "demo", "--tasks", "niah_single_1", "--len", "1024", "--n", "3", "--ranks", "1",
+              "--out-json", str(out)])
+    res = json.loads(out.read_text())
+    assert res["scores"]["untouched"]["niah_single_1"] == 100.0
+    assert res["scores"]["1"]["niah_single_1"] <= 34.0, res["rows"]
+    assert len(res["rows"]) == 6 and {r["r"] for r in res["rows"]} == {"untouched", "1"}
