@@ -45,12 +45,11 @@ def batched_svdvals(states: torch.Tensor, extra: torch.Tensor | None = None):
         if extra.shape[-2:] != (n, n):
             raise ValueError(f"extra matrices must be [M, {n}, {n}]; got {tuple(extra.shape)}")
         A, bad = symeig.finite_symmetric(extra.to(device=flat.device, dtype=torch.float64))
-    G, bad_g = symeig.finite_gram(flat)
-    ok = ~bad_g
+    G, bad_states = symeig.finite_gram(flat)
     if extra is not None:
         G = torch.cat([G, A])
     lam = symeig.eigvalsh(G)
-    sv = _nan_rows(lam[:N].clamp_min(0).sqrt().flip(-1), ~ok)
+    sv = _nan_rows(lam[:N].clamp_min(0).sqrt().flip(-1), bad_states)
     sv = sv.reshape(*shape[:-2], sv.shape[-1])
     return sv if extra is None else (sv, _nan_rows(lam[N:], bad))
 

@@ -101,15 +101,13 @@ gdnviz_gram(const T* __restrict__ X, double* __restrict__ G, int* __restrict__ B
 def source(K: int, V: int, ctype: str) -> str:
     """The kernel's CUDA source (entry ``gdnviz_gram``, :data:`THREADS` threads per block) for ``[K, V]`` states of
     C type ``ctype`` ("float" or "double")."""
-    n, m = min(K, V), max(K, V)
-    return SOURCE % {"N": n, "M": m if K <= V else K, "TRANS": int(K > V), "T": ctype}
+    return SOURCE % {"N": min(K, V), "M": max(K, V), "TRANS": int(K > V), "T": ctype}
 
 
 def smem_bytes(K: int, V: int, ctype: str) -> int:
     """Dynamic shared memory of a block: the state, rows padded by 16 bytes."""
     size = 4 if ctype == "float" else 8
-    n = min(K, V)
-    return (K * V // n) * (n + 16 // size) * size
+    return max(K, V) * (min(K, V) + 16 // size) * size
 
 
 def supports(X: torch.Tensor) -> bool:

@@ -55,8 +55,8 @@ def exact_errors(X: torch.Tensor, kept2: torch.Tensor, ranks: torch.Tensor,
         bad = bad | skip
     lam = symeig.eigvalsh(G, skip=skip)  # ascending; zeros in the skipped rows (the kernels)
     keep = torch.arange(n, device=X.device)[None, :] >= (n - ranks.to(torch.long)[:, None])
-    top = torch.where(bad, torch.zeros((), dtype=F64, device=X.device), (lam * keep).sum(-1))
-    total = torch.where(bad, torch.zeros((), dtype=F64, device=X.device), G.diagonal(dim1=-2, dim2=-1).sum(-1))
+    top = (lam * keep).sum(-1)
+    total = G.diagonal(dim1=-2, dim2=-1).sum(-1)  # garbage in the skipped rows: their e is replaced below
     e = torch.where(total > 0, (top - kept2) / torch.where(total > 0, total, torch.ones_like(total)),
                     torch.zeros_like(total))
     return torch.where(bad | ~torch.isfinite(e), torch.zeros_like(e), e)
