@@ -3,7 +3,7 @@ also retrieve: with every full-attention layer's output zeroed (the GDN heads an
 answered untouched, and does cutting every GDN head to rank r at every boundary break it?
 
     python scripts/demo/gdn_only_truncation.py --model out/demo/v3b --tasks niah_single_1,vt --len 4096 --n 20 \
-        --ranks 1,4 --out-json scripts/demo/cards/v3b.gdn_only.json
+        --ranks 1,4 --out-json out/demo/eval/v3b.gdn_only.json
 
 Same prompts (held-out seeds 1,000,000+), scorer and greedy decoding as evaluate.py; prints a markdown table and
 writes the scores (and every answer) as JSON.
