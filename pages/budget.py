@@ -40,18 +40,21 @@ c[3].select_slider("Longest context T", options=[1 << k for k in range(10, 24)],
 
 fp = info.get("fingerprint", "x")
 st.markdown(f"Configuration from {src} (**{info.get('name') or info.get('path')}**). Edit to explore:")
-e = st.columns(8)
-cfg = dict(
-    n_gdn=e[0].number_input("|GDN layers|", min_value=0, value=len(info["gdn_layers"]), key=f"bud_ngdn_{fp}"),
-    h_v=e[1].number_input("H_v", min_value=0, value=int(info["num_heads"]), key=f"bud_hv_{fp}",
-                          help="value heads per GDN layer (one state each)"),
-    h_k=e[2].number_input("H_k", min_value=0, value=int(info["num_key_heads"]), key=f"bud_hk_{fp}"),
-    d_k=e[3].number_input("d_k", min_value=0, value=int(info["d_k"]), key=f"bud_dk_{fp}"),
-    d_v=e[4].number_input("d_v", min_value=0, value=int(info["d_v"]), key=f"bud_dv_{fp}"),
-    n_attn=e[5].number_input("|attn layers|", min_value=0, value=len(info["attn_layers"]), key=f"bud_nattn_{fp}"),
-    h_kv=e[6].number_input("H_kv", min_value=0, value=int(info["attn_kv_heads"]), key=f"bud_hkv_{fp}"),
-    d_h=e[7].number_input("d_h", min_value=0, value=int(info["attn_head_dim"]), key=f"bud_dh_{fp}"),
+FIELDS = (  # (cache_budget_frame's argument, label, key, the model's value, help)
+    ("n_gdn", "|GDN layers|", "ngdn", len(info["gdn_layers"]), None),
+    ("h_v", "H_v", "hv", int(info["num_heads"]), "value heads per GDN layer (one state each)"),
+    ("h_k", "H_k", "hk", int(info["num_key_heads"]), None),
+    ("d_k", "d_k", "dk", int(info["d_k"]), None),
+    ("d_v", "d_v", "dv", int(info["d_v"]), None),
+    ("n_attn", "|attn layers|", "nattn", len(info["attn_layers"]), None),
+    ("h_kv", "H_kv", "hkv", int(info["attn_kv_heads"]), None),
+    ("d_h", "d_h", "dh", int(info["attn_head_dim"]), None),
 )
+cfg = {}
+for col, (arg, label, k, v, help_) in zip(st.columns(len(FIELDS)), FIELDS):
+    key = f"bud_{k}_{fp}"  # per model (common.PERSISTED_MODEL_KEY): another model starts from its own values
+    st.session_state.setdefault(key, v)
+    cfg[arg] = col.number_input(label, min_value=0, key=key, help=help_)
 cfg["conv_kernel"] = int(info.get("conv_kernel", 4))
 B = int(st.session_state["bud_batch"])
 bs, bk = BYTES[st.session_state["bud_state_dtype"]], BYTES[st.session_state["bud_kv_dtype"]]

@@ -192,7 +192,7 @@ def draw(gdn, soft, gkey: str, skey: str | None) -> None:
                f"Σ_s w_t,s v_s reproduces the head's float64 output to {meta['output_check']:.1e} (relative)")
     sub_g = ["w_t,s = β_s q_tᵀ A_t⋯A_s+1 k_s: signed, unnormalised",
              "red > 0, blue < 0 (symmetric log colour); blank: s > t"]
-    # a new result starts at its last query; so does a return to one (a widget not drawn in a run loses its state)
+    # a new result starts at its last query (am_row is kept across page switches: common.PERSISTED)
     if st.session_state.get("am_row_for") != gkey or "am_row" not in st.session_state:
         st.session_state.update(am_row_for=gkey, am_row=end - 1)
     picked = None  # a query picked by a new click on either map (each map's selection persists across reruns)
@@ -203,7 +203,7 @@ def draw(gdn, soft, gkey: str, skey: str | None) -> None:
     t = int(st.session_state["am_row"])
     keys = None
     if end > AC.MAX_COLS:  # a zoom on the key axis: the blocks drawn cover the chosen range only
-        # a new result, or a return to one (an undrawn widget loses its state): all keys
+        # a new result: all keys
         if st.session_state.get("am_keys_for") != gkey or "am_keys" not in st.session_state:
             st.session_state.update(am_keys_for=gkey, am_keys=(0, end))
         k0, k1 = st.slider("Key positions shown (zoom)", 0, end, key="am_keys", step=max(1, end // 512),

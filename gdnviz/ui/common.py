@@ -72,7 +72,9 @@ APP_PATH = Path(__file__).resolve().parent.parent.parent / "app.py"
 PERSISTED = ("model_source", "model_path", "model_hf", "device", "dtype", "trust_remote_code", "sample_docs", "segment_len",
              "max_tokens", "heat_metric", "click_action", "tr_prompt_mode", "tr_task", "tr_target_len", "tr_seed",
              "tr_max_new", "tr_prompt", "tr_loss_docs", "tr_chat", "bud_batch", "bud_state_dtype", "bud_kv_dtype",
-             "bud_max_ctx", "head_doc", "head_tab", "sw_tasks", "sw_lengths", "sw_ranks", "sw_n", "sw_batch", "sw_seed0",
+             "bud_max_ctx", "head_doc", "head_tab", "holds_doc", "holds_pos", "holds_top", "am_doc", "am_start",
+             "am_end", "am_attn_layer", "am_attn_head", "am_row", "am_keys", "cmp_a", "cmp_b", "cmp_metric",
+             "cmp_sw_a", "cmp_sw_b", "sw_tasks", "sw_lengths", "sw_ranks", "sw_n", "sw_batch", "sw_seed0",
              "sw_max_new", "sw_chat", "sw_heads", "sw_layers", "sw_rank_maps", "ls_ranks", "ls_dist", "ls_heads",
              "ls_layers", "ls_rank_maps", "sc_task", "sc_length", "sc_n", "sc_r", "sc_by", "sc_keep", "sc_layers", "sc_limit",
              "sc_batch", "sc_seed0", "sc_max_new", "bg_max_new", "bg_tasks", "bg_lengths", "bg_n", "bg_tol", "bg_curve",
@@ -136,14 +138,19 @@ def ensure_entrypoint() -> None:
 
 #: Widget keys made per group on Truncate & compare (``tr_g<id>_<field>``), kept like ``PERSISTED`` (not its buttons).
 PERSISTED_GROUP_KEY = re.compile(r"tr_g\d+_(mode|r|heads|list|layers|filter|lo|hi)")
+#: Widget keys made per model on Cache budget (``bud_<field>_<fingerprint>``), kept like ``PERSISTED``.
+PERSISTED_MODEL_KEY = re.compile(r"bud_(ngdn|hv|hk|dk|dv|nattn|hkv|dh)_.+")
+#: Every pattern of persisted widget keys made at run time (``persist_widgets`` keeps each key one matches whole).
+PERSISTED_PATTERNS = (PERSISTED_GROUP_KEY, PERSISTED_MODEL_KEY)
 
 
 def persist_widgets() -> None:
-    """Re-assign persisted widget keys so their values survive page switches (call before ``pg.run()``)."""
+    """Re-assign persisted widget keys (``PERSISTED`` and the keys ``PERSISTED_PATTERNS`` match) so their values
+    survive page switches (call before ``pg.run()``)."""
     for k in PERSISTED:
         if k in st.session_state:
             st.session_state[k] = st.session_state[k]
-    for k in [k for k in st.session_state if isinstance(k, str) and PERSISTED_GROUP_KEY.fullmatch(k)]:
+    for k in [k for k in st.session_state if isinstance(k, str) and any(p.fullmatch(k) for p in PERSISTED_PATTERNS)]:
         st.session_state[k] = st.session_state[k]
 
 

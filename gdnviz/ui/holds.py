@@ -50,12 +50,14 @@ def section(run: dict, layer: int, head: int, default_doc: str) -> None:
                "to σ_i. Definitions: docs/attribution.md.")
     if st.session_state.get("holds_doc") not in names:
         st.session_state["holds_doc"] = default_doc
+    st.session_state.setdefault("holds_pos", 0)
+    st.session_state.setdefault("holds_top", 4)
     c = st.columns([2, 1, 1])
     doc = c[0].selectbox("Document", names, key="holds_doc")
     T = int(run["documents"][names.index(doc)]["n_tokens"])
-    pos = c[1].number_input("Boundary p (tokens consumed)", min_value=0, value=0, step=L, key="holds_pos",
+    pos = c[1].number_input("Boundary p (tokens consumed)", min_value=0, step=L, key="holds_pos",
                             help=f"the state after p tokens; 0: the document end ({T:,} tokens)")
-    top = c[2].number_input("Top singular directions", min_value=1, max_value=8, value=4, key="holds_top")
+    top = c[2].number_input("Top singular directions", min_value=1, max_value=8, key="holds_top")
     spec, key = request(run, doc, layer, head, int(pos), int(top))
     p = spec["position"]
     what = f"layer {layer} head {head}, “{doc}”, the state after {p:,} of {T:,} tokens"
