@@ -525,6 +525,7 @@ def cmd_budget(args) -> int:
               f"search at most {plan['search_max']:,}, held-out {plan['heldout_answers']:,} "
               f"({plan['heldout_cached']:,} in the memo): at most {plan['max_to_run']:,} to run; "
               f"{rates.eta_text(plan, plan['max_to_run'])}", file=sys.stderr)
+        print(budget.acceptance_text(spec.tasks, spec.n, tol, spec.alpha), file=sys.stderr)
         bar = tqdm(total=1, desc=f"budget δ = {tol:g}", unit="answer", file=sys.stderr)
 
         def progress(done, total, text, _bar=bar):

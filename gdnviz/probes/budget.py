@@ -23,8 +23,9 @@ over the same n samples, mean d̄ and SE = std(d, ddof=1) / sqrt(n), the budget 
     d̄ - t_{1-α, n-1} · SE  ≥  -δ          (α = 0.05 by default; Student's t with n - 1 degrees of freedom)
 
 so a budget is accepted only when the data show its drop is smaller than δ, not merely when a drop was not
-significant (at small n that would accept anything). With RULER's 0/100 scores and δ = 1, any changed answer at
-n < ~270 fails; with no changed answer SE = 0 and the bound is d̄ = 0, which at n samples bounds the rate of
+significant (at small n that would accept anything). With RULER's 0/100 scores and δ = 1, one answer worse (the
+rest unchanged) fails below n = 266 (``acceptance_text`` says what can pass at any n and δ, per task, partial credit
+included); with no changed answer SE = 0 and the bound is d̄ = 0, which at n samples bounds the rate of
 changed answers only by about 300/n % (rule of three). n < 2 has no SE: ``TooFewSamples``.
 
 **State memory** per sequence: a head at full rank keeps d_k·d_v numbers; at rank r its state is kept as its
@@ -51,7 +52,8 @@ from gdnviz.truncation import TruncationSpec, check_rank
 
 __all__ = ["BudgetSpec", "BudgetResult", "DEFAULT_LADDER", "find_budget", "check_prompt_memory", "plan_budget", "noninferiority",
            "state_memory", "head_numbers", "budget_table", "summary", "rank_map_json", "rank_map_from_json",
-           "curve_frame", "curve_figure", "STATE_BYTES"]
+           "curve_frame", "curve_figure", "STATE_BYTES", "score_step", "losses_allowed", "one_loss_n",
+           "acceptance_text"]
 
 DEFAULT_LADDER = (32, 12, 4, 1)
 STATE_BYTES = {"float32": 4, "bfloat16": 2, "float16": 2}
@@ -150,6 +152,99 @@ def noninferiority(diffs, tolerance: float, alpha: float) -> dict:
     t = float(stats.t.ppf(1.0 - alpha, n - 1))
     bound = float(d.mean()) - t * se
     return dict(n=n, delta=float(d.mean()), se=se, t=t, bound=bound, passed=bool(bound >= -float(tolerance)))
+
+
+# --- what the test can accept at n and δ -----------------------------------------------------------------------------
+def _n_references(task: str) -> int:
+    """The answers one sample of ``task`` is scored against (``ruler``'s generators: niah the queried values, vt
+    the first chain's names, cwe the common words, fwe the 3 words after the noise word)."""
+    s = ruler.TASKS[task]
+    fam = s["family"]
+    if fam == "niah":
+        return int(s["num_needle_q"]) * int(s["num_needle_v"])
+    if fam == "variable_tracking":
+        return int(s["num_hops"]) + 1
+    if fam == "common_words_extraction":
+        return int(s["num_cw"])
+    return 3
+
+
+def score_step(task: str) -> float:
+    """The smallest nonzero change of one sample's RULER score on ``task`` (points): 100 for a task scored 0/100,
+    about 100/k (as RULER's scorer rounds it) for string_match_all over k references (partial credit).
+    UnknownTask for a task RULER does not score."""
+    if task not in ruler.METRICS:
+        raise UnknownTask(f"Unknown RULER task {task!r}. Known tasks: {', '.join(ruler.METRICS)}.")
+    k = 1 if ruler.METRICS[task] == "string_match_part" else _n_references(task)
+    refs = [f"<answer {i}>" for i in range(k)]
+    vals = sorted({ruler.string_match_all([" ".join(refs[:j])], [refs]) for j in range(k + 1)})
+    return min(b - a for a, b in zip(vals, vals[1:]))
+
+
+def losses_allowed(n: int, tolerance: float, alpha: float, step: float) -> int:
+    """The largest k such that every j ≤ k answers each ``step`` points worse, the other n − j unchanged, pass
+    ``noninferiority``: (step/n)·(j + t_{1-α,n-1}·√(j(n−j)/(n−1))) ≤ δ. With no answer better, a budget with more
+    answers worse than this fails (for step > δ; tests/test_job_page_notes.py checks it against every outcome at
+    small n)."""
+    import numpy as np
+    from scipy import stats
+
+    n = int(n)
+    if n < 2:
+        raise TooFewSamples(f"the one-sided paired t test needs n ≥ 2 samples, got n = {n}")
+    t = float(stats.t.ppf(1.0 - alpha, n - 1))
+    j = np.arange(1, n + 1, dtype=float)
+    drop = step / n * (j + t * np.sqrt(j * (n - j) / (n - 1)))
+    fails = np.nonzero(drop > float(tolerance))[0]
+    return n if not len(fails) else int(fails[0])
+
+
+def one_loss_n(tolerance: float, alpha: float, step: float) -> int:
+    """The smallest n at which one answer ``step`` points worse, the others unchanged, passes: the least n ≥ 2
+    with (step/n)·(1 + t_{1-α,n-1}) ≤ δ (that quantity falls with n)."""
+    from scipy import stats
+
+    def ok(n: int) -> bool:
+        return step / n * (1.0 + float(stats.t.ppf(1.0 - alpha, n - 1))) <= float(tolerance)
+
+    lo, hi = 2, 2
+    while not ok(hi):
+        lo, hi = hi + 1, hi * 2
+    while lo < hi:
+        mid = (lo + hi) // 2
+        lo, hi = (lo, mid) if ok(mid) else (mid + 1, hi)
+    return lo
+
+
+def acceptance_text(tasks, n: int, tolerance: float, alpha: float = 0.05) -> str:
+    """What ``noninferiority`` can accept at n samples and tolerance δ, in words: per task (its ``score_step``), how
+    many answers may get worse with none better (``losses_allowed``), and, where none may, from which n one answer a
+    step worse passes (``one_loss_n``)."""
+    def name(t):
+        s = score_step(t)
+        return f"{t} (0/100)" if s == 100 else f"{t} (steps of {s:g} points)"
+
+    none, some, coarse = [], [], []
+    for t in tasks:
+        s = score_step(t)
+        if s <= tolerance:
+            coarse.append(name(t))
+        elif (k := losses_allowed(n, tolerance, alpha, s)) == 0:
+            none.append((t, name(t), one_loss_n(tolerance, alpha, s)))
+        else:
+            some.append(f"{k} of {name(t)}" if some else f"{k} of the {n} answers of {name(t)}")
+    parts = []
+    if none:
+        parts.append("no answer of " + ", ".join(x[1] for x in none) + " may get worse unless others get better to "
+                     "make up for it (one answer a step worse, the rest unchanged, first passes at n = "
+                     + ", ".join(f"{m:,} for {t}" for t, _, m in none) + ")")
+    if some:
+        parts.append("with none better, at most " + ", ".join(some) + " may get worse")
+    if coarse:
+        parts.append("δ is at least one score step of " + ", ".join(coarse) + ": a budget can pass with every "
+                     "answer a step worse")
+    return (f"At n = {n} and δ = {tolerance:g} point{'' if float(tolerance) == 1 else 's'}, for a budget to pass: "
+            + "; ".join(parts) + ".")
 
 
 def _check(spec: BudgetSpec, info) -> list[int]:
