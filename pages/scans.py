@@ -50,7 +50,7 @@ for k, v in (("sc_task", "niah_single_1"), ("sc_length", max(4 * L, 1024)), ("sc
 c = st.columns([3, 2, 1, 1, 1])
 c[0].selectbox("RULER task", list(ruler.TASK_NAMES), key="sc_task",
                format_func=lambda t: f"{t}: {ruler.TASKS[t]['description']}")
-c[1].number_input("Length (tokens)", min_value=1, step=256, key="sc_length")
+c[1].number_input("Target length (tokens)", min_value=1, step=256, key="sc_length", help=SW.TARGET_LENGTH_HELP)
 c[2].number_input("Samples n", min_value=1, max_value=10_000, key="sc_n")
 c[3].number_input("r", min_value=1, max_value=rmax, key="sc_r", help=f"the rank a cut head keeps, 1..{rmax - 1}")
 c[4].number_input("Batch", min_value=1, max_value=512, key="sc_batch", placeholder="auto",
@@ -91,7 +91,9 @@ if not errors:
     except (GDNVizError, ValueError) as e:
         errors.append(str(e))
 if plan is not None:
-    st.caption(S.scan_plan_text(plan, sspec.n) + (f". {SW.noise_note(sspec.n)}" if SW.noise_note(sspec.n) else ""))
+    noise = SW.noise_note(sspec.n)
+    st.caption(S.scan_plan_text(plan, sspec.n) + "." + (f" {noise}" if noise else "") + " "
+               + SW.target_note(sspec.task, sspec.length, shown_after=False))
     lim = S.over_limit(plan["to_run"], sspec.max_prompts, "scan", counted=plan["cached"] is not None)
     if lim:
         errors.append(lim)
@@ -120,7 +122,8 @@ if rec is not None and rec["status"] == "done":
     sp = res["settings"]
     keep = bool(sp["keep"])
     base = (f"every head at r = {sp['r']}: **{res['all_cut']:.1f}**" if keep else "")
-    st.markdown(f"**{sp['task']} @ {int(sp['length']):,} tokens**, n = {sp['n']} · untouched **{res['untouched']:.1f}**"
+    st.markdown(f"**{sp['task']} @ {int(sp['length']):,}-token target**, n = {sp['n']} · untouched "
+                f"**{res['untouched']:.1f}**"
                 + (f" · {base}" if base else "") + f" · {res['computed']:,} answers generated now, "
                 f"{res['reused']:,} from the memo · {res['dtype']} on {res['device']}")
     if SW.noise_note(int(sp["n"])):
@@ -168,7 +171,7 @@ for k, v in (("bg_tasks", ["niah_single_1", "vt"]), ("bg_lengths", str(max(4 * L
     st.session_state.setdefault(k, v)
 st.multiselect("Task set", list(ruler.TASK_NAMES), key="bg_tasks")
 c = st.columns([2, 1, 1, 2, 2, 1])
-c[0].text_input("Lengths (tokens)", key="bg_lengths")
+c[0].text_input("Target lengths (tokens)", key="bg_lengths", help=SW.TARGET_LENGTHS_HELP)
 c[1].number_input("Samples n", min_value=2, max_value=10_000, key="bg_n",
                   help="per task and length; the held-out check uses as many samples of other seeds")
 c[2].number_input("Tolerance δ (points)", min_value=0.0, step=0.5, key="bg_tol")
@@ -197,6 +200,10 @@ except ValueError as e:
     berrors.append(str(e))
 if not tasks:
     berrors.append("No tasks chosen: pick at least one RULER task.")
+elif tols:  # what the test can accept at this n and the first δ, and seed 000's small-n warning
+    bn = int(st.session_state["bg_n"])
+    st.caption(budget.acceptance_text(tasks, bn, tols[0], BudgetJob.alpha)
+               + (f" {SW.noise_note(bn)}" if SW.noise_note(bn) else ""))
 too_long = SW.token_limit_error(lengths, token_limit)
 if too_long:
     berrors.append(too_long)

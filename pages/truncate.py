@@ -10,6 +10,7 @@ from gdnviz.errors import GDNVizError
 from gdnviz.ui import common as C
 
 C.ensure_entrypoint()
+from gdnviz.ui import sweeps as SW
 from gdnviz.ui import truncation as T
 
 st.title("Truncate & compare")
@@ -159,17 +160,13 @@ if st.session_state["tr_prompt_mode"] == "ruler":
     c[0].selectbox("Task", list(ruler.TASK_NAMES), key="tr_task",
                    format_func=lambda t: f"{t}: {ruler.TASKS[t]['description']}")
     c[1].number_input("Target length (tokens)", min_value=64, max_value=1 << 20, step=256, key="tr_target_len",
-                      help="a target, as RULER sizes its samples: the largest sample whose prompt plus the task's "
-                           "answer budget fits in it")
+                      help=SW.TARGET_LENGTH_HELP)
     c[2].number_input("Seed", min_value=0, step=1, key="tr_seed")
     c[3].checkbox("Chat template", key="tr_chat", help="wrap the task as one user message when the tokenizer has "
                                                        "a chat template (instruction-tuned models)")
     ttg = int(ruler.TASKS[st.session_state["tr_task"]]["tokens_to_generate"])
     tl = int(st.session_state["tr_target_len"])
-    st.caption(f"The length is a target: RULER builds the largest {st.session_state['tr_task']} sample whose prompt "
-               f"plus the task's {ttg} answer tokens fit in {tl:,} tokens, so the prompt has at most "
-               f"{max(tl - ttg, 0):,} tokens (the haystack grows in whole pieces, so usually a little fewer). The "
-               "real count is shown with the result.")
+    st.caption(SW.target_note(st.session_state["tr_task"], tl))
     prompt_tokens = max(tl - ttg, 0)
 else:
     st.text_area("Prompt", key="tr_prompt", height=140, placeholder="Type a prompt; the model continues it.")
@@ -255,6 +252,9 @@ if rec is not None and rec["status"] == "done":
             st.code(res[key]["text"] or "(no tokens generated)", language=None, wrap_lines=True)
     if res["references"]:
         st.caption("Expected answer(s): " + ", ".join(f"`{r}`" for r in res["references"]))
+    st.caption("One prompt (n = 1): a changed answer or score here is an anecdote, not an effect size. For a score "
+               "difference with a standard error, run n samples per rank on **Retrieval sweeps** (paired over the "
+               "same samples).")
     lo = res["loss"]
     if lo is None:
         st.caption("Next-token loss: not measured" + (" (tick *Also measure the next-token loss change* above to "

@@ -227,6 +227,27 @@ def prompt_length_note(rows: pd.DataFrame) -> str | None:
             "the length, so its prompt is shorter; " + "; ".join(parts) + ".")
 
 
+#: The help of a target-length field (RULER's sizing; ``target_note`` says it for one task and length).
+TARGET_LENGTH_HELP = ("a target, as RULER sizes its samples: the largest sample whose prompt plus the task's answer "
+                      "budget fits in it")
+#: The same for a field of several lengths.
+TARGET_LENGTHS_HELP = ("targets, as RULER sizes its samples: each sample is the largest whose prompt plus the task's "
+                       "answer budget (128 tokens for niah, 30 for vt, 120 for cwe, 50 for fwe) fits in the target, "
+                       "so its prompt is shorter than the target")
+
+
+def target_note(task: str, target: int, shown_after: bool = True) -> str:
+    """That a length is a target: the most tokens RULER's ``task`` sample sized to ``target`` can have (the target
+    less the task's answer budget); ``shown_after``: the page shows the real count with the result."""
+    from gdnviz.probes import ruler
+
+    ttg = int(ruler.TASKS[task]["tokens_to_generate"])
+    return (f"The length is a target: RULER builds the largest {task} sample whose prompt plus the task's {ttg} "
+            f"answer tokens fit in {int(target):,} tokens, so the prompt has at most {max(int(target) - ttg, 0):,} "
+            "tokens (the haystack grows in whole pieces, so usually a little fewer)."
+            + (" The real count is shown with the result." if shown_after else ""))
+
+
 def noise_note(n: int) -> str | None:
     """Seed 000's warning for small n (None from n = 50 on): what one changed answer does to a 0/100 score."""
     if n >= 50:
