@@ -802,17 +802,18 @@ def to_csv(df: pd.DataFrame) -> bytes:
     return df.to_csv(index=False).encode()
 
 
-def run_zip(figures: Mapping[str, tuple], settings: dict, tables: Mapping[str, pd.DataFrame] | None = None,
-            png_scale: float = 2.0, files: Mapping[str, bytes] | None = None) -> bytes:
-    """One zip: ``figures/<name>.png|.svg``, ``data/<name>.csv`` for each (chart, frame) in ``figures``,
-    ``tables/<name>.csv``, ``settings.json`` and ``files`` ({path in the zip: bytes}, e.g.
-    ``gdnviz.run_export.run_files``)."""
+def run_zip(figures: Mapping[str, tuple], settings: dict, tables: Mapping[str, pd.DataFrame] | None = None, *,
+            scale: float = 2.0, width: int | None = None, height: int | None = None,
+            files: Mapping[str, bytes] | None = None) -> bytes:
+    """One zip: ``figures/<name>.png|.svg`` (sized and scaled as in ``to_png``), ``data/<name>.csv`` for each
+    (chart, frame) in ``figures``, ``tables/<name>.csv``, ``settings.json`` and ``files`` ({path in the zip: bytes},
+    e.g. ``gdnviz.run_export.run_files``)."""
     buf = io.BytesIO()
     with zipfile.ZipFile(buf, "w", zipfile.ZIP_DEFLATED) as z:
         z.writestr("settings.json", json.dumps(settings, indent=2, default=str))
         for name, (chart, df) in figures.items():
-            z.writestr(f"figures/{name}.png", to_png(chart, png_scale))
-            z.writestr(f"figures/{name}.svg", to_svg(chart))
+            z.writestr(f"figures/{name}.png", to_png(chart, scale, width, height))
+            z.writestr(f"figures/{name}.svg", to_svg(chart, width, height))
             if df is not None:
                 z.writestr(f"data/{name}.csv", to_csv(df))
         for name, df in (tables or {}).items():

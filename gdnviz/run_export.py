@@ -22,7 +22,7 @@ import time
 
 import pandas as pd
 
-__all__ = ["job_records", "run_files", "reload_py", "REDRAW_PY"]
+__all__ = ["job_records", "run_files", "reload_py", "redraw_py"]
 
 KINDS = ("truncate", "sweep", "scan", "budget", "loss")
 
@@ -131,7 +131,7 @@ def run_files(store, run: dict) -> dict[str, bytes]:
     if trunc:
         out["truncations.csv"] = _csv(pd.DataFrame(trunc))
     out["README.txt"] = readme(run, {r["kind"] for r in recs}).encode()
-    out["redraw.py"] = REDRAW_PY.encode()
+    out["redraw.py"] = redraw_py(run["model"]["gdn_layers"]).encode()
     out["reload_with_gdnviz.py"] = reload_py(run, store.dir).encode()
     return out
 
@@ -237,7 +237,7 @@ loss/<id>/settings.json    the job's spec and the result's metadata.
     return "\n".join(parts)
 
 
-REDRAW_PY = '''\
+_REDRAW_PY = '''\
 """Reload this gdnviz run's files with pandas and redraw its main figure: effective rank vs decay horizon per
 head (log-log, one colour per layer, the min-max over documents as bars), and score vs r for each sweep.
 Run it in the unzipped folder (`python redraw.py`: writes redrawn_*.html) or paste it into a notebook cell."""
@@ -256,7 +256,9 @@ print(f"run {settings['run_id']}: {len(heads)} heads, {len(jobs)} job(s) of this
 x = alt.X("horizon:Q", scale=alt.Scale(type="log"), title="decay horizon 1/(1 − ᾱ) (tokens, log scale)")
 y_scale = alt.Scale(type="log")
 y = alt.Y("erank:Q", scale=y_scale, title="effective rank (directions, log scale)")
-layer = alt.Color("layer:N", title="layer", scale=alt.Scale(scheme="category10"))  # neighbours told apart
+LAYER_COLORS = __LAYER_COLORS__  # the app's layer palette (gdnviz.plotstyle): neighbouring layers told apart
+layer = alt.Color("layer:N", title="layer",
+                  scale=alt.Scale(domain=list(LAYER_COLORS), range=list(LAYER_COLORS.values())))
 bars = alt.Chart(heads).mark_rule(opacity=0.5).encode(x=x, y=alt.Y("erank_min:Q", scale=y_scale), y2="erank_max:Q",
                                                       color=layer)
 points = alt.Chart(heads).mark_circle(size=60, opacity=0.9).encode(x=x, y=y, color=layer,
@@ -278,3 +280,12 @@ for table in sorted(HERE.glob("sweeps/*/table.csv")):
     fig.properties(title=f"sweep {name}: score vs r").save(str(HERE / f"redrawn_sweep_{name}.html"))
     print(f"sweep {name}: {len(t)} (task, length, r) rows")
 '''
+
+
+def redraw_py(layers) -> str:
+    """redraw.py for a run whose head table holds ``layers`` (its GDN layer indices): the script carries the app's
+    layer colours (``plotstyle.layer_colors`` over those layers, in order) as values, so it needs no gdnviz."""
+    from gdnviz.plotstyle import layer_colors
+
+    dom = sorted({int(x) for x in layers})
+    return _REDRAW_PY.replace("__LAYER_COLORS__", repr(dict(zip(dom, layer_colors(len(dom))))))

@@ -80,3 +80,49 @@ def test_cache_budget_model_fields_survive_leaving_the_page(env, populated):
     _away_and_back(at, "budget")
     assert (at.number_input(key=f"bud_hv_{fp}").value, at.number_input(key=f"bud_dk_{fp}").value) == (7, 32)
     assert {m.label: m.value for m in at.metric}["Recurrent state"] == rec
+
+
+# =============================================================================================================
+# exports
+# =============================================================================================================
+def test_run_zip_figures_use_the_export_size_and_scale(env, populated):
+    from gdnviz import figures as F
+    from gdnviz.ui.common import run_zip_bytes
+
+    cache, run = populated
+    env(cache)
+    z = zipfile.ZipFile(io.BytesIO(run_zip_bytes(run, export=dict(width=700, height=300, scale=1.0))))
+    fl = pd.read_csv(io.BytesIO(z.read("data/forgetting_by_layer.csv")))
+    ch = F.forgetting_chart(fl, int(run["segment_len"]))
+    assert _png_size(z.read("figures/forgetting_by_layer.png")) == _png_size(F.to_png(ch, 1.0, 700, 300)) \
+        != _png_size(F.to_png(ch, 1.0))
+    assert _svg_size(z.read("figures/forgetting_by_layer.svg").decode()) == _svg_size(F.to_svg(ch, 700, 300))
+    default = zipfile.ZipFile(io.BytesIO(run_zip_bytes(run)))
+    assert _png_size(default.read("figures/forgetting_by_layer.png")) == _png_size(F.to_png(ch, 2.0))
+
+
+def test_redraw_script_colours_layers_with_the_apps_palette(tmp_path):
+    """12 layers (more than category10's 10 colours): redraw.py carries plotstyle's colours for them, imports no
+    gdnviz, and the figure it writes uses them."""
+    from gdnviz.plotstyle import layer_colors
+    from gdnviz.run_export import redraw_py
+
+    layers = list(range(0, 24, 2))
+    script = redraw_py(layers)
+    assert "category10" not in script and "gdnviz" not in [
+        n.names[0].name.split(".")[0] if isinstance(n, ast.Import) else (n.module or "").split(".")[0]
+        for n in ast.walk(ast.parse(script)) if isinstance(n, (ast.Import, ast.ImportFrom))]
+    colors = next(ast.literal_eval(n.value) for n in ast.parse(script).body
+                  if isinstance(n, ast.Assign) and [t.id for t in n.targets] == ["LAYER_COLORS"])
+    assert colors == dict(zip(layers, layer_colors(12))) and len(set(colors.values())) == 12
+    (tmp_path / "tables").mkdir()
+    heads = pd.DataFrame([dict(layer=l, head=h, erank=2.0 + h, erank_min=1.5 + h, erank_max=2.5 + h, horizon=10.0 * (l + 1))
+                          for l in layers for h in range(2)])
+    heads.to_csv(tmp_path / "tables" / "heads.csv", index=False)
+    pd.DataFrame(columns=["job", "kind"]).to_csv(tmp_path / "jobs.csv", index=False)
+    (tmp_path / "settings.json").write_text(json.dumps({"run_id": "r", "overview": {}}))
+    (tmp_path / "redraw.py").write_text(script)
+    done = subprocess.run([sys.executable, "redraw.py"], cwd=tmp_path, capture_output=True, text=True, timeout=300)
+    assert done.returncode == 0, done.stderr
+    html = (tmp_path / "redrawn_erank_vs_horizon.html").read_text()
+    assert all(c in html for c in layer_colors(12))

@@ -943,7 +943,7 @@ def sidebar() -> None:
         busy = active or ws["state"] in ("starting", "busy")
         poll = (2.0 if busy else IDLE_POLL_SECONDS) if _poll_seconds() else None
         st.fragment(worker_status_line, run_every=poll)()
-        from gdnviz.ui.export import export_options
+        from gdnviz.ui.export import export_kwargs, export_options
 
         export_options()
         runs, bad = store().read_runs()
@@ -970,7 +970,8 @@ def sidebar() -> None:
                 st.caption(f"This run cannot be exported now: {e}. Open it on a page to recompute it.")
                 return
             lh = (st.session_state.get("layer"), st.session_state.get("head"))
-            st.download_button("Download this run (zip)", data=lambda: run_zip_bytes(run, *lh), file_name=
+            ex = export_kwargs()  # read here: the zip is built on click, outside this session's script run
+            st.download_button("Download this run (zip)", data=lambda: run_zip_bytes(run, *lh, ex), file_name=
                                f"gdnviz-{run['run_id']}.zip", mime="application/zip", on_click="ignore",
                                key="dl_run_zip", icon=":material/folder_zip:",
                                help="All figures (PNG + SVG), their data (CSV), the head table and the settings, "
@@ -994,10 +995,11 @@ def _active(jid) -> bool:
     return rec is not None and rec["status"] in ("queued", "running")
 
 
-def run_zip_bytes(run: dict, layer: int | None = None, head: int | None = None) -> bytes:
+def run_zip_bytes(run: dict, layer: int | None = None, head: int | None = None, export: dict | None = None) -> bytes:
     """Figures (PNG + SVG), their CSV, the head table and the settings of a run, as one zip; with ``layer`` and
     ``head`` also that head's figures; and the results of the jobs that belong to the run with a README and a
-    redraw script (``gdnviz.run_export``)."""
+    redraw script (``gdnviz.run_export``). ``export``: ``ui.export.export_kwargs()`` (the figures' size and PNG
+    scale); None: each figure's own size at 2×."""
     from gdnviz import figures as F
     from gdnviz.summary import document_set_table
 
@@ -1037,10 +1039,8 @@ def run_zip_bytes(run: dict, layer: int | None = None, head: int | None = None) 
     settings["spec"] = {k: v for k, v in run["spec"].items() if k != "documents"}
     settings["overview"] = ov
     from gdnviz.run_export import run_files
-    from gdnviz.ui.export import export_kwargs
 
-    return F.run_zip(figs, settings, {"heads": table}, png_scale=export_kwargs()["scale"],
-                     files=run_files(store(), run))
+    return F.run_zip(figs, settings, {"heads": table}, **(export or {}), files=run_files(store(), run))
 
 
 def batch_value(v) -> int | None:
