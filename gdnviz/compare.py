@@ -2,10 +2,13 @@
 
 Frames and Altair charts (pure functions of head tables, ``summary.document_set_table``, and sweep tables,
 ``probes.sweep.table_frame``); the difference is always B − A. A head-by-head comparison needs the same grid of
-GDN layers × heads; ``grid_mismatch`` says in words why two runs do not have it.
+GDN layers × heads; ``grid_mismatch`` says in words why two runs do not have it. ``comparison_figures`` builds the
+figures of a comparison as the Compare page shows them and ``comparison_zip`` writes them, their data and the sweep
+tables into one zip.
 """
 from __future__ import annotations
 
+from pathlib import Path
 from typing import Mapping
 
 import altair as alt
@@ -130,3 +133,66 @@ def sweep_difference(table_a: pd.DataFrame, table_b: pd.DataFrame) -> pd.DataFra
     df = a.merge(b, on=keys, suffixes=("_a", "_b"), how="inner")
     df["delta"] = df["score_b"] - df["score_a"]
     return df.sort_values(keys).reset_index(drop=True)
+
+
+def run_name(run: dict) -> str:
+    """"<model> · <first document> (+k)" — enough to tell two runs apart in a legend."""
+    model = Path(str(run.get("model_name", "?"))).name or "?"
+    docs = [d.get("name", "?") for d in run.get("documents", [])]
+    more = f" +{len(docs) - 1}" if len(docs) > 1 else ""
+    return f"{model} · {docs[0] if docs else 'no documents'}{more}"
+
+
+def comparison_figures(runs: tuple[dict, dict], tables: tuple[pd.DataFrame, pd.DataFrame],
+                       overviews: tuple[dict, dict], metric: str) -> dict[str, tuple]:
+    """The figures of runs A and B (stored run records) as the Compare page shows them, in its order, as
+    {name: (chart, its data)} with the names of their downloads: ``compare_A_<metric>`` and ``compare_B_<metric>``
+    (the heatmaps of ``metric`` on one colour scale), ``compare_diff_<metric>`` (B − A; only when
+    ``grid_mismatch`` is None), ``compare_erank_vs_horizon`` (both runs overlaid). ``tables``: the runs' head tables;
+    ``overviews``: their ``summary.overview``."""
+    (run_a, run_b), (ta, tb) = runs, tables
+    la, lb = run_name(run_a), run_name(run_b)
+    da, db = F.heatmap_frame(ta, metric), F.heatmap_frame(tb, metric)
+    both = np.concatenate([da["value"].to_numpy(float), db["value"].to_numpy(float)])
+    both = both[np.isfinite(both) & ((both > 0) if F.HEATMAP_METRICS[metric][1] == "log" else True)]
+    dom = (float(both.min()), float(both.max())) if both.size else None
+    out = {f"compare_{tag}_{metric}": (F.heatmap(d, metric, interactive=False, color_domain=dom,
+                                                  title=f"{tag}: {lab}"), d)
+           for tag, d, lab in (("A", da, la), ("B", db, lb))}
+    paired = grid_mismatch(run_a["model"], run_b["model"]) is None
+    if paired:
+        diff = difference_frame(ta, tb, metric)
+        out[f"compare_diff_{metric}"] = (difference_heatmap(diff, metric, (la, lb)), diff)
+    if la == lb:
+        la, lb = f"A: {la}", f"B: {lb}"
+    df = overlay_frame({la: ta, lb: tb})
+    rho = {lab: F.rho_text(ov["spearman_erank_horizon"], ov["spearman_ci95"]) for lab, ov in zip((la, lb), overviews)}
+    rmax = max(min(int(r["model"]["d_k"]), int(r["model"]["d_v"])) for r in runs)
+    out["compare_erank_vs_horizon"] = (overlay_scatter(df, rho, rmax, paired), df)
+    return out
+
+
+def sweep_tables(table_a: pd.DataFrame, table_b: pd.DataFrame) -> dict[str, pd.DataFrame]:
+    """Two sweeps' tables (``probes.sweep.table_frame``) and their ``sweep_difference``, named as their CSV
+    downloads: ``compare_sweep_A``, ``compare_sweep_B``, ``compare_sweep_B_minus_A``."""
+    return {"compare_sweep_A": table_a, "compare_sweep_B": table_b,
+            "compare_sweep_B_minus_A": sweep_difference(table_a, table_b)}
+
+
+def comparison_zip(runs: tuple[dict, dict], tables: tuple[pd.DataFrame, pd.DataFrame], overviews: tuple[dict, dict],
+                   metric: str, sweeps: tuple[tuple[str, pd.DataFrame], tuple[str, pd.DataFrame]] | None = None, *,
+                   scale: float = 2.0, width: int | None = None, height: int | None = None) -> bytes:
+    """The comparison as one zip (``figures.run_zip``): ``figures/<name>.png|.svg`` at ``scale`` / ``width`` /
+    ``height`` (as ``figures.to_png``) and ``data/<name>.csv`` for each of ``comparison_figures``; with ``sweeps``
+    ((job id, table) of sweep A and of sweep B) ``tables/<name>.csv`` for each of ``sweep_tables``; and
+    ``settings.json``: both runs (id, model, documents, L), the statistic and the sweeps' job ids."""
+    figs = comparison_figures(runs, tables, overviews, metric)
+    settings = dict(difference="B − A", metric=metric, runs={tag: dict(
+        run_id=r["run_id"], model=r.get("model_name"), documents=[d["name"] for d in r["documents"]],
+        segment_len=int(r["segment_len"])) for tag, r in zip("AB", runs)})
+    tabs = {}
+    if sweeps is not None:
+        (ida, sa), (idb, sb) = sweeps
+        settings["sweeps"] = {"A": ida, "B": idb}
+        tabs = sweep_tables(sa, sb)
+    return F.run_zip(figs, settings, tabs, scale=scale, width=width, height=height)

@@ -23,9 +23,14 @@ with c1:
     K.run_summary("A", run_a)
 with c2:
     K.run_summary("B", run_b)
+top = st.container()  # the zip's button, drawn last: it holds what every section below picked
 st.markdown("#### Heatmaps")
-K.heatmaps(run_a, run_b, ta, tb)
+metric = K.metric()
+figs = K.figures(run_a, run_b, ta, tb, metric)
+K.heatmaps(run_a, run_b, figs, metric)
 st.markdown("#### Effective rank vs decay horizon")
-K.scatter(run_a, run_b)
+K.scatter(figs)
 st.markdown("#### Retrieval sweeps")
-K.sweeps()
+sweep_pair = K.sweeps()
+with top:
+    K.download_zip(run_a, run_b, ta, tb, metric, sweep_pair)

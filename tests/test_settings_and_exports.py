@@ -82,9 +82,97 @@ def test_cache_budget_model_fields_survive_leaving_the_page(env, populated):
     assert {m.label: m.value for m in at.metric}["Recurrent state"] == rec
 
 
+@pytest.fixture(scope="module")
+def two_sweeps(three_runs, tiny_checkpoint):
+    """Two finished sweeps in ``three_runs``' cache: the tiny model and the demo model, the same task, length, r."""
+    cache = three_runs[0]
+    store = Store(cache)
+    ids = []
+    for model in (str(tiny_checkpoint), str(ROOT / "gdnviz" / "assets" / "demo")):
+        ids.append(store.submit("sweep", jobs.spec_to_dict(jobs.SweepJob(
+            model=model, tasks=("niah_single_1",), lengths=(300,), ranks=(2,), n=1, max_new_tokens=4,
+            segment_len=64))))
+        work(cache)
+        assert store.job(ids[-1])["status"] == "done", store.job(ids[-1])["error"]
+    return ids
+
+
+def test_compare_picks_survive_leaving_the_page_and_a_run_gone_from_the_store_is_unpicked(env, three_runs,
+                                                                                         two_sweeps):
+    cache, a, b, _ = three_runs
+    env(cache)
+    at = app("compare", run=a)
+    at.run()
+    at.selectbox(key="cmp_b").set_value(b["run_id"]).run()
+    at.radio(key="cmp_metric").set_value("horizon")
+    at.selectbox(key="cmp_sw_a").set_value(two_sweeps[0])
+    at.selectbox(key="cmp_sw_b").set_value(two_sweeps[1]).run()
+    assert not at.exception
+    _away_and_back(at, "compare")
+    assert (at.selectbox(key="cmp_a").value, at.selectbox(key="cmp_b").value) == (a["run_id"], b["run_id"])
+    assert at.radio(key="cmp_metric").value == "horizon"
+    assert (at.selectbox(key="cmp_sw_a").value, at.selectbox(key="cmp_sw_b").value) == tuple(two_sweeps)
+    # every table has its CSV, the whole comparison its zip
+    keys = {x.key: x.proto.label for x in at.get("download_button")}
+    assert keys["cmp_zip"] == "Download this comparison (zip)"
+    assert keys["cmp_sw_a_csv"] == keys["cmp_sw_b_csv"] == keys["cmp_sw_csv"] == "CSV"
+    # B deleted from the store: no longer a valid choice, so picked no more
+    store = Store(cache)
+    store.delete_run(b["run_id"])
+    try:
+        at.run()
+    finally:
+        store.add_run(b)
+    assert not at.exception
+    assert at.session_state["cmp_b"] is None and any("Pick two runs" in i for i in texts(at, "info"))
+
+
 # =============================================================================================================
 # exports
 # =============================================================================================================
+def test_comparison_zip_holds_every_figure_at_the_export_size_and_the_tables(env, three_runs, two_sweeps):
+    from gdnviz import compare as K
+    from gdnviz import figures as F
+    from gdnviz.probes import sweep
+    from gdnviz.summary import document_set_table, overview
+
+    cache, a, b, _ = three_runs
+    store = Store(cache)
+    ta, tb = (document_set_table(jobs.load_run_captures(store, r)) for r in (a, b))
+    ov = tuple(overview(t, int(r["segment_len"])) for t, r in ((ta, a), (tb, b)))
+    sa, sb = (sweep.table_frame(store.job(j)["result"]["table"]) for j in two_sweeps)
+    ex = dict(scale=1.0, width=600, height=420)
+    data = K.comparison_zip((a, b), (ta, tb), ov, "erank", ((two_sweeps[0], sa), (two_sweeps[1], sb)), **ex)
+    z = zipfile.ZipFile(io.BytesIO(data))
+    names = ["compare_A_erank", "compare_B_erank", "compare_diff_erank", "compare_erank_vs_horizon"]
+    assert set(z.namelist()) == {"settings.json"} | {f"figures/{n}.{x}" for n in names for x in ("png", "svg")} | \
+        {f"data/{n}.csv" for n in names} | {f"tables/compare_sweep_{t}.csv" for t in ("A", "B", "B_minus_A")}
+
+    def csv(name):
+        return pd.read_csv(io.BytesIO(z.read(name)))
+
+    want = tb.set_index(["layer", "head"])["erank"] - ta.set_index(["layer", "head"])["erank"]
+    got = csv("data/compare_diff_erank.csv").set_index(["layer", "head"])["value"]
+    assert np.allclose(got.sort_index().to_numpy(), want.sort_index().to_numpy())
+    pd.testing.assert_frame_equal(csv("tables/compare_sweep_A.csv"), sa.reset_index(drop=True), check_dtype=False)
+    pd.testing.assert_frame_equal(csv("tables/compare_sweep_B.csv"), sb.reset_index(drop=True), check_dtype=False)
+    diff = csv("tables/compare_sweep_B_minus_A.csv")
+    assert diff["r"].tolist() == [2] and np.allclose(diff["delta"], diff["score_b"] - diff["score_a"])
+    assert np.allclose(diff["delta"], sb.set_index("r")["score"].loc[[2]].to_numpy()
+                       - sa.set_index("r")["score"].loc[[2]].to_numpy())
+    settings = json.loads(z.read("settings.json"))
+    assert settings["runs"]["A"]["run_id"] == a["run_id"] and settings["runs"]["B"]["run_id"] == b["run_id"]
+    assert settings["metric"] == "erank" and settings["sweeps"] == {"A": two_sweeps[0], "B": two_sweeps[1]}
+    # the figures at the export size: the scatter resized to 600 × 420, as a single download of it would be
+    scatter = K.comparison_figures((a, b), (ta, tb), ov, "erank")["compare_erank_vs_horizon"][0]
+    png = z.read("figures/compare_erank_vs_horizon.png")
+    assert _png_size(png) == _png_size(F.to_png(scatter, 1.0, 600, 420)) != _png_size(F.to_png(scatter, 1.0))
+    assert _svg_size(z.read("figures/compare_erank_vs_horizon.svg").decode()) == _svg_size(F.to_svg(scatter, 600, 420))
+    # without sweeps: no tables
+    z2 = zipfile.ZipFile(io.BytesIO(K.comparison_zip((a, b), (ta, tb), ov, "horizon")))
+    assert not [n for n in z2.namelist() if n.startswith("tables/")] and "data/compare_diff_horizon.csv" in z2.namelist()
+
+
 def test_run_zip_figures_use_the_export_size_and_scale(env, populated):
     from gdnviz import figures as F
     from gdnviz.ui.common import run_zip_bytes

@@ -1,4 +1,6 @@
-"""Figure export settings (sidebar): the size and resolution every PNG / SVG download and the run zip use.
+"""Figure export settings (sidebar): the size and resolution every PNG / SVG download, the run zip and the
+comparison zip use (read with ``export_kwargs`` when their button is drawn: a download is built outside the script
+run, where the session's state cannot be read).
 
 Session keys: ``ex_width`` / ``ex_height`` (CSS px, 0 = the figure's own size), ``ex_scale`` (PNG device pixels
 per CSS px). They are sidebar widgets, drawn on every page, so they keep their values across pages.
