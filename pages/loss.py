@@ -77,21 +77,24 @@ if ranks:
                + (f" + {len(rank_maps)} rank map(s)" if rank_maps else "")
                + f") = **{LS.n_runs(len(docs), n_set):,} forward passes** over a document (fewer when some are "
                  "already stored)")
+form_spec = None
+if not errors:
+    from gdnviz.jobs import LossJob, spec_to_dict
+
+    form_spec = spec_to_dict(LossJob(
+        model=model_name, device=device, dtype=dtype, trust_remote_code=trust,
+        documents=tuple(tuple(d) for d in run["spec"]["documents"]), ranks=tuple(r for r in ranks if r != rmax),
+        heads="all" if st.session_state["ls_heads"] == "all" else tuple(heads), rank_maps=rank_maps,
+        segment_len=L, min_distance=dist, fingerprint=str(info.get("fingerprint") or "")))
 for e in errors:
     C.show_error(e)
 running = C.job_active(st.session_state.get("loss_job"))
 go = st.button("Run loss vs rank", type="primary", key="ls_run", icon=":material/play_arrow:",
                disabled=bool(errors) or running,
                help="one loss run at a time: cancel the running one first" if running else None)
-if go and not errors:
-    from gdnviz.jobs import LossJob, spec_to_dict
-
-    spec = LossJob(model=model_name, device=device, dtype=dtype, trust_remote_code=trust, documents=tuple(tuple(d) for d in
-                                                                                  run["spec"]["documents"]),
-                   ranks=tuple(r for r in ranks if r != rmax), heads="all" if st.session_state["ls_heads"] == "all" else tuple(heads),
-                   rank_maps=rank_maps, segment_len=L, min_distance=dist,
-                   fingerprint=str(info.get("fingerprint") or ""))
-    st.session_state["loss_job"] = C.submit("loss", spec_to_dict(spec), label="loss vs rank")
+if go and form_spec is not None:
+    st.session_state["loss_job"] = C.submit("loss", form_spec, label="loss vs rank")
+    st.session_state.setdefault("ls_submitted", []).append(st.session_state["loss_job"])
     st.rerun()  # redraw from the top: the sidebar's worker status and the Run button see the new job
 
 prev = LS.previous_loss_sweeps(C.store())
@@ -120,7 +123,11 @@ if rec is not None and rec["status"] == "done":
     sp = res["settings"]
     d = int(sp["min_distance"])
     sizes = LS.subset_sizes(tab)
-    st.markdown(f"**{res['n_results']:,} (document, setting) runs** ({res['computed']:,} computed now, "
+    C.stale_result_note(C.settings_differ(rec["spec"], form_spec, {
+        "model": "model", "documents": "documents", "ranks": "ranks", "heads": "heads", "rank_maps": "rank maps",
+        "segment_len": "segment length", "min_distance": "copy distance d"}), "loss result")
+    when = LS.computed_when(rec, st.session_state.get("ls_submitted", []))
+    st.markdown(f"**{res['n_results']:,} (document, setting) runs** ({res['computed']:,} computed {when}, "
                 f"{res['reused']:,} read from the store) · {len(res['documents'])} documents · "
                 f"{res['n_heads']} heads cut · L = {sp['segment_len']} · {res['dtype']} on {res['device']} · "
                 f"{res['kernel_path']} kernels")

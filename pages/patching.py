@@ -10,6 +10,7 @@ from gdnviz.ui import common as C
 
 C.ensure_entrypoint()
 from gdnviz.ui import patching as P  # noqa: E402
+from gdnviz.ui import sweeps as SW  # noqa: E402
 
 st.title("State patching")
 st.caption("Run prompt B with the chosen heads' states at one segment boundary replaced by prompt A's (the state "
@@ -24,16 +25,21 @@ st.markdown(f"Model: {src} · GDN layers {', '.join(map(str, gl))} × {H} heads 
 errors: list[str] = []
 
 st.subheader("1 · Prompts")
+for k, v in (("pt_source", "needle"), ("pt_len", 1024), ("pt_seed", 0), ("pt_a", ""), ("pt_b", ""),
+             ("pt_heads", "5:1" if "demo" in str(model_name) else "all"), ("pt_boundary", 0), ("pt_from", 0),
+             ("pt_new", 16), ("pt_cont", "")):
+    st.session_state.setdefault(k, v)
 source = st.radio("Prompts", list(P.SOURCES), format_func=P.SOURCES.get, key="pt_source", horizontal=True,
                   label_visibility="collapsed")
 kw: dict = {}
 if source == "needle":
     c = st.columns(2)
-    kw["target_len"] = c[0].number_input("Target length (tokens)", min_value=64, max_value=1 << 20, value=1024,
-                                         step=256, key="pt_len")
-    kw["seed"] = c[1].number_input("Sample seed", min_value=0, value=0, step=1, key="pt_seed")
+    kw["target_len"] = c[0].number_input("Target length (tokens)", min_value=64, max_value=1 << 20, step=256,
+                                         key="pt_len", help=SW.TARGET_LENGTH_HELP)
+    kw["seed"] = c[1].number_input("Sample seed", min_value=0, step=1, key="pt_seed")
     st.caption("A: a RULER niah_single_1 prompt (one 7-digit needle in repeated noise). B: the same prompt with "
-               "the needle line replaced by a noise line. The continuation scored is the needle value.")
+               "the needle line replaced by a noise line. The continuation scored is the needle value. "
+               + SW.target_note("niah_single_1", int(kw["target_len"])))
 else:
     c = st.columns(2)
     kw["prompt_a"] = c[0].text_area("Prompt A (the donor)", key="pt_a", height=160)
@@ -43,13 +49,13 @@ else:
 
 st.subheader("2 · Heads and boundary")
 c = st.columns([2, 1, 1, 1])
-heads = c[0].text_input("Heads", value="5:1" if "demo" in str(model_name) else "all", key="pt_heads",
-                        help="all · layer:head,layer:head · layers:4,5 (the model's layer indices)")
-boundary = c[1].number_input("Boundary of B (tokens)", min_value=0, value=0, step=L, key="pt_boundary",
+heads = c[0].text_input("Heads", key="pt_heads", help="all · layer:head,layer:head · layers:4,5 (the model's layer "
+                                                      "indices)")
+boundary = c[1].number_input("Boundary of B (tokens)", min_value=0, step=L, key="pt_boundary",
                              help="0: the last boundary before B's question (needle) or before B's end")
-from_a = c[2].number_input("From A's boundary", min_value=0, value=0, step=L, key="pt_from",
+from_a = c[2].number_input("From A's boundary", min_value=0, step=L, key="pt_from",
                            help="0: the same position as B's boundary")
-new = c[3].number_input("Tokens to generate", min_value=1, max_value=512, value=16, key="pt_new")
+new = c[3].number_input("Tokens to generate", min_value=1, max_value=512, key="pt_new")
 cont = st.text_input("Continuation scored after B (optional)", key="pt_cont",
                      help="empty: the needle value (needle pair) or B's own unpatched answer")
 try:
@@ -64,14 +70,16 @@ for v, what in ((boundary, "Boundary of B"), (from_a, "A's boundary")):
         errors.append(str(e))
 
 st.subheader("3 · Run")
+st.caption(P.run_text(int(new)))
 for e in errors:
     C.show_error(e)
+form_spec = None if errors else P.job_dict(
+    model_name, device, dtype, info, source=source, heads=heads, L=L, boundary=int(boundary), from_a=int(from_a),
+    max_new_tokens=int(new), continuation=cont, trust_remote_code=trust, **kw)
 running = C.job_active(st.session_state.get("patch_job"))
 if st.button("Run the patch", type="primary", key="pt_run", icon=":material/play_arrow:",
-             disabled=bool(errors) or running):
-    spec = P.job_dict(model_name, device, dtype, info, source=source, heads=heads, L=L, boundary=int(boundary),
-                      from_a=int(from_a), max_new_tokens=int(new), continuation=cont, trust_remote_code=trust, **kw)
-    st.session_state["patch_job"] = C.submit("patch", spec, label="state patching")
+             disabled=bool(errors) or running) and form_spec is not None:
+    st.session_state["patch_job"] = C.submit("patch", form_spec, label="state patching")
     st.rerun()
 
 rec = C.job_panel("patch_job", "State patching")
@@ -80,6 +88,11 @@ if rec is None:
             icon=":material/info:")
 elif rec["status"] == "done":
     res = rec["result"]
+    C.stale_result_note(C.settings_differ(rec["spec"], form_spec, {
+        "model": "model", "task": "prompts", "prompt_a": "prompt A", "prompt_b": "prompt B",
+        "target_len": "target length", "seed": "sample seed", "heads": "heads", "boundary": "boundary of B",
+        "source": "A's boundary", "max_new_tokens": "tokens to generate", "continuation": "continuation",
+        "segment_len": "segment length"}), "comparison")
     st.markdown(P.settings_line(res))
     st.markdown(f"**{P.verdict(res)}**")
     comp = P.comparison_frame(res)

@@ -78,7 +78,8 @@ PERSISTED = ("model_source", "model_path", "model_hf", "device", "dtype", "trust
              "sw_max_new", "sw_chat", "sw_heads", "sw_layers", "sw_rank_maps", "ls_ranks", "ls_dist", "ls_heads",
              "ls_layers", "ls_rank_maps", "sc_task", "sc_length", "sc_n", "sc_r", "sc_by", "sc_keep", "sc_layers", "sc_limit",
              "sc_batch", "sc_seed0", "sc_max_new", "bg_max_new", "bg_tasks", "bg_lengths", "bg_n", "bg_tol", "bg_curve",
-             "bg_ladder", "bg_limit")
+             "bg_ladder", "bg_limit", "pt_source", "pt_len", "pt_seed", "pt_a", "pt_b", "pt_heads", "pt_boundary",
+             "pt_from", "pt_new", "pt_cont")
 
 
 # =============================================================================================================

@@ -72,3 +72,12 @@ def settings_line(result: dict) -> str:
             f"consumed) · L = {result['segment_len']} · A {result['prompt_tokens']['A']:,} tokens, B "
             f"{result['prompt_tokens']['B']:,} · {result['dtype']} on {result['device']}"
             + (" · from the memo" if result.get("memo_hit") else ""))
+
+
+def run_text(max_new_tokens: int) -> str:
+    """What one patch job runs (``gdnviz.patching.patch_prompts``): three greedy generations and up to two loss
+    passes, on one pair of prompts."""
+    return (f"One pair of prompts (n = 1): 3 greedy generations (A, B unpatched, B patched), each a prefill of its "
+            f"prompt and up to {int(max_new_tokens)} new tokens, then 2 loss passes over B and the scored "
+            "continuation (unpatched, patched): **5 passes over a prompt**, none when this exact patch is in the "
+            "memo. One pair shows what can happen, not how often: it is an anecdote, not an effect size.")
