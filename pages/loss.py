@@ -126,7 +126,7 @@ if rec is not None and rec["status"] == "done":
     C.stale_result_note(C.settings_differ(rec["spec"], form_spec, {
         "model": "model", "documents": "documents", "ranks": "ranks", "heads": "heads", "rank_maps": "rank maps",
         "segment_len": "segment length", "min_distance": "copy distance d"}), "loss result")
-    when = LS.computed_when(rec, st.session_state.get("ls_submitted", []))
+    when = C.computed_when(rec, st.session_state.get("ls_submitted", []))
     st.markdown(f"**{res['n_results']:,} (document, setting) runs** ({res['computed']:,} computed {when}, "
                 f"{res['reused']:,} read from the store) · {len(res['documents'])} documents · "
                 f"{res['n_heads']} heads cut · L = {sp['segment_len']} · {res['dtype']} on {res['device']} · "

@@ -1,7 +1,6 @@
 """Sweeps: RULER retrieval score vs the rank r kept in chosen heads, tasks x lengths x r x samples, in the worker."""
 from __future__ import annotations
 
-from datetime import datetime
 from pathlib import Path
 
 import streamlit as st
@@ -41,10 +40,7 @@ for k, v in (("sw_n", 20), ("sw_batch", None), ("sw_seed0", 0), ("sw_max_new", 0
 st.multiselect("RULER tasks", list(ruler.TASK_NAMES), key="sw_tasks",
                format_func=lambda t: f"{t}: {ruler.TASKS[t]['description']}")
 c = st.columns([2, 2, 1, 1])
-c[0].text_input("Target lengths (tokens, comma-separated)", key="sw_lengths",
-                help="targets, as RULER sizes its samples: each sample is the largest whose prompt plus the task's "
-                     "answer budget (128 tokens for niah, 30 for vt, 120 for cwe, 50 for fwe) fits in the target, so "
-                     "its prompt is shorter than the target")
+c[0].text_input("Target lengths (tokens, comma-separated)", key="sw_lengths", help=S.TARGET_LENGTHS_HELP)
 c[1].text_input("Ranks r (comma-separated)", key="sw_ranks",
                 help=f"directions kept per chosen head, each in 1..{rmax}; r = {rmax} (untouched) always runs as "
                      "the baseline of the paired differences")
@@ -165,10 +161,7 @@ if rec is not None and rec["status"] == "done":
         "model": "model", "tasks": "tasks", "lengths": "target lengths", "ranks": "ranks", "n": "samples n",
         "seed0": "first seed", "heads": "heads", "rank_maps": "rank maps", "segment_len": "segment length",
         "max_new_tokens": "new tokens", "chat_template": "chat template"}), "sweep")
-    # "generated now" only for a sweep this session ran; a reopened one says when its answers were generated
-    ran_here = rec["id"] in st.session_state.get("sw_submitted", [])
-    when = "now" if ran_here else "when it ran" + (
-        f" ({datetime.fromtimestamp(rec['finished']).strftime('%Y-%m-%d %H:%M')})" if rec.get("finished") else "")
+    when = C.computed_when(rec, st.session_state.get("sw_submitted", []))
     st.markdown(f"**{res['n_results']:,} answers** ({res['computed']:,} generated {when}, {res['reused']:,} read "
                 f"from the store) · {res['n_heads']} heads cut · L = {spec['segment_len']} · {res['dtype']} on "
                 f"{res['device']} · {res['kernel_path']} kernels")

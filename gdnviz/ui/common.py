@@ -837,6 +837,18 @@ def stale_result_note(differ: list[str], what: str) -> None:
                    icon=":material/history:")
 
 
+def computed_when(rec: dict, submitted) -> str:
+    """When a shown job's result was computed: "now" for a job this session submitted (``submitted``: their ids),
+    else "when it ran (YYYY-MM-DD HH:MM)" from the job record's ``finished`` time (a result reopened from the
+    store)."""
+    from datetime import datetime
+
+    if rec["id"] in submitted:
+        return "now"
+    return "when it ran" + (f" ({datetime.fromtimestamp(rec['finished']).strftime('%Y-%m-%d %H:%M')})"
+                            if rec.get("finished") else "")
+
+
 def _fmt_secs(s: float) -> str:
     return f"{s:.0f} s" if s < 120 else f"{s / 60:.1f} min"
 

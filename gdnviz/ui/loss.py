@@ -36,18 +36,6 @@ def n_runs(n_documents: int, n_settings: int) -> int:
     return n_documents * n_settings
 
 
-def computed_when(rec: dict, submitted) -> str:
-    """When a shown result's losses were computed: "now" for a job this session submitted (``submitted``: its ids),
-    else "when it ran (YYYY-MM-DD HH:MM)" from the job record's ``finished`` time (a result reopened from the
-    store)."""
-    from datetime import datetime
-
-    if rec["id"] in submitted:
-        return "now"
-    return "when it ran" + (f" ({datetime.fromtimestamp(rec['finished']).strftime('%Y-%m-%d %H:%M')})"
-                            if rec.get("finished") else "")
-
-
 def _pm(delta: float, se: float) -> str:
     d = f"{delta:+.4f}".replace("-", "−")
     if se is None or (isinstance(se, float) and math.isnan(se)):
