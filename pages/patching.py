@@ -26,9 +26,15 @@ errors: list[str] = []
 
 st.subheader("1 · Prompts")
 for k, v in (("pt_source", "needle"), ("pt_len", 1024), ("pt_seed", 0), ("pt_a", ""), ("pt_b", ""),
-             ("pt_heads", "5:1" if "demo" in str(model_name) else "all"), ("pt_boundary", 0), ("pt_from", 0),
-             ("pt_new", 16), ("pt_cont", "")):
+             ("pt_boundary", 0), ("pt_from", 0), ("pt_new", 16), ("pt_cont", "")):
     st.session_state.setdefault(k, v)
+# heads name one model's layers: each model keeps its own (its default until edited) when the model changes
+by_model = st.session_state.setdefault("pt_heads_by_model", {})
+if st.session_state.get("pt_heads_model") != model_name:
+    if "pt_heads_model" in st.session_state and "pt_heads" in st.session_state:
+        by_model[st.session_state["pt_heads_model"]] = st.session_state["pt_heads"]
+    st.session_state["pt_heads"] = by_model.get(model_name, "5:1" if "demo" in str(model_name) else "all")
+    st.session_state["pt_heads_model"] = model_name
 source = st.radio("Prompts", list(P.SOURCES), format_func=P.SOURCES.get, key="pt_source", horizontal=True,
                   label_visibility="collapsed")
 kw: dict = {}

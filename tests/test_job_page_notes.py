@@ -88,6 +88,25 @@ def test_patching_form_survives_leaving_the_page_says_what_it_runs_and_when_a_re
         texts(at, "warning")
 
 
+def test_patching_heads_follow_the_model(env, populated, tmp_path):
+    """The heads field names one model's layers: another model opens on its own heads (its default until edited),
+    and coming back gives the first model's edited heads again."""
+    cache, run = populated
+    env(cache)
+    demo = capture(cache, "demo", (("gamma", short_text(200, 5)),))
+    at = app("patching", run=run)
+    at.run()
+    assert at.text_input(key="pt_heads").value == "all"
+    at.text_input(key="pt_heads").input("1:0").run()
+    at.session_state["run_id"] = demo["run_id"]
+    at.run()
+    assert not at.exception
+    assert at.text_input(key="pt_heads").value == "5:1"
+    at.session_state["run_id"] = run["run_id"]
+    at.run()
+    assert at.text_input(key="pt_heads").value == "1:0"
+
+
 # --- Truncate & compare ---------------------------------------------------------------------------------------------
 def test_a_one_prompt_comparison_is_called_an_anecdote(env, populated):
     cache, run = populated
