@@ -838,7 +838,10 @@ def run_scan_job(spec: ScanJob, ctx: JobContext) -> dict:
 
     res = scan.run_scan(lm, sspec, store=memo, progress=progress, describe=lambda t: now.update(text=t), executor=ex)
     ctx.progress(plan["answers"], plan["answers"], "done")
+    samples = res.rows.drop_duplicates(["task", "length", "seed"])
     return dict(table=scan.table_records(res.table), settings=dict(sspec.to_dict(), fingerprint=info.fingerprint),
+                prompt_tokens=[dict(task=str(t), length=int(n), seed=int(s), n_tokens=int(k)) for t, n, s, k in
+                               zip(samples["task"], samples["length"], samples["seed"], samples["n_tokens"])],
                 untouched=res.untouched, all_cut=res.all_cut, computed=res.computed,
                 reused=plan["answers"] - res.computed, n_results=plan["answers"], seconds=round(res.seconds, 3),
                 model=info.to_dict(), model_name=spec.model, rmax=min(info.d_k, info.d_v), dtype=info.dtype,

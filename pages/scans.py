@@ -128,6 +128,8 @@ if rec is not None and rec["status"] == "done":
                 f"{res['reused']:,} from the memo · {res['dtype']} on {res['device']}")
     if SW.noise_note(int(sp["n"])):
         st.caption(SW.noise_note(int(sp["n"])))
+    if SW.prompt_length_note(res.get("prompt_tokens")):
+        st.caption(SW.prompt_length_note(res["prompt_tokens"]))
     what = "kept whole, every other head at" if keep else "cut to"
     title = f"{Path(str(res['model_name'])).name}: one {sp['by']} {what} r = {sp['r']}"
     hdf = F.scan_heatmap_frame(tab, gl, H)

@@ -110,6 +110,13 @@ def test_scan_and_budget_through_the_worker(env, tmp_path, tiny_checkpoint):
     assert len(data) == 12 and set(data["unit"]) == {"layer 0", "layer 1", "layer 3"}
     ranked = at.dataframe[0].value
     assert list(ranked.columns)[:4] == ["unit", "score (%)", "baseline (%)", "Δ (points)"] and len(ranked) == 3
+    # the target length and the prompts' real token counts (one per sample)
+    toks = rec["result"]["prompt_tokens"]
+    assert [(t["task"], t["length"], t["seed"]) for t in toks] == [("niah_single_1", 400, 0), ("niah_single_1", 400, 1)]
+    assert all(0 < t["n_tokens"] <= 400 for t in toks)
+    lo, hi = min(t["n_tokens"] for t in toks), max(t["n_tokens"] for t in toks)
+    span = f"{lo:,}" if lo == hi else f"{lo:,}–{hi:,}"
+    assert any(f"at length 400 the prompts have {span} tokens (2 prompts)" in c for c in captions(at)), captions(at)
     # the plan now counts the memo
     assert any("8 of 8 already done (in the memo), **0 to run**, nothing to generate" in c
                for c in captions(at)), captions(at)

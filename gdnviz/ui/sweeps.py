@@ -211,9 +211,12 @@ def done_text(cells) -> str:
             f"{unread_cells(cells)}")
 
 
-def prompt_length_note(rows: pd.DataFrame) -> str | None:
+def prompt_length_note(rows) -> str | None:
     """Lengths are targets: per target length, the real prompt token counts (``n_tokens``) over its distinct
-    samples (task, seed), as "873–901 tokens (3 prompts)"; None when the rows carry no counts."""
+    samples (task, seed), as "873–901 tokens (3 prompts)"; None when the rows carry no counts. ``rows``: a sweep's
+    rows frame, or records with task, length, seed and n_tokens (a scan job's ``prompt_tokens``)."""
+    if rows is not None and not isinstance(rows, pd.DataFrame):
+        rows = pd.DataFrame(list(rows))
     if rows is None or "n_tokens" not in rows or not len(rows):
         return None
     per = rows.drop_duplicates(["task", "length", "seed"]).groupby("length")["n_tokens"]
