@@ -9,7 +9,9 @@ statistic's title, or is a chart drawn after the click): "useful" = the first th
 head's title in the heatmap's panel or on the Head page, the new truncation set, the redrawn heatmap), "whole" =
 every chart of the page drawn (the heatmap and its panel's spectrum; on the Head page: the charts of its open tab), no
 stale element and the script finished. A heatmap click shows its head in the panel under the heatmap; the Head page
-is timed from the panel's link "Open the full head page". Medians of several clicks are printed and written to
+is timed from the panel's link "Open the full head page", the Overview from a click on a point of its scatter (open
+mode) to that head's panel, and the sidebar's *Previous runs* picker from picking the other run to its id and its
+heatmap. Medians of several clicks are printed and written to
 ``<tmp>/ui_speed.json``; they are reported, never asserted (docs/ui-speed.md has the numbers). What is asserted is
 that each click did what it says.
 """
@@ -23,7 +25,7 @@ import pytest
 
 from app_fixtures import build_checkpoint, short_text
 from gdnviz.figures import HEATMAP_METRICS
-from test_browser import SLOW, pick_run, streamlit_server, wait_for_app
+from test_browser import _CLEAR_POINTS, SLOW, pick_run, streamlit_server, wait_for_app
 
 pytestmark = pytest.mark.browser
 REPEATS = 5
@@ -130,12 +132,12 @@ def browser():
     pw.stop()
 
 
-def _open_run(browser, base: str, run: dict):
+def _open_run(browser, base: str, run: dict, path: str = "/heatmap"):
     ctx = browser.new_context(viewport={"width": 1400, "height": 1600})
     page = ctx.new_page()
     page.set_default_timeout(60_000)
     page.add_init_script(CLICK_CLOCK)
-    page.goto(base + "/heatmap")
+    page.goto(base + path)
     wait_for_app(page, SLOW)
     page.get_by_test_id("stSidebar").get_by_test_id("stSelectbox").click()
     page.get_by_role("option").filter(has_text=re.compile(re.escape(
@@ -231,10 +233,87 @@ def _measure(browser, base: str, run: dict) -> dict:
     return {k: dict(median_ms=statistics.median(v), all_ms=v) for k, v in out.items()}
 
 
+# the heatmap of a run with ``n`` cells drawn: the page's charts as CHARTS_DRAWN, its first chart with exactly ``n``
+# cells (the runs of this module have 12 and 288 heads, so the count tells the new run's heatmap from the old one's)
+HEATMAP_OF = """([n, text]) => {
+  if (!(%s)([1, text])) return false;
+  const c = document.querySelector("[data-testid='stMain'] [data-testid='stVegaLiteChart']");
+  return c.querySelectorAll("path[aria-label^='value head: ']").length === n;
+}""" % CHARTS_DRAWN
+
+
+def _measure_run_switch(browser, base: str, runs: dict) -> dict:
+    """The sidebar's *Previous runs* picker on the Heatmap, back and forth between the two runs: to the picked
+    run's id on the page (useful) and to its heatmap drawn (whole)."""
+    order = list(runs.values())
+    ctx, page = _open_run(browser, base, order[0])
+    out: dict[str, list[float]] = {}
+    try:
+        for i in range(2 * REPEATS):
+            run = order[(i + 1) % 2]
+            name = str(run["model_name"]).rstrip("/").split("/")[-1]
+            page.get_by_test_id("stSidebar").get_by_test_id("stSelectbox").click()
+            _arm(page)
+            page.get_by_role("option").filter(has_text=re.compile(re.escape(name))).first.click()
+            rid = json.dumps(run["run_id"])
+            out.setdefault("previous run → its id shown", []).append(round(_since_click(
+                page, "() => [...document.querySelectorAll(\"[data-testid='stMain'] *\")].some(e => "
+                      "!e.closest(\"[data-stale='true']\") && e.children.length === 0 && e.textContent.includes("
+                      + rid + "))"), 1))
+            cells = len(run["model"]["gdn_layers"]) * int(run["model"]["num_heads"])
+            out.setdefault("previous run → its heatmap drawn", []).append(round(_since_click(
+                page, HEATMAP_OF, [cells, HEATMAP_HINT]), 1))
+            wait_for_app(page)
+            page.mouse.move(1300, 1500)
+    finally:
+        ctx.close()
+    return {k: dict(median_ms=statistics.median(v), all_ms=v) for k, v in out.items()}
+
+
+def _measure_overview(browser, base: str, run: dict) -> dict:
+    """The Overview's erank-vs-horizon scatter in open mode: a click on a point (points no other mark covers, in
+    turn) to the head's title in the panel under the figures (useful) and to the panel's spectrum drawn (whole)."""
+    ctx, page = _open_run(browser, base, run, "/overview")
+    out: dict[str, list[float]] = {}
+    try:
+        chart = page.get_by_test_id("stVegaLiteChart").filter(has_text="Effective rank vs decay horizon")
+        points = chart.locator("path[aria-label^='horizon: ']")
+        points.first.wait_for()
+        chart.scroll_into_view_if_needed()
+        page.get_by_text("shows it below these figures", exact=True).click()
+        wait_for_app(page)
+        last = None
+        for k in range(REPEATS):
+            # the points no other mark covers, read again before each click (the open head's ring is redrawn)
+            chart.scroll_into_view_if_needed()
+            clear = [(i, tuple(int(v) for v in re.search(r"; layer: (\d+); head: (\d+);", label).groups()))
+                     for i, label in points.evaluate_all(_CLEAR_POINTS)]
+            clear = [c for c in clear if c[1] != last]
+            assert clear, "no point of the scatter is clear of other marks"
+            i, (layer, head) = clear[(k * 5) % len(clear)]
+            title = f"Layer {layer} · head {head}"
+            _arm(page)
+            points.nth(i).click()
+            out.setdefault("overview point → panel title", []).append(
+                round(_since_click(page, _heading(title, panel=True)), 1))
+            out.setdefault("overview point → whole panel", []).append(round(_since_click(
+                page, PANEL_DRAWN, [title, 1, SPECTRUM]), 1))
+            assert page.url.endswith(f"/overview?layer={layer}&head={head}")
+            last = (layer, head)
+            wait_for_app(page)
+    finally:
+        ctx.close()
+    return {k: dict(median_ms=statistics.median(v), all_ms=v) for k, v in out.items()}
+
+
 def test_click_to_screen_times(served, browser):
     base, runs, root = served
     res = {name: dict(run_id=run["run_id"], heads=len(run["model"]["gdn_layers"]) * int(run["model"]["num_heads"]),
-                      times=_measure(browser, base, run)) for name, run in runs.items()}
+                      times={**_measure(browser, base, run), **_measure_overview(browser, base, run)})
+           for name, run in runs.items()}
+    res["both runs"] = dict(run_id=" / ".join(r["run_id"] for r in runs.values()), heads=" / ".join(str(len(r["model"]["gdn_layers"]) * int(r["model"]["num_heads"]))
+                                                                   for r in runs.values()),
+                            times=_measure_run_switch(browser, base, runs))
     (root / "ui_speed.json").write_text(json.dumps(res, indent=2))
     print(f"\nclick → screen, median of {REPEATS} (ms); all times in {root / 'ui_speed.json'}")
     for name, r in res.items():
