@@ -272,7 +272,7 @@ def main() -> int:
                 return 0
             overview()
             open_run_page("/truncate")
-            page.locator("input[aria-label='Length (tokens)']").fill("1500")
+            page.locator("input[aria-label='Target length (tokens)']").fill("1500")
             page.keyboard.press("Enter")
             idle()
             page.locator("input[aria-label=\"New tokens (0 = the task's own)\"]").fill("16")
