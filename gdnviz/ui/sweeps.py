@@ -230,13 +230,24 @@ def prompt_length_note(rows) -> str | None:
             "the length, so its prompt is shorter; " + "; ".join(parts) + ".")
 
 
+def _budgets() -> dict:
+    """RULER's answer budget (tokens_to_generate) per (family, budget): the tasks that have it, in RULER's order."""
+    from gdnviz.probes import ruler
+
+    out: dict = {}
+    for t, spec in ruler.TASKS.items():
+        out.setdefault((spec["family"], int(spec["tokens_to_generate"])), []).append(t)
+    return out
+
+
 #: The help of a target-length field (RULER's sizing; ``target_note`` says it for one task and length).
 TARGET_LENGTH_HELP = ("a target, as RULER sizes its samples: the largest sample whose prompt plus the task's answer "
                       "budget fits in it")
 #: The same for a field of several lengths.
 TARGET_LENGTHS_HELP = ("targets, as RULER sizes its samples: each sample is the largest whose prompt plus the task's "
-                       "answer budget (128 tokens for niah, 30 for vt, 120 for cwe, 50 for fwe) fits in the target, "
-                       "so its prompt is shorter than the target")
+                       "answer budget (" + ", ".join(f"{b} tokens for {'niah' if f == 'niah' else ', '.join(ts)}"
+                                                     for (f, b), ts in _budgets().items())
+                       + ") fits in the target, so its prompt is shorter than the target")
 
 
 def target_note(task: str, target: int, shown_after: bool = True) -> str:
