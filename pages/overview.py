@@ -45,6 +45,10 @@ m[4].metric("Max erank", f"{ov['erank_max']:.1f}")
 above = st.container()
 
 
+def figure(which):  # (spec, CSV) of a figure no click changes, built once per run (run_figures.overview_figure)
+    return RF.overview_figure(str(C.store().dir), run["run_id"], tuple(d["key"] for d in run["documents"]), L, which)
+
+
 def draw_above(lh):  # lh: the panel's open head, ringed on the scatter
     with above:
         a, b = st.columns(2)
@@ -61,14 +65,11 @@ def draw_above(lh):  # lh: the panel's open head, ringed on the scatter
                 st.caption(f"Truncation set ({len(picked)} head{'s' if len(picked) != 1 else ''}): "
                            + ", ".join(C.head_label(*p) for p in picked))
         with b:
-            C.chart(F.horizon_hist_chart(table, L), table[["layer", "head", "horizon"]], "horizon_histogram",
-                    key="ov_hist")
+            C.chart(*figure("horizon_hist"), "horizon_histogram", key="ov_hist")
 
 
 head_panel.panel(run["model"], run, table, draw_above)
-fl = F.forgetting_by_layer_frame(table, L)
-C.chart(F.forgetting_chart(fl, L), fl, "forgetting_by_layer", key="ov_forget")
-kc = table[["layer", "head", "erank", "horizon", "mean_key_norm", "key_cov_erank"]]
-C.chart(F.keycone_ceiling_chart(table), kc, "keycone_ceiling", key="ov_ceiling", fixed_size=True)
+C.chart(*figure("forgetting"), "forgetting_by_layer", key="ov_forget")
+C.chart(*figure("keycone_ceiling"), "keycone_ceiling", key="ov_ceiling", fixed_size=True)
 st.caption("Seed 000 §2: heads with short horizons sit on y = x (they hold about as many directions as distinct keys "
            "inside their horizon); long-horizon heads plateau, capped by the narrow cone of their keys.")

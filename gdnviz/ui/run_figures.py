@@ -93,6 +93,26 @@ def erank_vs_horizon(cache_dir: str, run_id: str, keys: tuple, rho: float, rank_
     return specs.spec(ch), F.to_csv(table[["layer", "head", "erank", "erank_min", "erank_max", "horizon"]])
 
 
+OVERVIEW_FIGURES = ("horizon_hist", "forgetting", "keycone_ceiling")
+
+
+@st.cache_data(show_spinner=False, max_entries=256)
+def overview_figure(cache_dir: str, run_id: str, keys: tuple, segment_len: int, which: str) -> tuple[dict, bytes]:
+    """(spec, CSV) of one of the Overview's figures that no click changes, ``which`` in OVERVIEW_FIGURES: the
+    horizon histogram, the share of heads forgetting within a segment per layer, the key cone's ceiling."""
+    table = _table(cache_dir, run_id, keys)
+    with specs.fast_build():
+        if which == "horizon_hist":
+            return specs.spec(F.horizon_hist_chart(table, segment_len)), F.to_csv(table[["layer", "head", "horizon"]])
+        if which == "forgetting":
+            fl = F.forgetting_by_layer_frame(table, segment_len)
+            return specs.spec(F.forgetting_chart(fl, segment_len)), F.to_csv(fl)
+        if which == "keycone_ceiling":
+            kc = table[["layer", "head", "erank", "horizon", "mean_key_norm", "key_cov_erank"]]
+            return specs.spec(F.keycone_ceiling_chart(table)), F.to_csv(kc)
+    raise ValueError(f"unknown Overview figure {which!r}; known: {', '.join(OVERVIEW_FIGURES)}")
+
+
 HOLDS_FIGURES = ("along", "directions", "rewrite")
 
 
