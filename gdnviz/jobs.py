@@ -60,6 +60,8 @@ import numpy as np
 
 from gdnviz.documents import check_length, check_text, tokenize
 from gdnviz.errors import CorruptStoreEntry, DocumentTooLong, EmptyDocumentSet, GDNVizError, JobCancelled
+from gdnviz.probes import rates
+from gdnviz.probes.memo import MemoStore
 from gdnviz.probes.rates import is_record as is_rate_record
 from gdnviz.store import Store, content_hash
 
@@ -512,20 +514,24 @@ def run_capture(spec: CaptureJob, ctx: JobContext) -> dict:
     n_layers = len(info.gdn_layers)
     total = max(1, len(todo) * n_layers)
     backends: set = set()
-    seconds = 0.0
-    for j, i in enumerate(todo):
-        name, ids = docs[i]
-        base = j * n_layers
+    seconds, tokens = 0.0, 0
+    try:
+        for j, i in enumerate(todo):
+            name, ids = docs[i]
+            base = j * n_layers
 
-        def prog(done, n, _base=base, _name=name, _j=j):
-            ctx.progress(_base + done, total, f"document {_j + 1}/{len(todo)} '{_name}' ({len(docs[i][1]):,} "
-                                              f"tokens): GDN layer {done}/{n}")
+            def prog(done, n, _base=base, _name=name, _j=j):
+                ctx.progress(_base + done, total, f"document {_j + 1}/{len(todo)} '{_name}' ({len(docs[i][1]):,} "
+                                                  f"tokens): GDN layer {done}/{n}")
 
-        ctx.progress(base, total, f"document {j + 1}/{len(todo)} '{name}' ({len(ids):,} tokens)")
-        cap = capture_document(lm, ids, spec.segment_len, name=name, progress=prog, cancel=ctx.cancelled)
-        backends |= set(cap.meta.get("backends", []))
-        seconds += float(cap.meta.get("seconds", 0.0))
-        ctx.store.memo_put(keys[i], cap.to_bytes())
+            ctx.progress(base, total, f"document {j + 1}/{len(todo)} '{name}' ({len(ids):,} tokens)")
+            cap = capture_document(lm, ids, spec.segment_len, name=name, progress=prog, cancel=ctx.cancelled)
+            backends |= set(cap.meta.get("backends", []))
+            seconds += float(cap.meta.get("seconds", 0.0))
+            tokens += len(ids)
+            ctx.store.memo_put(keys[i], cap.to_bytes())
+    finally:  # the documents a cancelled capture finished were measured too
+        rates.record_job(MemoStore(MemoMapping(ctx.store)), info, "capture", spec.segment_len, seconds, tokens)
     rid = run_id_for(info.fingerprint, keys, spec.segment_len, info.dtype, dev_type)
     entry = dict(
         run_id=rid, created=time.time(), model=info.to_dict(), model_name=spec.model, segment_len=spec.segment_len,
@@ -598,17 +604,27 @@ def run_truncate(spec: TruncateCompareJob, ctx: JobContext) -> dict:
         hit["memo_hit"] = True
         return hit
     steps = 2 + 2 * len(loss_docs)
+    spent = [0.0]  # seconds of the model calls below
+
+    def timed(fn, *a, **kw):
+        t = time.perf_counter()
+        out = fn(*a, **kw)
+        spent[0] += time.perf_counter() - t
+        return out
+
     ctx.progress(0, steps, "untouched model: generating")
-    g0 = greedy_generate(lm, prompt_ids, max_new, segment_len=spec.segment_len, spec=None)
+    g0 = timed(greedy_generate, lm, prompt_ids, max_new, segment_len=spec.segment_len, spec=None)
     ctx.progress(1, steps, f"truncated model ({len(tspec)} heads): generating")
-    g1 = greedy_generate(lm, prompt_ids, max_new, segment_len=spec.segment_len, spec=tspec)
+    g1 = timed(greedy_generate, lm, prompt_ids, max_new, segment_len=spec.segment_len, spec=tspec)
     losses = []
     for j, (name, ids) in enumerate(loss_docs):
         ctx.progress(2 + 2 * j, steps, f"loss on '{name}' ({len(ids):,} tokens): untouched")
-        nll0 = token_nll(lm, ids, segment_len=spec.segment_len)
+        nll0 = timed(token_nll, lm, ids, segment_len=spec.segment_len)
         ctx.progress(3 + 2 * j, steps, f"loss on '{name}' ({len(ids):,} tokens): truncated")
-        nll1 = token_nll(lm, ids, segment_len=spec.segment_len, spec=tspec)
+        nll1 = timed(token_nll, lm, ids, segment_len=spec.segment_len, spec=tspec)
         losses.append(dict(document=name, n_tokens=len(ids), **_summary_nll(nll0, nll1)))
+    tokens = 2 * len(prompt_ids) + len(g0.tokens) + len(g1.tokens) + 2 * sum(len(ids) for _, ids in loss_docs)
+    rates.record_job(MemoStore(MemoMapping(ctx.store)), info, "truncate", spec.segment_len, spent[0], tokens)
     scores = {}
     if refs:
         scores = dict(untouched=ruler.score(spec.task, [g0.text], [refs]),
@@ -719,7 +735,23 @@ def run_loss(spec: LossJob, ctx: JobContext) -> dict:
         done["n"] = d
         ctx.progress(d, total, f"{d:,}/{total:,} (document × setting) done{workers['text']}")
 
-    rows = loss_sweep.run_loss_sweep(lm, docs, lspec, store=memo, describe=describe, progress=progress, executor=ex)
+    spent = {"untouched": [0.0, 0], "truncated": [0.0, 0]}  # part -> [seconds of its passes, their tokens]
+
+    def timed(units):  # this process's executor, timing each pass (a cluster's units overlap: not timed)
+        for u in units:
+            t = time.perf_counter()
+            nll = u.answer(lm)
+            acc = spent["untouched" if u.trunc is None else "truncated"]
+            acc[0], acc[1] = acc[0] + time.perf_counter() - t, acc[1] + len(u.ids)
+            yield u, nll
+
+    try:
+        rows = loss_sweep.run_loss_sweep(lm, docs, lspec, store=memo, describe=describe, progress=progress,
+                                         executor=ex if ex is not None else timed)
+    finally:  # the passes a cancelled run finished were measured too
+        mem = MemoStore(MemoMapping(ctx.store))
+        for part, (secs, k) in spent.items():
+            rates.record_job(mem, info, "loss", lspec.segment_len, secs, k, part)
     rmax = min(info.d_k, info.d_v)
     table = loss_sweep.loss_table(rows, rmax=rmax)
     n_total = len(rows)
@@ -881,6 +913,14 @@ def run_budget_job(spec: BudgetJob, ctx: JobContext) -> dict:
                 dtype=info.dtype, device=info.device, kernel_path=info.kernel_path, **_cluster_result(ex, workers))
 
 
+def patch_tokens(res: dict) -> int:
+    """Tokens a ``patch_prompts`` comparison ran through the model: A's and twice B's prompt with the three answers
+    generated, then B and the scored continuation twice (when there is a loss)."""
+    p, ans = res["prompt_tokens"], res["answers"]
+    loss = 2 * (p["B"] + len(res["continuation"]["tokens"])) if res.get("loss") else 0
+    return p["A"] + 2 * p["B"] + sum(len(a["tokens"]) for a in ans.values()) + loss
+
+
 def run_patch_job(spec: PatchJob, ctx: JobContext) -> dict:
     from gdnviz import patching
 
@@ -905,8 +945,12 @@ def run_patch_job(spec: PatchJob, ctx: JobContext) -> dict:
                                source=int(spec.source) or None, segment_len=L,
                                max_new_tokens=int(spec.max_new_tokens), fingerprint=spec.fingerprint or None)
     cont = (patching.continuation_ids(lm.tokenizer, spec.continuation) if spec.continuation else x["continuation"])
+    t0 = time.perf_counter()
     res = patching.patch_prompts(lm, x["a_ids"], x["b_ids"], pspec, continuation=cont, references=x["references"],
                                  store=MemoMapping(ctx.store), progress=ctx.progress)
+    if not res.get("memo_hit"):
+        rates.record_job(MemoStore(MemoMapping(ctx.store)), lm.info, "patch", L, time.perf_counter() - t0,
+                         patch_tokens(res))
     tok = lm.tokenizer
     res.update(meta=x["meta"], task=spec.task, kernel_path=lm.info.kernel_path,
                around={k: dict(before=tok.decode(ids[max(0, p - 48):p]), after=tok.decode(ids[p:p + 24]))

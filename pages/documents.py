@@ -281,6 +281,12 @@ ready = info is not None and bool(doc_set) and not problems and not setting_erro
 why = ("inspect a model first" if info is None else "add documents first" if not doc_set
        else "fix the documents above first" if problems else "fix the settings above first" if setting_errors
        else "")
+if doc_set and not setting_errors:
+    n_tok = None if any(r["tokens"] is None for r in rows) else sum(r["tokens"] for r in rows)
+    st.caption(f"{len(doc_set)} document{'s' if len(doc_set) != 1 else ''}"
+               + (f", **{n_tok:,} tokens** through the model" if n_tok is not None else "")
+               + " (none for a document already captured with these settings): "
+               + C.job_eta(info, "capture", n_tok, int(st.session_state["segment_len"])))
 if st.button("Run capture", type="primary", key="run_capture", disabled=not ready, icon=":material/play_arrow:",
              help=why or "Capture every GDN head along each document"):
     from gdnviz.jobs import CaptureJob, spec_to_dict

@@ -73,10 +73,12 @@ rank_maps = HP.rank_maps("ls", info, errors, "documents")
 st.subheader("3 · Run")
 if ranks:
     n_set = len(ranks) + len(rank_maps)
+    tok = LS.pass_tokens(docs, n_set - 1)
     st.caption(f"{len(docs)} document(s) × ({len(ranks)} ranks ({', '.join(map(str, ranks))} = untouched)"
                + (f" + {len(rank_maps)} rank map(s)" if rank_maps else "")
-               + f") = **{LS.n_runs(len(docs), n_set):,} forward passes** over a document (fewer when some are "
-                 "already stored)")
+               + f") = **{LS.n_runs(len(docs), n_set):,} forward passes** over a document, {tok['untouched']:,} "
+                 f"tokens untouched and {tok['truncated']:,} truncated (fewer when some are already stored): "
+               + C.job_eta(info, "loss", tok, L))
 form_spec = None
 if not errors:
     from gdnviz.jobs import LossJob, spec_to_dict

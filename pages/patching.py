@@ -77,6 +77,11 @@ for v, what in ((boundary, "Boundary of B"), (from_a, "A's boundary")):
 
 st.subheader("3 · Run")
 st.caption(P.run_text(int(new)))
+n_tok = P.job_tokens(C.fast_tokenizer(info), source, max_new_tokens=int(new), continuation=cont,
+                     target_len=int(kw.get("target_len", 0)), prompt_a=kw.get("prompt_a", ""),
+                     prompt_b=kw.get("prompt_b", ""))
+st.caption((f"Up to about **{n_tok:,} tokens** through the model: " if n_tok is not None else
+            "Tokens through the model: ") + C.job_eta(info, "patch", n_tok, L))
 for e in errors:
     C.show_error(e)
 form_spec = None if errors else P.job_dict(

@@ -192,6 +192,17 @@ if prompt_tokens is not None and prompt_tokens <= L:
 # =============================================================================================================
 st.subheader("3 · Run")
 typed_empty = st.session_state["tr_prompt_mode"] == "typed" and not st.session_state["tr_prompt"].strip()
+if not typed_empty:
+    new_tok = int(st.session_state["tr_max_new"]) or (ttg if st.session_state["tr_prompt_mode"] == "ruler" else 32)
+    doc_tok = sum(int(d["n_tokens"]) for d in run["documents"]) if run is not None and \
+        st.session_state.get("tr_loss_docs") else 0
+    n_tok = None if prompt_tokens is None else 2 * (prompt_tokens + new_tok + doc_tok)
+    st.caption("Each of the two runs (untouched, truncated): " + ("the prompt" if prompt_tokens is None else
+                                                                  f"about {prompt_tokens:,} prompt tokens")
+               + f", up to {new_tok:,} new tokens" + (f" and the run's documents ({doc_tok:,} tokens)" if doc_tok
+                                                      else "")
+               + (f", so **up to about {n_tok:,} tokens** through the model" if n_tok is not None else "")
+               + " (none when this exact comparison is stored): " + C.job_eta(info, "truncate", n_tok, L))
 go = st.button("Run untouched and truncated", type="primary", key="tr_run", icon=":material/play_arrow:",
                disabled=bool(spec_error or map_error) or not ranks)
 

@@ -456,6 +456,20 @@ def sweep_plan(info: dict, spec) -> dict:
     return sweep_planner(info)(spec)
 
 
+def job_eta(info: dict | None, job: str, tokens, segment_len: int) -> str:
+    """``gdnviz.probes.rates.job_eta_text`` for ``tokens`` (an int, or {part: tokens}: ``rates.JOBS``) of ``job`` at
+    ``segment_len`` on the model ``info`` (an inspection's or a run's dict) at the rates in the app's memo; None
+    info (no model inspected yet) or tokens: no estimate, and it says why."""
+    from gdnviz.jobs import MemoMapping
+    from gdnviz.probes import rates
+
+    if info is None or not info.get("fingerprint"):
+        return "no estimate yet (the model is not inspected yet)"
+    if tokens is None:
+        return "no estimate yet (the token count is not known here: the worker counts the tokens)"
+    return rates.job_eta_text(rates.estimate_job(MemoMapping(store()), info_ns(info), job, tokens, segment_len))
+
+
 def seed_checks(tasks, lengths, tokenizer, seed0: int, n: int, chat, *, info: dict) -> list[str]:
     """The messages of ``gdnviz.ui.sweeps.length_errors`` for the samples of seeds ``seed0 .. seed0 + n - 1`` of
     ``tasks`` at ``lengths``, with the cached minima (``task_minimum``, ``seed_minima``: their smallest prompts stay

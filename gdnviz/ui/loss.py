@@ -36,6 +36,14 @@ def n_runs(n_documents: int, n_settings: int) -> int:
     return n_documents * n_settings
 
 
+def pass_tokens(documents: list[dict], n_truncated: int) -> dict:
+    """Tokens the job runs through the model, as ``gdnviz.probes.rates.estimate_job`` takes them for "loss": every
+    run document (``{"n_tokens"}``) once untouched and once per truncated setting (ranks below the untouched one,
+    rank maps), before the memo's share is known."""
+    n = sum(int(d["n_tokens"]) for d in documents)
+    return {"untouched": n, "truncated": n * int(n_truncated)}
+
+
 def _pm(delta: float, se: float) -> str:
     d = f"{delta:+.4f}".replace("-", "−")
     if se is None or (isinstance(se, float) and math.isnan(se)):

@@ -74,6 +74,30 @@ def settings_line(result: dict) -> str:
             + (" · from the memo" if result.get("memo_hit") else ""))
 
 
+def job_tokens(tok, source: str, *, max_new_tokens: int, continuation: str = "", target_len: int = 1024,
+               prompt_a: str = "", prompt_b: str = "") -> int | None:
+    """About the tokens a patch job runs through the model, as ``gdnviz.jobs.patch_tokens`` counts them after it
+    ran: A's prompt and B's twice with up to ``max_new_tokens`` for each of the 3 answers, then B and the
+    continuation twice (its length: the typed ``continuation``'s tokens, else up to ``max_new_tokens``). A needle
+    pair's prompts: ``target_len`` less the task's tokens to generate (the prompt's target); typed prompts are
+    counted with ``tok`` (a ``tokenizers.Tokenizer``); None without one."""
+    from gdnviz.documents import tokenize
+
+    if continuation and tok is None:
+        return None
+    new = int(max_new_tokens)
+    cont = len(tokenize(tok, continuation)) if continuation else new
+    if source == "needle":
+        from gdnviz.probes import ruler
+
+        a = b = max(int(target_len) - int(ruler.TASKS["niah_single_1"]["tokens_to_generate"]), 0)
+    elif tok is None:
+        return None
+    else:
+        a, b = len(tokenize(tok, prompt_a)), len(tokenize(tok, prompt_b))
+    return a + 2 * b + 3 * new + 2 * (b + cont)
+
+
 def run_text(max_new_tokens: int) -> str:
     """What one patch job runs (``gdnviz.patching.patch_prompts``): three greedy generations and up to two loss
     passes, on one pair of prompts."""
