@@ -136,6 +136,8 @@ if rec is not None and rec["status"] == "done":
     st.markdown("**Mean next-token loss per r** (nats / token, documents weighted equally), the change vs the "
                 "untouched model ± its paired standard error over documents, and the relative change")
     st.dataframe(LS.seed000_table(tab, int(res["rmax"])), hide_index=True, width="stretch")
+    if LS.few_documents_note(len(res["documents"])):
+        st.caption(LS.few_documents_note(len(res["documents"])))
     st.caption(f"**all**: every prediction · copy subsets, d = {d:,} tokens: the preceding bigram occurred "
                "earlier, and **any** earlier occurrence (copy (any)) / the **most recent** one (copy (recent)) is "
                "more than d tokens back · "

@@ -40,6 +40,8 @@ def test_loss_result_says_when_it_was_computed_and_when_the_form_has_changed(env
     at.run()
     assert not at.exception
     assert any("(4 computed now, 0 read from the store)" in m for m in texts(at, "markdown"))
+    assert any("Over 2 documents the paired standard error has 1 degree of freedom: a 95% interval is Δ ± 12.7·SE"
+               in c for c in texts(at, "caption")), texts(at, "caption")
     assert not stale(at)
     at.text_input(key="ls_ranks").input("3").run()
     assert [w for w in stale(at) if "The loss result below" in w and "(ranks changed)" in w], texts(at, "warning")
@@ -221,3 +223,12 @@ def test_cli_budget_prints_what_its_test_can_accept(tiny_checkpoint, tmp_path, c
                  "--n-heldout", "0", "--tolerance", "5", "--ladder", "1", "--batch", "2", "--max-new-tokens", "4",
                  "--out", str(tmp_path / "b"), "--device", "cpu", "--dtype", "float32"]) == 0
     assert budget.acceptance_text(["niah_single_1"], 2, 5.0, 0.05) in capsys.readouterr().err
+
+
+def test_few_documents_note_gives_the_t_factor_of_the_paired_se():
+    from gdnviz.ui import loss as LS
+
+    assert "no standard error" in LS.few_documents_note(1)
+    assert "Δ ± 12.7·SE" in LS.few_documents_note(2) and "1 degree of" in LS.few_documents_note(2)
+    assert "Δ ± 2.3·SE" in LS.few_documents_note(9) and "8 degrees" in LS.few_documents_note(9)
+    assert LS.few_documents_note(10) is None

@@ -44,6 +44,21 @@ def pass_tokens(documents: list[dict], n_truncated: int) -> dict:
     return {"untouched": n, "truncated": n * int(n_truncated)}
 
 
+def few_documents_note(n_documents: int) -> str | None:
+    """How far the paired SE over ``n_documents`` can be trusted (None from 10 documents on): its degrees of freedom
+    and the two-sided 95% Student-t factor an interval needs (12.7 at 2 documents), or that 1 document has no SE."""
+    n = int(n_documents)
+    if n >= 10:
+        return None
+    if n < 2:
+        return "One document: the change has no standard error; add documents to the run for one."
+    from scipy import stats
+
+    t = float(stats.t.ppf(0.975, n - 1))
+    return (f"Over {n} documents the paired standard error has {n - 1} degree{'s' if n > 2 else ''} of freedom: a "
+            f"95% interval is Δ ± {t:.1f}·SE, not ± 2·SE. More documents make the differences readable.")
+
+
 def _pm(delta: float, se: float) -> str:
     d = f"{delta:+.4f}".replace("-", "−")
     if se is None or (isinstance(se, float) and math.isnan(se)):
